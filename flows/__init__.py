@@ -1,0 +1,1 @@
+"""Prefect flows of the moe_core pipeline (tokenize -> init -> train -> convert -> evaluate)."""

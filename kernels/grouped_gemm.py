@@ -1,0 +1,108 @@
+"""Grouped GEMM over expert segments: ``y[rows of g] = x[rows of g] @ w[g]``.
+
+``offs`` holds the cumulative end row of each group (int32, on the device), so the grouped
+product never needs the group sizes on the host. The fast path is ``torch._grouped_mm``; where
+it cannot run (dtype, alignment, device generation) a per-group loop computes the same function.
+Only the loop reads ``offs`` on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """``_grouped_mm`` needs a 16-byte aligned base and non-unit strides of 16-byte multiples."""
+    if t.data_ptr() % 16:
+        return False
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for these operands on this machine."""
+    if _GROUPED_MM is None or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(x.device)
+        if major < 9 or x.dtype != torch.bfloat16:
+            return False
+    elif x.device.type == "cpu":
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return False
+    else:
+        return False
+    return _aligned(x) and _aligned(w)
+
+
+def grouped_mm_reference(
+    x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor
+) -> torch.Tensor:
+    """Per-group loop (host reads ``offs``): the definition the fast path must equal."""
+    ends = offs_G.tolist()
+    out = x_MK.new_zeros(x_MK.shape[0], w_GKN.shape[-1])
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            out[start:end] = x_MK[start:end] @ w_GKN[g]
+        start = end
+    return out
+
+
+def grouped_mm_wgrad_reference(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor
+) -> torch.Tensor:
+    """``dw[g] = x[rows of g]^T @ dy[rows of g]`` by a per-group loop."""
+    ends = offs_G.tolist()
+    out = x_MK.new_zeros(len(ends), x_MK.shape[1], dy_MN.shape[1])
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            out[g] = x_MK[start:end].t() @ dy_MN[start:end]
+        start = end
+    return out
+
+
+def _forward(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    if grouped_mm_supported(x_MK, w_GKN):
+        return _GROUPED_MM(x_MK, w_GKN, offs=offs_G)
+    return grouped_mm_reference(x_MK, w_GKN, offs_G)
+
+
+def _wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    x_KM = x_MK.t()
+    if grouped_mm_supported(x_KM, dy_MN):
+        return _GROUPED_MM(x_KM, dy_MN, offs=offs_G)
+    return grouped_mm_wgrad_reference(x_MK, dy_MN, offs_G)
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_GKN, offs_G)
+        return _forward(x_MK, w_GKN, offs_G)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
+        x_MK, w_GKN, offs_G = ctx.saved_tensors
+        # A gradient arriving from a broadcast (e.g. ``y.sum()``) has zero strides, which the
+        # grouped kernels reject: give them a dense one.
+        dy_MN = dy_MN.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _forward(dy_MN, w_GKN.transpose(-2, -1), offs_G)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(x_MK, dy_MN, offs_G).to(w_GKN.dtype)
+        return dx, dw, None
+
+
+def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """Differentiable grouped product.
+
+    x_MK: rows sorted by group; w_GKN: one [K, N] matrix per group (any strides);
+    offs_G: int32 cumulative row ends on the device of ``x_MK``, the last equal to M.
+    """
+    if offs_G.dtype != torch.int32:
+        raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
+    return _GroupedMM.apply(x_MK, w_GKN, offs_G)

@@ -1,0 +1,126 @@
+"""The ``moe`` command: ``info``, ``train`` and ``convert``.
+
+Config-driven commands take Hydra overrides (``moe info model=1t``); the config is composed
+and validated before anything heavy is imported or started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from moe_core.config import ConfigError
+
+console = Console()
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * scale)
+    return int(t)
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    from moe_core.compose import compose_run
+    from moe_core.model.flops import count
+
+    run = compose_run(args.overrides, args.config_dir)
+    m = run.model
+    counts = count(m)
+    table = Table(title=f"model {m.name}", show_header=False)
+    shape = (
+        f"d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), "
+        f"{m.n_experts} experts top-{m.top_k}"
+        + (f" + {m.n_shared_experts} shared" if m.n_shared_experts else "")
+        + f", expert hidden {m.expert_hidden}, vocab {m.vocab_size}"
+    )
+    table.add_row("shape", shape)
+    for name, value in counts.table():
+        table.add_row(name, value)
+    table.add_row("FLOPs counted at seq_len", str(m.max_seq_len))
+    console.print(table)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from moe_core.compose import compose_run
+
+    run = compose_run(args.overrides, args.config_dir)
+    from moe_core.train.trainer import Trainer
+
+    trainer = Trainer(run)
+    console.print(
+        f"training [bold]{run.model.name}[/] on {trainer.device} for {run.train.steps} steps"
+    )
+    history = trainer.fit()
+    console.print(
+        f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}; "
+        f"model saved to {run.out_dir}/model "
+        f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT)"
+    )
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from moe_core.convert.hf import check_exportable, load_hf, save_hf
+    from moe_core.convert.native import load_model_dir, save_model_dir
+
+    if args.direction == "to-hf":
+        cfg, state = load_model_dir(args.src)
+        check_exportable(cfg)
+        out = save_hf(
+            state,
+            cfg,
+            args.out,
+            tokenizer_dir=args.tokenizer,
+            max_shard_bytes=_size(args.max_shard_size),
+            overwrite=args.overwrite,
+        )
+    else:
+        cfg, state = load_hf(args.src)
+        out = save_model_dir(state, cfg, args.out)
+    console.print(f"wrote {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, helptext in (
+        ("info", cmd_info, "print a model's total/active parameters and FLOPs per token"),
+        ("train", cmd_train, "train a model (single process for now)"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=olmoe-1b-7b")
+        p.add_argument(
+            "--config-dir", default=None, help="the conf/ folder (default: the project's)"
+        )
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("convert", help="convert between our model directory and Hugging Face OLMoE")
+    p.add_argument("direction", choices=["to-hf", "from-hf"])
+    p.add_argument("src", help="to-hf: our model directory; from-hf: an HF OLMoE directory")
+    p.add_argument("out", help="the directory to write")
+    p.add_argument(
+        "--tokenizer", default=None, help="to-hf: a folder whose tokenizer files to copy"
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
+    p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing OUT")
+    p.set_defaults(fn=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+        console.print(f"[red]error:[/] {err}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Hydra composition of ``conf/`` into a typed, validated ``RunConfig``.
+
+Hydra stays at this edge: the library below takes dataclasses, never an OmegaConf object.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from moe_core.config import ConfigError, RunConfig, from_dict
+
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def config_dir(path: str | os.PathLike | None = None) -> Path:
+    d = Path(path) if path is not None else DEFAULT_CONFIG_DIR
+    if not (d / "config.yaml").is_file():
+        raise ConfigError(
+            f"config directory {str(d)!r} has no config.yaml: pass --config-dir pointing at the "
+            "project's conf/ folder."
+        )
+    return d.resolve()
+
+
+def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The resolved config as a plain dict (what Prefect and MLflow receive)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    root = config_dir(path)
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base="1.3"):
+            cfg = compose("config", overrides=list(overrides))
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        first = str(err).strip().splitlines()[0]
+        missing = re.search(r"Could not find '([\w/-]+)/([^'/]+)'", first)
+        if missing:
+            group = missing.group(1)
+            options = sorted(p.stem for p in (root / group).glob("*.yaml"))
+            raise ConfigError(
+                f"{group}={missing.group(2)!r} is not allowed: one of {', '.join(options)}."
+            ) from None
+        raise ConfigError(f"the overrides {overrides} do not compose: {first}") from None
+    assert isinstance(data, dict)
+    return data  # type: ignore[return-value]
+
+
+def compose_run(overrides: list[str], path: str | os.PathLike | None = None) -> RunConfig:
+    return from_dict(RunConfig, compose_dict(overrides, path))

@@ -1,0 +1,242 @@
+"""Typed configuration of every part of moe_core, validated in one place.
+
+Each section is a dataclass; Hydra's YAML tree (``conf/``) composes plain dicts that
+``from_dict`` turns into these classes. Every check raises ``ConfigError`` with one sentence
+naming the field, the bad value and what is allowed, before any model, GPU or process is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination that moe_core refuses, explained in one sentence."""
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{name}={value!r} is not allowed: {allowed}.")
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        _fail(name, value, "it must be positive")
+
+
+def _non_negative(name: str, value: int | float) -> None:
+    if value < 0:
+        _fail(name, value, "it must be zero or positive")
+
+
+@dataclass
+class ModelConfig:
+    """An Olmo-style MoE decoder. The defaults are the OLMoE block that ``transformers`` runs."""
+
+    name: str = "custom"
+    vocab_size: int = 50304
+    d_model: int = 2048
+    n_layers: int = 16
+    n_heads: int = 16
+    n_kv_heads: int | None = None  # None: as many as n_heads (no grouping)
+    n_experts: int = 64
+    top_k: int = 8
+    expert_hidden: int = 1024
+    n_shared_experts: int = 0  # a dense SwiGLU of n_shared_experts * expert_hidden, always on
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_top_k: bool = False
+    aux_loss_coef: float = 0.01  # Switch-style load balancing
+    z_loss_coef: float = 0.001  # router z-loss
+    expert_bias: bool = False  # auxiliary-loss-free balancing: a selection-only bias per expert
+    expert_bias_rate: float = 1e-3
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        p = "model."
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k"):
+            _positive(p + name, getattr(self, name))
+        for name in ("expert_hidden", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
+            _positive(p + name, getattr(self, name))
+        for name in ("n_shared_experts", "aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+            _non_negative(p + name, getattr(self, name))
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _positive(p + "n_kv_heads", self.n_kv_heads)
+        if self.top_k > self.n_experts:
+            _fail(p + "top_k", self.top_k, f"at most model.n_experts ({self.n_experts})")
+        if self.d_model % self.n_heads:
+            _fail(p + "n_heads", self.n_heads, f"it must divide model.d_model ({self.d_model})")
+        if self.n_heads % self.n_kv_heads:
+            _fail(
+                p + "n_kv_heads", self.n_kv_heads, f"it must divide model.n_heads ({self.n_heads})"
+            )
+        if self.head_dim % 2:
+            _fail(
+                p + "n_heads", self.n_heads, "d_model / n_heads must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """n_kv_heads resolved (never None after construction)."""
+        assert self.n_kv_heads is not None
+        return self.n_kv_heads
+
+
+@dataclass
+class TrainConfig:
+    """The optimization loop: batch sizes, schedule, optimizer, precision and logging."""
+
+    steps: int = 100
+    seq_len: int = 128
+    micro_batch_size: int = 8  # sequences per forward pass
+    global_batch_size: int = 8  # sequences per optimizer step (all data-parallel ranks together)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays to min_lr
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast over fp32 master weights
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        p = "train."
+        for name in (
+            "steps",
+            "seq_len",
+            "micro_batch_size",
+            "global_batch_size",
+            "lr",
+            "log_every",
+        ):
+            _positive(p + name, getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "seed"):
+            _non_negative(p + name, getattr(self, name))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail(p + "min_lr_ratio", self.min_lr_ratio, "a number from 0 to 1")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            _fail(p + "decay_fraction", self.decay_fraction, "a number in (0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(p + name, getattr(self, name), "a number in [0, 1)")
+        if self.global_batch_size % self.micro_batch_size:
+            _fail(
+                p + "global_batch_size",
+                self.global_batch_size,
+                f"a multiple of train.micro_batch_size ({self.micro_batch_size})",
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from. ``synthetic`` needs no files (a seeded Markov stream)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    branching: int = 4  # synthetic: how many successors each token can have
+
+    def __post_init__(self) -> None:
+        _positive("data.branching", self.branching)
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``moe train`` run needs; cross-section checks live here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    out_dir: str = "runs/default"
+
+    def __post_init__(self) -> None:
+        if self.train.seq_len > self.model.max_seq_len:
+            _fail(
+                "train.seq_len",
+                self.train.seq_len,
+                f"at most model.max_seq_len ({self.model.max_seq_len})",
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# dict -> dataclass, with one-sentence errors for unknown keys and wrong types
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if isinstance(tp, type):
+        return f"a {tp.__name__}"
+    return str(tp)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is Literal:
+        if value not in get_args(tp):
+            _fail(name, value, _describe(tp))
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            _fail(name, value, f"a mapping of {tp.__name__} fields")
+        return from_dict(tp, value, prefix=name + ".")
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(name, value, "true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(name, value, "an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            _fail(name, value, "a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(name, value, "a string")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a plain dict, refusing unknown keys and mistyped values."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        key = prefix + unknown[0]
+        section = prefix.rstrip(".") or "the run config"
+        raise ConfigError(
+            f"{key} is not a known option: {section} takes {', '.join(sorted(fields))}."
+        )
+    kwargs = {k: _coerce(prefix + k, v, hints[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass config as a plain dict (JSON- and Hydra-friendly)."""
+    return dataclasses.asdict(obj)

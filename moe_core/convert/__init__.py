@@ -1,0 +1,1 @@
+"""Checkpoint formats: our model directory and Hugging Face OLMoE."""

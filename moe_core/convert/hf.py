@@ -1,0 +1,287 @@
+"""Our weights <-> a Hugging Face ``OlmoeForCausalLM`` directory.
+
+On disk the HF directory holds sharded safetensors with per-expert keys (as ``transformers``
+saves them), ``model.safetensors.index.json``, ``config.json``, our own
+``moe_core_config.json`` (so the way back is exact) and, when given, the tokenizer files.
+The directory is written beside its destination and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_core.config import ConfigError, ModelConfig, from_dict, to_dict
+
+OUR_CONFIG = "moe_core_config.json"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# our key (with {i} for the layer) -> HF key; experts are handled separately
+_DIRECT = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.moe_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
+}
+_EXPERT_HF = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Refuse a model that HF OLMoE would compute differently, rather than write it wrong."""
+    if cfg.n_shared_experts:
+        raise ConfigError(
+            f"model.n_shared_experts={cfg.n_shared_experts} cannot be exported: Hugging Face "
+            "OLMoE has no shared expert (only 0 is allowed)."
+        )
+    if cfg.router != "softmax":
+        raise ConfigError(
+            f"model.router={cfg.router!r} cannot be exported: Hugging Face OLMoE routes with "
+            "softmax only."
+        )
+    if cfg.expert_bias:
+        raise ConfigError(
+            "model.expert_bias=true cannot be exported: Hugging Face OLMoE selects experts "
+            "without a bias, so routing would differ."
+        )
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
+    """The ``transformers.OlmoeConfig`` that computes what ``cfg`` computes."""
+    from transformers import OlmoeConfig
+
+    check_exportable(cfg)
+    hf = OlmoeConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.expert_hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rms_norm_eps=cfg.norm_eps,
+        num_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=cfg.normalize_top_k,
+        router_aux_loss_coef=cfg.aux_loss_coef,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+    )
+    hf.architectures = ["OlmoeForCausalLM"]
+    hf.dtype = _DTYPE_NAMES[dtype]
+    return hf
+
+
+def _hf_items(
+    state: dict[str, torch.Tensor], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, tensor view) pairs in a stable order; experts split per expert."""
+    yield "model.embed_tokens.weight", state["embed.weight"]
+    for i in range(cfg.n_layers):
+        for ours, theirs in _DIRECT.items():
+            if "{i}" in ours:
+                yield theirs.format(i=i), state[ours.format(i=i)]
+        gate_up = state[f"layers.{i}.moe.experts.w_gate_up"]
+        down = state[f"layers.{i}.moe.experts.w_down"]
+        F = cfg.expert_hidden
+        for e in range(cfg.n_experts):
+            yield _EXPERT_HF.format(i=i, e=e, proj="gate_proj"), gate_up[e, :F]
+            yield _EXPERT_HF.format(i=i, e=e, proj="up_proj"), gate_up[e, F:]
+            yield _EXPERT_HF.format(i=i, e=e, proj="down_proj"), down[e]
+    yield "model.norm.weight", state["norm.weight"]
+    yield "lm_head.weight", state["lm_head.weight"]
+
+
+def _check_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    expected = {k.format(i=i) for k in _DIRECT for i in range(cfg.n_layers)}
+    for i in range(cfg.n_layers):
+        expected |= {f"layers.{i}.moe.experts.w_gate_up", f"layers.{i}.moe.experts.w_down"}
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or extra:
+        raise ValueError(
+            f"the state dict does not match the model config: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}."
+        )
+
+
+def save_hf(
+    state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    eos_token_id: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write an HF OLMoE directory from our full (unsharded) state dict; returns its path."""
+    check_exportable(cfg)
+    _check_state(state, cfg)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out} already exists and is not empty; pass overwrite to replace it."
+        )
+    if tokenizer_dir is not None and not any(
+        (Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES
+    ):
+        raise FileNotFoundError(
+            f"tokenizer directory {tokenizer_dir} holds none of: {', '.join(TOKENIZER_FILES)}."
+        )
+    dtypes = {t.dtype for t in state.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+        raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {dtypes}.")
+    dtype = next(iter(dtypes))
+
+    # Plan shards by byte size, then write each (copies only one shard at a time).
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, t in _hf_items(state, cfg):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, t))
+        size += nbytes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        n = len(shards)
+        for s, items in enumerate(shards, start=1):
+            fname = f"model-{s:05d}-of-{n:05d}.safetensors"
+            tensors = {k: t.detach().to("cpu").contiguous().clone() for k, t in items}
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            for k, t in tensors.items():
+                weight_map[k] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        hf_config(cfg, dtype, eos_token_id).save_pretrained(str(tmp))
+        (tmp / OUR_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        if tokenizer_dir is not None:
+            for f in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / f).is_file():
+                    shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
+    """Our config for an HF OLMoE directory (ours carries it; others are derived)."""
+    d = Path(hf_dir)
+    if (d / OUR_CONFIG).is_file():
+        return from_dict(ModelConfig, json.loads((d / OUR_CONFIG).read_text()), "model.")
+    hf = json.loads((d / "config.json").read_text())
+    if hf.get("model_type") != "olmoe":
+        raise ConfigError(
+            f"model_type={hf.get('model_type')!r} in {d} is not supported: only 'olmoe'."
+        )
+    for key, allowed in (("clip_qkv", None), ("attention_bias", False), ("hidden_act", "silu")):
+        if hf.get(key, allowed) != allowed:
+            raise ConfigError(f"{key}={hf[key]!r} in {d} is not supported: only {allowed!r}.")
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    n_heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // n_heads):
+        raise ConfigError(f"head_dim={hf['head_dim']} in {d} is not supported: only hidden/heads.")
+    return ModelConfig(
+        name=Path(hf_dir).name,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        n_experts=hf["num_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_hidden=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        rope_theta=float(rope["rope_theta"]),
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        normalize_top_k=hf.get("norm_topk_prob", False),
+        aux_loss_coef=hf.get("router_aux_loss_coef", 0.01),
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF OLMoE directory back into our config and state dict (bit-exact)."""
+    d = Path(hf_dir)
+    cfg = config_from_hf(d)
+    files = (
+        sorted({*json.loads((d / INDEX).read_text())["weight_map"].values()})
+        if (d / INDEX).is_file()
+        else ["model.safetensors"]
+    )
+    theirs: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(d / f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                theirs[k] = fh.get_tensor(k)
+    inverse = {v: k for k, v in _DIRECT.items()}
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, int, str], torch.Tensor] = {}
+    for key, t in theirs.items():
+        m = _LAYER_KEY.fullmatch(key)
+        generic = key if m is None else f"model.layers.{{i}}.{m.group(2)}"
+        if generic in inverse:
+            state[inverse[generic].format(i=m.group(1) if m else "")] = t
+            continue
+        em = (
+            re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", m.group(2))
+            if m
+            else None
+        )
+        if em is None:
+            raise ValueError(f"unexpected tensor {key} in {d}.")
+        experts[(int(m.group(1)), int(em.group(1)), em.group(2))] = t
+    for i in range(cfg.n_layers):
+        E = range(cfg.n_experts)
+        state[f"layers.{i}.moe.experts.w_gate_up"] = torch.stack(
+            [torch.cat([experts[(i, e, "gate_proj")], experts[(i, e, "up_proj")]]) for e in E]
+        )
+        state[f"layers.{i}.moe.experts.w_down"] = torch.stack(
+            [experts[(i, e, "down_proj")] for e in E]
+        )
+    _check_state(state, cfg)
+    return cfg, state

@@ -1,0 +1,1 @@
+"""Token data: synthetic streams, tokenized shards and the resumable loader."""

@@ -1,0 +1,70 @@
+"""Causal self-attention with rotary embeddings, QK-norm and grouped-query heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_core.config import ModelConfig
+from moe_core.model.norm import RMSNorm
+
+
+class RotaryEmbedding(nn.Module):
+    """fp32 cos/sin tables, built lazily on the device of use (so meta-device builds, dtype
+    casts and ``to_empty`` never touch them) and cached for the longest length seen."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _build(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (self.theta ** (exponent / self.head_dim))
+        pos = torch.arange(seq_len, dtype=torch.float32, device=device)
+        freqs_SH = torch.cat([torch.outer(pos, inv_freq)] * 2, dim=-1)
+        return freqs_SH.cos(), freqs_SH.sin()
+
+    def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables
+        if tables is None or tables[0].device != device or tables[0].shape[0] < seq_len:
+            tables = self._tables = self._build(seq_len, device)
+        return tables[0][:seq_len], tables[1][:seq_len]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BHSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor) -> torch.Tensor:
+    return x_BHSd * cos_Sd + _rotate_half(x_BHSd) * sin_Sd
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections without bias; RMSNorm over all query (key) heads before RoPE."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, q_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(kv_dim, cfg.norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_norm(self.q_proj(x_BSD)).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSD)).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos_Sd, sin_Sd = rope
+        q = apply_rotary(q, cos_Sd.to(q.dtype), sin_Sd.to(q.dtype))
+        k = apply_rotary(k.transpose(1, 2), cos_Sd.to(k.dtype), sin_Sd.to(k.dtype))
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))

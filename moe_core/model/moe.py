@@ -1,0 +1,207 @@
+"""The MoE feed-forward: router, stacked experts, token dispatch, optional shared expert.
+
+Everything on the forward and backward path keeps shapes static and reads nothing back to the
+host, so a GPU step needs no synchronization (the grouped-GEMM fallback aside, see kernels).
+Expert parallelism swaps ``MoE.dispatcher`` from outside; the layer itself knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.grouped_gemm import grouped_mm
+from kernels.permute import (
+    combine_rows,
+    cumulative_offsets,
+    expert_counts,
+    expert_order,
+    permute_rows,
+)
+from moe_core.config import ModelConfig
+
+_RECORD_STATS: ContextVar[bool] = ContextVar("moe_record_router_stats", default=True)
+
+
+@contextlib.contextmanager
+def router_stats_paused() -> Iterator[None]:
+    """Forward passes inside do not add to router statistics (used by activation recompute)."""
+    token = _RECORD_STATS.set(False)
+    try:
+        yield
+    finally:
+        _RECORD_STATS.reset(token)
+
+
+@dataclass
+class Routing:
+    """One layer's routing decision for T tokens."""
+
+    experts_TK: torch.Tensor  # int64 expert id per (token, choice)
+    weights_TK: torch.Tensor  # fp32 combine weight per (token, choice)
+    counts_E: torch.Tensor  # int64 assignments per expert
+    aux_loss: torch.Tensor  # fp32 scalar: aux_loss_coef * lb_loss + z_loss_coef * z_loss
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style ``E * sum_e f_e * P_e``: f_e the share of assignments routed to e (no grad),
+    P_e the mean router probability of e. Equals 1 when routing is uniform."""
+    n_tokens, n_experts = probs_TE.shape
+    f_E = counts_E.to(probs_TE.dtype) / (n_tokens * top_k)
+    return n_experts * torch.dot(f_E, probs_TE.mean(0))
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss: mean squared log-partition of the router logits."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """fp32 logits -> softmax or sigmoid scores -> top-k (optionally bias-steered) -> weights.
+
+    With ``expert_bias`` the per-expert bias shifts which experts are *selected* but not the
+    combine weights; it is a buffer updated by ``update_bias`` outside autograd.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.top_k, cfg.router
+        self.normalize_top_k = cfg.normalize_top_k
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.bias_rate = cfg.expert_bias_rate
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
+        self.expert_bias: torch.Tensor | None
+        if cfg.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        # Statistics summed over forward passes until the trainer reads and resets them.
+        self.register_buffer("stat_counts_E", torch.zeros(cfg.n_experts, dtype=torch.int64), False)
+        self.register_buffer("stat_lb", torch.zeros((), dtype=torch.float32), False)
+        self.register_buffer("stat_z", torch.zeros((), dtype=torch.float32), False)
+        self.register_buffer("stat_calls", torch.zeros((), dtype=torch.int64), False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+        self.reset_stats()
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        for buf in (self.stat_counts_E, self.stat_lb, self.stat_z, self.stat_calls):
+            buf.zero_()
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.kind == "softmax":
+            probs_TE = torch.softmax(logits_TE, dim=-1)
+        else:
+            probs_TE = torch.sigmoid(logits_TE)
+        select_TE = probs_TE if self.expert_bias is None else probs_TE + self.expert_bias
+        _, experts_TK = torch.topk(select_TE, self.top_k, dim=-1)
+        weights_TK = probs_TE.gather(1, experts_TK)
+        if self.normalize_top_k:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+
+        counts_E = expert_counts(experts_TK, self.n_experts)
+        share_TE = probs_TE if self.kind == "softmax" else probs_TE / probs_TE.sum(-1, keepdim=True)
+        lb = load_balancing_loss(share_TE, counts_E, self.top_k)
+        z = z_loss(logits_TE)
+        aux = self.aux_loss_coef * lb + self.z_loss_coef * z
+        if _RECORD_STATS.get():
+            with torch.no_grad():
+                self.stat_counts_E += counts_E
+                self.stat_lb += lb.detach()
+                self.stat_z += z.detach()
+                self.stat_calls += 1
+        return Routing(experts_TK, weights_TK, counts_E, aux)
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the rest."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_bias needs model.expert_bias=true")
+        load_E = counts_E.to(torch.float32)
+        self.expert_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
+
+
+class Experts(nn.Module):
+    """SwiGLU experts stacked per layer: ``w_gate_up`` [E, 2F, D] (gate rows first), ``w_down``
+    [E, D, F]. Under expert parallelism this holds the experts ``expert_offset ..`` only."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.n_experts, self.hidden = n_experts, hidden
+        self.expert_offset = 0
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+
+    def forward(self, x_MD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends."""
+        w_gate_up = self.w_gate_up.to(x_MD.dtype).transpose(-2, -1)
+        gate_up_M2F = grouped_mm(x_MD, w_gate_up, offs_E)
+        gate_MF, up_MF = gate_up_M2F.chunk(2, dim=-1)
+        act_MF = F.silu(gate_MF) * up_MF
+        return grouped_mm(act_MF, self.w_down.to(x_MD.dtype).transpose(-2, -1), offs_E)
+
+
+class TokenDispatcher(Protocol):
+    """Moves routed tokens to their experts and the results back; one per MoE layer."""
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """Every expert on this rank: sort assignments by expert, grouped GEMMs, weighted combine."""
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        top_k = routing.experts_TK.shape[1]
+        order_M = expert_order(routing.experts_TK)
+        x_MD = permute_rows(x_TD, order_M, top_k)
+        y_MD = experts(x_MD, cumulative_offsets(routing.counts_E))
+        return combine_rows(y_MD, order_M, routing.weights_TK)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU feed-forward (the shared expert)."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden, bias=False)
+        self.w_up = nn.Linear(d_model, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    """Routed experts (+ an always-on shared expert); returns the output and the aux loss."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_hidden)
+        self.shared = (
+            SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.expert_hidden)
+            if cfg.n_shared_experts
+            else None
+        )
+        self.dispatcher: TokenDispatcher = LocalDispatcher()
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routing = self.router(x_TD)
+        y_TD = self.dispatcher(x_TD, routing, self.experts)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        return y_TD.view_as(x_BSD), routing.aux_loss

@@ -1,0 +1,119 @@
+"""The decoder: embedding, pre-norm blocks (attention + MoE), final norm, untied LM head.
+
+Blocks carry the running auxiliary loss beside the hidden states, so the routers' losses reach
+the final loss through any split of the layers (pipeline stages, activation recompute).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_core.config import ModelConfig
+from moe_core.model.attention import Attention, RotaryEmbedding
+from moe_core.model.moe import Experts, MoE, Router
+from moe_core.model.norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg)
+
+    def forward(
+        self, h_BSD: torch.Tensor, aux: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), rope)
+        y_BSD, layer_aux = self.moe(self.moe_norm(h_BSD))
+        return h_BSD + y_BSD, aux + layer_aux
+
+
+class Transformer(nn.Module):
+    """``forward(tokens) -> (logits, aux_loss)``.
+
+    Pipeline stages keep a subset of ``layers`` (a dict, so names stay global) and drop
+    ``embed`` / ``norm`` / ``lm_head`` (set to None); a stage without ``embed`` takes hidden
+    states, one without ``lm_head`` returns them.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    def forward(
+        self, x: torch.Tensor, aux: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.embed(x) if self.embed is not None else x
+        if aux is None:
+            aux = torch.zeros((), dtype=torch.float32, device=h.device)
+        rope = self.rope(h.shape[1], h.device)
+        for block in self.layers.values():
+            h, aux = block(h, aux, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h, aux
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Norm weights 1, every other weight N(0, init_std), buffers reset.
+
+        Each tensor (each expert's slice, for stacked experts) draws from its own generator
+        seeded by ``seed`` and its global name, so any sharding of the model (pipeline stages,
+        expert-parallel slices, one tensor at a time) initializes to the same values.
+        """
+        std = self.cfg.init_std
+        expert_params: set[int] = set()
+        for mod_name, mod in self.named_modules():
+            if isinstance(mod, Experts):
+                for p_name, p in mod.named_parameters(recurse=False):
+                    expert_params.add(id(p))
+                    for e in range(p.shape[0]):
+                        key = f"{mod_name}.{p_name}[{mod.expert_offset + e}]"
+                        _seeded_normal_(p[e], std, seed, key)
+            elif isinstance(mod, Router):
+                mod.reset_buffers()
+        for name, p in self.named_parameters():
+            if id(p) in expert_params:
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                _seeded_normal_(p, std, seed, name)
+
+
+def _seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> None:
+    if t.is_meta:
+        return
+    g = torch.Generator(device=t.device)
+    g.manual_seed((seed * 0x9E3779B1 + zlib.crc32(key.encode())) % (1 << 63))
+    t.normal_(0.0, std, generator=g)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """Construct on the meta device, allocate on ``device``, initialize once (fp32)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights(seed)
+    return model
+
+
+def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; targets of -100 are ignored."""
+    return F.cross_entropy(
+        logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1)
+    )

@@ -1,0 +1,105 @@
+"""Every named model composes, builds on meta and is counted; bad values fail in one sentence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_core.cli import main
+from moe_core.compose import DEFAULT_CONFIG_DIR, compose_run
+from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict
+from moe_core.model import Transformer
+from moe_core.model.flops import count
+
+MODELS = sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
+
+
+def test_all_named_sizes_exist():
+    assert MODELS == ["1t", "47b", "olmoe-1b-7b", "small-64e", "tiny"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_model_composes_builds_on_meta_and_prints_counts(name, capsys):
+    run = compose_run([f"model={name}"])
+    assert run.model.name == name
+    with torch.device("meta"):
+        model = Transformer(run.model)
+    counts = count(run.model)
+    assert counts.total_params == sum(p.numel() for p in model.parameters())
+    assert main(["info", f"model={name}"]) == 0
+    out = capsys.readouterr().out
+    assert f"{counts.total_params:,}" in out and f"{counts.flops_per_token:,}" in out
+
+
+def test_olmoe_counts_match_the_published_model_and_peer_flops():
+    counts = count(compose_run(["model=olmoe-1b-7b"]).model)
+    assert abs(counts.total_params / 6.92e9 - 1) < 0.01  # OLMoE-1B-7B: 6.9B total
+    assert abs(counts.active_params / 1.28e9 - 1) < 0.01  # 1.3B active
+    assert counts.flops_per_token == 7_865_892_864  # the peer benchmark's figure, same convention
+
+
+def test_1t_lands_on_the_reference_size():
+    counts = count(compose_run(["model=1t"]).model)
+    assert abs(counts.total_params / 1.2e12 - 1) < 0.02, counts.total_params
+    assert abs(counts.active_params / 58.36e9 - 1) < 0.02, counts.active_params
+
+
+def test_flops_follow_the_convention_by_hand():
+    cfg = ModelConfig(
+        vocab_size=100,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        n_experts=4,
+        top_k=2,
+        expert_hidden=8,
+        n_shared_experts=1,
+        max_seq_len=32,
+    )
+    attn = 16 * 16 * 2 + 16 * 8 * 2  # q, o full; k, v one kv head of 8
+    experts_active = 2 * 3 * 16 * 8
+    shared = 3 * 16 * 8
+    head = 100 * 16
+    matmul = 2 * (attn + experts_active + shared) + head
+    assert count(cfg).flops_per_token == 6 * matmul + 6 * 2 * 32 * 16
+    assert count(cfg, seq_len=8).flops_per_token == 6 * matmul + 6 * 2 * 8 * 16
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.top_k=9", "model.top_k=9 is not allowed: at most model.n_experts (8)"),
+        ("model.n_heads=5", "model.n_heads=5 is not allowed: it must divide model.d_model (128)"),
+        (
+            "model.n_kv_heads=3",
+            "model.n_kv_heads=3 is not allowed: it must divide model.n_heads (4)",
+        ),
+        ("model.d_model=0", "model.d_model=0 is not allowed: it must be positive"),
+        ("model.expert_hidden=-4", "model.expert_hidden=-4 is not allowed: it must be positive"),
+        ("model.router=topk", "model.router='topk' is not allowed: one of 'softmax', 'sigmoid'"),
+        ("model.n_layers=two", "model.n_layers='two' is not allowed: an integer"),
+        ("+model.n_expert=4", "model.n_expert is not a known option"),
+        ("train.seq_len=512", "train.seq_len=512 is not allowed: at most model.max_seq_len (256)"),
+        ("model=huge", "model='huge' is not allowed: one of 1t, 47b, olmoe-1b-7b, small-64e, tiny"),
+    ],
+)
+def test_invalid_values_fail_with_one_sentence(override, message, capsys):
+    with pytest.raises(ConfigError) as err:
+        compose_run([override])
+    text = str(err.value)
+    assert message in text and "\n" not in text
+    assert main(["info", override]) == 2
+    assert message.split(" is ")[0] in capsys.readouterr().out
+
+
+def test_from_dict_keeps_types_and_defaults():
+    run = from_dict(RunConfig, {"model": {"d_model": 64, "n_heads": 4}, "train": {"lr": 1}})
+    assert run.model.n_kv_heads == 4 and run.train.lr == 1.0 and isinstance(run.train.lr, float)
+
+
+def test_missing_config_dir_is_explained(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"has no config\.yaml"):
+        compose_run([], tmp_path)

@@ -1,0 +1,144 @@
+"""Export to Hugging Face OLMoE: same logits through transformers, exact round trip, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import small_config
+
+from moe_core.config import ConfigError
+from moe_core.convert.hf import INDEX, load_hf, save_hf
+from moe_core.convert.native import load_model_dir, save_model_dir
+from moe_core.model import build_model
+
+CONFIGS = {
+    "mha-top1": dict(n_heads=4, n_kv_heads=4, n_experts=4, top_k=1),
+    "gqa-top2-normalized": dict(
+        n_heads=8, n_kv_heads=2, n_experts=8, top_k=2, normalize_top_k=True
+    ),
+    "gqa-top8": dict(
+        d_model=96,
+        n_heads=6,
+        n_kv_heads=3,
+        n_experts=16,
+        top_k=8,
+        expert_hidden=48,
+        n_layers=3,
+        rope_theta=500000.0,
+        norm_eps=1e-6,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_transformers_logits_match_and_round_trip_is_exact(name, tmp_path):
+    from transformers import OlmoeForCausalLM
+
+    cfg = small_config(**CONFIGS[name])
+    model = build_model(cfg, seed=11).eval()
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    out = save_hf(model.state_dict(), cfg, tmp_path / "hf", max_shard_bytes=150_000)
+
+    index = json.loads((out / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1, "the test should exercise sharding"
+    assert all((out / s).is_file() for s in shards)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index["weight_map"]
+
+    hf = OlmoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, _ = model(tokens)
+        theirs = hf(tokens).logits
+    err = (ours - theirs).abs().max().item()
+    assert err < 1e-4, f"max |logit difference| {err:.2e}"
+
+    cfg_back, state_back = load_hf(out)
+    assert cfg_back == cfg
+    original = model.state_dict()
+    assert set(state_back) == set(original)
+    for key, t in original.items():
+        assert torch.equal(state_back[key], t), key
+
+
+def test_bf16_export_round_trips_bit_exactly(tmp_path):
+    cfg = small_config()
+    state = {k: v.to(torch.bfloat16) for k, v in build_model(cfg, seed=1).state_dict().items()}
+    out = save_hf(state, cfg, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    _, back = load_hf(out)
+    assert all(
+        torch.equal(back[k], v) and back[k].dtype == torch.bfloat16 for k, v in state.items()
+    )
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        (dict(n_shared_experts=1), "model.n_shared_experts"),
+        (dict(router="sigmoid"), "model.router"),
+        (dict(expert_bias=True), "model.expert_bias"),
+    ],
+)
+def test_export_refuses_what_olmoe_cannot_express(override, field, tmp_path):
+    cfg = small_config(**override)
+    state = build_model(cfg).state_dict()
+    with pytest.raises(ConfigError, match=field):
+        save_hf(state, cfg, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_existing_output_is_kept_unless_overwrite(tmp_path):
+    cfg = small_config()
+    state = build_model(cfg).state_dict()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError):
+        save_hf(state, cfg, out)
+    assert (out / "keep.txt").read_text() == "precious"
+    save_hf(state, cfg, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / INDEX).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no temporary folders left behind"
+
+
+def test_tokenizer_files_are_copied(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tok / "unrelated.bin").write_text("x")
+    cfg = small_config()
+    out = save_hf(build_model(cfg).state_dict(), cfg, tmp_path / "hf", tokenizer_dir=tok)
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert not (out / "unrelated.bin").exists()
+
+
+def test_cli_converts_both_ways(tmp_path):
+    from moe_core.cli import main
+
+    cfg = small_config()
+    state = build_model(cfg, seed=5).state_dict()
+    save_model_dir(state, cfg, tmp_path / "ours")
+    assert (
+        main(
+            [
+                "convert",
+                "to-hf",
+                str(tmp_path / "ours"),
+                str(tmp_path / "hf"),
+                "--max-shard-size",
+                "100KB",
+            ]
+        )
+        == 0
+    )
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    cfg_back, state_back = load_model_dir(tmp_path / "back")
+    assert cfg_back == cfg and all(torch.equal(state_back[k], v) for k, v in state.items())
+    assert main(["convert", "to-hf", str(tmp_path / "ours"), str(tmp_path / "hf")]) == 2

@@ -1,0 +1,49 @@
+"""A single-process CPU run of ``tiny`` learns; the CLI leaves metrics and a convertible model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from moe_core.cli import main
+from moe_core.compose import compose_run
+from moe_core.convert.native import load_model_dir
+from moe_core.train.schedule import lr_multiplier
+from moe_core.train.trainer import Trainer
+
+
+@pytest.mark.slow
+def test_tiny_200_steps_halves_the_loss(tmp_path):
+    run = compose_run(["model=tiny", "train.steps=200", f"out_dir={tmp_path}"])
+    history = Trainer(run).fit(show_progress=False)
+    assert len(history) == 200
+    first, last = history[0].loss, sum(m.loss for m in history[-5:]) / 5
+    assert last < first / 2, f"loss {first:.3f} -> {last:.3f}"
+
+
+def test_cli_train_writes_metrics_and_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "model=tiny", "train.steps=3", "train.seq_len=32", f"out_dir={out}"]
+    assert main(args) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in lines)
+    cfg, state = load_model_dir(out / "model")
+    assert cfg.name == "tiny" and "layers.0.moe.experts.w_gate_up" in state
+    assert "loss" in capsys.readouterr().out
+
+
+def test_schedules():
+    run = compose_run(["train.steps=100", "train.warmup_steps=10", "train.min_lr_ratio=0.1"])
+    tc = run.train
+    assert lr_multiplier(0, tc) == pytest.approx(0.1)
+    assert lr_multiplier(9, tc) == pytest.approx(1.0)
+    assert lr_multiplier(99, tc) == pytest.approx(0.1)
+    values = [lr_multiplier(s, tc) for s in range(10, 100)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+    wsd = compose_run(["train.steps=100", "train.schedule=wsd", "train.decay_fraction=0.2"]).train
+    assert lr_multiplier(50, wsd) == 1.0 and lr_multiplier(79, wsd) == 1.0
+    assert lr_multiplier(99, wsd) == pytest.approx(wsd.min_lr_ratio)
+    assert 0.1 < lr_multiplier(90, wsd) < 1.0
