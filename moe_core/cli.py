@@ -51,18 +51,34 @@ def cmd_train(args: argparse.Namespace) -> None:
     from moe_core.compose import compose_run
 
     run = compose_run(args.overrides, args.config_dir)
+    import torch.distributed as dist
+
+    try:
+        _train(run)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears down its connections while a peer still uses them
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(run) -> None:
     from moe_core.train.trainer import Trainer
 
     trainer = Trainer(run)
-    console.print(
-        f"training [bold]{run.model.name}[/] on {trainer.device} for {run.train.steps} steps"
-    )
+    par = run.parallel
+    if trainer.is_main:
+        console.print(
+            f"training [bold]{run.model.name}[/] for {run.train.steps} steps on "
+            f"{par.world_size} x {trainer.device.type} (pp {par.pp}, dp {par.dp}, ep {par.ep})"
+        )
     history = trainer.fit()
-    console.print(
-        f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}; "
-        f"model saved to {run.out_dir}/model "
-        f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT)"
-    )
+    if trainer.is_main:
+        console.print(
+            f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}; "
+            f"model saved to {run.out_dir}/model "
+            f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT)"
+        )
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

@@ -20,6 +20,10 @@ class ConfigError(ValueError):
     """A configuration value or combination that moe_core refuses, explained in one sentence."""
 
 
+class OptionNotImplementedError(ConfigError, NotImplementedError):
+    """An option that is configured but not built yet; the message names it."""
+
+
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{name}={value!r} is not allowed: {allowed}.")
 
@@ -156,21 +160,97 @@ class DataConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The layout ``world = pp x dp x ep`` and how each kind of parallelism runs.
+
+    Dense weights are replicated over the ``dp x ep`` ranks of a pipeline stage, expert weights
+    over its ``dp`` ranks; every one of the ``dp x ep`` ranks reads its own slice of the batch.
+    """
+
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    dispatcher: Literal["all_to_all", "nvshmem_rowwise"] = "all_to_all"  # used when ep > 1
+    pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = 1  # model chunks per pipeline rank; interleaved_1f1b needs >= 2
+    recompute: Literal["none", "block", "selective"] = "none"
+    bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights; master weights are fp32
+
+    def __post_init__(self) -> None:
+        p = "parallel."
+        for name in ("pp", "dp", "ep", "virtual_stages", "bucket_mb"):
+            _positive(p + name, getattr(self, name))
+        if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
+            _fail(p + "virtual_stages", self.virtual_stages, "1 with parallel.pp_schedule=1f1b")
+        if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            _fail(
+                p + "virtual_stages",
+                self.virtual_stages,
+                "at least 2 with parallel.pp_schedule=interleaved_1f1b",
+            )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
+            _fail(p + "pp", self.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.ep
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks of one pipeline stage that each read their own slice of the batch."""
+        return self.dp * self.ep
+
+
+@dataclass
 class RunConfig:
     """Everything one ``moe train`` run needs; cross-section checks live here."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
-        if self.train.seq_len > self.model.max_seq_len:
+        m, t, par = self.model, self.train, self.parallel
+        if t.seq_len > m.max_seq_len:
+            _fail("train.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
+        if m.n_experts % par.ep:
+            _fail("parallel.ep", par.ep, f"a divisor of model.n_experts ({m.n_experts})")
+        chunks = par.pp * par.virtual_stages
+        if m.n_layers % chunks:
             _fail(
-                "train.seq_len",
-                self.train.seq_len,
-                f"at most model.max_seq_len ({self.model.max_seq_len})",
+                "parallel.pp",
+                par.pp,
+                f"pp x virtual_stages ({chunks}) must divide model.n_layers ({m.n_layers}) "
+                "so every stage gets whole blocks",
             )
+        per_step = t.micro_batch_size * par.data_parallel
+        if t.global_batch_size % per_step:
+            _fail(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"a multiple of micro_batch_size x dp x ep ({per_step})",
+            )
+        n_micro = t.global_batch_size // per_step
+        if par.pp_schedule == "interleaved_1f1b" and n_micro % par.pp:
+            _fail(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"interleaved 1F1B needs micro-batches per step ({n_micro}) divisible by "
+                f"parallel.pp ({par.pp})",
+            )
+        if par.dispatcher == "nvshmem_rowwise" and par.ep > 1:
+            raise OptionNotImplementedError(
+                "parallel.dispatcher='nvshmem_rowwise' is not implemented yet: use 'all_to_all'."
+            )
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        t, par = self.train, self.parallel
+        return t.global_batch_size // (t.micro_batch_size * par.data_parallel)
 
 
 # --------------------------------------------------------------------------------------------

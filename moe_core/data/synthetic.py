@@ -27,12 +27,20 @@ class SyntheticTokens:
         """The loss floor (nats per token) of a model that has learned the table."""
         return math.log(self.branching)
 
-    def batch(self, index: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """Batch ``index``: ``batch_size`` walks of ``seq_len + 1`` tokens, the same every call."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + 1)
-        tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
-        tokens[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=g)
-        choices = torch.randint(0, self.branching, (batch_size, seq_len), generator=g)
+    def sequences(self, start: int, count: int, seq_len: int) -> torch.Tensor:
+        """Walks ``start .. start + count - 1`` of ``seq_len + 1`` tokens each.
+
+        Walk ``i`` depends only on the seed and ``i``, so any split of a batch across ranks
+        and micro-batches reads exactly the same tokens.
+        """
+        first = torch.empty(count, dtype=torch.int64)
+        choices = torch.empty(count, seq_len, dtype=torch.int64)
+        for row, i in enumerate(range(start, start + count)):
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
+            first[row] = torch.randint(0, self.vocab_size, (1,), generator=g)
+            choices[row] = torch.randint(0, self.branching, (seq_len,), generator=g)
+        tokens = torch.empty(count, seq_len + 1, dtype=torch.int64)
+        tokens[:, 0] = first
         for t in range(seq_len):
             tokens[:, t + 1] = self.successors_VB[tokens[:, t], choices[:, t]]
         return tokens

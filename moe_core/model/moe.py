@@ -149,9 +149,14 @@ class Experts(nn.Module):
         """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends."""
         w_gate_up = self.w_gate_up.to(x_MD.dtype).transpose(-2, -1)
         gate_up_M2F = grouped_mm(x_MD, w_gate_up, offs_E)
+        return self.activation_and_down(gate_up_M2F, offs_E)
+
+    def activation_and_down(self, gate_up_M2F: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """SwiGLU then the down projection (the region selective recompute re-runs)."""
         gate_MF, up_MF = gate_up_M2F.chunk(2, dim=-1)
         act_MF = F.silu(gate_MF) * up_MF
-        return grouped_mm(act_MF, self.w_down.to(x_MD.dtype).transpose(-2, -1), offs_E)
+        w_down = self.w_down.to(gate_up_M2F.dtype).transpose(-2, -1)
+        return grouped_mm(act_MF, w_down, offs_E)
 
 
 class TokenDispatcher(Protocol):

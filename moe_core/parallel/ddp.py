@@ -1,0 +1,164 @@
+"""Gradient reduction: dense weights over the stage's ``dp x ep`` ranks, experts over ``dp``.
+
+Parameters are packed into buckets (one kind of weight, one weight-decay setting, bounded
+size). Each bucket owns a flat parameter buffer (the model's parameters become views into it)
+and a flat fp32 gradient buffer. A post-accumulate hook adds each micro-batch's gradient into
+the fp32 buffer; once every parameter of a bucket has received all micro-batches of the step,
+the bucket is reduce-scattered asynchronously while backward goes on. Each rank ends up with
+the reduced gradient of its own shard, which is what the ZeRO-1 optimizer updates.
+
+Gradients are averaged over ``dp x ep`` for both kinds: every rank's loss is a mean over its own
+tokens, and an expert on one rank has already summed, through the all-to-all backward, the
+gradient of every token of its expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_core.model.moe import Experts
+from moe_core.parallel.mesh import Mesh
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # without padding
+    group: dist.ProcessGroup | None
+    is_expert: bool
+    decay: bool
+    param_flat: torch.Tensor = field(init=False)  # model dtype, padded; params are views
+    grad_flat: torch.Tensor = field(init=False)  # fp32 accumulation buffer, padded
+    grad_shard: torch.Tensor = field(init=False)  # fp32 reduced gradient of this rank's shard
+    pending: int = 0  # hook calls still expected this step
+    work: dist.Work | None = None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.size)  # ceil
+
+    @property
+    def shard(self) -> slice:
+        start = group_rank(self.group) * self.shard_numel
+        return slice(start, start + self.shard_numel)
+
+
+def _kind(params: dict[str, nn.Parameter], modules: list[nn.Module]) -> dict[int, bool]:
+    expert_ids = {
+        id(p)
+        for m in modules
+        for e in m.modules()
+        if isinstance(e, Experts)
+        for p in e.parameters()
+    }
+    return {id(p): id(p) in expert_ids for p in params.values()}
+
+
+class GradBuckets:
+    """Owns the flat buffers of a rank's model chunks and reduces their gradients."""
+
+    def __init__(self, chunks: list[nn.Module], mesh: Mesh, bucket_mb: float, divisor: int) -> None:
+        self.mesh, self.divisor = mesh, divisor
+        named: dict[str, nn.Parameter] = {}
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if p.requires_grad:
+                    named[name] = p
+        is_expert = _kind(named, chunks)
+        cap = int(bucket_mb * 2**20 / 4)
+        self.buckets: list[Bucket] = []
+        open_buckets: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        # Reverse registration order ~ the order gradients become ready in backward.
+        for name, p in reversed(list(named.items())):
+            key = (is_expert[id(p)], p.ndim >= 2)
+            items = open_buckets.setdefault(key, [])
+            items.append((name, p))
+            if sum(q.numel() for _, q in items) >= cap:
+                self._add(items, *key)
+                open_buckets[key] = []
+        for key, items in open_buckets.items():
+            if items:
+                self._add(items, *key)
+        self._owner = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for b in self.buckets
+            for p in b.params
+        ]
+        self._micro_batches = 1
+
+    def _add(self, items: list[tuple[str, nn.Parameter]], is_expert: bool, decay: bool) -> None:
+        group = self.mesh.expert_dp_group if is_expert else self.mesh.dense_dp_group
+        offsets, total = [], 0
+        for _, p in items:
+            offsets.append(total)
+            total += p.numel()
+        b = Bucket(
+            [n for n, _ in items], [p for _, p in items], offsets, total, group, is_expert, decay
+        )
+        padded = b.shard_numel * b.size
+        first = items[0][1]
+        b.param_flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        b.grad_flat = torch.zeros(padded, dtype=torch.float32, device=first.device)
+        b.grad_shard = b.grad_flat if b.group is None else b.grad_flat.new_zeros(b.shard_numel)
+        for p, off in zip(b.params, offsets, strict=True):
+            view = b.param_flat[off : off + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            p.main_grad = b.grad_flat[off : off + p.numel()].view_as(p)  # type: ignore[attr-defined]
+        self.buckets.append(b)
+
+    def start_step(self, micro_batches: int) -> None:
+        """Zero the gradients and expect ``micro_batches`` backward passes before reducing."""
+        self._micro_batches = micro_batches
+        for b in self.buckets:
+            b.grad_flat.zero_()
+            b.pending = len(b.params) * micro_batches
+            b.work = None
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        assert p.grad is not None
+        p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+        p.grad = None
+        b = self._owner[id(p)]
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        if self.divisor != 1:
+            b.grad_flat.div_(self.divisor)
+        if b.group is not None:
+            b.work = dist.reduce_scatter_tensor(
+                b.grad_shard, b.grad_flat, group=b.group, async_op=True
+            )
+
+    def finish(self) -> None:
+        """Wait for every bucket's reduction (launching any whose gradients never all arrived)."""
+        for b in self.buckets:
+            if b.pending > 0:
+                raise RuntimeError(
+                    f"{b.pending} gradient accumulations missing in a bucket holding {b.names[0]}: "
+                    "every parameter must take part in every micro-batch"
+                )
+            if b.work is not None:
+                b.work.wait()
+                b.work = None

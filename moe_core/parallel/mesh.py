@@ -1,0 +1,106 @@
+"""The ``pp x dp x ep`` process layout and its process groups.
+
+Rank order puts ``ep`` innermost (expert-parallel peers are neighbours, e.g. NVLink peers),
+then ``dp``, then ``pp``: ``rank = (pp_rank * dp + dp_rank) * ep + ep_rank``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_core.config import ConfigError, ParallelConfig
+
+Group = dist.ProcessGroup | None  # None: the default group (or no process group at all)
+
+
+@dataclass
+class Mesh:
+    """This rank's coordinates and the groups it takes part in (None where the size is 1)."""
+
+    cfg: ParallelConfig
+    rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    ep_rank: int = 0
+    ep_group: Group = None  # same stage and dp rank: exchanges tokens
+    expert_dp_group: Group = None  # same stage and ep rank: reduces expert weights
+    dense_dp_group: Group = None  # same stage: reduces dense weights (dp x ep ranks)
+    pp_ranks: list[int] = field(default_factory=lambda: [0])  # global rank of each stage
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the batch this rank reads (0 .. dp x ep - 1)."""
+        return self.dp_rank * self.cfg.ep + self.ep_rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.cfg.world_size > 1
+
+
+def rank_of(cfg: ParallelConfig, pp_rank: int, dp_rank: int, ep_rank: int) -> int:
+    return (pp_rank * cfg.dp + dp_rank) * cfg.ep + ep_rank
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
+    """Before any process-group work: the launcher's world must be the configured layout."""
+    if world_size != cfg.world_size:
+        raise ConfigError(
+            f"the layout pp={cfg.pp} x dp={cfg.dp} x ep={cfg.ep} needs {cfg.world_size} "
+            f"processes, but {world_size} were launched; launch {cfg.world_size} "
+            "(e.g. torchrun --nproc-per-node N) or change parallel.pp/dp/ep."
+        )
+
+
+def build_mesh(cfg: ParallelConfig) -> Mesh:
+    """Create every group (all ranks call new_group for all groups, in one order)."""
+    if cfg.world_size == 1:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        return Mesh(cfg, device=device)
+    rank = dist.get_rank()
+    ep_rank = rank % cfg.ep
+    dp_rank = (rank // cfg.ep) % cfg.dp
+    pp_rank = rank // (cfg.ep * cfg.dp)
+    mesh = Mesh(cfg, rank, pp_rank, dp_rank, ep_rank)
+    for p in range(cfg.pp):
+        for d in range(cfg.dp):
+            g = dist.new_group([rank_of(cfg, p, d, e) for e in range(cfg.ep)])
+            if (p, d) == (pp_rank, dp_rank) and cfg.ep > 1:
+                mesh.ep_group = g
+        for e in range(cfg.ep):
+            g = dist.new_group([rank_of(cfg, p, d, e) for d in range(cfg.dp)])
+            if (p, e) == (pp_rank, ep_rank) and cfg.dp > 1:
+                mesh.expert_dp_group = g
+        g = dist.new_group([rank_of(cfg, p, d, e) for d in range(cfg.dp) for e in range(cfg.ep)])
+        if p == pp_rank and cfg.data_parallel > 1:
+            mesh.dense_dp_group = g
+    mesh.pp_ranks = [rank_of(cfg, p, dp_rank, ep_rank) for p in range(cfg.pp)]
+    if dist.get_backend() == "nccl":
+        mesh.device = torch.device("cuda", torch.cuda.current_device())
+    return mesh
+
+
+def init_distributed(cfg: ParallelConfig) -> Mesh:
+    """Validate the launch, start the process group (NCCL on GPU, gloo on CPU), build groups."""
+    world = env_world_size()
+    check_world_size(cfg, world)
+    if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+    return build_mesh(cfg)

@@ -1,0 +1,60 @@
+"""Build this rank's share of the model: its pipeline chunks, its experts, its dispatcher.
+
+Chunks are constructed on the meta device, pruned to their layers and local experts, then
+allocated and initialized; ``Transformer.init_weights`` seeds every tensor (every expert) by its
+global name, so each shard holds exactly the values of the single-process model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_core.config import ModelConfig, ParallelConfig
+from moe_core.model import Transformer
+from moe_core.model.moe import Experts, MoE
+from moe_core.parallel.dispatch import AllToAllDispatcher
+from moe_core.parallel.mesh import Mesh
+from moe_core.parallel.pipeline import chunk_layers, rank_chunks
+from moe_core.parallel.recompute import apply_recompute
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_chunk(cfg: ModelConfig, pcfg: ParallelConfig, chunk: int, mesh: Mesh) -> Transformer:
+    """Chunk ``chunk`` of ``pp x virtual_stages``, with this rank's experts, on the meta device."""
+    n_chunks = pcfg.pp * pcfg.virtual_stages
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    keep = {str(i) for i in chunk_layers(cfg.n_layers, n_chunks, chunk)}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    if chunk != 0:
+        model.embed = None
+    if chunk != n_chunks - 1:
+        model.norm = None
+        model.lm_head = None
+    if pcfg.ep > 1:
+        n_local = cfg.n_experts // pcfg.ep
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            with torch.device("meta"):
+                moe.experts = Experts(n_local, cfg.d_model, cfg.expert_hidden)
+            moe.experts.expert_offset = mesh.ep_rank * n_local
+            moe.dispatcher = AllToAllDispatcher(mesh.ep_group, pcfg.ep, n_local)
+    return model
+
+
+def parallelize(
+    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, seed: int
+) -> dict[int, Transformer]:
+    """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized."""
+    chunks: dict[int, Transformer] = {}
+    for c in rank_chunks(pcfg, mesh.pp_rank):
+        model = build_chunk(cfg, pcfg, c, mesh)
+        model.to_empty(device=mesh.device)
+        model.init_weights(seed)
+        dtype = DTYPES[pcfg.param_dtype]
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        apply_recompute(model, pcfg.recompute)
+        chunks[c] = model
+    return chunks

@@ -1,0 +1,45 @@
+"""Activation recompute, applied to a built model from outside.
+
+``block``: each transformer block keeps only its inputs and recomputes the rest in backward.
+``selective``: only the experts' SwiGLU activation (and the down projection's input) is
+recomputed, the largest activation of an MoE layer for a small share of its FLOPs.
+Recomputed forwards do not add to router statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from moe_core.model.moe import Experts, router_stats_paused
+from moe_core.model.transformer import Block
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    return contextlib.nullcontext(), router_stats_paused()
+
+
+def _checkpointed(forward):
+    def run(*args):
+        if not torch.is_grad_enabled():
+            return forward(*args)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts)
+
+    return run
+
+
+def apply_recompute(model: torch.nn.Module, mode: Literal["none", "block", "selective"]) -> None:
+    """Wrap every block's (or every expert layer's activation's) forward in a checkpoint.
+
+    The wrapping replaces instance ``forward`` attributes, so parameter names are unchanged.
+    """
+    if mode == "none":
+        return
+    for module in model.modules():
+        if mode == "block" and isinstance(module, Block):
+            module.forward = _checkpointed(module.forward)
+        elif mode == "selective" and isinstance(module, Experts):
+            module.activation_and_down = _checkpointed(module.activation_and_down)

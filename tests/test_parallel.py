@@ -1,0 +1,247 @@
+"""Every parallel layout trains the same model as one process (CPU, gloo, under torchrun).
+
+Tolerance. Layouts change fp32 summation order (all-reduce vs. local accumulation, GEMM
+shapes under expert parallelism, norm partial sums), so gradients agree to ~1e-7 relative.
+Adam divides by sqrt(v) + eps, which turns rounding noise in gradients of order eps into
+update differences of order lr; with the default eps=1e-8 a handful of embedding entries whose
+gradient is ~1e-8 differ by up to lr. The parity runs therefore use eps=1e-6 (a setting used
+in practice), where the observed difference after 5 steps is ~1e-5 per weight against ~1e-2
+of movement. We assert losses within 1e-5 per step, every weight within 1e-4, and every
+tensor's update within 5e-4 relative: a real bug (a lost micro-batch, a wrong scale, a wrong
+shard) moves these by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_core.compose import compose_run
+from moe_core.config import ConfigError
+from moe_core.convert.native import load_model_dir
+from moe_core.model import build_model
+from moe_core.parallel.mesh import check_world_size
+from moe_core.train.trainer import Trainer
+
+TESTS = Path(__file__).parent
+BASE = [
+    "model=tiny",
+    "model.n_layers=4",
+    "train.steps=5",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.warmup_steps=1",
+    "train.eps=1e-6",
+]
+LAYOUTS = {
+    "ep2": (2, ["parallel.ep=2"]),
+    "dp2": (2, ["parallel.dp=2"]),
+    "pp2-1f1b": (2, ["parallel.pp=2"]),
+    "pp2-interleaved": (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
+    ),
+    "dp2-ep2": (4, ["parallel.dp=2", "parallel.ep=2"]),
+    "pp2-ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
+}
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+    ]
+    return subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    """The lines of a failed run worth reading: errors from every rank, then the output's end."""
+    keys = ("Error", "error", "what()", "Traceback", "Exception", "Signal")
+    lines = [x for x in result.stderr.splitlines() if any(k in x for k in keys)]
+    return "\n".join(lines[:40]) + "\n--- stdout ---\n" + result.stdout[-2000:]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [
+        json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    Trainer(compose_run([*BASE, f"out_dir={out}"])).fit(show_progress=False)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_single_process(layout, reference, tmp_path):
+    nproc, overrides = LAYOUTS[layout]
+    out = tmp_path / layout
+    result = torchrun(nproc, ["-m", "moe_core.cli", "train", *BASE, *overrides, f"out_dir={out}"])
+    assert result.returncode == 0, explain(result)
+
+    ref_losses, got_losses = losses(reference), losses(out)
+    assert len(got_losses) == 5
+    for step, (a, b) in enumerate(zip(ref_losses, got_losses, strict=True)):
+        assert abs(a - b) < 1e-5, f"step {step}: loss {b} vs single-process {a}"
+
+    cfg, ref_state = load_model_dir(reference / "model")
+    _, state = load_model_dir(out / "model")
+    init = build_model(cfg, seed=0).state_dict()
+    assert set(state) == set(ref_state)
+    for name, ref in ref_state.items():
+        diff = (state[name] - ref).abs().max().item()
+        assert diff < 1e-4, f"{name}: max |difference| {diff:.2e}"
+        moved = (ref - init[name]).norm()
+        rel = ((state[name] - init[name]) - (ref - init[name])).norm() / moved
+        assert rel < 5e-4, f"{name}: update differs by {rel:.2e} relative"
+
+
+@pytest.mark.slow
+def test_sharded_optimizer_state_is_one_nth_and_gathers_to_the_unsharded_state(tmp_path):
+    overrides = [*BASE, "train.steps=2", "parallel.dp=2", "parallel.ep=2", f"out_dir={tmp_path}"]
+    out = tmp_path / "state.pt"
+    result = torchrun(4, [str(TESTS / "dist_jobs.py"), str(out), *overrides])
+    assert result.returncode == 0, explain(result)
+    saved = torch.load(out, weights_only=False)
+
+    single = Trainer(compose_run([*BASE, "train.steps=2", f"out_dir={tmp_path / 'single'}"]))
+    for _ in range(2):
+        single.train_step()
+    full_single = single.optimizer.full_state()
+    unsharded_numel = single.optimizer.state_numel()
+    for rank_sizes in saved["sizes"]:
+        assert rank_sizes["state_numel"] == rank_sizes["expected"]
+        for is_expert, size, _ in rank_sizes["bucket_groups"]:
+            assert size == (2 if is_expert else 4)  # experts over dp, dense over dp x ep
+    # Dense state is split 4 ways; each rank's experts (half of them) 2 ways.
+    n_expert = sum(v["param"].numel() for k, v in full_single.items() if ".experts." in k)
+    n_dense = sum(v["param"].numel() for k, v in full_single.items() if ".experts." not in k)
+    assert unsharded_numel == 3 * (n_dense + n_expert)
+    per_rank = saved["sizes"][0]["state_numel"]
+    assert abs(per_rank - 3 * (n_dense / 4 + n_expert / 2 / 2)) <= 3 * 8 * len(
+        saved["sizes"][0]["bucket_groups"]
+    )
+
+    assert saved["step"] == single.optimizer.step_count == 2
+    assert set(saved["full"]) == set(full_single)
+    for name, ref in full_single.items():
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            got = saved["full"][name][key]
+            assert got.shape == ref[key].shape, (name, key)
+            torch.testing.assert_close(got, ref[key], rtol=1e-3, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.gpu
+def test_nccl_bf16_ep2_and_dp2_match_one_gpu(tmp_path):
+    """On 2 GPUs with NCCL, bf16 weights and autocast: EP=2 and DP=2 train what 1 GPU trains.
+
+    bf16 tolerance: weights are bf16 roundings of fp32 masters, so a layout's rounding noise
+    can flip the last bit of a weight (~0.4 % of it); losses are compared to 0.5 % and each
+    tensor's 5-step update to 5 % of its norm.
+    """
+    assert torch.cuda.device_count() >= 2, "this test needs 2 GPUs"
+    bf16 = [*BASE, "parallel.param_dtype=bf16", "train.dtype=bf16"]
+    ref = tmp_path / "one-gpu"
+    result = torchrun(1, ["-m", "moe_core.cli", "train", *bf16, f"out_dir={ref}"])
+    assert result.returncode == 0, explain(result)
+    cfg, ref_state = load_model_dir(ref / "model")
+    init = build_model(cfg, seed=0).state_dict()
+    for layout in ("ep2", "dp2"):
+        out = tmp_path / layout
+        overrides = [*bf16, *LAYOUTS[layout][1], f"out_dir={out}"]
+        result = torchrun(2, ["-m", "moe_core.cli", "train", *overrides])
+        assert result.returncode == 0, explain(result)
+        for step, (a, b) in enumerate(zip(losses(ref), losses(out), strict=True)):
+            assert abs(a - b) < 5e-3 * abs(a), f"{layout} step {step}: loss {b} vs {a}"
+        _, state = load_model_dir(out / "model")
+        for name, r in ref_state.items():
+            moved = (r.float() - init[name].bfloat16().float()).norm()
+            rel = (state[name].float() - r.float()).norm() / moved
+            assert rel < 5e-2, f"{layout} {name}: update differs by {rel:.2e} relative"
+
+
+def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
+    run = compose_run([*BASE, "train.steps=3", "train.grad_clip=0.05", f"out_dir={tmp_path}"])
+    trainer = Trainer(run)
+    model = build_model(run.model, seed=run.train.seed)
+    tc = run.train
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": tc.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        betas=(tc.beta1, tc.beta2),
+        eps=tc.eps,
+    )
+    from moe_core.model import lm_loss
+    from moe_core.train.schedule import lr_multiplier
+
+    for step in range(3):
+        batches = trainer.micro_batches()
+        metrics = trainer.train_step()
+        for g in opt.param_groups:
+            g["lr"] = tc.lr * lr_multiplier(step, tc)
+        for tokens in batches:
+            logits, aux = model(tokens[:, :-1])
+            ((lm_loss(logits, tokens[:, 1:]) + aux) / len(batches)).backward()
+        exact = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm().item()
+        assert abs(metrics.grad_norm - exact) < 1e-6 * exact, (metrics.grad_norm, exact)
+        assert exact > tc.grad_clip, "the test should exercise clipping"
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    ours = trainer.chunks[0].state_dict()
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(ours[name], p, rtol=1e-5, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.ep=3"], "parallel.ep=3 is not allowed: a divisor of model.n_experts (8)"),
+        (["parallel.pp=3"], "parallel.pp=3 is not allowed: pp x virtual_stages (3) must divide"),
+        (
+            ["parallel.dp=3"],
+            "train.global_batch_size=16 is not allowed: a multiple of micro_batch_size x dp x ep",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=1"],
+            "parallel.virtual_stages=1 is not allowed: at least 2",
+        ),
+        (["parallel.pp=0"], "parallel.pp=0 is not allowed: it must be positive"),
+        (
+            ["parallel.dispatcher=nvshmem_rowwise", "parallel.ep=2", "train.micro_batch_size=8"],
+            "parallel.dispatcher='nvshmem_rowwise' is not implemented yet",
+        ),
+    ],
+)
+def test_invalid_layouts_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        compose_run(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_wrong_process_count_fails_before_any_process_group():
+    layout = [*BASE, "parallel.ep=2", "parallel.dp=2"]
+    with pytest.raises(ConfigError, match=r"needs 4 processes, but 2 were launched"):
+        check_world_size(compose_run(layout).parallel, 2)
+    result = torchrun(2, ["-m", "moe_core.cli", "train", *layout], timeout=120)
+    assert result.returncode != 0
+    assert "needs 4 processes, but 2 were launched" in result.stdout
+    assert "ProcessGroup" not in result.stderr + result.stdout
