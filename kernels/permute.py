@@ -39,13 +39,22 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_MD: torch.Tensor):  # type: ignore[override]
         (order_M,) = ctx.saved_tensors
-        g_AD = torch.empty_like(g_MD).index_copy_(0, order_M, g_MD)  # back to assignment order
+        n_assignments = ctx.n_tokens * ctx.top_k
+        if order_M.numel() == n_assignments:
+            g_AD = torch.empty_like(g_MD)
+        else:  # a subset of the assignments was gathered: the others get no gradient
+            g_AD = g_MD.new_zeros(n_assignments, g_MD.shape[1])
+        g_AD.index_copy_(0, order_M, g_MD)  # back to assignment order
         g_TD = g_AD.view(ctx.n_tokens, ctx.top_k, -1).sum(1)
         return g_TD, None, None
 
 
 def permute_rows(x_TD: torch.Tensor, order_M: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``x_MD[m] = x_TD[order_M[m] // top_k]``: one row per routed assignment, expert-ordered."""
+    """``x_MD[m] = x_TD[order_M[m] // top_k]``: one row per routed assignment, expert-ordered.
+
+    ``order_M`` is a permutation of ``range(T * top_k)`` or, for a partial gather, a subset of it
+    (distinct indices either way).
+    """
     return _PermuteRows.apply(x_TD, order_M, top_k)
 
 
@@ -54,10 +63,14 @@ def combine_rows(
 ) -> torch.Tensor:
     """``y_TD[t] = sum_k weights_TK[t, k] * y_MD[slot of (t, k)]``, accumulated in fp32 by bmm.
 
+    ``order_M`` may cover a subset of the assignments (their weights should then be zero).
     The un-permutation is an index_copy with unique indices, so its backward (a gather) and
     the bmm's are deterministic.
     """
     T, K = weights_TK.shape
-    y_AD = torch.index_copy(torch.empty_like(y_MD), 0, order_M, y_MD)
+    if order_M.numel() == T * K:
+        y_AD = torch.index_copy(torch.empty_like(y_MD), 0, order_M, y_MD)
+    else:  # a subset of the assignments was computed: the others contribute nothing
+        y_AD = torch.index_copy(y_MD.new_zeros(T * K, y_MD.shape[1]), 0, order_M, y_MD)
     w_T1K = weights_TK.to(y_MD.dtype).unsqueeze(1)
     return torch.bmm(w_T1K, y_AD.view(T, K, -1)).squeeze(1)

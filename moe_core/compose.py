@@ -5,12 +5,13 @@ Hydra stays at this edge: the library below takes dataclasses, never an OmegaCon
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from moe_core.config import ConfigError, RunConfig, from_dict
+from moe_core.config import ConfigError, RunConfig, from_dict, to_dict
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -25,6 +26,14 @@ def config_dir(path: str | os.PathLike | None = None) -> Path:
     return d.resolve()
 
 
+def _register_defaults() -> None:
+    """Every section's dataclass defaults, under the group files, so that any field can be
+    overridden on the command line even where a YAML file leaves it at its default."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="moe_defaults", node=to_dict(RunConfig()))
+
+
 def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) -> dict[str, Any]:
     """The resolved config as a plain dict (what Prefect and MLflow receive)."""
     from hydra import compose, initialize_config_dir
@@ -33,12 +42,22 @@ def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) ->
     from omegaconf.errors import OmegaConfBaseException
 
     root = config_dir(path)
+    _register_defaults()
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
             cfg = compose("config", overrides=list(overrides))
         data = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as err:
         first = str(err).strip().splitlines()[0]
+        unknown = re.search(r"Could not override '([\w.]+)'", first)
+        if unknown:
+            key = unknown.group(1)
+            section = getattr(RunConfig(), key.split(".")[0], None)
+            fields = sorted(to_dict(section)) if dataclasses.is_dataclass(section) else []
+            where = (
+                f"{key.split('.')[0]} takes {', '.join(fields)}" if fields else "no such section"
+            )
+            raise ConfigError(f"{key} is not a known option: {where}.") from None
         missing = re.search(r"Could not find '([\w/-]+)/([^'/]+)'", first)
         if missing:
             group = missing.group(1)

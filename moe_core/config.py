@@ -119,6 +119,18 @@ class TrainConfig:
     seed: int = 0
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast over fp32 master weights
     log_every: int = 10
+    eval_every: int = 0  # held-out loss every N steps (0: never)
+    eval_batches: int = 4  # micro-batches per data-parallel rank in one evaluation
+    checkpoint_every: int = 0  # 0: no periodic checkpoints
+    checkpoint_at_end: bool = True  # also on a graceful stop (SIGTERM / SIGINT)
+    keep_last: int = 3  # newest checkpoints kept ...
+    keep_every: int = 0  # ... plus every checkpoint whose step is a multiple of this (0: none)
+    async_checkpoint: bool = False  # write in the background; training goes on meanwhile
+    resume: bool = True  # continue from the newest valid checkpoint in out_dir
+    save_model: bool = True  # also gather the final weights into out_dir/model (small models)
+    max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
+    spike_sigma: float = 6.0  # a loss above mean + spike_sigma * std of the window is a spike
+    spike_window: int = 100
 
     def __post_init__(self) -> None:
         p = "train."
@@ -131,7 +143,11 @@ class TrainConfig:
             "log_every",
         ):
             _positive(p + name, getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "seed"):
+        for name in ("eval_batches", "max_consecutive_skips", "spike_window", "spike_sigma"):
+            _positive(p + name, getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "seed", "eval_every"):
+            _non_negative(p + name, getattr(self, name))
+        for name in ("checkpoint_every", "keep_last", "keep_every"):
             _non_negative(p + name, getattr(self, name))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail(p + "min_lr_ratio", self.min_lr_ratio, "a number from 0 to 1")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,10 +14,9 @@ from moe_core.train.trainer import Trainer
 
 
 def optimizer_state(out: str, overrides: list[str]) -> None:
-    """Train a few steps; rank 0 saves the gathered optimizer state and per-rank state sizes."""
+    """Train; rank 0 saves the losses, the gathered optimizer state and per-rank state sizes."""
     trainer = Trainer(compose_run(overrides))
-    for _ in range(trainer.cfg.train.steps):
-        trainer.train_step()
+    losses = [trainer.train_step().loss for _ in range(trainer.cfg.train.steps)]
     opt = trainer.optimizer
     expected = sum(3 * b.shard_numel for b in opt.buckets)
     sizes = {
@@ -23,14 +24,30 @@ def optimizer_state(out: str, overrides: list[str]) -> None:
         "expected": expected,
         "bucket_groups": [(b.is_expert, b.size, b.numel) for b in opt.buckets],
     }
-    all_sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(all_sizes, sizes)
+    all_sizes = [sizes]
+    if dist.is_initialized():
+        all_sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(all_sizes, sizes)
     full = opt.full_state()
-    if dist.get_rank() == 0:
-        torch.save({"full": full, "sizes": all_sizes, "step": opt.step_count}, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    if trainer.is_main:
+        record = {"full": full, "sizes": all_sizes, "step": opt.step_count, "losses": losses}
+        torch.save(record, out)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def evaluate(out: str, overrides: list[str]) -> None:
+    """Build (and resume) a trainer; rank 0 saves its step and held-out loss as JSON."""
+    trainer = Trainer(compose_run(overrides))
+    loss = trainer.evaluate()
+    if trainer.is_main:
+        Path(out).write_text(json.dumps({"step": trainer.step, "eval_loss": loss}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    optimizer_state(sys.argv[1], sys.argv[2:])
+    job = {"optimizer": optimizer_state, "eval": evaluate}[sys.argv[1]]
+    job(sys.argv[2], sys.argv[3:])

@@ -37,6 +37,7 @@ class Bucket:
     names: list[str]
     params: list[nn.Parameter]
     offsets: list[int]
+    global_starts: list[int]  # each parameter's first element in its flattened global tensor
     numel: int  # without padding
     group: dist.ProcessGroup | None
     is_expert: bool
@@ -61,15 +62,15 @@ class Bucket:
         return slice(start, start + self.shard_numel)
 
 
-def _kind(params: dict[str, nn.Parameter], modules: list[nn.Module]) -> dict[int, bool]:
-    expert_ids = {
-        id(p)
+def _expert_offsets(modules: list[nn.Module]) -> dict[int, int]:
+    """Expert parameters (by id) and the first global expert each local stack holds."""
+    return {
+        id(p): e.expert_offset
         for m in modules
         for e in m.modules()
         if isinstance(e, Experts)
         for p in e.parameters()
     }
-    return {id(p): id(p) in expert_ids for p in params.values()}
 
 
 class GradBuckets:
@@ -82,13 +83,13 @@ class GradBuckets:
             for name, p in chunk.named_parameters():
                 if p.requires_grad:
                     named[name] = p
-        is_expert = _kind(named, chunks)
+        self._expert_offsets = _expert_offsets(chunks)
         cap = int(bucket_mb * 2**20 / 4)
         self.buckets: list[Bucket] = []
         open_buckets: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {}
         # Reverse registration order ~ the order gradients become ready in backward.
         for name, p in reversed(list(named.items())):
-            key = (is_expert[id(p)], p.ndim >= 2)
+            key = (id(p) in self._expert_offsets, p.ndim >= 2)
             items = open_buckets.setdefault(key, [])
             items.append((name, p))
             if sum(q.numel() for _, q in items) >= cap:
@@ -107,13 +108,14 @@ class GradBuckets:
 
     def _add(self, items: list[tuple[str, nn.Parameter]], is_expert: bool, decay: bool) -> None:
         group = self.mesh.expert_dp_group if is_expert else self.mesh.dense_dp_group
-        offsets, total = [], 0
+        offsets, starts, total = [], [], 0
         for _, p in items:
             offsets.append(total)
+            per_expert = p.numel() // p.shape[0]
+            starts.append(self._expert_offsets.get(id(p), 0) * per_expert)
             total += p.numel()
-        b = Bucket(
-            [n for n, _ in items], [p for _, p in items], offsets, total, group, is_expert, decay
-        )
+        names, params = [n for n, _ in items], [p for _, p in items]
+        b = Bucket(names, params, offsets, starts, total, group, is_expert, decay)
         padded = b.shard_numel * b.size
         first = items[0][1]
         b.param_flat = torch.zeros(padded, dtype=first.dtype, device=first.device)

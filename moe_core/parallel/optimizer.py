@@ -62,19 +62,52 @@ class ShardedAdamW:
     def step(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (inf: no clipping), update the shards, gather the weights."""
         norm = self.grad_norm()
+        self.update(norm, max_norm)
+        return norm
+
+    def update(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Apply the step given the global gradient norm (see ``grad_norm``)."""
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for m, b in zip(self.masters, self.buckets, strict=True):
             m.grad = b.grad_shard
             if max_norm != float("inf"):
                 m.grad.mul_(coef)
         self.inner.step()
-        for m, b in zip(self.masters, self.buckets, strict=True):
+        for m in self.masters:
             m.grad = None
+        self.publish_weights()
+
+    def publish_weights(self) -> None:
+        """Model weights := masters (cast to the model dtype), gathered over each bucket's group."""
+        for m, b in zip(self.masters, self.buckets, strict=True):
             b.param_flat[b.shard].copy_(m.detach())
             if b.group is not None:
                 shard = b.param_flat[b.shard].clone()
                 dist.all_gather_into_tensor(b.param_flat, shard, group=b.group)
-        return norm
+
+    def shards(self, index: int, allocate: bool = False) -> dict[str, torch.Tensor]:
+        """Bucket ``index``'s fp32 master shard and moments (zeros before the first step, or
+        freshly allocated state to load into when ``allocate``)."""
+        m = self.masters[index]
+        if allocate and m not in self.inner.state:
+            fused = bool(self.inner.param_groups[0].get("fused"))
+            step = torch.tensor(0.0, dtype=torch.float32, device=m.device if fused else "cpu")
+            self.inner.state[m] = {
+                "step": step,
+                "exp_avg": torch.zeros_like(m),
+                "exp_avg_sq": torch.zeros_like(m),
+            }
+        state = self.inner.state.get(m, {})
+        zeros = torch.zeros_like(m)
+        return {
+            "param": m.data,
+            "exp_avg": state.get("exp_avg", zeros),
+            "exp_avg_sq": state.get("exp_avg_sq", zeros),
+        }
+
+    def set_step(self, step: int) -> None:
+        for state in self.inner.state.values():
+            state["step"].fill_(float(step))
 
     def state_numel(self) -> int:
         """Elements of optimizer state held by this rank (master + two moments)."""
@@ -86,23 +119,14 @@ class ShardedAdamW:
             )
         return total
 
-    def _shards(self, m: nn.Parameter) -> dict[str, torch.Tensor]:
-        state = self.inner.state.get(m, {})
-        zeros = torch.zeros_like(m)
-        return {
-            "param": m.detach(),
-            "exp_avg": state.get("exp_avg", zeros),
-            "exp_avg_sq": state.get("exp_avg_sq", zeros),
-        }
-
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Unsharded fp32 master weights and moments by parameter name (this stage's names).
 
         Collective over the rank's groups: every rank of the stage must call it.
         """
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for m, b in zip(self.masters, self.buckets, strict=True):
-            flats = {k: _gather(v, b) for k, v in self._shards(m).items()}
+        for i, b in enumerate(self.buckets):
+            flats = {k: _gather(v, b) for k, v in self.shards(i).items()}
             for name, p, off in zip(b.names, b.params, b.offsets, strict=True):
                 pieces = {k: flat[off : off + p.numel()].view(p.shape) for k, flat in flats.items()}
                 if b.is_expert and self.mesh.ep_group is not None:

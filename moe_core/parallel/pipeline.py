@@ -74,7 +74,11 @@ def schedule_interleaved(pp: int, v: int, rank: int, n_mb: int) -> list[Action]:
     return actions
 
 
-def schedule(cfg: ParallelConfig, pp_rank: int, n_mb: int) -> list[Action]:
+def schedule(
+    cfg: ParallelConfig, pp_rank: int, n_mb: int, forward_only: bool = False
+) -> list[Action]:
+    if forward_only:  # evaluation: each chunk's forwards, chunk by chunk
+        return [Action("F", mb, c) for c in rank_chunks(cfg, pp_rank) for mb in range(n_mb)]
     if cfg.pp_schedule == "1f1b":
         return schedule_1f1b(cfg.pp, pp_rank, n_mb)
     return schedule_interleaved(cfg.pp, cfg.virtual_stages, pp_rank, n_mb)
@@ -128,12 +132,14 @@ class PipelineRunner:
             return ("grad", a.mb, a.chunk - 1, self._owner(a.chunk - 1))
         return None
 
-    def _channel_orders(self, n_mb: int) -> dict[int, list[tuple[str, int, int]]]:
+    def _channel_orders(
+        self, n_mb: int, forward_only: bool
+    ) -> dict[int, list[tuple[str, int, int]]]:
         """For each source stage, the messages it sends this rank, in its send order."""
         me = self.mesh.pp_rank
         orders: dict[int, list[tuple[str, int, int]]] = {}
         for src in range(self.cfg.pp):
-            for a in schedule(self.cfg, src, n_mb):
+            for a in schedule(self.cfg, src, n_mb, forward_only):
                 out = self._outgoing(a)
                 if out is not None and out[3] == me:
                     orders.setdefault(src, []).append(out[:3])
@@ -159,17 +165,21 @@ class PipelineRunner:
             self._inbox[nxt] = (h, aux)
         return self._inbox.pop(key)
 
-    def run(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward every micro-batch; returns (sum of CE losses, sum of aux
-        losses) over the micro-batches whose last chunk is here (zeros elsewhere)."""
+    def run(
+        self, batches: list[torch.Tensor], forward_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward (and unless ``forward_only``, backward) every micro-batch; returns (sum of
+        CE losses, sum of aux losses) over the micro-batches whose last chunk is here (zeros
+        elsewhere)."""
         n_mb = len(batches)
-        self._orders, self._inbox, self._pending = self._channel_orders(n_mb), {}, []
+        self._orders = self._channel_orders(n_mb, forward_only)
+        self._inbox, self._pending = {}, []
         self._cursor = dict.fromkeys(self._orders, 0)
         saved: dict[tuple[int, int], tuple] = {}
         ce_sum = torch.zeros((), device=self.mesh.device)
         aux_sum = torch.zeros((), device=self.mesh.device)
         last = self.n_chunks - 1
-        for a in schedule(self.cfg, self.mesh.pp_rank, n_mb):
+        for a in schedule(self.cfg, self.mesh.pp_rank, n_mb, forward_only):
             model = self.chunks[a.chunk]
             if a.kind == "F":
                 tokens = batches[a.mb]
@@ -177,7 +187,9 @@ class PipelineRunner:
                     x_in, aux_in = tokens[:, :-1], None
                 else:
                     h, aux = self._recv(("act", a.mb, a.chunk), self._owner(a.chunk - 1))
-                    x_in, aux_in = h.requires_grad_(), aux.reshape(()).requires_grad_()
+                    x_in, aux_in = h, aux.reshape(())
+                    if not forward_only:
+                        x_in, aux_in = x_in.requires_grad_(), aux_in.requires_grad_()
                 with self.autocast:
                     out, aux_out = model(x_in, aux_in)
                 if a.chunk == last:
@@ -185,10 +197,12 @@ class PipelineRunner:
                         ce = lm_loss(out, tokens[:, 1:])
                     ce_sum += ce.detach()
                     aux_sum += aux_out.detach()
-                    saved[(a.mb, a.chunk)] = (x_in, aux_in, (ce + aux_out) / n_mb, None)
+                    if not forward_only:
+                        saved[(a.mb, a.chunk)] = (x_in, aux_in, (ce + aux_out) / n_mb, None)
                 else:
                     self._send(self._outgoing(a), out.detach(), aux_out.detach())
-                    saved[(a.mb, a.chunk)] = (x_in, aux_in, out, aux_out)
+                    if not forward_only:
+                        saved[(a.mb, a.chunk)] = (x_in, aux_in, out, aux_out)
             else:
                 x_in, aux_in, out, aux_out = saved.pop((a.mb, a.chunk))
                 if a.chunk == last:

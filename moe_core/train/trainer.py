@@ -3,34 +3,51 @@
 One optimizer step: every data-parallel rank runs ``global_batch / (micro_batch x dp x ep)``
 micro-batches (through the pipeline when ``pp > 1``), each loss scaled so the step's gradient is
 that of the mean loss over the whole global batch; gradients are reduce-scattered in buckets
-during backward; the ZeRO-1 AdamW clips by the global norm and updates its shards. Router
-statistics summed over the step (and over data-parallel ranks) drive the expert bias.
+during backward. Before the optimizer applies the step, all ranks agree on the loss and the
+global gradient norm: a non-finite one skips the step (nothing changes), too many in a row stop
+the run with a checkpoint. Router statistics summed over the step drive the expert bias and the
+router-health metrics. Checkpoints are sharded and atomic; a restarted run resumes from the
+newest valid one and reproduces the uninterrupted run bit for bit (deterministic kernels).
 """
 
 from __future__ import annotations
 
-import json
+import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import RunConfig
+from moe_core.config import RunConfig, to_dict
 from moe_core.convert.native import save_model_dir
 from moe_core.data.synthetic import SyntheticTokens
 from moe_core.model import Transformer, lm_loss
-from moe_core.model.moe import Router
+from moe_core.model.flops import count
+from moe_core.model.moe import Router, router_stats_paused
 from moe_core.parallel.ddp import GradBuckets
 from moe_core.parallel.mesh import Mesh, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.parallel.parallelize import DTYPES, parallelize
 from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
+from moe_core.train.checkpoint import Checkpointer, router_buffers
+from moe_core.train.guards import Guards, TrainingHaltedError
+from moe_core.train.metrics import (
+    ConsoleSink,
+    JsonlSink,
+    MetricsSink,
+    peak_tflops,
+    router_health,
+    throughput,
+)
 from moe_core.train.schedule import lr_multiplier
 
 EXPERT_KEYS = ("moe.experts.w_gate_up", "moe.experts.w_down")
+EVAL_BASE = 1 << 40  # held-out synthetic sequences are numbered from here
 
 
 @dataclass
@@ -42,23 +59,42 @@ class StepMetrics:
     z_loss: float
     grad_norm: float
     lr: float
-    tokens_per_s: float  # whole job
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    step_time_s: float
+    skipped: bool = False
+    spike: bool = False
+    mfu: float | None = None
+    peak_mem_gib: float | None = None
+    eval_loss: float | None = None
+    router: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}
 
 
-def routers(modules: list[torch.nn.Module]) -> list[Router]:
-    return [r for m in modules for r in m.modules() if isinstance(r, Router)]
+def routers_by_layer(modules: list[torch.nn.Module]) -> dict[str, Router]:
+    return {
+        name.split(".")[1]: m
+        for chunk in modules
+        for name, m in chunk.named_modules()
+        if isinstance(m, Router)
+    }
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
+    def __init__(self, cfg: RunConfig, mesh: Mesh | None = None, console: Console | None = None):
         self.cfg = cfg
         tc, pc = cfg.train, cfg.parallel
         self.mesh = mesh or init_distributed(pc)
         self.device = self.mesh.device
+        self.console = console or Console()
+        self.out = Path(cfg.out_dir)
         torch.manual_seed(tc.seed)
         self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed)
         modules = list(self.chunks.values())
-        self.routers = routers(modules)
+        self.routers = routers_by_layer(modules)
+        self.buffers = router_buffers(modules)
         self.buckets = GradBuckets(modules, self.mesh, pc.bucket_mb, divisor=pc.data_parallel)
         self.optimizer = ShardedAdamW(
             self.buckets, self.mesh, tc.lr, (tc.beta1, tc.beta2), tc.eps, tc.weight_decay
@@ -76,27 +112,47 @@ class Trainer:
                 self.autocast,
             )
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
+        self.flops_per_token = count(cfg.model, tc.seq_len).flops_per_token
+        self.peak = peak_tflops(self.device)
+        self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
+        self.checkpointer = Checkpointer(
+            self.out / "checkpoints", self.mesh, tc.keep_last, tc.keep_every, tc.async_checkpoint
+        )
         self.step = 0
+        self.stop_requested = False
+        self.resumed_from: Path | None = None
+        if tc.resume:
+            self._resume()
 
     @property
     def is_main(self) -> bool:
         return self.mesh.rank == 0
 
-    def micro_batches(self) -> list[torch.Tensor]:
-        """This rank's micro-batches of the current step: sequences are numbered globally, and
-        data rank ``d`` reads the ``d``-th contiguous slice of the step's global batch."""
+    # ---- data -----------------------------------------------------------------------------
+
+    def micro_batches(
+        self, step: int | None = None, base: int = 0, count_per_rank: int | None = None
+    ) -> list[torch.Tensor]:
+        """This rank's micro-batches: sequences are numbered globally, and data rank ``d`` reads
+        the ``d``-th contiguous slice of the step's global batch."""
         tc = self.cfg.train
+        step = self.step if step is None else step
         per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
-        base = self.step * tc.global_batch_size + self.mesh.data_rank * per_rank
+        n_micro = self.cfg.micro_batches if count_per_rank is None else count_per_rank
+        start = base + step * tc.global_batch_size + self.mesh.data_rank * per_rank
         mb = tc.micro_batch_size
         return [
-            self.data.sequences(base + j * mb, mb, tc.seq_len).to(self.device)
-            for j in range(self.cfg.micro_batches)
+            self.data.sequences(start + j * mb, mb, tc.seq_len).to(self.device)
+            for j in range(n_micro)
         ]
 
-    def _forward_backward(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- one step -------------------------------------------------------------------------
+
+    def _forward_backward(
+        self, batches: list[torch.Tensor], forward_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pipeline is not None:
-            return self.pipeline.run(batches)
+            return self.pipeline.run(batches, forward_only)
         model = self.chunks[0]
         ce_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
@@ -104,50 +160,156 @@ class Trainer:
             with self.autocast:
                 logits, aux = model(tokens[:, :-1])
                 ce = lm_loss(logits, tokens[:, 1:])
-            ((ce + aux) / len(batches)).backward()
+            if not forward_only:
+                ((ce + aux) / len(batches)).backward()
             ce_sum += ce.detach()
             aux_sum += aux.detach()
         return ce_sum, aux_sum
 
+    def _router_health(self, applied: bool) -> dict[str, dict[str, float]]:
+        """Per-layer router health over the step (summed over data-parallel ranks); also applies
+        the expert-bias update when the step was applied."""
+        if not self.routers:
+            return {}
+        layers = list(self.routers)
+        rs = [self.routers[k] for k in layers]
+        table = torch.stack(
+            [torch.cat([r.stat_counts_E.double(), r.stat_lb.double().view(1)]) for r in rs]
+        )
+        if self.mesh.dense_dp_group is not None:
+            dist.all_reduce(table, group=self.mesh.dense_dp_group)
+        counts, lb = (
+            table[:, :-1],
+            table[:, -1] / (self.cfg.micro_batches * self.cfg.parallel.data_parallel),
+        )
+        if applied and self.cfg.model.expert_bias:
+            for r, c in zip(rs, counts, strict=True):
+                r.update_bias(c)
+        health = {}
+        for name, r, c, score in zip(layers, rs, counts.cpu(), lb.tolist(), strict=True):
+            bias = None if r.expert_bias is None else r.expert_bias.cpu()
+            health[f"layer_{name}"] = router_health(c, score, self.cfg.parallel.ep, bias)
+        if self.cfg.parallel.pp > 1:
+            parts: list = [None] * dist.get_world_size()
+            mine = health if (self.mesh.dp_rank, self.mesh.ep_rank) == (0, 0) else None
+            dist.all_gather_object(parts, mine)
+            health = {k: v for p in parts if p for k, v in p.items()}
+        return dict(sorted(health.items(), key=lambda kv: int(kv[0].split("_")[1])))
+
     def train_step(self) -> StepMetrics:
         tc, pc = self.cfg.train, self.cfg.parallel
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         lr = tc.lr * lr_multiplier(self.step, tc)
         self.optimizer.set_lr(lr)
         batches = self.micro_batches()
         self.buckets.start_step(len(batches))
         ce_sum, aux_sum = self._forward_backward(batches)
         self.buckets.finish()
-        grad_norm = self.optimizer.step(tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        grad_norm = self.optimizer.grad_norm()
 
-        if self.cfg.model.expert_bias and self.routers:
-            counts = torch.stack([r.stat_counts_E for r in self.routers])
-            if self.mesh.dense_dp_group is not None:
-                dist.all_reduce(counts, group=self.mesh.dense_dp_group)
-            for r, c in zip(self.routers, counts, strict=True):
-                r.update_bias(c)
-        lb = sum((r.stat_lb for r in self.routers), torch.zeros((), device=self.device))
-        z = sum((r.stat_z for r in self.routers), torch.zeros((), device=self.device))
-        n_routers = torch.tensor(float(len(self.routers)), device=self.device)
-        for r in self.routers:
-            r.reset_stats()
-        sums = torch.stack([ce_sum, aux_sum, lb, z, n_routers])
+        rs = list(self.routers.values())
+        zero = torch.zeros((), device=self.device)
+        sums = torch.stack(
+            [
+                ce_sum,
+                aux_sum,
+                sum((r.stat_lb for r in rs), zero),
+                sum((r.stat_z for r in rs), zero),
+                torch.tensor(float(len(rs)), device=self.device),
+            ]
+        )
+        mem = (
+            torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.device.type == "cuda"
+            else 0.0
+        )
+        maxes = torch.tensor([mem, float(self.stop_requested)], device=self.device)
         if self.mesh.distributed:
             dist.all_reduce(sums)
-        ce_total, aux_total, lb_total, z_total, routers_total = sums.tolist()
-        n_micro_total = len(batches) * pc.data_parallel
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        values = torch.cat([sums, grad_norm.view(1), maxes]).tolist()  # the step's one host read
+        ce, aux, lb, z, n_routers, norm, mem_max, stop = values
+        n_micro = len(batches) * pc.data_parallel
+        loss = ce / n_micro
+        verdict = self.guards.check(loss, norm)
+        if not verdict.skip:
+            self.optimizer.update(grad_norm, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        health = self._router_health(applied=not verdict.skip)
+        for r in rs:
+            r.reset_stats()
+        self.stop_requested = self.stop_requested or stop > 0
         elapsed = time.perf_counter() - start
+        speed = throughput(
+            tc.global_batch_size * tc.seq_len,
+            elapsed,
+            pc.world_size,
+            self.flops_per_token,
+            self.peak,
+        )
         self.step += 1
         return StepMetrics(
             step=self.step - 1,
-            loss=ce_total / n_micro_total,
-            aux_loss=aux_total / n_micro_total,
-            lb_loss=lb_total / routers_total / len(batches),
-            z_loss=z_total / routers_total / len(batches),
-            grad_norm=float(grad_norm),
+            loss=loss,
+            aux_loss=aux / n_micro,
+            lb_loss=lb / max(n_routers, 1) / len(batches),
+            z_loss=z / max(n_routers, 1) / len(batches),
+            grad_norm=norm,
             lr=lr,
-            tokens_per_s=tc.global_batch_size * tc.seq_len / elapsed,
+            tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
+            model_tflops_per_gpu=speed["model_tflops_per_gpu"],
+            mfu=speed.get("mfu"),
+            step_time_s=elapsed,
+            skipped=verdict.skip,
+            spike=verdict.spike,
+            peak_mem_gib=mem_max if self.device.type == "cuda" else None,
+            router=health,
         )
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over ``eval_batches`` micro-batches per data-parallel rank."""
+        tc = self.cfg.train
+        batches = self.micro_batches(step=0, base=EVAL_BASE, count_per_rank=tc.eval_batches)
+        with router_stats_paused():
+            ce_sum, _ = self._forward_backward(batches, forward_only=True)
+        if self.mesh.distributed:
+            dist.all_reduce(ce_sum)
+        return float(ce_sum) / (tc.eval_batches * self.cfg.parallel.data_parallel)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        trainer_state = {
+            "step": self.step,
+            "guards": self.guards.state_dict(),
+            "config": to_dict(self.cfg),
+        }
+        state = self.checkpointer.state_dict(self.optimizer, self.buffers, trainer_state)
+        pc = self.cfg.parallel
+        layout = {"pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
+        self.checkpointer.save(self.step, state, layout)
+
+    def _resume(self) -> None:
+        path = self.checkpointer.newest_valid(report=self._warn)
+        if path is None:
+            return
+        state = self.checkpointer.load(path, self.optimizer, self.buffers)
+        self.step = int(state["step"])
+        self.guards.load_state_dict(state.get("guards", {}))
+        self.resumed_from = path
+        if self.is_main:
+            self.console.print(f"resumed from {path} (step {self.step})")
+
+    def _warn(self, message: str) -> None:
+        if self.is_main:
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_requested = True
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict on rank 0 (None elsewhere); collective."""
@@ -174,12 +336,23 @@ class Trainer:
                 merged.update(part)
         return merged
 
-    def fit(self, show_progress: bool = True) -> list[StepMetrics]:
-        """Run ``train.steps`` steps; rank 0 logs ``out_dir/metrics.jsonl`` and saves
-        ``out_dir/model``."""
+    def fit(
+        self, show_progress: bool = True, sinks: list[MetricsSink] | None = None
+    ) -> list[StepMetrics]:
+        """Train to ``train.steps`` (from wherever resume left off); checkpoint as configured;
+        stop gracefully on SIGTERM / SIGINT with a checkpoint."""
         tc = self.cfg.train
-        out = Path(self.cfg.out_dir)
         show = show_progress and self.is_main
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            sinks = [*list(sinks or []), JsonlSink(self.out / "metrics.jsonl", self.step)]
+            if show:
+                sinks.append(ConsoleSink(self.console, tc.log_every))
+        sinks = sinks or []
+        previous = {}
+        if threading_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self._on_signal)
         history: list[StepMetrics] = []
         columns = (
             TextColumn("[bold]train"),
@@ -188,28 +361,50 @@ class Trainer:
             TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(),
         )
-        if self.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-        log = (out / "metrics.jsonl").open("w") if self.is_main else None
-        with Progress(*columns, disable=not show) as bar:
-            task = bar.add_task("train", total=tc.steps, status="")
-            while self.step < tc.steps:
-                m = self.train_step()
-                history.append(m)
-                if log is not None:
-                    log.write(json.dumps(asdict(m)) + "\n")
-                    log.flush()
-                status = f"loss {m.loss:.3f}  aux {m.aux_loss:.4f}  {m.tokens_per_s:,.0f} tok/s"
-                bar.update(task, advance=1, status=status)
-                if show and (m.step % tc.log_every == 0 or m.step == tc.steps - 1):
-                    bar.console.print(
-                        f"step {m.step:>5}  loss {m.loss:.4f}  lb {m.lb_loss:.3f}  "
-                        f"z {m.z_loss:.3f}  grad {m.grad_norm:.3f}  lr {m.lr:.2e}  "
-                        f"{m.tokens_per_s:,.0f} tok/s"
-                    )
-        if log is not None:
-            log.close()
-        state = self.full_model_state()
-        if state is not None:
-            save_model_dir(state, self.cfg.model, out / "model")
+        saved_at = -1
+        try:
+            with Progress(*columns, console=self.console, disable=not show) as bar:
+                task = bar.add_task("train", total=tc.steps, completed=self.step, status="")
+                while self.step < tc.steps:
+                    m = self.train_step()
+                    if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == tc.steps):
+                        m.eval_loss = self.evaluate()
+                    history.append(m)
+                    for sink in sinks:
+                        sink.log(m.step, m.as_dict())
+                    bar.update(task, completed=self.step, status=f"loss {m.loss:.3f}")
+                    if self.guards.exhausted:
+                        self.save_checkpoint()
+                        self.checkpointer.wait()
+                        raise TrainingHaltedError(
+                            f"{self.guards.consecutive_skips} steps in a row had a non-finite loss "
+                            f"or gradient norm (last at step {m.step}); the last good state is "
+                            f"checkpointed at step {self.step} in {self.out / 'checkpoints'}."
+                        )
+                    if self.stop_requested:
+                        break
+                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
+                        self.save_checkpoint()
+                        saved_at = self.step
+                    self.checkpointer.poll()
+            if tc.checkpoint_at_end and saved_at != self.step:
+                self.save_checkpoint()
+            self.checkpointer.wait()
+            if self.stop_requested and self.is_main:
+                self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for sink in sinks:
+                sink.close()
+        if tc.save_model and not self.stop_requested:
+            state = self.full_model_state()
+            if state is not None:
+                save_model_dir(state, self.cfg.model, self.out / "model")
         return history
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,271 @@
+"""Sharded, atomic, resharding checkpoints on ``torch.distributed.checkpoint`` (DCP).
+
+What is saved: the ZeRO-1 optimizer's fp32 master weights and Adam moments, router buffers
+(the expert bias), and the trainer's state (step, guard counters, config). Model weights are the
+masters cast to the model dtype, so they are not stored twice. Each rank writes only what it
+owns: for every parameter, the contiguous range of its flattened *global* tensor that its shard
+covers, under the key ``opt/<name>/<kind>/<start>``. Loading in any layout reads the saved
+ranges that overlap what the loading rank owns, so a checkpoint written with ``ep=2, dp=2``
+loads into ``ep=1`` or ``pp=2`` (resharding on load).
+
+Publishing: DCP writes into ``.tmp-step_N``; once every rank has written, rank 0 adds
+``manifest.json`` (step, layout, every file's size and sha256) and renames the folder to
+``step_N``. A folder without a verifying manifest is never resumed from: resume picks the
+newest ``step_N`` whose manifest verifies and reports the ones that do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from moe_core.parallel.mesh import Mesh
+from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step_(\d{8})")
+_KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
+
+
+@dataclass
+class Owned:
+    """A range this rank owns: elements ``[start, start + length)`` of the flattened global
+    tensor ``name``, held at ``[local, local + length)`` of the rank's master shard ``index``."""
+
+    name: str
+    start: int
+    length: int
+    index: int
+    local: int
+
+
+def owned_ranges(opt: ShardedAdamW) -> list[Owned]:
+    out: list[Owned] = []
+    for i, b in enumerate(opt.buckets):
+        lo = b.shard.start
+        hi = min(b.shard.stop, b.numel)
+        for name, p, off, base in zip(b.names, b.params, b.offsets, b.global_starts, strict=True):
+            a, z = max(lo, off), min(hi, off + p.numel())
+            if a < z:
+                out.append(Owned(name, base + a - off, z - a, i, a - lo))
+    return out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Single-process runs save and load without a process group on purpose: no warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """None if the checkpoint's manifest verifies, else why not (one sentence)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{path.name} has no {MANIFEST}"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError):
+        return f"{path.name}/{MANIFEST} is unreadable"
+    for rel, info in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{path.name}/{rel} is missing"
+        if f.stat().st_size != info["bytes"]:
+            return (
+                f"{path.name}/{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+            )
+        if _sha256(f) != info["sha256"]:
+            return f"{path.name}/{rel} does not match its sha256"
+    return None
+
+
+class Checkpointer:
+    """Saves, publishes, prunes and finds checkpoints under ``root``."""
+
+    def __init__(
+        self, root: Path, mesh: Mesh, keep_last: int, keep_every: int, use_async: bool
+    ) -> None:
+        self.root, self.mesh = root, mesh
+        self.keep_last, self.keep_every, self.use_async = keep_last, keep_every, use_async
+        self.is_main = mesh.rank == 0
+        self.no_dist = not mesh.distributed
+        # Background saves talk over their own gloo group, never the training group.
+        self.group = dist.new_group(backend="gloo") if mesh.distributed else None
+        self._pending: tuple[Future, int, Path, dict] | None = None
+        if self.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-step_*"):
+                shutil.rmtree(stale, ignore_errors=True)  # a save that never completed
+        if mesh.distributed:
+            dist.barrier()
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    def state_dict(
+        self, opt: ShardedAdamW, buffers: dict[str, torch.Tensor], trainer: dict
+    ) -> dict:
+        state: dict[str, Any] = {"trainer": json.dumps(trainer), "adam_step": opt.step_count}
+        for o in owned_ranges(opt):
+            shards = opt.shards(o.index)
+            for kind in STATE_KEYS:
+                state[f"opt/{o.name}/{kind}/{o.start}"] = shards[kind][o.local : o.local + o.length]
+        for name, t in buffers.items():
+            state[f"buf/{name}"] = t
+        return state
+
+    def save(self, step: int, state: dict, layout: dict) -> None:
+        """Write ``state`` as checkpoint ``step``; synchronous unless configured async."""
+        self.wait()
+        tmp = self.root / f".tmp-step_{step:08d}"
+        meta = {"step": step, "layout": layout}
+        if self.use_async:
+            with _quiet():
+                fut = dcp.async_save(
+                    state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.no_dist
+                )
+            self._pending = (fut, step, tmp, meta)
+        else:
+            with _quiet():
+                dcp.save(
+                    state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.no_dist
+                )
+            self._publish(step, tmp, meta)
+
+    def poll(self) -> None:
+        """Publish a finished background save without waiting for an unfinished one."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        fut, step, tmp, meta = self._pending
+        self._pending = None
+        fut.result()
+        self._publish(step, tmp, meta)
+
+    def _publish(self, step: int, tmp: Path, meta: dict) -> None:
+        if self.is_main:
+            files = {
+                str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+                for f in sorted(tmp.rglob("*"))
+                if f.is_file()
+            }
+            manifest = {**meta, "created": time.time(), "files": files, "format": 1}
+            (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+            (tmp / (MANIFEST + ".tmp")).rename(tmp / MANIFEST)
+            final = self.root / f"step_{step:08d}"
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+
+    def _prune(self) -> None:
+        steps = sorted(self.published())
+        keep = set(steps[-self.keep_last :]) if self.keep_last > 0 else set(steps)
+        if self.keep_every > 0:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                shutil.rmtree(self.root / f"step_{s:08d}", ignore_errors=True)
+
+    # ---- finding and loading --------------------------------------------------------------
+
+    def published(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+
+    def newest_valid(self, report=print) -> Path | None:
+        """The newest checkpoint whose manifest verifies (checked on rank 0, agreed by all)."""
+        choice: list[str | None] = [None]
+        if self.is_main:
+            for step in sorted(self.published(), reverse=True):
+                path = self.root / f"step_{step:08d}"
+                problem = verify(path)
+                if problem is None:
+                    choice[0] = str(path)
+                    break
+                report(f"skipping checkpoint {path.name}: {problem}")
+        if self.mesh.distributed:
+            dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def load(self, path: Path, opt: ShardedAdamW, buffers: dict[str, torch.Tensor]) -> dict:
+        """Fill ``opt`` (and the model, through it) and ``buffers`` from ``path``; return the
+        trainer state. Works whatever layout wrote the checkpoint."""
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+        for key, md in metadata.items():
+            if m := _KEY.fullmatch(key):
+                saved.setdefault((m.group(1), m.group(2)), []).append(
+                    (int(m.group(3)), md.size[0], key)
+                )
+        owned = owned_ranges(opt)
+        request: dict[str, Any] = {"trainer": "", "adam_step": 0}
+        for o in owned:
+            for kind in STATE_KEYS:
+                for start, length, key in saved.get((o.name, kind), []):
+                    if start < o.start + o.length and o.start < start + length:
+                        request.setdefault(key, torch.empty(length, dtype=torch.float32))
+        missing = [o.name for o in owned if (o.name, "param") not in saved]
+        if missing:
+            raise ValueError(
+                f"checkpoint {path.name} has no weights for {missing[0]} (another model?)"
+            )
+        for name, t in buffers.items():
+            request[f"buf/{name}"] = torch.empty_like(t, device="cpu")
+        with _quiet():
+            dcp.load(
+                request, checkpoint_id=str(path), process_group=self.group, no_dist=self.no_dist
+            )
+
+        shards = [opt.shards(i, allocate=True) for i in range(len(opt.buckets))]
+        for o in owned:
+            for kind in STATE_KEYS:
+                dst = shards[o.index][kind][o.local : o.local + o.length]
+                for start, length, key in saved[(o.name, kind)]:
+                    a, z = max(start, o.start), min(start + length, o.start + o.length)
+                    if a < z:
+                        src = request[key][a - start : z - start]
+                        dst[a - o.start : z - o.start].copy_(src)
+        opt.set_step(int(request["adam_step"]))
+        opt.publish_weights()
+        for name, t in buffers.items():
+            t.copy_(request[f"buf/{name}"])
+        return json.loads(request["trainer"])
+
+
+def router_buffers(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Persistent buffers (the routers' expert bias) by global name."""
+    out: dict[str, torch.Tensor] = {}
+    for m in modules:
+        for name, buf in m.named_buffers():
+            if name.endswith("expert_bias"):
+                out[name] = buf
+    return out

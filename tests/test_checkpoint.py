@@ -1,0 +1,216 @@
+"""Checkpoints survive failures: kill -9 and resume is bit-exact, corruption is detected,
+checkpoints reshard across layouts, and retention keeps what it should."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import BASE, TESTS, explain, losses, torchrun
+from rich.console import Console
+
+from moe_core.compose import compose_run
+from moe_core.convert.native import load_model_dir
+from moe_core.train.checkpoint import MANIFEST, verify
+from moe_core.train.trainer import Trainer
+
+STEPS = 8
+
+
+def train_cmd(nproc: int, out: Path, extra: list[str]) -> list[str]:
+    args = [*BASE, f"train.steps={STEPS}", "train.checkpoint_every=1", f"out_dir={out}", *extra]
+    if nproc == 1:
+        return [sys.executable, "-m", "moe_core.cli", "train", *args]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc-per-node={nproc}", "-m", "moe_core.cli", "train", *args]
+
+
+def kill_everything_mentioning(marker: str) -> None:
+    """SIGKILL every process whose command line mentions ``marker`` (launcher and workers)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline and int(pid) != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def run_and_kill(cmd: list[str], out: Path, after_steps: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= after_steps:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (code {proc.returncode}) before step {after_steps}")
+        time.sleep(0.02)
+    kill_everything_mentioning(f"out_dir={out}")
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL or proc.returncode != 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["parallel.ep=2"])], ids=["1proc", "ep2"])
+def test_sigkill_and_resume_is_bit_identical(nproc, extra, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    done = subprocess.run(
+        train_cmd(nproc, straight, extra), env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, explain(done)
+
+    kill_at = random.Random(nproc).randint(2, STEPS - 2)
+    run_and_kill(train_cmd(nproc, crashed, extra), crashed, kill_at)
+    assert len(losses(crashed)) < STEPS, "the run was killed before finishing"
+    resumed = subprocess.run(
+        train_cmd(nproc, crashed, extra), env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, explain(resumed)
+    assert "resumed from" in resumed.stdout
+
+    assert losses(crashed) == losses(straight)  # per step, exactly
+    _, a = load_model_dir(straight / "model")
+    _, b = load_model_dir(crashed / "model")
+    for name, t in a.items():
+        assert torch.equal(t, b[name]), f"{name} differs after resume"
+
+
+def test_corrupted_newest_checkpoint_is_skipped(tmp_path):
+    args = [*BASE, "train.steps=4", "train.checkpoint_every=2", f"out_dir={tmp_path}"]
+    Trainer(compose_run(args)).fit(show_progress=False)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
+    newest = ckpts / "step_00000004"
+    victim = max(
+        (p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size
+    )
+    with victim.open("r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    assert "bytes, the manifest says" in verify(newest)
+
+    console = Console(record=True, width=200)
+    trainer = Trainer(compose_run([*args, "train.steps=6"]), console=console)
+    assert trainer.step == 2 and trainer.resumed_from == ckpts / "step_00000002"
+    assert "skipping checkpoint step_00000004" in console.export_text()
+    assert newest.exists(), "a corrupt checkpoint is reported, not deleted"
+
+
+def test_partial_checkpoint_without_manifest_is_never_used(tmp_path):
+    args = [*BASE, "train.steps=2", "train.checkpoint_every=1", f"out_dir={tmp_path}"]
+    Trainer(compose_run(args)).fit(show_progress=False)
+    (tmp_path / "checkpoints" / "step_00000002" / MANIFEST).unlink()
+    assert Trainer(compose_run(args)).step == 1
+
+
+@pytest.mark.slow
+def test_checkpoint_from_ep2_reshards_into_one_process_and_pp2(tmp_path):
+    saved = tmp_path / "ep2"
+    common = [*BASE, "train.steps=3", "train.eval_every=3", "train.eval_batches=2"]
+    result = torchrun(
+        2, ["-m", "moe_core.cli", "train", *common, "parallel.ep=2", f"out_dir={saved}"]
+    )
+    assert result.returncode == 0, explain(result)
+    eval_ep2 = json.loads((saved / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
+    _, weights_ep2 = load_model_dir(saved / "model")
+
+    one = Trainer(compose_run([*common, f"out_dir={saved}"]))  # resumes the EP=2 checkpoint
+    assert one.step == 3 and one.resumed_from is not None
+    assert abs(one.evaluate() - eval_ep2) < 1e-5 * abs(eval_ep2)
+    for name, t in one.chunks[0].state_dict().items():
+        assert torch.equal(t, weights_ep2[name]), name  # masters are restored exactly
+
+    pp_dir = tmp_path / "pp2"
+    pp_dir.mkdir()
+    os.symlink(saved / "checkpoints", pp_dir / "checkpoints")
+    result = torchrun(
+        2,
+        [
+            str(TESTS / "dist_jobs.py"),
+            "eval",
+            str(tmp_path / "pp2.json"),
+            *common,
+            "parallel.pp=2",
+            f"out_dir={pp_dir}",
+        ],
+    )
+    assert result.returncode == 0, explain(result)
+    got = json.loads((tmp_path / "pp2.json").read_text())
+    assert got["step"] == 3
+    assert abs(got["eval_loss"] - eval_ep2) < 1e-5 * abs(eval_ep2)
+
+
+def test_retention_keeps_last_n_and_every_kth(tmp_path):
+    args = [
+        *BASE,
+        "train.steps=9",
+        "train.checkpoint_every=1",
+        "train.keep_last=2",
+        "train.keep_every=4",
+        f"out_dir={tmp_path}",
+    ]
+    Trainer(compose_run(args)).fit(show_progress=False)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000008", "step_00000009"]
+
+
+def test_async_checkpoint_equals_sync(tmp_path):
+    runs = {}
+    for mode in ("false", "true"):
+        out = tmp_path / mode
+        args = [
+            *BASE,
+            "train.steps=3",
+            "train.checkpoint_every=1",
+            f"train.async_checkpoint={mode}",
+            f"out_dir={out}",
+        ]
+        Trainer(compose_run(args)).fit(show_progress=False)
+        runs[mode] = out
+    for step in (1, 2, 3):
+        for mode in runs:
+            assert verify(runs[mode] / "checkpoints" / f"step_{step:08d}") is None
+    a = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={runs['false']}"]))
+    b = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={runs['true']}"]))
+    for (name, x), (_, y) in zip(
+        a.chunks[0].state_dict().items(), b.chunks[0].state_dict().items(), strict=True
+    ):
+        assert torch.equal(x, y), name
+
+
+def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_core.cli",
+        "train",
+        *BASE,
+        "train.steps=100000",
+        f"out_dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.time() < deadline and proc.poll() is None, "the run did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout
+    assert "stopped at step" in stdout
+    steps = [int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").iterdir()]
+    assert len(steps) == 1 and steps[0] == len(losses(tmp_path)) and steps[0] < 100000
