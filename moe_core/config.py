@@ -120,7 +120,7 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast over fp32 master weights
     log_every: int = 10
     eval_every: int = 0  # held-out loss every N steps (0: never)
-    eval_batches: int = 4  # micro-batches per data-parallel rank in one evaluation
+    eval_batches: int = 4  # micro-batches in one evaluation, split over the data-parallel ranks
     checkpoint_every: int = 0  # 0: no periodic checkpoints
     checkpoint_at_end: bool = True  # also on a graceful stop (SIGTERM / SIGINT)
     keep_last: int = 3  # newest checkpoints kept ...
@@ -248,6 +248,12 @@ class RunConfig:
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"a multiple of micro_batch_size x dp x ep ({per_step})",
+            )
+        if t.eval_batches % par.data_parallel:
+            _fail(
+                "train.eval_batches",
+                t.eval_batches,
+                f"a multiple of dp x ep ({par.data_parallel})",
             )
         n_micro = t.global_batch_size // per_step
         if par.pp_schedule == "interleaved_1f1b" and n_micro % par.pp:

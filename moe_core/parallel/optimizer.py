@@ -29,8 +29,15 @@ class ShardedAdamW:
         weight_decay: float,
     ) -> None:
         self.buckets, self.mesh = buckets.buckets, mesh
+        # fp32 model weights are their own masters (the shard is a view, updated in place);
+        # lower-precision weights get an fp32 copy.
         self.masters: list[nn.Parameter] = [
-            nn.Parameter(b.param_flat[b.shard].detach().float().clone()) for b in self.buckets
+            nn.Parameter(
+                b.param_flat[b.shard].detach()
+                if b.param_flat.dtype == torch.float32
+                else b.param_flat[b.shard].detach().float().clone()
+            )
+            for b in self.buckets
         ]
         decay = [m for m, b in zip(self.masters, self.buckets, strict=True) if b.decay]
         no_decay = [m for m, b in zip(self.masters, self.buckets, strict=True) if not b.decay]
@@ -80,7 +87,8 @@ class ShardedAdamW:
     def publish_weights(self) -> None:
         """Model weights := masters (cast to the model dtype), gathered over each bucket's group."""
         for m, b in zip(self.masters, self.buckets, strict=True):
-            b.param_flat[b.shard].copy_(m.detach())
+            if m.data_ptr() != b.param_flat[b.shard].data_ptr():
+                b.param_flat[b.shard].copy_(m.detach())
             if b.group is not None:
                 shard = b.param_flat[b.shard].clone()
                 dist.all_gather_into_tensor(b.param_flat, shard, group=b.group)

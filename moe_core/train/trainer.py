@@ -130,20 +130,18 @@ class Trainer:
 
     # ---- data -----------------------------------------------------------------------------
 
-    def micro_batches(
-        self, step: int | None = None, base: int = 0, count_per_rank: int | None = None
-    ) -> list[torch.Tensor]:
-        """This rank's micro-batches: sequences are numbered globally, and data rank ``d`` reads
-        the ``d``-th contiguous slice of the step's global batch."""
+    def micro_batches(self) -> list[torch.Tensor]:
+        """This rank's micro-batches of the current step: sequences are numbered globally, and
+        data rank ``d`` reads the ``d``-th contiguous slice of the step's global batch."""
         tc = self.cfg.train
-        step = self.step if step is None else step
         per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
-        n_micro = self.cfg.micro_batches if count_per_rank is None else count_per_rank
-        start = base + step * tc.global_batch_size + self.mesh.data_rank * per_rank
-        mb = tc.micro_batch_size
+        start = self.step * tc.global_batch_size + self.mesh.data_rank * per_rank
+        return self._sequences(start, self.cfg.micro_batches)
+
+    def _sequences(self, start: int, n_micro: int) -> list[torch.Tensor]:
+        mb, seq_len = self.cfg.train.micro_batch_size, self.cfg.train.seq_len
         return [
-            self.data.sequences(start + j * mb, mb, tc.seq_len).to(self.device)
-            for j in range(n_micro)
+            self.data.sequences(start + j * mb, mb, seq_len).to(self.device) for j in range(n_micro)
         ]
 
     # ---- one step -------------------------------------------------------------------------
@@ -269,14 +267,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean held-out loss over ``eval_batches`` micro-batches per data-parallel rank."""
+        """Mean held-out loss over ``eval_batches`` micro-batches, split over the data ranks
+        (the same sequences whatever the layout)."""
         tc = self.cfg.train
-        batches = self.micro_batches(step=0, base=EVAL_BASE, count_per_rank=tc.eval_batches)
+        per_rank = tc.eval_batches // self.cfg.parallel.data_parallel
+        start = EVAL_BASE + self.mesh.data_rank * per_rank * tc.micro_batch_size
+        batches = self._sequences(start, per_rank)
         with router_stats_paused():
             ce_sum, _ = self._forward_backward(batches, forward_only=True)
         if self.mesh.distributed:
             dist.all_reduce(ce_sum)
-        return float(ce_sum) / (tc.eval_batches * self.cfg.parallel.data_parallel)
+        return float(ce_sum) / tc.eval_batches
 
     # ---- checkpoints ----------------------------------------------------------------------
 
