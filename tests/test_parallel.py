@@ -128,7 +128,7 @@ def test_nccl_bf16_ep2_and_dp2_match_one_gpu(tmp_path):
             nproc, [str(TESTS / "dist_jobs.py"), "optimizer", str(out), *bf16, *extra]
         )
         assert result.returncode == 0, explain(result)
-        runs[name] = torch.load(out, weights_only=False)
+        runs[name] = torch.load(out, weights_only=False, map_location="cpu")
     ref = runs["one-gpu"]
     init = {
         k: v.bfloat16().float()
