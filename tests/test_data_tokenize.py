@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from moe_core.cli import main
 from moe_core.compose import compose_run
@@ -23,6 +25,7 @@ from moe_core.data.manifest import verify_data_dir
 from moe_core.data.sources import kjv_chapters
 from moe_core.data.tokenize import is_validation, tokenize_corpus, validation_phase
 from moe_core.data.tokenizer import load_tokenizer
+from moe_core.train.trainer import Trainer
 
 KJV_SMALL = dict(
     kind="tokens",
@@ -375,3 +378,23 @@ def test_files_option_requires_a_path(capsys):
     )
     assert main(["tokenize", "data=synthetic"]) == 2
     assert "data.kind='synthetic' is not allowed for moe tokenize" in capsys.readouterr().out
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine torch's spinning threads slow it ~30x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_moe_train_reads_the_tokenized_corpus(tmp_path, one_thread):
+    common = [f"out_dir={tmp_path}", "data=kjv", "data.max_documents=30", "data.workers=1"]
+    assert main(["tokenize", *common, "data.bpe_vocab_size=512"]) == 0
+    run = compose_run([*common, "data.bpe_vocab_size=512", "train.seq_len=32"])
+    trainer = Trainer(dataclasses.replace(run, train=dataclasses.replace(run.train, steps=2)))
+    expected = next(iter(TokenLoader(run.data.dir, "train", 32, run.train.micro_batch_size)))
+    assert torch.equal(trainer._micro_batch(0), expected)
+    history = trainer.fit(show_progress=False)
+    assert len(history) == 2 and all(math.isfinite(m.loss) for m in history)

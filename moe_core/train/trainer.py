@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import RunConfig
+from moe_core.config import RunConfig, check_tokenizer_fits
 from moe_core.convert.native import save_model_dir
+from moe_core.data.loader import TokenLoader
 from moe_core.data.synthetic import SyntheticTokens
 from moe_core.model import Transformer, build_model, lm_loss
 from moe_core.model.moe import Router
@@ -70,8 +71,24 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
+        self.loader: TokenLoader | None = None
+        if cfg.data.kind == "tokens":
+            assert cfg.data.dir is not None
+            self.loader = TokenLoader(
+                cfg.data.dir, "train", tc.seq_len, tc.micro_batch_size, seed=tc.seed
+            )
+            vocab = self.loader.dataset.manifest.tokenizer["vocab_size"]
+            check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size)
+            self._batches = iter(self.loader)
         self.micro_batches = tc.global_batch_size // tc.micro_batch_size
         self.step = 0
+
+    def _micro_batch(self, index: int) -> torch.Tensor:
+        """Micro-batch ``index`` of the run: token shards when configured, else synthetic."""
+        tc = self.cfg.train
+        if self.loader is None:
+            return self.data.batch(index, tc.micro_batch_size, tc.seq_len)
+        return next(self._batches)
 
     def train_step(self) -> StepMetrics:
         tc = self.cfg.train
@@ -84,7 +101,7 @@ class Trainer:
         autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=tc.dtype == "bf16")
         for micro in range(self.micro_batches):
             index = self.step * self.micro_batches + micro
-            tokens = self.data.batch(index, tc.micro_batch_size, tc.seq_len).to(self.device)
+            tokens = self._micro_batch(index).to(self.device)
             with autocast:
                 logits, aux = self.model(tokens[:, :-1])
                 loss = lm_loss(logits, tokens[:, 1:])
