@@ -135,7 +135,6 @@ class SplitWriter:
         last = self.records[-1] if self.records else None
         self.resume = (last.next_doc, last.next_offset) if last else (0, 0)
         self.documents = last.documents if last else 0
-        self.written = 0
         self._tokens: list[np.ndarray] = []
         self._docs: list[np.ndarray] = []
         self._ends: list[np.ndarray] = []
@@ -198,5 +197,4 @@ class SplitWriter:
         else:
             atomic_write(path, data, sync=False)
             atomic_write(on_disk, json_bytes(asdict(record)), sync=False)
-            self.written += 1
         self.records.append(record)

@@ -72,11 +72,9 @@ def validation_mask(indices: np.ndarray, fraction: float, phase: float) -> np.nd
 class _Run:
     """Counters of one tokenize call, for the progress bar and the summary."""
 
-    documents: int = 0
     tokens: int = 0
-    shards_written: int = 0
     shards_reused: int = 0
-    train_seconds: float = 0.0
+    tokenizer_seconds: float = 0.0  # building (for bpe: training) the tokenizer
     tokenize_seconds: float = 0.0
 
 
@@ -99,31 +97,19 @@ def tokenize_corpus(
     source = open_source(cfg)
     spec = job_spec(cfg, source)
     job = _existing_job(out, spec)
-    if job is not None and (out / MANIFEST).is_file():
-        if model_vocab_size is not None:
-            check_tokenizer_fits(cfg, job["tokenizer"]["vocab_size"], model_vocab_size)
-        try:
-            manifest = verify_data_dir(out)
-        except DataError as err:
-            if show_progress:
-                console.print(f"repairing {out}: {err}", highlight=False, soft_wrap=True)
-        else:
-            if show_progress:
-                console.print(
-                    f"{out} is complete and verified: {manifest.total_tokens:,} tokens "
-                    f"in {sum(len(manifest.shards(s)) for s in SPLITS)} shards",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-            return out
+    if job is not None and model_vocab_size is not None:
+        check_tokenizer_fits(cfg, job["tokenizer"]["vocab_size"], model_vocab_size)
+    if job is not None and _complete(out, console if show_progress else None):
+        return out
 
     run = _Run()
     phase = validation_phase(cfg.seed)
     tick = time.perf_counter()
     built = _tokenizer(cfg, out, job, source, phase)
-    run.train_seconds = time.perf_counter() - tick if job is None else 0.0
+    run.tokenizer_seconds = time.perf_counter() - tick if job is None else 0.0
     if model_vocab_size is not None:
         check_tokenizer_fits(cfg, built.vocab_size, model_vocab_size)
+    created = not out.exists()
     if job is None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / JOB, json_bytes({"spec": spec, "tokenizer": built.info()}))
@@ -146,7 +132,6 @@ def tokenize_corpus(
         for first_index, lengths, flat in _encoded(_tasks(source, first, needed), built, cfg):
             end = first_index + len(lengths)
             _route(first_index, lengths, flat, writers, resume, cfg.validation_fraction, phase)
-            run.documents += len(lengths)
             run.tokens += len(flat)
             rate = run.tokens / max(time.perf_counter() - tick, 1e-9)
             shards = sum(len(w.records) for w in writers.values())
@@ -157,10 +142,14 @@ def tokenize_corpus(
             )
     records = {s: w.finish() for s, w in writers.items()}
     run.tokenize_seconds = time.perf_counter() - tick
-    run.shards_written = sum(w.written for w in writers.values())
     run.shards_reused = sum(w.reused for w in writers.values())
     total_tokens = sum(w.tokens for w in writers.values())
     if total_tokens == 0:
+        if job is None:  # nothing but what this call wrote: leave no half-made directory
+            for name in (JOB, *built.files):
+                (out / name).unlink()
+            if created and not any(out.iterdir()):
+                out.rmdir()
         raise DataError(
             f"the corpus ({_describe_source(spec)}) holds no text in data.text_field="
             f"{cfg.text_field!r}: give a corpus whose documents have text."
@@ -175,6 +164,26 @@ def tokenize_corpus(
 
 # --------------------------------------------------------------------------------------------
 # the directory and its job
+
+
+def _complete(out: Path, console: Console | None) -> bool:
+    """Whether ``out`` already holds the finished, verified output (else it gets repaired)."""
+    if not (out / MANIFEST).is_file():
+        return False
+    try:
+        manifest = verify_data_dir(out)
+    except DataError as err:
+        if console is not None:
+            console.print(f"repairing {out}: {err}", highlight=False, soft_wrap=True)
+        return False
+    if console is not None:
+        shards = sum(len(manifest.shards(s)) for s in SPLITS)
+        console.print(
+            f"{out} is complete and verified: {manifest.total_tokens:,} tokens in {shards} shards",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return True
 
 
 def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -421,15 +430,15 @@ def _summary(
     shards = sum(len(s["shards"]) for s in splits.values())
     size = sum((out / sh["file"]).stat().st_size for s in splits.values() for sh in s["shards"])
     rate = run.tokens / max(run.tokenize_seconds, 1e-9)
-    trained = f", BPE trained in {run.train_seconds:.1f} s" if run.train_seconds > 0.05 else ""
-    reused = f"; {run.shards_reused} shards were already on disk" if run.shards_reused else ""
+    ready = f", tokenizer ready in {run.tokenizer_seconds:.1f} s" if run.tokenizer_seconds else ""
+    reused = f"; {run.shards_reused} of them were already on disk" if run.shards_reused else ""
     console.print(
         f"tokenized {manifest['documents']:,} documents into {manifest['total_tokens']:,} tokens "
         f"(train {splits['train']['tokens']:,} in {splits['train']['documents']:,} documents, "
         f"validation {splits['validation']['tokens']:,} in "
         f"{splits['validation']['documents']:,}), {shards} shards of {manifest['dtype']}, "
         f"{size / 1e6:,.1f} MB, in {seconds:.1f} s ({rate:,.0f} tokens/s tokenizing"
-        f"{trained}){reused}: {out}",
+        f"{ready}){reused}: {out}",
         highlight=False,
         soft_wrap=True,
     )
