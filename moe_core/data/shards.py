@@ -102,8 +102,11 @@ def scan_split(data_dir: Path, split: str, dtype: str) -> tuple[list[ShardRecord
     """The longest run of verified shards from the first, and verified shards beyond it."""
     prefix: list[ShardRecord] = []
     later: set[int] = set()
-    records = sorted(data_dir.glob(f"{split}-[0-9][0-9][0-9][0-9][0-9].json"))
-    by_index = {int(p.stem.rsplit("-", 1)[1]): p for p in records}
+    by_index = {
+        int(p.stem.rsplit("-", 1)[1]): p
+        for p in data_dir.glob(f"{split}-*.json")
+        if p.stem.rsplit("-", 1)[1].isdigit()
+    }
     for index in sorted(by_index):
         try:
             record = ShardRecord(**json.loads(by_index[index].read_text()))
