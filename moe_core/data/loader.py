@@ -60,8 +60,6 @@ class TokenLoader:
             )
         self.epoch = 0
         self.batch = 0  # the next micro-batch of this rank within the epoch
-        self._permutation: Permutation | None = None
-        self._permutation_epoch = -1
 
     @property
     def instances_per_epoch(self) -> int:
@@ -74,10 +72,7 @@ class TokenLoader:
         positions = np.arange(first, first + self.micro_batch_size, dtype=np.int64)
         if self.split == "validation":
             return positions
-        if self._permutation is None or self._permutation_epoch != epoch:
-            self._permutation = Permutation(len(self.dataset), self.seed, epoch)
-            self._permutation_epoch = epoch
-        return self._permutation(positions)
+        return Permutation(len(self.dataset), self.seed, epoch)(positions)
 
     def _next(self) -> torch.Tensor:
         batch_BT = self.dataset.batch(self.instance_indices(self.epoch, self.batch))
