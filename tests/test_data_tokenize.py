@@ -180,10 +180,6 @@ def test_literal_end_of_text_in_a_document_is_not_a_document_boundary(tmp_path):
 # resume: kill mid-run, broken shards, half-written files
 
 
-def _file_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
 @pytest.mark.timeout(120)
 def test_killed_tokenize_reruns_to_byte_identical_shards_and_manifest(tmp_path):
     overrides = [
@@ -218,7 +214,7 @@ def test_killed_tokenize_reruns_to_byte_identical_shards_and_manifest(tmp_path):
     one_worker = dataclasses.replace(cfg, workers=1)  # the output does not depend on it
     whole = tokenize_corpus(one_worker, tmp_path / "whole", show_progress=False)
     assert len(survivors) < len(verify_data_dir(whole).shards("train"))
-    assert _file_bytes(killed) == _file_bytes(whole)
+    assert snapshot(killed) == snapshot(whole)
     kept = {name: (killed / name).stat().st_mtime_ns for name in survivors}
     assert kept == survivors, "verified shards were rewritten instead of skipped"
     assert not list(killed.glob(".*"))
