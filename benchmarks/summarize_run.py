@@ -1,6 +1,6 @@
 """Summarize a training run's metrics.jsonl: medians over the steps after warm-up.
 
-    python benchmarks/summarize_run.py RUN_DIR/metrics.jsonl --skip 5 --label NAME --out OUT.json
+python benchmarks/summarize_run.py RUN_DIR/metrics.jsonl --skip 5 --label NAME --out OUT.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``moe`` command: ``info``, ``train`` and ``convert``.
+"""The ``moe`` command: ``info``, ``tokenize``, ``train`` and ``convert``.
 
 Config-driven commands take Hydra overrides (``moe info model=1t``); the config is composed
 and validated before anything heavy is imported or started.
@@ -10,9 +10,11 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moe_core.config import ConfigError
+from moe_core.data.errors import DataError
 
 console = Console()
 
@@ -45,6 +47,27 @@ def cmd_info(args: argparse.Namespace) -> None:
         table.add_row(name, value)
     table.add_row("FLOPs counted at seq_len", str(m.max_seq_len))
     console.print(table)
+
+
+def cmd_tokenize(args: argparse.Namespace) -> None:
+    from moe_core.compose import compose_run
+
+    overrides = list(args.overrides)
+    if not any(o.lstrip("+").startswith("data=") for o in overrides):
+        overrides.insert(0, "data=kjv")
+    run = compose_run(overrides, args.config_dir)
+    if run.data.kind != "tokens":
+        raise ConfigError(
+            f"data.kind={run.data.kind!r} is not allowed for moe tokenize: choose a data option "
+            "that makes token shards (data=kjv, data=kjv-gpt2, data=files or data=hub)."
+        )
+    from moe_core.data.tokenize import tokenize_corpus
+
+    assert run.data.dir is not None
+    out = tokenize_corpus(
+        run.data, run.data.dir, model_vocab_size=run.model.vocab_size, console=console
+    )
+    console.print(f"wrote {out}/manifest.json", highlight=False, soft_wrap=True)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -107,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
         ("info", cmd_info, "print a model's total/active parameters and FLOPs per token"),
+        ("tokenize", cmd_tokenize, "tokenize a corpus into token shards (default: data=kjv)"),
         ("train", cmd_train, "train a model (single process for now)"),
     ):
         p = sub.add_parser(name, help=helptext)
@@ -132,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
-        console.print(f"[red]error:[/] {err}", highlight=False)
+    except (ConfigError, DataError, FileNotFoundError, FileExistsError) as err:
+        console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

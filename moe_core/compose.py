@@ -39,14 +39,17 @@ def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) ->
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     root = config_dir(path)
     _register_defaults()
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
             cfg = compose("config", overrides=list(overrides))
-        data = OmegaConf.to_container(cfg, resolve=True)
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as err:
+        key = err.full_key
+        raise ConfigError(f"{key} has no value: give one as an override ({key}=...).") from None
     except (HydraException, OmegaConfBaseException) as err:
         first = str(err).strip().splitlines()[0]
         unknown = re.search(r"Could not override '([\w.]+)'", first)

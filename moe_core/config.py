@@ -164,15 +164,84 @@ class TrainConfig:
             )
 
 
+GPT2_VOCAB_SIZE = 50257  # data.tokenizer=gpt2, known without loading it
+MIN_BPE_VOCAB_SIZE = 257  # the 256 byte symbols and the end-of-text token
+
+
 @dataclass
 class DataConfig:
-    """Where training tokens come from. ``synthetic`` needs no files (a seeded Markov stream)."""
+    """Where training tokens come from and how a corpus becomes token shards.
 
-    kind: Literal["synthetic"] = "synthetic"
+    ``synthetic`` needs no files (a seeded Markov stream). ``tokens`` reads the shards that
+    ``moe tokenize`` writes into ``dir`` from one source: ``path`` (local text, jsonl/json, csv or
+    parquet files, a folder of them or a glob), ``hub`` (a Hugging Face dataset name) or, when
+    neither is set, the built-in offline corpus (the King James Bible, one document per chapter).
+    """
+
+    kind: Literal["synthetic", "tokens"] = "synthetic"
     branching: int = 4  # synthetic: how many successors each token can have
+    path: str | None = None
+    hub: str | None = None
+    hub_config: str | None = None
+    hub_split: str = "train"
+    streaming: bool = True  # hub: read the dataset as a stream instead of downloading it whole
+    text_field: str = "text"
+    max_documents: int | None = None  # None: every document of the source
+    tokenizer: str = "bpe"  # "gpt2", "bpe" (trained on the corpus) or a Hugging Face name/path
+    bpe_vocab_size: int = 4096
+    bpe_train_chars: int = 200_000_000  # the trained BPE sees at most this much training text
+    shard_tokens: int = 1 << 24  # tokens per shard file (the last one of a split holds the rest)
+    validation_fraction: float = 0.01  # share of documents held out, spread evenly by seed
+    seed: int = 0
+    workers: int = 0  # tokenizing processes; 0: one per CPU core
+    dir: str | None = None  # the token shards; None: <out_dir>/data
 
     def __post_init__(self) -> None:
-        _positive("data.branching", self.branching)
+        p = "data."
+        _positive(p + "branching", self.branching)
+        if self.path is not None and self.hub is not None:
+            _fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
+        for name in ("path", "hub", "text_field", "tokenizer", "hub_split", "dir"):
+            if getattr(self, name) == "":
+                _fail(p + name, "", "a non-empty string")
+        if self.max_documents is not None:
+            _positive(p + "max_documents", self.max_documents)
+        for name in ("bpe_train_chars", "shard_tokens"):
+            _positive(p + name, getattr(self, name))
+        if self.bpe_vocab_size < MIN_BPE_VOCAB_SIZE:
+            _fail(
+                p + "bpe_vocab_size",
+                self.bpe_vocab_size,
+                f"at least {MIN_BPE_VOCAB_SIZE} (256 byte symbols and the end-of-text token)",
+            )
+        if not 0.0 <= self.validation_fraction <= 0.5:
+            _fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
+        for name in ("seed", "workers"):
+            _non_negative(p + name, getattr(self, name))
+
+    @property
+    def tokenizer_vocab_size(self) -> int | None:
+        """The tokenizer's size when the config alone says it (gpt2, bpe), else None."""
+        if self.tokenizer == "gpt2":
+            return GPT2_VOCAB_SIZE
+        if self.tokenizer == "bpe":
+            return self.bpe_vocab_size
+        return None
+
+
+def check_tokenizer_fits(data: DataConfig, vocab_size: int, model_vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids the model's embedding cannot hold."""
+    if vocab_size <= model_vocab_size:
+        return
+    if data.tokenizer == "bpe":
+        _fail("data.bpe_vocab_size", vocab_size, f"at most model.vocab_size ({model_vocab_size})")
+    _fail(
+        "data.tokenizer",
+        data.tokenizer,
+        f"it has {vocab_size} tokens, more than model.vocab_size ({model_vocab_size}); choose a "
+        f"model whose vocabulary holds at least {vocab_size} (such as model=olmoe-1b-7b) or a "
+        "smaller tokenizer (data.tokenizer=bpe)",
+    )
 
 
 @dataclass
@@ -229,6 +298,11 @@ class RunConfig:
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
+        if self.data.dir is None:
+            self.data.dir = f"{self.out_dir}/data"
+        vocab = self.data.tokenizer_vocab_size
+        if self.data.kind == "tokens" and vocab is not None:
+            check_tokenizer_fits(self.data, vocab, self.model.vocab_size)
         m, t, par = self.model, self.train, self.parallel
         if t.seq_len > m.max_seq_len:
             _fail("train.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")

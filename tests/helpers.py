@@ -64,3 +64,35 @@ def losses(run_dir: Path) -> list[float]:
     return [
         json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
     ]
+
+
+def write_token_dir(path, splits, shard_tokens, dtype="uint32"):
+    """A data directory holding exactly the given token arrays (through the real shard writer).
+
+    ``splits`` maps "train"/"validation" to 1-D integer arrays; each array is one document.
+    """
+    from pathlib import Path
+
+    import numpy as np
+
+    from moe_core.data.files import atomic_write, json_bytes, sha256_hex
+    from moe_core.data.manifest import MANIFEST, build_manifest
+    from moe_core.data.shards import SPLITS, SplitWriter
+    from moe_core.data.tokenizer import TOKENIZER_JSON
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = b'{"stand-in": "tokenizer"}'
+    atomic_write(out / TOKENIZER_JSON, tokenizer, sync=False)
+    records = {}
+    for split in SPLITS:
+        writer = SplitWriter(out, split, dtype, shard_tokens)
+        tokens = np.asarray(splits.get(split, []), dtype=np.int64)
+        if len(tokens):
+            writer.add(np.array([0]), np.array([len(tokens)]), tokens)
+        shards = writer.finish()
+        records[split] = (writer.documents, shards)
+    spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
+    info = {"sha256": sha256_hex(tokenizer), "vocab_size": 1 << 20, "eos_id": 0, "dtype": dtype}
+    atomic_write(out / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
+    return out

@@ -1,0 +1,74 @@
+"""Fixed-length instances read from memory-mapped token shards.
+
+Instance ``i`` of a split is tokens ``[i * (seq_len + 1), (i + 1) * (seq_len + 1))`` of the
+split's token stream (all its shards, in order): consecutive instances do not overlap, an instance
+may span a shard boundary, and the final partial instance is never served.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from moe_core.data.manifest import Manifest, verify_data_dir
+from moe_core.data.shards import SPLITS
+
+
+class TokenDataset:
+    """The ``seq_len + 1``-token instances of one split of a data directory."""
+
+    def __init__(
+        self, data_dir: str | Path, split: str, seq_len: int, *, checksums: bool = False
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not allowed: one of {', '.join(SPLITS)}.")
+        if seq_len <= 0:
+            raise ValueError(f"seq_len={seq_len} is not allowed: it must be positive.")
+        self.manifest: Manifest = verify_data_dir(data_dir, checksums=checksums)
+        self.split, self.seq_len = split, seq_len
+        self.instance_tokens = seq_len + 1
+        shards = self.manifest.shards(split)
+        self.paths = [self.manifest.data_dir / s["file"] for s in shards]
+        self.starts = np.concatenate([[0], np.cumsum([s["tokens"] for s in shards])]).astype(
+            np.int64
+        )
+        self._arrays: list[np.ndarray | None] = [None] * len(shards)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.tokens // self.instance_tokens
+
+    def _shard(self, k: int) -> np.ndarray:
+        array = self._arrays[k]
+        if array is None:
+            array = np.load(self.paths[k], mmap_mode="r")
+            self._arrays[k] = array
+        return array
+
+    def _fill(self, out: np.ndarray, start: int) -> None:
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < len(out):
+            offset = start + done - int(self.starts[k])
+            piece = self._shard(k)[offset : offset + len(out) - done]
+            out[done : done + len(piece)] = piece
+            done += len(piece)
+            k += 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.batch(np.array([index]))[0]
+
+    def batch(self, indices: np.ndarray) -> np.ndarray:
+        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``."""
+        out_BT = np.empty((len(indices), self.instance_tokens), dtype=np.int64)
+        n = len(self)
+        for row, index in enumerate(indices):
+            i = int(index)
+            if not 0 <= i < n:
+                raise IndexError(f"instance {i} is outside the {n} of the {self.split} split.")
+            self._fill(out_BT[row], i * self.instance_tokens)
+        return out_BT

@@ -1,0 +1,46 @@
+"""File helpers of the data stage: atomic writes, deterministic JSON, sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TMP_MARK = ".tmp-"
+
+
+def atomic_write(path: Path, data: bytes, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_temporaries(data_dir: Path) -> None:
+    """Drop what an interrupted writer left under a temporary name (never a finished file)."""
+    for p in data_dir.glob(f".*{TMP_MARK}*"):
+        if p.is_file():
+            p.unlink()
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Deterministic JSON: the same content always gives the same bytes."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,129 @@
+"""``manifest.json``: what a finished data directory holds, and the checks that it still does.
+
+The manifest is written last and atomically, so its presence means every shard it lists was
+complete when it was written. ``verify_data_dir`` is the check a pipeline stage runs before
+trusting a directory: the tokenizer file, and every shard's size and (optionally) sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_core.data.errors import DataError
+from moe_core.data.files import file_sha256
+from moe_core.data.shards import SPLITS, ShardRecord, shard_problem
+from moe_core.data.tokenizer import TOKENIZER_JSON
+
+FORMAT = "moe_core.tokens/1"
+MANIFEST = "manifest.json"
+
+
+def build_manifest(
+    spec: dict[str, Any],
+    tokenizer: dict[str, Any],
+    documents: int,
+    splits: dict[str, tuple[int, list[ShardRecord]]],
+) -> dict[str, Any]:
+    """The manifest of a finished run; ``splits`` maps a split to (documents, shard records)."""
+    out: dict[str, Any] = {
+        **spec,
+        "tokenizer": {**spec["tokenizer"], **tokenizer},
+        "dtype": tokenizer["dtype"],
+        "documents": documents,
+        "splits": {},
+    }
+    for split, (docs, records) in splits.items():
+        out["splits"][split] = {
+            "documents": docs,
+            "tokens": sum(r.tokens for r in records),
+            "shards": [r.summary() for r in records],
+        }
+    out["total_tokens"] = sum(s["tokens"] for s in out["splits"].values())
+    return out
+
+
+@dataclass
+class Manifest:
+    """A data directory's manifest, read and checked."""
+
+    data_dir: Path
+    content: dict[str, Any]
+    sha256: str  # of manifest.json: identifies this exact data
+
+    @property
+    def dtype(self) -> str:
+        return self.content["dtype"]
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        return self.content["tokenizer"]
+
+    @property
+    def total_tokens(self) -> int:
+        return self.content["total_tokens"]
+
+    def shards(self, split: str) -> list[dict[str, Any]]:
+        return self.content["splits"][split]["shards"]
+
+    def tokens(self, split: str) -> int:
+        return self.content["splits"][split]["tokens"]
+
+
+def read_manifest(data_dir: str | Path) -> Manifest:
+    d = Path(data_dir)
+    path = d / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"{d} has no {MANIFEST}, so it is not a finished moe tokenize output: run (or rerun, "
+            "to finish) moe tokenize with data.dir pointing there."
+        )
+    raw = path.read_bytes()
+    try:
+        content = json.loads(raw)
+    except ValueError as err:
+        raise DataError(
+            f"{path} is not valid JSON ({err}): rerun moe tokenize to rewrite it."
+        ) from None
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        found = content.get("format") if isinstance(content, dict) else None
+        raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: tokenize the corpus again.")
+    return Manifest(d, content, hashlib.sha256(raw).hexdigest())
+
+
+def verify_data_dir(
+    data_dir: str | Path, *, checksums: bool = True, tokenizer_sha256: str | None = None
+) -> Manifest:
+    """The manifest of ``data_dir`` once its tokenizer and shards check out against it.
+
+    Sizes and headers are always checked (cheap); ``checksums`` also hashes every shard.
+    ``tokenizer_sha256`` refuses a directory tokenized with any other tokenizer.
+    """
+    manifest = read_manifest(data_dir)
+    d = manifest.data_dir
+    recorded = manifest.tokenizer["sha256"]
+    if tokenizer_sha256 is not None and tokenizer_sha256 != recorded:
+        raise DataError(
+            f"{d / MANIFEST} comes from another tokenizer (sha256 {recorded[:16]}..., expected "
+            f"{tokenizer_sha256[:16]}...): tokenize the corpus again into a new data.dir."
+        )
+    tokenizer_file = d / TOKENIZER_JSON
+    found = file_sha256(tokenizer_file) if tokenizer_file.is_file() else "missing"
+    if found != recorded:
+        raise DataError(
+            f"{tokenizer_file} is {'missing' if found == 'missing' else 'another tokenizer'} "
+            f"(sha256 {found[:16]}..., manifest {recorded[:16]}...): the shards were written with "
+            "the manifest's tokenizer, so restore its tokenizer.json or tokenize again."
+        )
+    for split in SPLITS:
+        for shard in manifest.shards(split):
+            sha = shard["sha256"] if checksums else ""
+            problem = shard_problem(d, shard["file"], shard["tokens"], sha, manifest.dtype)
+            if problem is not None:
+                raise DataError(
+                    f"{problem}: rerun moe tokenize with the same settings to rewrite it."
+                )
+    return manifest

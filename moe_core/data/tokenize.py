@@ -1,0 +1,444 @@
+"""Corpus -> token shards + ``manifest.json``: the data stage behind ``moe tokenize``.
+
+Documents are read in a fixed order, tokenized in worker processes, followed each by EOS, split
+between ``train`` and ``validation`` by index, and cut into shards of exactly
+``data.shard_tokens`` tokens (the last of a split holds the rest). The output is a pure function
+of the settings: ``job.json`` (written before any shard) pins them, a rerun skips the verified
+shards already on disk and continues where they end, and the manifest comes last.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moe_core.config import ConfigError, DataConfig, check_tokenizer_fits
+from moe_core.data.encode import Encoder, encode_in_worker, init_worker
+from moe_core.data.errors import DataError
+from moe_core.data.files import TMP_MARK, atomic_write, file_sha256, json_bytes, remove_temporaries
+from moe_core.data.manifest import FORMAT, MANIFEST, build_manifest, verify_data_dir
+from moe_core.data.shards import SPLITS, SplitWriter
+from moe_core.data.sources import Source, open_source
+from moe_core.data.tokenizer import TOKENIZER_JSON, BuiltTokenizer, build_tokenizer
+
+JOB = "job.json"
+TASK_CHARS = 1 << 18  # text per worker task: small enough to keep every worker busy
+TASK_DOCS = 512
+
+
+def job_spec(cfg: DataConfig, source: Source) -> dict[str, Any]:
+    """Every setting the shards depend on (the tokenizer by request; its hash comes later)."""
+    tokenizer: dict[str, Any] = {"name": cfg.tokenizer}
+    if cfg.tokenizer == "bpe":
+        tokenizer.update(bpe_vocab_size=cfg.bpe_vocab_size, bpe_train_chars=cfg.bpe_train_chars)
+    return {
+        "format": FORMAT,
+        "source": source.description,
+        "text_field": cfg.text_field,
+        "max_documents": cfg.max_documents,
+        "tokenizer": tokenizer,
+        "shard_tokens": cfg.shard_tokens,
+        "validation": {"fraction": cfg.validation_fraction, "seed": cfg.seed},
+    }
+
+
+def validation_phase(seed: int) -> float:
+    """A number in [0, 1) fixed by the seed: where the evenly spaced held-out documents fall."""
+    return float(np.random.default_rng(seed).random())
+
+
+def is_validation(index: int, fraction: float, phase: float) -> bool:
+    """Document ``index`` is held out when ``index * fraction + phase`` crosses an integer."""
+    return math.floor((index + 1) * fraction + phase) > math.floor(index * fraction + phase)
+
+
+def validation_mask(indices: np.ndarray, fraction: float, phase: float) -> np.ndarray:
+    return np.floor((indices + 1) * fraction + phase) > np.floor(indices * fraction + phase)
+
+
+@dataclass
+class _Run:
+    """Counters of one tokenize call, for the progress bar and the summary."""
+
+    tokens: int = 0
+    shards_reused: int = 0
+    tokenizer_seconds: float = 0.0  # building (for bpe: training) the tokenizer
+    tokenize_seconds: float = 0.0
+
+
+def tokenize_corpus(
+    cfg: DataConfig,
+    out_dir: str | Path,
+    *,
+    model_vocab_size: int | None = None,
+    show_progress: bool = True,
+    console: Console | None = None,
+) -> Path:
+    """Tokenize the configured corpus into ``out_dir``; return it once ``manifest.json`` is there.
+
+    ``model_vocab_size`` refuses a tokenizer with more ids than the model can embed. Nothing that
+    is already in ``out_dir`` is deleted: a directory made with other settings is refused.
+    """
+    start = time.perf_counter()
+    console = console or Console(stderr=True)
+    out = Path(out_dir)
+    source = open_source(cfg)
+    spec = job_spec(cfg, source)
+    job = _existing_job(out, spec)
+    if job is not None and model_vocab_size is not None:
+        check_tokenizer_fits(cfg, job["tokenizer"]["vocab_size"], model_vocab_size)
+    if job is not None and _complete(out, console if show_progress else None):
+        return out
+
+    run = _Run()
+    phase = validation_phase(cfg.seed)
+    tick = time.perf_counter()
+    built = _tokenizer(cfg, out, job, source, phase)
+    run.tokenizer_seconds = time.perf_counter() - tick if job is None else 0.0
+    if model_vocab_size is not None:
+        check_tokenizer_fits(cfg, built.vocab_size, model_vocab_size)
+    created = not out.exists()
+    if job is None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / JOB, json_bytes({"spec": spec, "tokenizer": built.info()}))
+    for name, data in built.files.items():
+        if not (out / name).is_file() or (out / name).read_bytes() != data:
+            atomic_write(out / name, data)
+    remove_temporaries(out)
+
+    writers = {s: SplitWriter(out, s, built.dtype, cfg.shard_tokens) for s in SPLITS}
+    resume = {s: w.resume for s, w in writers.items()}
+    first = min(r[0] for r in resume.values())
+
+    def needed(index: int) -> bool:
+        split = "validation" if is_validation(index, cfg.validation_fraction, phase) else "train"
+        return index >= resume[split][0]
+
+    tick = time.perf_counter()
+    end = first
+    with _Progress(show_progress, console, source.total) as (bar, task):
+        for first_index, lengths, flat in _encoded(_tasks(source, first, needed), built, cfg):
+            end = first_index + len(lengths)
+            _route(first_index, lengths, flat, writers, resume, cfg.validation_fraction, phase)
+            run.tokens += len(flat)
+            rate = run.tokens / max(time.perf_counter() - tick, 1e-9)
+            shards = sum(len(w.records) for w in writers.values())
+            bar.update(
+                task,
+                completed=end,
+                status=f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards",
+            )
+    records = {s: w.finish() for s, w in writers.items()}
+    run.tokenize_seconds = time.perf_counter() - tick
+    run.shards_reused = sum(w.reused for w in writers.values())
+    total_tokens = sum(w.tokens for w in writers.values())
+    if total_tokens == 0:
+        if job is None:  # nothing but what this call wrote: leave no half-made directory
+            for name in (JOB, *built.files):
+                (out / name).unlink()
+            if created and not any(out.iterdir()):
+                out.rmdir()
+        raise DataError(
+            f"the corpus ({_describe_source(spec)}) holds no text in data.text_field="
+            f"{cfg.text_field!r}: give a corpus whose documents have text."
+        )
+    splits = {s: (writers[s].documents, records[s]) for s in SPLITS}
+    manifest = build_manifest(spec, built.info(), end, splits)
+    atomic_write(out / MANIFEST, json_bytes(manifest))
+    if show_progress:
+        _summary(console, out, manifest, run, time.perf_counter() - start)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the directory and its job
+
+
+def _complete(out: Path, console: Console | None) -> bool:
+    """Whether ``out`` already holds the finished, verified output (else it gets repaired)."""
+    if not (out / MANIFEST).is_file():
+        return False
+    try:
+        manifest = verify_data_dir(out)
+    except DataError as err:
+        if console is not None:
+            console.print(f"repairing {out}: {err}", highlight=False, soft_wrap=True)
+        return False
+    if console is not None:
+        shards = sum(len(manifest.shards(s)) for s in SPLITS)
+        console.print(
+            f"{out} is complete and verified: {manifest.total_tokens:,} tokens in {shards} shards",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return True
+
+
+def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The job already in ``out`` (same settings, or a one-sentence refusal), None if empty."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"data.dir={str(out)!r} is not allowed: it is a file, not a folder.")
+    if not out.is_dir():
+        return None
+    job_file = out / JOB
+    if not job_file.is_file():
+        foreign = sorted(p.name for p in out.iterdir() if TMP_MARK not in p.name)
+        if foreign:
+            raise ConfigError(
+                f"data.dir={str(out)!r} is not allowed: it holds files that moe tokenize did not "
+                f"write (such as {foreign[0]}); give a new or empty folder."
+            )
+        return None
+    job = _read_json(job_file)
+    old = job.get("spec", {})
+    if old != spec:
+        raise ConfigError(
+            f"data.dir={str(out)!r} is not allowed: it holds shards made with "
+            f"{_difference(old, spec)}; choose another data.dir, or delete that folder to start "
+            "over."
+        )
+    return job
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        content = json.loads(path.read_text())
+    except ValueError as err:
+        raise DataError(
+            f"{path} is not valid JSON ({err}): delete its folder to start over."
+        ) from None
+    return content
+
+
+def _describe_tokenizer(spec: dict[str, Any]) -> str:
+    tok = spec.get("tokenizer", {})
+    if tok.get("name") == "bpe":
+        return f"data.tokenizer='bpe' of {tok.get('bpe_vocab_size')} tokens"
+    return f"data.tokenizer={tok.get('name')!r}"
+
+
+def _describe_source(spec: dict[str, Any]) -> str:
+    src = spec.get("source", {})
+    if src.get("kind") == "files":
+        return f"data.path={src.get('path')!r}"
+    if src.get("kind") == "hub":
+        return f"data.hub={src.get('name')!r}"
+    return f"the built-in {src.get('name')} corpus"
+
+
+def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    if old.get("tokenizer") != new["tokenizer"]:
+        return f"another tokenizer ({_describe_tokenizer(old)}, not {_describe_tokenizer(new)})"
+    if old.get("source") != new["source"]:
+        before, now = _describe_source(old), _describe_source(new)
+        if before == now:
+            return f"other contents of {now} (its files changed since)"
+        return f"another corpus ({before}, not {now})"
+    labels = {
+        "text_field": "data.text_field",
+        "max_documents": "data.max_documents",
+        "shard_tokens": "data.shard_tokens",
+        "validation": "data.validation_fraction/data.seed",
+        "format": "the shard format",
+    }
+    for key, label in labels.items():
+        if old.get(key) != new[key]:
+            return f"{label} {old.get(key)!r}, not {new[key]!r}"
+    return "other settings"
+
+
+def _tokenizer(
+    cfg: DataConfig, out: Path, job: dict[str, Any] | None, source: Source, phase: float
+) -> BuiltTokenizer:
+    """The job's tokenizer from ``out`` when there is one, else a new one."""
+    if job is not None and (out / TOKENIZER_JSON).is_file():
+        recorded = job["tokenizer"]
+        found = file_sha256(out / TOKENIZER_JSON)
+        if found != recorded["sha256"]:
+            raise DataError(
+                f"{out / TOKENIZER_JSON} is another tokenizer (sha256 {found[:16]}..., not the "
+                f"{recorded['sha256'][:16]}... in {JOB}): restore it, or delete {out} to start "
+                "over."
+            )
+        from tokenizers import Tokenizer
+
+        files = {name: (out / name).read_bytes() for name in recorded["files"]}
+        tokenizer = Tokenizer.from_str(files[TOKENIZER_JSON].decode())
+        return BuiltTokenizer(tokenizer, recorded["eos_id"], files)
+    chars = 0
+
+    def training() -> Iterator[str]:
+        nonlocal chars
+        for text in _training_texts(source, cfg, phase):
+            chars += len(text)
+            yield text
+
+    built = build_tokenizer(cfg, training())
+    if cfg.tokenizer == "bpe" and chars == 0:
+        raise DataError(
+            f"the corpus ({_describe_source({'source': source.description})}) holds no training "
+            f"text in data.text_field={cfg.text_field!r}: give a corpus whose documents have text."
+        )
+    if job is not None and built.sha256 != job["tokenizer"]["sha256"]:
+        raise DataError(
+            f"the rebuilt tokenizer differs from the one in {out / JOB} (sha256 "
+            f"{built.sha256[:16]}..., not {job['tokenizer']['sha256'][:16]}...): delete {out} "
+            "to start over."
+        )
+    return built
+
+
+def _training_texts(source: Source, cfg: DataConfig, phase: float) -> Iterator[str]:
+    """The first ``bpe_train_chars`` characters of training documents (never validation)."""
+    left = cfg.bpe_train_chars
+    for index, text in source.documents():
+        if not text or is_validation(index, cfg.validation_fraction, phase):
+            continue
+        yield text[:left]
+        left -= min(left, len(text))
+        if left == 0:
+            return
+
+
+# --------------------------------------------------------------------------------------------
+# reading, tokenizing, routing
+
+
+def _tasks(
+    source: Source, start: int, needed: Callable[[int], bool]
+) -> Iterator[tuple[int, list[str]]]:
+    """Consecutive documents from ``start`` in batches; those already on disk go as ''."""
+    texts: list[str] = []
+    chars, first = 0, start
+    for index, text in source.documents(start):
+        if not texts:
+            first = index
+        text = text if needed(index) else ""
+        texts.append(text)
+        chars += len(text)
+        if chars >= TASK_CHARS or len(texts) >= TASK_DOCS:
+            yield first, texts
+            texts, chars = [], 0
+    if texts:
+        yield first, texts
+
+
+def _encoded(
+    tasks: Iterator[tuple[int, list[str]]], built: BuiltTokenizer, cfg: DataConfig
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Tokenized tasks in order, computed by ``data.workers`` processes (in-process for one)."""
+    workers = cfg.workers or len(os.sched_getaffinity(0))
+    args = (built.files[TOKENIZER_JSON].decode(), built.eos_id, built.dtype)
+    if workers == 1:
+        encoder = Encoder(*args)
+        for first, texts in tasks:
+            yield first, *encoder(texts)
+        return
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker, initargs=args)
+    window: deque[tuple[int, Future]] = deque()
+    try:
+        for first, texts in tasks:
+            window.append((first, pool.submit(encode_in_worker, texts)))
+            if len(window) >= 2 * workers:
+                index, future = window.popleft()
+                yield index, *future.result()
+        while window:
+            index, future = window.popleft()
+            yield index, *future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _route(
+    first: int,
+    lengths: np.ndarray,
+    flat: np.ndarray,
+    writers: dict[str, SplitWriter],
+    resume: dict[str, tuple[int, int]],
+    fraction: float,
+    phase: float,
+) -> None:
+    """Hand each split its documents, minus what the shards on disk already hold."""
+    index = first + np.arange(len(lengths))
+    held_out = validation_mask(index, fraction, phase)
+    starts = np.cumsum(lengths) - lengths
+    position = np.arange(len(flat)) - np.repeat(starts, lengths)
+    for split, mine in (("train", ~held_out), ("validation", held_out)):
+        doc, offset = resume[split]
+        keep = mine & (index >= doc) & (lengths > 0)
+        if not keep.any():
+            continue
+        drop = np.where(index == doc, offset, 0)
+        take = np.repeat(keep, lengths) & (position >= np.repeat(drop, lengths))
+        writers[split].add(index[keep], (lengths - drop)[keep], flat[take])
+
+
+# --------------------------------------------------------------------------------------------
+# progress and summary
+
+
+class _Quiet:
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _Progress:
+    """A rich progress bar (documents, tokens, tokens/s, shards), or nothing when quiet."""
+
+    def __init__(self, show: bool, console: Console, total: int | None) -> None:
+        self.show, self.console, self.total = show, console, total
+
+    def __enter__(self) -> tuple[Any, Any]:
+        if not self.show:
+            return _Quiet(), None
+        columns = [TextColumn("[bold]tokenize")]
+        if self.total is not None:
+            columns.append(BarColumn())
+        columns += [
+            TextColumn("{task.completed:,} docs"),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+        ]
+        self.bar = Progress(*columns, console=self.console)
+        self.bar.start()
+        return self.bar, self.bar.add_task("tokenize", total=self.total, status="")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.show:
+            self.bar.stop()
+
+
+def _summary(
+    console: Console, out: Path, manifest: dict[str, Any], run: _Run, seconds: float
+) -> None:
+    splits = manifest["splits"]
+    shards = sum(len(s["shards"]) for s in splits.values())
+    size = sum((out / sh["file"]).stat().st_size for s in splits.values() for sh in s["shards"])
+    rate = run.tokens / max(run.tokenize_seconds, 1e-9)
+    ready = f", tokenizer ready in {run.tokenizer_seconds:.1f} s" if run.tokenizer_seconds else ""
+    reused = f"; {run.shards_reused} of them were already on disk" if run.shards_reused else ""
+    console.print(
+        f"tokenized {manifest['documents']:,} documents into {manifest['total_tokens']:,} tokens "
+        f"(train {splits['train']['tokens']:,} in {splits['train']['documents']:,} documents, "
+        f"validation {splits['validation']['tokens']:,} in "
+        f"{splits['validation']['documents']:,}), {shards} shards of {manifest['dtype']}, "
+        f"{size / 1e6:,.1f} MB, in {seconds:.1f} s ({rate:,.0f} tokens/s tokenizing"
+        f"{ready}){reused}: {out}",
+        highlight=False,
+        soft_wrap=True,
+    )
