@@ -21,7 +21,8 @@ def main() -> None:
     parser.add_argument("--config", default="", help="the overrides the run used")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows = [json.loads(line) for line in open(args.metrics)]
+    with open(args.metrics) as f:
+        rows = [json.loads(line) for line in f]
     timed = [r for r in rows if r["step"] >= args.skip]
     keys = ["tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "step_time_s", "peak_mem_gib"]
     summary = {

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import RunConfig, to_dict
+from moe_core.config import RunConfig, check_tokenizer_fits, to_dict
 from moe_core.convert.native import save_model_dir
+from moe_core.data.loader import TokenLoader
 from moe_core.data.synthetic import SyntheticTokens
 from moe_core.model import Transformer, lm_loss
 from moe_core.model.flops import count
@@ -112,6 +113,21 @@ class Trainer:
                 self.autocast,
             )
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
+        self.loader: TokenLoader | None = None
+        if cfg.data.kind == "tokens":
+            assert cfg.data.dir is not None
+            self.loader = TokenLoader(
+                cfg.data.dir,
+                "train",
+                tc.seq_len,
+                tc.micro_batch_size,
+                dp_rank=self.mesh.data_rank,
+                dp_size=pc.data_parallel,
+                seed=tc.seed,
+            )
+            vocab = self.loader.dataset.manifest.tokenizer["vocab_size"]
+            check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size)
+            self._train_iter = iter(self.loader)
         self.flops_per_token = count(cfg.model, tc.seq_len).flops_per_token
         self.peak = peak_tflops(self.device)
         self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
@@ -131,9 +147,12 @@ class Trainer:
     # ---- data -----------------------------------------------------------------------------
 
     def micro_batches(self) -> list[torch.Tensor]:
-        """This rank's micro-batches of the current step: sequences are numbered globally, and
-        data rank ``d`` reads the ``d``-th contiguous slice of the step's global batch."""
+        """This rank's micro-batches of the current step. Token shards: the loader's next ones
+        (a step holds the same instances for any layout). Synthetic: sequences are numbered
+        globally, and data rank ``d`` reads the ``d``-th contiguous slice of the step's batch."""
         tc = self.cfg.train
+        if self.loader is not None:
+            return [next(self._train_iter).to(self.device) for _ in range(self.cfg.micro_batches)]
         per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
         start = self.step * tc.global_batch_size + self.mesh.data_rank * per_rank
         return self._sequences(start, self.cfg.micro_batches)
@@ -269,10 +288,27 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean held-out loss over ``eval_batches`` micro-batches, split over the data ranks
         (the same sequences whatever the layout)."""
-        tc = self.cfg.train
-        per_rank = tc.eval_batches // self.cfg.parallel.data_parallel
-        start = EVAL_BASE + self.mesh.data_rank * per_rank * tc.micro_batch_size
-        batches = self._sequences(start, per_rank)
+        tc, pc = self.cfg.train, self.cfg.parallel
+        per_rank = tc.eval_batches // pc.data_parallel
+        if self.loader is not None:
+            assert self.cfg.data.dir is not None
+            held_out = TokenLoader(
+                self.cfg.data.dir,
+                "validation",
+                tc.seq_len,
+                tc.micro_batch_size,
+                dp_rank=self.mesh.data_rank,
+                dp_size=pc.data_parallel,
+            )
+            batches = [b.to(self.device) for b, _ in zip(held_out, range(per_rank), strict=False)]
+            if len(batches) < per_rank:
+                raise ValueError(
+                    f"train.eval_batches={tc.eval_batches} is not allowed: the validation split "
+                    f"holds {len(batches) * pc.data_parallel} micro-batches."
+                )
+        else:
+            start = EVAL_BASE + self.mesh.data_rank * per_rank * tc.micro_batch_size
+            batches = self._sequences(start, per_rank)
         with router_stats_paused():
             ce_sum, _ = self._forward_backward(batches, forward_only=True)
         if self.mesh.distributed:
@@ -286,6 +322,7 @@ class Trainer:
             "step": self.step,
             "guards": self.guards.state_dict(),
             "config": to_dict(self.cfg),
+            "loader": None if self.loader is None else self.loader.state_dict(),
         }
         state = self.checkpointer.state_dict(self.optimizer, self.buffers, trainer_state)
         pc = self.cfg.parallel
@@ -299,6 +336,9 @@ class Trainer:
         state = self.checkpointer.load(path, self.optimizer, self.buffers)
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
+        if self.loader is not None:
+            self.loader.load_state_dict(state["loader"])
+            self._train_iter = iter(self.loader)
         self.resumed_from = path
         if self.is_main:
             self.console.print(f"resumed from {path} (step {self.step})")
