@@ -181,4 +181,4 @@ def test_moe_path_without_host_sync_and_in_a_cuda_graph_gpu():
             captured = moe_experts(*leaves, align=16)
         graph.replay()
         torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    torch.testing.assert_close(captured, eager)  # the library GEMM need not be bitwise stable
