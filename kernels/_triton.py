@@ -1,0 +1,36 @@
+"""Whether an op runs its Triton kernel or its PyTorch reference: one rule for every op here.
+
+The rule: Triton for CUDA tensors; for CPU tensors only when Triton's interpreter is on
+(``TRITON_INTERPRET=1``, which triton reads when it is imported, so it must be set before the
+kernels are imported); the PyTorch reference otherwise, where triton is not installed, or for
+empty inputs.
+This module imports no kernel, so ``kernels`` loads on a machine without a GPU or triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True where an op on these tensors takes its Triton kernel: by the first one's device;
+    never for empty tensors (no zero-size grids: the reference handles them)."""
+    if not HAS_TRITON or any(t.numel() == 0 for t in tensors):
+        return False
+    device = tensors[0].device.type
+    return device == "cuda" or (INTERPRET and device == "cpu")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1): Triton block shapes must be powers of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,308 @@
+"""Triton kernels for ``slot_permute``: token rows to expert-ordered slots and back.
+
+Every kernel is token-major: a program owns BLOCK_T tokens and walks the model dimension in
+chunks of BLOCK_D columns, so each row access is a contiguous, 16-byte vectorizable run, and
+anything summed over the K choices of a token (or over D, for the weight gradient) is summed
+inside one program in a fixed order: deterministic, no atomics. Row offsets are int64 (slot *
+row stride passes 2**31 at production sizes).
+
+Rows of the expert-ordered buffer that no assignment maps to (alignment padding) are zero-filled
+by ``_zero_unused_rows`` from a byte flag per row that the main kernel sets; with
+``n_rows == T * K`` every row is mapped and neither the flags nor that pass exist.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import cdiv, next_pow2
+
+TILE = 4096  # elements per [BLOCK_T, BLOCK_D] tile: 32 per thread at 4 warps
+MAX_BLOCK_D = 1024
+
+
+def _blocks(n_tokens: int, dim: int, block_t: int | None, block_d: int | None) -> tuple[int, int]:
+    bd = block_d or min(MAX_BLOCK_D, next_pow2(dim))
+    bt = block_t or max(1, min(TILE // bd, next_pow2(n_tokens)))
+    return bt, bd
+
+
+@triton.jit
+def _scatter_rows(
+    x_ptr,
+    slot_ptr,
+    out_ptr,
+    used_ptr,
+    T,
+    D,
+    stride_x,
+    stride_out,
+    K: tl.constexpr,
+    MARK_USED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[slot[t, k]] = x[t] for every k: one read of the token row, K row writes."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t = t.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        m = tmask[:, None] & (c < D)[None, :]
+        row = tl.load(x_ptr + t[:, None] * stride_x + c[None, :], mask=m)
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
+            tl.store(out_ptr + slot[:, None] * stride_out + c[None, :], row, mask=m)
+    if MARK_USED:
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
+            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=tmask)
+
+
+@triton.jit
+def _gather_rows(
+    src_ptr,
+    slot_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    D,
+    stride_src,
+    stride_out,
+    K: tl.constexpr,
+    HAS_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[t] = sum_k (w[t, k] *) src[slot[t, k]], accumulated in fp32, k in order."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t = t.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        m = tmask[:, None] & (c < D)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
+            row = tl.load(src_ptr + slot[:, None] * stride_src + c[None, :], mask=m, other=0.0)
+            if HAS_W:
+                w = tl.load(w_ptr + t * K + k, mask=tmask, other=0.0).to(tl.float32)
+                acc += row.to(tl.float32) * w[:, None]
+            else:
+                acc += row.to(tl.float32)
+        dst = out_ptr + t[:, None] * stride_out + c[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_backward(
+    dy_ptr,
+    y_ptr,
+    slot_ptr,
+    w_ptr,
+    dy_rows_ptr,
+    dw_ptr,
+    used_ptr,
+    T,
+    D,
+    stride_dy,
+    stride_y,
+    stride_dy_rows,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    MARK_USED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """dy_rows[slot[t, k]] = w[t, k] * dy[t]; dw[t, k] = <y[slot[t, k]], dy[t]> in fp32."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t = t.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    kcols = tl.arange(0, K_PAD)
+    dw = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        m = tmask[:, None] & (c < D)[None, :]
+        g = tl.load(dy_ptr + t[:, None] * stride_dy + c[None, :], mask=m, other=0.0)
+        g = g.to(tl.float32)
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
+            w = tl.load(w_ptr + t * K + k, mask=tmask, other=0.0).to(tl.float32)
+            dst = dy_rows_ptr + slot[:, None] * stride_dy_rows + c[None, :]
+            tl.store(dst, (g * w[:, None]).to(dy_rows_ptr.dtype.element_ty), mask=m)
+            if NEED_DW:
+                y = tl.load(y_ptr + slot[:, None] * stride_y + c[None, :], mask=m, other=0.0)
+                part = tl.sum(y.to(tl.float32) * g, axis=1)
+                dw += tl.where(kcols[None, :] == k, part[:, None], 0.0)
+    if NEED_DW:
+        kmask = tmask[:, None] & (kcols < K)[None, :]
+        dst = dw_ptr + t[:, None] * K + kcols[None, :]
+        tl.store(dst, dw.to(dw_ptr.dtype.element_ty), mask=kmask)
+    if MARK_USED:
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
+            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=tmask)
+
+
+@triton.jit
+def _zero_unused_rows(
+    out_ptr, used_ptr, n_rows, D, stride_out, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """out[r] = 0 for every row r whose flag is unset; blocks with no such row exit at once."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    free = rmask & (tl.load(used_ptr + r, mask=rmask, other=1) == 0)
+    if tl.sum(free.to(tl.int32), axis=0) > 0:
+        r = r.to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            m = free[:, None] & (c < D)[None, :]
+            tl.store(out_ptr + r[:, None] * stride_out + c[None, :], zeros, mask=m)
+
+
+def _zero_unmarked(out_MD: torch.Tensor, used_M: torch.Tensor) -> None:
+    """Most row blocks hold no padding and exit after reading 16 flag bytes."""
+    n_rows, D = out_MD.shape
+    block_d = min(TILE // 16, next_pow2(D))
+    _zero_unused_rows[(cdiv(n_rows, 16),)](
+        out_MD, used_M, n_rows, D, out_MD.stride(0), BLOCK_R=16, BLOCK_D=block_d, num_warps=4
+    )
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def scatter_rows(
+    x_TD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    n_rows: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_t: int | None = None,
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """``out[slot_TK[t, k]] = x_TD[t]``, unmapped rows zero: the permute forward."""
+    T, D = x_TD.shape
+    K = slot_TK.shape[1]
+    x_TD, slot_TK = _row_major(x_TD), slot_TK.contiguous()
+    if out is None:
+        out = torch.empty(n_rows, D, dtype=x_TD.dtype, device=x_TD.device)
+    bt, bd = _blocks(T, D, block_t, block_d)
+    padded = n_rows != T * K
+    used = torch.zeros(n_rows if padded else 1, dtype=torch.int8, device=x_TD.device)
+    _scatter_rows[(cdiv(T, bt),)](
+        x_TD,
+        slot_TK,
+        out,
+        used,
+        T,
+        D,
+        x_TD.stride(0),
+        out.stride(0),
+        K=K,
+        MARK_USED=padded,
+        BLOCK_T=bt,
+        BLOCK_D=bd,
+        num_warps=4,
+    )
+    if padded:
+        _zero_unmarked(out, used)
+    return out
+
+
+def gather_rows(
+    src_MD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    *,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    block_t: int | None = None,
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_k (weights_TK[t, k] *) src_MD[slot_TK[t, k]]`` with fp32 accumulation:
+    the combine forward (weighted) and the permute backward (unweighted)."""
+    T, K = slot_TK.shape
+    D = src_MD.shape[1]
+    src_MD, slot_TK = _row_major(src_MD), slot_TK.contiguous()
+    w = src_MD if weights_TK is None else weights_TK.contiguous()
+    if out is None:
+        out = torch.empty(T, D, dtype=out_dtype, device=src_MD.device)
+    bt, bd = _blocks(T, D, block_t, block_d)
+    _gather_rows[(cdiv(T, bt),)](
+        src_MD,
+        slot_TK,
+        w,
+        out,
+        T,
+        D,
+        src_MD.stride(0),
+        out.stride(0),
+        K=K,
+        HAS_W=weights_TK is not None,
+        BLOCK_T=bt,
+        BLOCK_D=bd,
+        num_warps=4,
+    )
+    return out
+
+
+def combine_backward(
+    dy_TD: torch.Tensor,
+    y_MD: torch.Tensor | None,
+    slot_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    n_rows: int,
+    *,
+    out_rows: torch.Tensor | None = None,
+    out_dw: torch.Tensor | None = None,
+    block_t: int | None = None,
+    block_d: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dy_MD, dweights_TK): rows scattered and scaled, unmapped rows zero; dweights in fp32
+    (cast to the weights' dtype), or None when ``y_MD`` is None (weights need no gradient)."""
+    T, D = dy_TD.shape
+    K = slot_TK.shape[1]
+    dy_TD, slot_TK, weights_TK = _row_major(dy_TD), slot_TK.contiguous(), weights_TK.contiguous()
+    need_dw = y_MD is not None
+    y = _row_major(y_MD) if y_MD is not None else dy_TD
+    if out_rows is None:
+        out_rows = torch.empty(n_rows, D, dtype=dy_TD.dtype, device=dy_TD.device)
+    if need_dw and out_dw is None:
+        out_dw = torch.empty(T, K, dtype=weights_TK.dtype, device=dy_TD.device)
+    bt, bd = _blocks(T, D, block_t, block_d)
+    padded = n_rows != T * K
+    used = torch.zeros(n_rows if padded else 1, dtype=torch.int8, device=dy_TD.device)
+    _combine_backward[(cdiv(T, bt),)](
+        dy_TD,
+        y,
+        slot_TK,
+        weights_TK,
+        out_rows,
+        out_dw if need_dw else weights_TK,
+        used,
+        T,
+        D,
+        dy_TD.stride(0),
+        y.stride(0),
+        out_rows.stride(0),
+        K=K,
+        K_PAD=next_pow2(K),
+        NEED_DW=need_dw,
+        MARK_USED=padded,
+        BLOCK_T=bt,
+        BLOCK_D=bd,
+        num_warps=4,
+    )
+    if padded:
+        _zero_unmarked(out_rows, used)
+    return out_rows, out_dw if need_dw else None

@@ -1,0 +1,71 @@
+"""Inputs shared by the kernel tests: routings with empty and overloaded experts, the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kernels._triton import use_triton
+
+# CUDA where there is a GPU; elsewhere CPU tensors, run by Triton's interpreter (see conftest).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Small on purpose: the interpreter costs about half a millisecond per program instance.
+T, E, D = 37, 12, 40  # T no power of two or block multiple, E and D no power of two
+
+
+def assert_triton_path(t: torch.Tensor) -> None:
+    """The kernel tests must run the kernels: fail (never skip) if they would take the reference."""
+    assert use_triton(t), "Triton is not selected for this tensor: set TRITON_INTERPRET=1 on CPU"
+
+
+def routings(
+    n_tokens: int, n_experts: int, k: int, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, experts_TK int64 on DEVICE): two starved experts, one expert taking every token
+    (with K > 1 every token picks the same K experts), and choices drawn with replacement (a
+    token may pick an expert twice: the slot map must still be a bijection)."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(n_experts) if e not in (0, 3)])
+    distinct = torch.stack(
+        [allowed[torch.randperm(len(allowed), generator=gen)[:k]] for _ in range(n_tokens)]
+    )
+    yield "two-empty-experts", distinct.to(DEVICE)
+    same = torch.arange(n_experts - 1, n_experts - 1 - k, -1).expand(n_tokens, k)
+    yield "all-on-one", same.contiguous().to(DEVICE)
+    yield "with-repeats", torch.randint(0, n_experts, (n_tokens, k), generator=gen).to(DEVICE)
+
+
+def routing(name: str, n_tokens: int, n_experts: int, k: int, seed: int = 0) -> torch.Tensor:
+    return dict(routings(n_tokens, n_experts, k, seed))[name]
+
+
+ROUTING_NAMES = ["two-empty-experts", "all-on-one", "with-repeats"]
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Standard normal values on DEVICE (drawn on the CPU, so every device sees the same)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+def rand_weights(n_tokens: int, k: int, seed: int = 0) -> torch.Tensor:
+    """fp32 combine weights in [0.1, 1): random and away from zero."""
+    gen = torch.Generator().manual_seed(seed)
+    return (0.1 + 0.9 * torch.rand(n_tokens, k, generator=gen)).to(DEVICE)
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Kernel output vs reference: same dtype and shape; fp32 to a few ulps (sums in another
+    order); bf16 to a couple of bf16 ulps of the output's scale and 1% in norm, because Triton's
+    interpreter rounds fp32 -> bf16 toward zero where the GPU (and torch) round to nearest."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
+    if got.dtype == torch.bfloat16:
+        a, b = got.float(), ref.float()
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-6 * scale)
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < 1e-2, f"relative error {err:.2e}"
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

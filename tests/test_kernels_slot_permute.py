@@ -1,0 +1,183 @@
+"""permute_to_slots and combine_from_slots: Triton equals the PyTorch reference, forward and
+backward, on every routing shape; outputs are fully written; padding rows are zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import (
+    DEVICE,
+    ROUTING_NAMES,
+    D,
+    E,
+    T,
+    assert_matches,
+    assert_triton_path,
+    rand_weights,
+    randn,
+    routing,
+)
+
+from kernels import slot_permute_triton
+from kernels.routing import expert_slots_reference
+from kernels.slot_permute import (
+    combine_from_slots,
+    combine_from_slots_reference,
+    combine_from_slots_reference_backward,
+    permute_to_slots,
+    permute_to_slots_reference,
+    permute_to_slots_reference_backward,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def padding_mask(slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
+    used = torch.zeros(n_rows, dtype=torch.bool, device=slot_TK.device)
+    used[slot_TK.reshape(-1)] = True
+    return ~used
+
+
+def setup(name: str, k: int, align: int, dtype: torch.dtype, seed: int = 0):
+    experts_TK = routing(name, T, E, k, seed)
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, align)
+    return slot_TK, n_rows, randn(T, D, dtype=dtype, seed=seed + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("align", [1, 8])
+@pytest.mark.parametrize("k", [1, 2, 8])
+@pytest.mark.parametrize("name", ROUTING_NAMES)
+def test_permute_and_combine_autograd_equal_reference(name, k, align, dtype):
+    """The whole round trip through the public ops: forward outputs and every gradient."""
+    slot_TK, n_rows, x_TD = setup(name, k, align, dtype)
+    assert_triton_path(x_TD)
+    w_TK = rand_weights(T, k, seed=2)
+    g_MD = randn(n_rows, D, dtype=dtype, seed=3)  # perturbs the expert rows between the ops
+    dy_TD = randn(T, D, dtype=dtype, seed=4)
+
+    def run(permute, combine):
+        x = x_TD.clone().requires_grad_()
+        w = w_TK.clone().requires_grad_()
+        x_MD = permute(x, slot_TK, n_rows)
+        y_TD = combine(x_MD * g_MD, slot_TK, w)
+        y_TD.backward(dy_TD)
+        return x_MD.detach(), y_TD.detach(), x.grad, w.grad
+
+    got = run(permute_to_slots, combine_from_slots)
+    ref = run(permute_to_slots_reference, combine_from_slots_reference)
+    assert torch.equal(got[0], ref[0]), "permute is a copy: bitwise equal"
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert_matches(a, b)
+    assert got[2].dtype == dtype and got[3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("align", [1, 8])
+def test_kernels_write_every_row_on_many_blocks(align, dtype):
+    """Outputs poisoned with NaN first: every row comes back written (padding rows as zeros),
+    with blocks small enough for several token blocks and a ragged last D chunk."""
+    slot_TK, n_rows, x_TD = setup("two-empty-experts", 2, align, dtype)
+    assert_triton_path(x_TD)
+    pad = padding_mask(slot_TK, n_rows)
+    assert bool(pad.any()) == (align > 1)
+    blocks = dict(block_t=8, block_d=16)  # T=37 -> 5 token blocks; D=40 -> chunks 16, 16, 8
+    nan = float("nan")
+
+    x_MD = torch.full((n_rows, D), nan, dtype=dtype, device=DEVICE)
+    slot_permute_triton.scatter_rows(x_TD, slot_TK, n_rows, out=x_MD, **blocks)
+    assert torch.equal(x_MD, permute_to_slots_reference(x_TD, slot_TK, n_rows))
+    assert (x_MD[pad] == 0).all()
+
+    g_MD = randn(n_rows, D, dtype=dtype, seed=5)
+    dx_TD = torch.full((T, D), nan, dtype=dtype, device=DEVICE)
+    slot_permute_triton.gather_rows(g_MD, slot_TK, None, out_dtype=dtype, out=dx_TD, **blocks)
+    assert_matches(dx_TD, permute_to_slots_reference_backward(g_MD, slot_TK))
+
+    w_TK = rand_weights(T, 2, seed=6)
+    y_TD = torch.full((T, D), nan, dtype=dtype, device=DEVICE)
+    slot_permute_triton.gather_rows(g_MD, slot_TK, w_TK, out_dtype=dtype, out=y_TD, **blocks)
+    assert_matches(y_TD, combine_from_slots_reference(g_MD, slot_TK, w_TK))
+
+    dy_TD = randn(T, D, dtype=dtype, seed=7)
+    dy_MD = torch.full((n_rows, D), nan, dtype=dtype, device=DEVICE)
+    dw_TK = torch.full((T, 2), nan, device=DEVICE)
+    slot_permute_triton.combine_backward(
+        dy_TD, g_MD, slot_TK, w_TK, n_rows, out_rows=dy_MD, out_dw=dw_TK, **blocks
+    )
+    ref_MD, ref_w = combine_from_slots_reference_backward(dy_TD, g_MD, slot_TK, w_TK, n_rows)
+    assert_matches(dy_MD, ref_MD)
+    assert_matches(dw_TK, ref_w)
+    assert (dy_MD[pad] == 0).all()
+
+
+def test_combine_without_weight_gradient_keeps_no_rows_and_matches():
+    slot_TK, n_rows, _ = setup("with-repeats", 8, 8, torch.float32)
+    y_MD = randn(n_rows, D, seed=8).requires_grad_()
+    w_TK = rand_weights(T, 8)  # no gradient wanted
+    assert_triton_path(y_MD)
+    out = combine_from_slots(y_MD, slot_TK, w_TK)
+    assert out.grad_fn.saved_tensors[0] is None  # type: ignore[union-attr]
+    dy_TD = randn(T, D, seed=9)
+    out.backward(dy_TD)
+    ref_MD, _ = combine_from_slots_reference_backward(dy_TD, None, slot_TK, w_TK, n_rows)
+    assert_matches(y_MD.grad, ref_MD)
+
+
+def test_reference_backwards_are_the_derivatives_of_the_reference_forwards():
+    """The hand-written reference backward passes equal autograd through the references (fp64)."""
+    k = 2
+    slot_TK, n_rows, _ = setup("with-repeats", k, 8, torch.float64)
+    x_TD = randn(T, D, dtype=torch.float64, seed=10).requires_grad_()
+    g_MD = randn(n_rows, D, dtype=torch.float64, seed=11)
+    (dx_TD,) = torch.autograd.grad(
+        (permute_to_slots_reference(x_TD, slot_TK, n_rows) * g_MD).sum(), x_TD
+    )
+    torch.testing.assert_close(permute_to_slots_reference_backward(g_MD, slot_TK), dx_TD)
+
+    y_MD = randn(n_rows, D, dtype=torch.float64, seed=12).requires_grad_()
+    w_TK = rand_weights(T, k).double().requires_grad_()
+    dy_TD = randn(T, D, dtype=torch.float64, seed=13)
+    out = combine_from_slots_reference(y_MD, slot_TK, w_TK)
+    dy_MD, dw_TK = torch.autograd.grad((out * dy_TD).sum(), (y_MD, w_TK))
+    ref_MD, ref_w = combine_from_slots_reference_backward(
+        dy_TD, y_MD.detach(), slot_TK, w_TK, n_rows
+    )
+    torch.testing.assert_close(ref_MD, dy_MD)
+    torch.testing.assert_close(ref_w, dw_TK)
+
+
+def test_combine_from_slots_matches_the_argsort_path():
+    """With align=1 the slot path equals the existing order-based permute_rows/combine_rows."""
+    from kernels.permute import combine_rows, expert_order, permute_rows
+
+    experts_TK = routing("two-empty-experts", T, E, 2)
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, 1)
+    x_TD, w_TK = randn(T, D, seed=14), rand_weights(T, 2)
+    order_M = expert_order(experts_TK)
+    assert torch.equal(permute_to_slots(x_TD, slot_TK, n_rows), permute_rows(x_TD, order_M, 2))
+    y_MD = randn(n_rows, D, seed=15)
+    assert_matches(combine_from_slots(y_MD, slot_TK, w_TK), combine_rows(y_MD, order_M, w_TK))
+
+
+def test_empty_batch_passes_through():
+    """No tokens (an expert-parallel rank may receive none): empty outputs, padding zero."""
+    from kernels.routing import expert_slots
+
+    experts_TK = torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
+    slot_TK, counts_E, offs_E, n_rows = expert_slots(experts_TK, E, 8)
+    assert counts_E.sum() == 0 and int(offs_E[-1]) == n_rows
+    x = torch.empty(0, D, device=DEVICE, requires_grad=True)
+    x_MD = permute_to_slots(x, slot_TK, n_rows)
+    assert x_MD.shape == (n_rows, D) and (x_MD == 0).all()
+    w = torch.empty(0, 2, device=DEVICE, requires_grad=True)
+    y = combine_from_slots(x_MD, slot_TK, w)
+    assert y.shape == (0, D)
+    y.sum().backward()
+    assert x.grad.shape == (0, D) and w.grad.shape == (0, 2)
+
+
+def test_permute_refuses_a_buffer_smaller_than_the_assignments():
+    slot_TK = torch.arange(6, device=DEVICE).view(3, 2)
+    with pytest.raises(ValueError):
+        permute_to_slots(torch.ones(3, 4, device=DEVICE), slot_TK, 5)
