@@ -1,21 +1,37 @@
 """Whether an op runs its Triton kernel or its PyTorch reference: one rule for every op here.
 
-The rule: Triton for CUDA tensors; for CPU tensors only when Triton's interpreter is on
-(``TRITON_INTERPRET=1``, which triton reads when it is imported, so it must be set before the
-kernels are imported); the PyTorch reference otherwise, where triton is not installed, or for
-empty inputs.
+The rule: Triton for CUDA tensors; for CPU tensors only inside ``interpret_on_cpu()`` (the
+kernel tests: Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set before triton is
+imported); the PyTorch reference otherwise (CPU training stays fast), where triton is not
+installed, or for empty inputs.
 This module imports no kernel, so ``kernels`` loads on a machine without a GPU or triton.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_interpreting = False
+
+
+@contextlib.contextmanager
+def interpret_on_cpu() -> Iterator[None]:
+    """Inside: ops on CPU tensors run their Triton kernels in Triton's interpreter."""
+    global _interpreting
+    if not (HAS_TRITON and INTERPRET):
+        raise RuntimeError("interpret_on_cpu needs triton and TRITON_INTERPRET=1 set before import")
+    previous, _interpreting = _interpreting, True
+    try:
+        yield
+    finally:
+        _interpreting = previous
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -24,7 +40,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not HAS_TRITON or any(t.numel() == 0 for t in tensors):
         return False
     device = tensors[0].device.type
-    return device == "cuda" or (INTERPRET and device == "cpu")
+    return device == "cuda" or (_interpreting and device == "cpu")
 
 
 def next_pow2(n: int) -> int:

@@ -17,11 +17,24 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # triton reads TRITON_INTERPRET when it is imported (conftest runs before any test module
-# imports the kernels; torch does not import triton). With it, `kernels` runs its Triton path on
-# CPU tensors, so the kernel tests compare the kernels, not the references, with the references.
+# imports the kernels; torch does not import triton). With it, the kernel tests run the Triton
+# kernels on CPU tensors (see _interpret_kernel_tests), comparing them with the references.
 # On a GPU machine the kernels compile for the GPU and the tests run them on CUDA tensors.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _interpret_kernel_tests(request: pytest.FixtureRequest):
+    """Kernel tests on a machine without a GPU run the Triton kernels in the interpreter; other
+    tests (the model on CPU) take the PyTorch references, as CPU training does."""
+    if request.module.__name__.startswith("test_kernels") and not torch.cuda.is_available():
+        from kernels._triton import interpret_on_cpu
+
+        with interpret_on_cpu():
+            yield
+    else:
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

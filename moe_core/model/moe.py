@@ -18,13 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.grouped_gemm import grouped_mm
-from kernels.permute import (
-    combine_rows,
-    cumulative_offsets,
-    expert_counts,
-    expert_order,
-    permute_rows,
-)
+from kernels.permute import expert_counts
+from kernels.routing import expert_slots
+from kernels.slot_permute import combine_from_slots, permute_to_slots
+from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
 
 _RECORD_STATS: ContextVar[bool] = ContextVar("moe_record_router_stats", default=True)
@@ -153,10 +150,8 @@ class Experts(nn.Module):
 
     def activation_and_down(self, gate_up_M2F: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """SwiGLU then the down projection (the region selective recompute re-runs)."""
-        gate_MF, up_MF = gate_up_M2F.chunk(2, dim=-1)
-        act_MF = F.silu(gate_MF) * up_MF
         w_down = self.w_down.to(gate_up_M2F.dtype).transpose(-2, -1)
-        return grouped_mm(act_MF, w_down, offs_E)
+        return grouped_mm(swiglu(gate_up_M2F), w_down, offs_E)
 
 
 class TokenDispatcher(Protocol):
@@ -166,14 +161,14 @@ class TokenDispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """Every expert on this rank: sort assignments by expert, grouped GEMMs, weighted combine."""
+    """Every expert on this rank: each token row written straight into its expert-ordered
+    slots, grouped GEMMs over the expert segments, un-permute and weighted sum in one pass."""
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
-        top_k = routing.experts_TK.shape[1]
-        order_M = expert_order(routing.experts_TK)
-        x_MD = permute_rows(x_TD, order_M, top_k)
-        y_MD = experts(x_MD, cumulative_offsets(routing.counts_E))
-        return combine_rows(y_MD, order_M, routing.weights_TK)
+        slots = expert_slots(routing.experts_TK, experts.n_experts)
+        x_MD = permute_to_slots(x_TD, slots.slot_TK, slots.n_rows)
+        y_MD = experts(x_MD, slots.offs_E)
+        return combine_from_slots(y_MD, slots.slot_TK, routing.weights_TK)
 
 
 class SwiGLU(nn.Module):
