@@ -72,18 +72,24 @@ def time_steps(
     return times
 
 
-def nccl_share(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> float:
+def profile_steps(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, list]:
+    """(share of GPU kernel time in NCCL kernels, the 12 costliest kernels per step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(steps):
             y, aux = moe(x)
             torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     total = sum(e.device_time for e in events)
     nccl = sum(e.device_time for e in events if "nccl" in e.name.lower())
-    return nccl / total if total else 0.0
+    per_kernel: dict[str, float] = {}
+    for e in events:
+        per_kernel[e.name[:90]] = per_kernel.get(e.name[:90], 0.0) + e.device_time / steps / 1e3
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return (nccl / total if total else 0.0), top
 
 
 def main() -> None:
@@ -110,13 +116,14 @@ def main() -> None:
         moe = build(ep, group, rank if ep > 1 else 0)
         times = time_steps(moe, x, grad, args.warmup, args.iters)
         med = statistics.median(times)
-        share = nccl_share(moe, x, grad) if ep > 1 else 0.0
+        share, top = profile_steps(moe, x, grad)
         row = {
             "ep": ep,
             "median_ms": med,
             "tokens_per_s_per_gpu": TOKENS / (med / 1e3),
             "model_tflops_per_gpu": TOKENS * flops_per_token / (med / 1e3) / 1e12,
             "nccl_time_share": share,
+            "top_kernels_ms_per_step": top,
         }
         gathered = [None] * world
         dist.all_gather_object(gathered, row)
@@ -154,6 +161,10 @@ def main() -> None:
                     f"{r['model_tflops_per_gpu']:>14.1f}{r['nccl_time_share']:>12.1%}"
                 )
         print(f"EP={world} per-GPU throughput / EP=1: {report['ep_over_ep1']:.3f}")
+        for key, rows in results.items():
+            print(f"costliest GPU kernels, {key}, rank 0 (ms per step):")
+            for name, ms in rows[0]["top_kernels_ms_per_step"]:
+                print(f"  {ms:8.3f}  {name}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

@@ -26,12 +26,19 @@ def config_dir(path: str | os.PathLike | None = None) -> Path:
     return d.resolve()
 
 
-def _register_defaults() -> None:
-    """Every section's dataclass defaults, under the group files, so that any field can be
-    overridden on the command line even where a YAML file leaves it at its default."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="moe_defaults", node=to_dict(RunConfig()))
+def _known_fields(overrides: list[str]) -> list[str]:
+    """``section.field=value`` for a field the dataclasses define becomes ``++section.field=
+    value`` (set it whether or not the section's YAML lists it: defaults live in the
+    dataclasses); anything else is left for Hydra, which refuses unknown keys."""
+    out = []
+    for o in overrides:
+        m = re.fullmatch(r"(\w+)\.(\w+)=(.*)", o, re.S)
+        section = getattr(RunConfig(), m.group(1), None) if m else None
+        if m and dataclasses.is_dataclass(section) and m.group(2) in to_dict(section):
+            out.append("++" + o)
+        else:
+            out.append(o)
+    return out
 
 
 def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -42,10 +49,9 @@ def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) ->
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     root = config_dir(path)
-    _register_defaults()
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
-            cfg = compose("config", overrides=list(overrides))
+            cfg = compose("config", overrides=_known_fields(list(overrides)))
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as err:
         key = err.full_key
