@@ -391,6 +391,7 @@ def test_moe_train_reads_the_tokenized_corpus(tmp_path, one_thread):
     run = compose_run([*common, "data.bpe_vocab_size=512", "train.seq_len=32"])
     trainer = Trainer(dataclasses.replace(run, train=dataclasses.replace(run.train, steps=2)))
     expected = next(iter(TokenLoader(run.data.dir, "train", 32, run.train.micro_batch_size)))
-    assert torch.equal(trainer._micro_batch(0), expected)
+    assert torch.equal(trainer.micro_batches()[0], expected)
+    trainer = Trainer(dataclasses.replace(run, train=dataclasses.replace(run.train, steps=2)))
     history = trainer.fit(show_progress=False)
     assert len(history) == 2 and all(math.isfinite(m.loss) for m in history)

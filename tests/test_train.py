@@ -29,7 +29,7 @@ def test_cli_train_writes_metrics_and_model(tmp_path, capsys):
     assert main(args) == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2]
-    assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in lines)
+    assert all(m["loss"] > 0 and m["tokens_per_s_per_gpu"] > 0 for m in lines)
     cfg, state = load_model_dir(out / "model")
     assert cfg.name == "tiny" and "layers.0.moe.experts.w_gate_up" in state
     assert "loss" in capsys.readouterr().out
