@@ -41,7 +41,9 @@ def _known_fields(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) -> dict[str, Any]:
+def compose_dict(
+    overrides: list[str], path: str | os.PathLike | None = None, config_name: str = "config"
+) -> dict[str, Any]:
     """The resolved config as a plain dict (what Prefect and MLflow receive)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -51,7 +53,7 @@ def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) ->
     root = config_dir(path)
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
-            cfg = compose("config", overrides=_known_fields(list(overrides)))
+            cfg = compose(config_name, overrides=_known_fields(list(overrides)))
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as err:
         key = err.full_key
@@ -79,5 +81,7 @@ def compose_dict(overrides: list[str], path: str | os.PathLike | None = None) ->
     return data  # type: ignore[return-value]
 
 
-def compose_run(overrides: list[str], path: str | os.PathLike | None = None) -> RunConfig:
-    return from_dict(RunConfig, compose_dict(overrides, path))
+def compose_run(
+    overrides: list[str], path: str | os.PathLike | None = None, config_name: str = "config"
+) -> RunConfig:
+    return from_dict(RunConfig, compose_dict(overrides, path, config_name))

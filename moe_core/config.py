@@ -288,6 +288,55 @@ class ParallelConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the processes run: this machine, a Slurm allocation or a Kubernetes job.
+
+    ``nodes x procs_per_node`` processes, one per GPU on GPU clusters; the layout
+    ``parallel.pp x dp x ep`` must use exactly that many.
+    """
+
+    name: str = "local-cpu"
+    kind: Literal["local", "slurm", "kubernetes"] = "local"
+    nodes: int = 1
+    procs_per_node: int = 1
+    gpus_per_node: int = 0  # 0: CPU processes (gloo)
+    gpu_type: str = "none"  # for the plan's memory check, e.g. "H200"
+    gpu_memory_gib: float = 0.0
+    rdzv_port: int = 29500  # c10d rendezvous on the first node
+    partition: str | None = None  # slurm
+    account: str | None = None  # slurm
+    time_limit: str = "48:00:00"  # slurm
+    image: str = "moe-core:latest"  # kubernetes (the infra/ container recipe)
+    namespace: str = "default"  # kubernetes
+
+    def __post_init__(self) -> None:
+        p = "cluster."
+        for name in ("nodes", "procs_per_node", "rdzv_port"):
+            _positive(p + name, getattr(self, name))
+        _non_negative(p + "gpus_per_node", self.gpus_per_node)
+        _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
+        if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
+            _fail(
+                p + "procs_per_node",
+                self.procs_per_node,
+                f"one process per GPU, so equal to cluster.gpus_per_node ({self.gpus_per_node})",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow: a sqlite store in the run directory unless ``uri`` names a tracking server."""
+
+    uri: str | None = None
+    experiment: str = "moe_core"
+    hf_artifact_max_gib: float = 2.0  # larger Hugging Face checkpoints are linked, not copied
+
+
+@dataclass
 class RunConfig:
     """Everything one ``moe train`` run needs; cross-section checks live here."""
 
@@ -295,6 +344,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
