@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -70,10 +72,30 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     console.print(f"wrote {out}/manifest.json", highlight=False, soft_wrap=True)
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def _run_config(args: argparse.Namespace):
+    """The run config: a resolved JSON file (``--config``, what the pipeline writes) or Hydra
+    composition of ``conf/`` with overrides; not both."""
     from moe_core.compose import compose_run
 
-    run = compose_run(args.overrides, args.config_dir)
+    if getattr(args, "config", None) is None:
+        return compose_run(args.overrides, args.config_dir)
+    if args.overrides:
+        raise ConfigError(
+            f"--config {args.config} takes no overrides (got {' '.join(args.overrides)}): edit "
+            "the file or compose from conf/ instead."
+        )
+    import json
+
+    from moe_core.config import RunConfig, from_dict
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path} does not exist.")
+    return from_dict(RunConfig, json.loads(path.read_text()))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    run = _run_config(args)
     import torch.distributed as dist
 
     try:
@@ -108,7 +130,16 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from moe_core.convert.hf import check_exportable, load_hf, save_hf
     from moe_core.convert.native import load_model_dir, save_model_dir
 
-    if args.direction == "to-hf":
+    if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
+        import torch
+
+        from moe_core.convert.checkpoint import checkpoint_to_hf
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        out = checkpoint_to_hf(
+            args.src, args.out, dtype, tokenizer_dir=args.tokenizer, overwrite=args.overwrite
+        )
+    elif args.direction == "to-hf":
         cfg, state = load_model_dir(args.src)
         check_exportable(cfg)
         out = save_hf(
@@ -131,24 +162,36 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, helptext in (
         ("info", cmd_info, "print a model's total/active parameters and FLOPs per token"),
         ("tokenize", cmd_tokenize, "tokenize a corpus into token shards (default: data=kjv)"),
-        ("train", cmd_train, "train a model (single process for now)"),
+        ("train", cmd_train, "train a model (one process, or one per GPU under torchrun)"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=olmoe-1b-7b")
         p.add_argument(
             "--config-dir", default=None, help="the conf/ folder (default: the project's)"
         )
+        if name == "train":
+            p.add_argument("--config", default=None, help="a resolved run config (JSON file)")
         p.set_defaults(fn=fn)
     p = sub.add_parser("convert", help="convert between our model directory and Hugging Face OLMoE")
     p.add_argument("direction", choices=["to-hf", "from-hf"])
-    p.add_argument("src", help="to-hf: our model directory; from-hf: an HF OLMoE directory")
+    p.add_argument(
+        "src",
+        help="to-hf: a training checkpoint (step_N) or our model directory; from-hf: an HF "
+        "OLMoE directory",
+    )
     p.add_argument("out", help="the directory to write")
     p.add_argument(
         "--tokenizer", default=None, help="to-hf: a folder whose tokenizer files to copy"
     )
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
     p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing OUT")
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="to-hf from a checkpoint"
+    )
     p.set_defaults(fn=cmd_convert)
+    # Commands other packages add (the pipeline's `moe pipeline`), without moe_core importing them.
+    for plugin in entry_points(group="moe_core.commands"):
+        plugin.load()(sub)
     return parser
 
 

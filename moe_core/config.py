@@ -308,12 +308,14 @@ class ClusterConfig:
     time_limit: str = "48:00:00"  # slurm
     image: str = "moe-core:latest"  # kubernetes (the infra/ container recipe)
     namespace: str = "default"  # kubernetes
+    launch_retries: int = 2  # the pipeline relaunches failed training this often (it resumes)
 
     def __post_init__(self) -> None:
         p = "cluster."
         for name in ("nodes", "procs_per_node", "rdzv_port"):
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
+        _non_negative(p + "launch_retries", self.launch_retries)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
         if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
             _fail(

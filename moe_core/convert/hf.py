@@ -9,12 +9,14 @@ The directory is written beside its destination and renamed into place only when
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -100,40 +102,78 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = N
     return hf
 
 
+class TensorSource(Protocol):
+    """Where export reads weights from: a state dict, or a checkpoint read one tensor (one
+    expert) at a time so that no process holds the whole model."""
+
+    dtype: torch.dtype
+
+    def names(self) -> set[str]: ...
+
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor: ...
+
+
+class StateDictSource:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        dtypes = {t.dtype for t in state.values()}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+            raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {dtypes}.")
+        self.state, self.dtype = state, next(iter(dtypes))
+
+    def names(self) -> set[str]:
+        return set(self.state)
+
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        t = self.state[name]
+        return t if expert is None else t[expert]
+
+
 def _hf_items(
-    state: dict[str, torch.Tensor], cfg: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF key, tensor view) pairs in a stable order; experts split per expert."""
-    yield "model.embed_tokens.weight", state["embed.weight"]
+    cfg: ModelConfig,
+) -> Iterator[tuple[str, tuple[int, ...], str, int | None, slice | None]]:
+    """(HF key, shape, our name, expert, rows) in a stable order; experts split per expert."""
+    D, H, F, V = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.expert_hidden, cfg.vocab_size
+    kv = cfg.kv_heads * cfg.head_dim
+    shapes = {
+        "attn_norm.weight": (D,), "attn.q_proj.weight": (H, D), "attn.k_proj.weight": (kv, D),
+        "attn.v_proj.weight": (kv, D), "attn.o_proj.weight": (D, H), "attn.q_norm.weight": (H,),
+        "attn.k_norm.weight": (kv,), "moe_norm.weight": (D,),
+        "moe.router.weight": (cfg.n_experts, D),
+    }  # fmt: skip
+    yield "model.embed_tokens.weight", (V, D), "embed.weight", None, None
     for i in range(cfg.n_layers):
         for ours, theirs in _DIRECT.items():
             if "{i}" in ours:
-                yield theirs.format(i=i), state[ours.format(i=i)]
-        gate_up = state[f"layers.{i}.moe.experts.w_gate_up"]
-        down = state[f"layers.{i}.moe.experts.w_down"]
-        F = cfg.expert_hidden
+                local = ours.removeprefix("layers.{i}.")
+                yield theirs.format(i=i), shapes[local], ours.format(i=i), None, None
+        gate_up, down = f"layers.{i}.moe.experts.w_gate_up", f"layers.{i}.moe.experts.w_down"
         for e in range(cfg.n_experts):
-            yield _EXPERT_HF.format(i=i, e=e, proj="gate_proj"), gate_up[e, :F]
-            yield _EXPERT_HF.format(i=i, e=e, proj="up_proj"), gate_up[e, F:]
-            yield _EXPERT_HF.format(i=i, e=e, proj="down_proj"), down[e]
-    yield "model.norm.weight", state["norm.weight"]
-    yield "lm_head.weight", state["lm_head.weight"]
+            yield _EXPERT_HF.format(i=i, e=e, proj="gate_proj"), (F, D), gate_up, e, slice(0, F)
+            yield _EXPERT_HF.format(i=i, e=e, proj="up_proj"), (F, D), gate_up, e, slice(F, 2 * F)
+            yield _EXPERT_HF.format(i=i, e=e, proj="down_proj"), (D, F), down, e, None
+    yield "model.norm.weight", (D,), "norm.weight", None, None
+    yield "lm_head.weight", (V, D), "lm_head.weight", None, None
 
 
-def _check_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    expected = {k.format(i=i) for k in _DIRECT for i in range(cfg.n_layers)}
+def expected_names(cfg: ModelConfig) -> set[str]:
+    names = {k.format(i=i) for k in _DIRECT for i in range(cfg.n_layers)}
     for i in range(cfg.n_layers):
-        expected |= {f"layers.{i}.moe.experts.w_gate_up", f"layers.{i}.moe.experts.w_down"}
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        names |= {f"layers.{i}.moe.experts.w_gate_up", f"layers.{i}.moe.experts.w_down"}
+    return names
+
+
+def _check_names(found: set[str], cfg: ModelConfig) -> None:
+    expected = expected_names(cfg)
+    missing, extra = sorted(expected - found), sorted(found - expected)
     if missing or extra:
         raise ValueError(
-            f"the state dict does not match the model config: missing {missing[:3]}, "
+            f"the weights do not match the model config: missing {missing[:3]}, "
             f"unexpected {extra[:3]}."
         )
 
 
 def save_hf(
-    state: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | TensorSource,
     cfg: ModelConfig,
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
@@ -141,9 +181,13 @@ def save_hf(
     eos_token_id: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write an HF OLMoE directory from our full (unsharded) state dict; returns its path."""
+    """Write an HF OLMoE directory from a full state dict or a ``TensorSource``; return it.
+
+    Shards are planned from the config's shapes, then filled one at a time, so memory holds
+    one shard (plus one tensor of the source) at most."""
     check_exportable(cfg)
-    _check_state(state, cfg)
+    source = StateDictSource(weights) if isinstance(weights, dict) else weights
+    _check_names(source.names(), cfg)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(
@@ -155,20 +199,15 @@ def save_hf(
         raise FileNotFoundError(
             f"tokenizer directory {tokenizer_dir} holds none of: {', '.join(TOKENIZER_FILES)}."
         )
-    dtypes = {t.dtype for t in state.values()}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
-        raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {dtypes}.")
-    dtype = next(iter(dtypes))
-
-    # Plan shards by byte size, then write each (copies only one shard at a time).
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    element = torch.empty((), dtype=source.dtype).element_size()
+    shards: list[list[tuple]] = [[]]
     size = 0
-    for key, t in _hf_items(state, cfg):
-        nbytes = t.numel() * t.element_size()
+    for item in _hf_items(cfg):
+        nbytes = math.prod(item[1]) * element
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((key, t))
+        shards[-1].append(item)
         size += nbytes
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -178,14 +217,20 @@ def save_hf(
         n = len(shards)
         for s, items in enumerate(shards, start=1):
             fname = f"model-{s:05d}-of-{n:05d}.safetensors"
-            tensors = {k: t.detach().to("cpu").contiguous().clone() for k, t in items}
+            tensors = {}
+            for key, shape, ours, expert, rows in items:
+                t = source.get(ours, expert)
+                t = t if rows is None else t[rows]
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{ours} has shape {tuple(t.shape)}, the config says {shape}.")
+                tensors[key] = t.detach().to("cpu", source.dtype).contiguous().clone()
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             for k, t in tensors.items():
                 weight_map[k] = fname
                 total += t.numel() * t.element_size()
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        hf_config(cfg, dtype, eos_token_id).save_pretrained(str(tmp))
+        hf_config(cfg, source.dtype, eos_token_id).save_pretrained(str(tmp))
         (tmp / OUR_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
         if tokenizer_dir is not None:
             for f in TOKENIZER_FILES:
@@ -283,5 +328,5 @@ def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         state[f"layers.{i}.moe.experts.w_down"] = torch.stack(
             [experts[(i, e, "down_proj")] for e in E]
         )
-    _check_state(state, cfg)
+    _check_names(set(state), cfg)
     return cfg, state

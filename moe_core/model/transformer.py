@@ -82,7 +82,7 @@ class Transformer(nn.Module):
                     expert_params.add(id(p))
                     for e in range(p.shape[0]):
                         key = f"{mod_name}.{p_name}[{mod.expert_offset + e}]"
-                        _seeded_normal_(p[e], std, seed, key)
+                        seeded_normal_(p[e], std, seed, key)
             elif isinstance(mod, Router):
                 mod.reset_buffers()
         for name, p in self.named_parameters():
@@ -91,10 +91,10 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                _seeded_normal_(p, std, seed, name)
+                seeded_normal_(p, std, seed, name)
 
 
-def _seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> None:
+def seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> None:
     if t.is_meta:
         return
     g = torch.Generator(device=t.device)

@@ -138,21 +138,30 @@ class Checkpointer:
             state[f"buf/{name}"] = t
         return state
 
-    def save(self, step: int, state: dict, layout: dict) -> None:
-        """Write ``state`` as checkpoint ``step``; synchronous unless configured async."""
+    def save(self, step: int, state: dict, layout: dict, planner=None) -> None:
+        """Write ``state`` as checkpoint ``step``; synchronous unless configured async.
+        ``planner``: a DCP save planner (the init stage's computes entries lazily)."""
         self.wait()
         tmp = self.root / f".tmp-step_{step:08d}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
             with _quiet():
                 fut = dcp.async_save(
-                    state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.no_dist
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self.group,
+                    no_dist=self.no_dist,
+                    planner=planner,
                 )
             self._pending = (fut, step, tmp, meta)
         else:
             with _quiet():
                 dcp.save(
-                    state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.no_dist
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self.group,
+                    no_dist=self.no_dist,
+                    planner=planner,
                 )
             self._publish(step, tmp, meta)
 
@@ -249,7 +258,7 @@ class Checkpointer:
         for o in owned:
             for kind in STATE_KEYS:
                 dst = shards[o.index][kind][o.local : o.local + o.length]
-                for start, length, key in saved[(o.name, kind)]:
+                for start, length, key in saved.get((o.name, kind), []):  # no moments: fresh
                     a, z = max(start, o.start), min(start + length, o.start + o.length)
                     if a < z:
                         src = request[key][a - start : z - start]

@@ -50,7 +50,7 @@ def throughput(
 
 def router_health(
     counts_E: torch.Tensor, lb_score: float, ep: int, bias_E: torch.Tensor | None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One layer's routing over a step: the balancing score and the load it really produced."""
     counts = counts_E.double()
     mean = counts.mean().clamp_min(1e-12)
@@ -61,6 +61,7 @@ def router_health(
         "load_imbalance": float(counts.max() / mean),  # max / mean tokens per expert
         "ep_rank_imbalance": float(rank_load.max() / rank_load.mean().clamp_min(1e-12)),
         "experts_unused": float((counts == 0).sum()),
+        "load_share": [round(float(x), 5) for x in counts / counts.sum().clamp_min(1e-12)],
     }
     if bias_E is not None:
         out["bias_abs_mean"] = float(bias_E.abs().mean())

@@ -68,7 +68,7 @@ class StepMetrics:
     mfu: float | None = None
     peak_mem_gib: float | None = None
     eval_loss: float | None = None
-    router: dict[str, dict[str, float]] = field(default_factory=dict)
+    router: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}
@@ -183,7 +183,7 @@ class Trainer:
             aux_sum += aux.detach()
         return ce_sum, aux_sum
 
-    def _router_health(self, applied: bool) -> dict[str, dict[str, float]]:
+    def _router_health(self, applied: bool) -> dict[str, dict[str, Any]]:
         """Per-layer router health over the step (summed over data-parallel ranks); also applies
         the expert-bias update when the step was applied."""
         if not self.routers:
@@ -336,7 +336,7 @@ class Trainer:
         state = self.checkpointer.load(path, self.optimizer, self.buffers)
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
-        if self.loader is not None:
+        if self.loader is not None and state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
             self._train_iter = iter(self.loader)
         self.resumed_from = path

@@ -1,0 +1,52 @@
+"""``infra/prefect.yaml`` generated from the Hydra configs (Hydra stays the single source).
+
+    python -m flows.deployments > infra/prefect.yaml
+
+One deployment of the ``pretrain`` flow per top-level ``conf/pretrain-*.yaml``; its parameters
+are that config resolved to a plain dict and a run directory. A test keeps the committed file
+equal to what this prints.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import yaml
+
+from moe_core.compose import DEFAULT_CONFIG_DIR, compose_dict
+
+WORK_POOL = "local"
+
+
+def deployment_names() -> list[str]:
+    configs = DEFAULT_CONFIG_DIR.glob("pretrain-*.yaml")
+    return sorted(p.stem.removeprefix("pretrain-") for p in configs)
+
+
+def render() -> str:
+    deployments = []
+    for name in deployment_names():
+        deployments.append(
+            {
+                "name": name,
+                "description": f"Pretraining pipeline for conf/pretrain-{name}.yaml",
+                "entrypoint": "flows/pretrain.py:pretrain",
+                "parameters": {
+                    "config": compose_dict([], config_name=f"pretrain-{name}"),
+                    "run_dir": f"runs/pretrain-{name}",
+                },
+                "work_pool": {"name": WORK_POOL},
+            }
+        )
+    doc = {"name": "moe-core", "prefect-version": "3.9.1", "deployments": deployments}
+    header = (
+        "# Generated from conf/ by `python -m flows.deployments > infra/prefect.yaml`: do not "
+        "edit.\n"
+        "# Deploy from the project root: prefect --no-prompt deploy --all --prefect-file "
+        "infra/prefect.yaml\n"
+    )
+    return header + yaml.safe_dump(doc, sort_keys=False, width=100)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,75 @@
+"""Stage manifests: what a stage consumed (a hash of its config and of its inputs' manifests)
+and what it produced (checksums), so a rerun skips a stage whose outputs still verify, redoes one
+whose outputs are missing or corrupt, and redoes everything downstream of a changed input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+STAGES = ("tokenize", "init", "train", "convert", "evaluate")
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checksums(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``paths`` (files or folders), relative to ``root``."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            out[str(f.relative_to(root))] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+    return out
+
+
+def manifest_path(run_dir: Path, stage: str) -> Path:
+    return run_dir / "stages" / f"{stage}.json"
+
+
+def read(run_dir: Path, stage: str) -> dict[str, Any] | None:
+    path = manifest_path(run_dir, stage)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write(run_dir: Path, stage: str, key: str, files: dict, summary: dict) -> dict[str, Any]:
+    """Atomically record a finished stage."""
+    record = {"stage": stage, "key": key, "files": files, "summary": summary, "at": time.time()}
+    path = manifest_path(run_dir, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    return record
+
+
+def verify(run_dir: Path, stage: str, key: str) -> tuple[dict[str, Any] | None, str]:
+    """(the manifest, "") if the stage is done for ``key`` and its files are intact, else
+    (None, why it must run)."""
+    record = read(run_dir, stage)
+    if record is None:
+        return None, "no manifest"
+    if record.get("key") != key:
+        return None, "its inputs or config changed"
+    for rel, info in record.get("files", {}).items():
+        f = run_dir / rel
+        if not f.is_file():
+            return None, f"{rel} is missing"
+        if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:
+            return None, f"{rel} does not match its checksum"
+    return record, ""

@@ -1,0 +1,449 @@
+"""The ``pretrain`` flow: tokenize -> init -> train -> convert -> evaluate, each a checkpointed
+stage calling one moe_core entry point.
+
+Every stage writes its outputs under the run directory and then a manifest (``stages/*.json``)
+holding a hash of what it depends on (its config section and the manifests of the stages before
+it) and the checksums of what it produced. A rerun (a new flow run, or ``prefect flow-run
+retry``) reports a stage whose manifest verifies as ``Skipped`` and leaves its files untouched;
+a stage whose outputs are missing or corrupt, or whose inputs changed, runs again, and so does
+everything after it. Outputs of an older configuration are moved aside, never deleted. ``train``
+launches torchrun; a failed attempt is retried (``cluster.launch_retries``) and every attempt
+resumes from the newest valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
+
+from flows import manifests
+from flows.manifests import STAGES, digest
+from flows.plots import training_plots
+from flows.tracking import Tracker
+from moe_core.config import RunConfig, from_dict, to_dict
+
+EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
+
+
+@dataclass
+class Context:
+    run: RunConfig  # resolved: out_dir is the train folder, data.dir the data folder
+    run_dir: Path
+    tracker: Tracker
+    keys: dict[str, str]
+
+    @property
+    def train_dir(self) -> Path:
+        return self.run_dir / "train"
+
+    @property
+    def final_checkpoint(self) -> Path:
+        return self.train_dir / "checkpoints" / f"step_{self.run.train.steps:08d}"
+
+
+def stage_keys(run: RunConfig) -> dict[str, str]:
+    """Each stage's input hash: its config and the keys of the stages it reads."""
+    data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
+    keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
+    keys["init"] = digest({"model": to_dict(run.model), "seed": run.train.seed})
+    keys["train"] = digest(
+        {
+            "model": to_dict(run.model),
+            "train": to_dict(run.train),
+            "parallel": to_dict(run.parallel),
+            "tokenize": keys["tokenize"],
+            "init": keys["init"],
+        }
+    )
+    keys["convert"] = digest({"train": keys["train"]})
+    keys["evaluate"] = digest({"convert": keys["convert"], "batches": EVAL_BATCHES})
+    return keys
+
+
+def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
+    """The run's config with every path inside ``run_dir`` (validated on the way)."""
+    data = dict(config.get("data", {}))
+    data["dir"] = str(run_dir / "data")
+    if data.get("kind") != "tokens":
+        raise ValueError(
+            f"data.kind={data.get('kind')!r} is not allowed for the pipeline: it tokenizes a "
+            "corpus, so use a token data option (e.g. data=kjv)."
+        )
+    return from_dict(RunConfig, {**config, "data": data, "out_dir": str(run_dir / "train")})
+
+
+def check_launchable(run: RunConfig) -> None:
+    """Refuse, before any stage, a layout this machine cannot run: one sentence, plus the plan
+    in the log (parameters, GPUs, memory per GPU)."""
+    from moe_core.plan import check_cluster, check_resources, plan
+
+    logger = get_run_logger()
+    check_cluster(run)
+    report = plan(run)
+    logger.info("plan for %s:\n%s", run.model.name, report.text())
+    gpus = torch.cuda.device_count() * int(os.environ.get("SLURM_NNODES", "1"))
+    memory = None
+    if torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+    check_resources(run, gpus, memory)
+
+
+def _supersede(ctx: Context, stage: str, folder: Path) -> None:
+    """Outputs another configuration left in ``folder`` are moved aside (kept, never deleted);
+    outputs of this configuration (an interrupted attempt) stay, to be resumed."""
+    marker = ctx.run_dir / "stages" / f"{stage}.key"
+    key = ctx.keys[stage]
+    stale = folder.exists() and (not marker.is_file() or marker.read_text() != key)
+    if stale and any(folder.iterdir()):
+        n = 1
+        while folder.with_name(f"{folder.name}.superseded-{n}").exists():
+            n += 1
+        folder.rename(folder.with_name(f"{folder.name}.superseded-{n}"))
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(key)
+
+
+def _stage(
+    name: str,
+    ctx: Context,
+    body: Callable[[Context, str | None], tuple[dict, list[Path]]],
+    extra_check: Callable[[Context], str | None] | None = None,
+):
+    """Skip when the manifest (and ``extra_check``) verify; else run ``body``, record it."""
+    logger = get_run_logger()
+    key = ctx.keys[name]
+    record, why = manifests.verify(ctx.run_dir, name, key)
+    if record is not None and extra_check is not None:
+        problem = extra_check(ctx)
+        record, why = (record, "") if problem is None else (None, problem)
+    if record is not None:
+        logger.info("%s: outputs verified, skipped", name)
+        return Completed(name="Skipped", message="outputs verified", data=record["summary"])
+    logger.info("%s: runs (%s)", name, why)
+    run_id = ctx.tracker.stage(name)
+    try:
+        summary, outputs = body(ctx, run_id)
+    except BaseException:
+        ctx.tracker.finish(run_id, "FAILED")
+        raise
+    files = manifests.checksums(ctx.run_dir, outputs)
+    manifests.write(ctx.run_dir, name, key, files, summary)
+    ctx.tracker.artifacts(run_id, manifests.manifest_path(ctx.run_dir, name), "manifest")
+    ctx.tracker.finish(run_id)
+    return summary
+
+
+# ---- tokenize ----------------------------------------------------------------------------
+
+
+def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    from moe_core.data.manifest import read_manifest
+    from moe_core.data.tokenize import tokenize_corpus
+
+    out = ctx.run_dir / "data"
+    _supersede(ctx, "tokenize", out)
+    tokenize_corpus(
+        ctx.run.data, out, model_vocab_size=ctx.run.model.vocab_size, show_progress=False
+    )
+    content = read_manifest(out).content
+    summary = {k: content[k] for k in ("total_tokens", "dtype") if k in content}
+    summary["tokenizer"] = content.get("tokenizer", {}).get("name")
+    ctx.tracker.params(run_id, {"data": summary})
+    for f in sorted(out.glob("tokenizer*.json")) + sorted(out.glob("special_tokens_map.json")):
+        ctx.tracker.artifacts(run_id, f, "tokenizer")
+    ctx.tracker.artifacts(run_id, out / "manifest.json", "data")
+    return summary, [out / "manifest.json"]
+
+
+def _tokenize_intact(ctx: Context) -> str | None:
+    from moe_core.data.manifest import verify_data_dir
+
+    try:
+        verify_data_dir(ctx.run_dir / "data", checksums=True)
+    except Exception as err:
+        return str(err)
+    return None
+
+
+@task(name="tokenize", cache_policy=NO_CACHE)
+def tokenize_stage(ctx: Context):
+    return _stage("tokenize", ctx, _tokenize, _tokenize_intact)
+
+
+# ---- init --------------------------------------------------------------------------------
+
+
+def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    from moe_core.model.flops import count
+    from moe_core.train.init import write_initial_checkpoint
+
+    out = ctx.run_dir / "init"
+    _supersede(ctx, "init", out)
+    path = write_initial_checkpoint(ctx.run, out / "checkpoints")
+    counts = count(ctx.run.model)
+    summary = {"checkpoint": str(path), "total_params": counts.total_params}
+    ctx.tracker.params(run_id, {"init": summary})
+    return summary, [path / "manifest.json"]
+
+
+def _init_intact(ctx: Context) -> str | None:
+    from moe_core.train.checkpoint import verify
+
+    return verify(ctx.run_dir / "init" / "checkpoints" / "step_00000000")
+
+
+@task(name="init", cache_policy=NO_CACHE)
+def init_stage(ctx: Context):
+    return _stage("init", ctx, _init, _init_intact)
+
+
+# ---- train -------------------------------------------------------------------------------
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link (copy where links are impossible) a checkpoint folder: no second copy on disk."""
+    tmp = dst.with_name(f".tmp-{dst.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for f in src.rglob("*"):
+        target = tmp / f.relative_to(src)
+        if f.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+    tmp.rename(dst)
+
+
+def train_command(config_path: Path, nproc: int) -> list[str]:
+    runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [
+        *runner,
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "moe_core.cli",
+        "train",
+        "--config",
+        str(config_path),
+    ]
+
+
+def _follow(proc: subprocess.Popen, ctx: Context, run_id: str | None) -> None:
+    """Stream the trainer's output to the Prefect log and its metrics to MLflow."""
+    logger = get_run_logger()
+    metrics = ctx.train_dir / "metrics.jsonl"
+    stop = threading.Event()
+
+    def send() -> None:
+        while not stop.wait(5.0):
+            ctx.tracker.send_metrics_file(run_id, metrics)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line and "━" not in line:
+            logger.info(line)
+    proc.wait()
+    stop.set()
+    sender.join()
+    ctx.tracker.send_metrics_file(run_id, metrics)
+
+
+def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    run, out = ctx.run, ctx.train_dir
+    _supersede(ctx, "train", out)
+    checkpoints = out / "checkpoints"
+    if not any(checkpoints.glob("step_*")):
+        _link_tree(
+            ctx.run_dir / "init" / "checkpoints" / "step_00000000", checkpoints / "step_00000000"
+        )
+    config_path = out / "config.json"
+    # Resume is what makes retries continue; the export is the convert stage's job.
+    train = dataclasses.replace(run.train, resume=True, save_model=False)
+    resolved = dataclasses.replace(run, train=train)
+    config_path.write_text(json.dumps(to_dict(resolved), indent=1))
+    ctx.tracker.params(run_id, to_dict(resolved))
+    if run.cluster.kind != "local" or run.cluster.nodes != 1:
+        from moe_core.config import OptionNotImplementedError
+
+        raise OptionNotImplementedError(
+            f"cluster.kind={run.cluster.kind!r} with {run.cluster.nodes} nodes is launched by the "
+            "batch script or job that flows.launch renders (infra/README.md); the pipeline's "
+            "train stage runs one node itself."
+        )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    cmd = train_command(config_path, run.cluster.procs_per_node)
+    get_run_logger().info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    _follow(proc, ctx, run_id)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training exited with code {proc.returncode} (see the log above)")
+    from moe_core.train.checkpoint import verify
+
+    problem = verify(ctx.final_checkpoint)
+    if problem is not None:
+        raise RuntimeError(f"training ended without its final checkpoint: {problem}")
+    plots = training_plots(out / "metrics.jsonl", ctx.run_dir / "plots")
+    for p in plots:
+        ctx.tracker.artifacts(run_id, p, "plots")
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = {
+        "final_loss": lines[-1]["loss"],
+        "first_loss": lines[0]["loss"],
+        "steps": len(lines),
+        "skipped_steps": sum(bool(x.get("skipped")) for x in lines),
+        "checkpoint": str(ctx.final_checkpoint),
+    }
+    evals = [x["eval_loss"] for x in lines if "eval_loss" in x]
+    if evals:
+        summary["final_eval_loss"] = evals[-1]
+    ctx.tracker.metrics(
+        run_id, {k: float(v) for k, v in summary.items() if isinstance(v, int | float)}
+    )
+    return summary, [ctx.final_checkpoint / "manifest.json", out / "metrics.jsonl"]
+
+
+def _train_intact(ctx: Context) -> str | None:
+    from moe_core.train.checkpoint import verify
+
+    return verify(ctx.final_checkpoint)
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train_stage(ctx: Context):
+    return _stage("train", ctx, _train, _train_intact)
+
+
+# ---- convert -----------------------------------------------------------------------------
+
+
+def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    from moe_core.convert.checkpoint import checkpoint_to_hf
+    from moe_core.data.manifest import read_manifest
+
+    out = ctx.run_dir / "hf"
+    dtype = torch.float32 if ctx.run.parallel.param_dtype == "fp32" else torch.bfloat16
+    eos = read_manifest(ctx.run_dir / "data").content.get("tokenizer", {}).get("eos_id")
+    checkpoint_to_hf(ctx.final_checkpoint, out, dtype, ctx.run_dir / "data", eos, overwrite=True)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    if size <= ctx.run.tracking.hf_artifact_max_gib * 2**30:
+        ctx.tracker.artifacts(run_id, out, "hf")
+    else:
+        link = ctx.run_dir / "hf_location.txt"
+        link.write_text(f"{out.resolve()}\n")
+        ctx.tracker.artifacts(run_id, link, "hf")
+    summary = {"hf_dir": str(out), "bytes": size, "dtype": str(dtype).removeprefix("torch.")}
+    ctx.tracker.metrics(run_id, {"hf_bytes": float(size)})
+    return summary, [out]
+
+
+@task(name="convert", cache_policy=NO_CACHE)
+def convert_stage(ctx: Context):
+    return _stage("convert", ctx, _convert)
+
+
+# ---- evaluate ----------------------------------------------------------------------------
+
+
+def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    from moe_core.eval.perplexity import evaluate, write_samples
+
+    out = ctx.run_dir / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    result = evaluate(ctx.final_checkpoint, ctx.run_dir / "hf", ctx.run_dir / "data", EVAL_BATCHES)
+    tolerance = 1e-4 if ctx.run.parallel.param_dtype == "fp32" else 2e-2
+    (out / "result.json").write_text(json.dumps(result.as_dict(), indent=1))
+    write_samples(result, out / "samples.md")
+    numbers = {k: float(v) for k, v in result.as_dict().items() if isinstance(v, int | float)}
+    ctx.tracker.metrics(run_id, numbers)
+    ctx.tracker.artifacts(run_id, out)
+    if result.relative_difference > tolerance:
+        raise RuntimeError(
+            f"our model's held-out loss {result.loss:.6f} and the Hugging Face export's "
+            f"{result.hf_loss:.6f} differ by {result.relative_difference:.2e} relative, more than "
+            f"{tolerance:g}: the export does not compute our model."
+        )
+    return result.as_dict(), [out / "result.json", out / "samples.md"]
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_stage(ctx: Context):
+    return _stage("evaluate", ctx, _evaluate)
+
+
+# ---- the flow ----------------------------------------------------------------------------
+
+TASKS = {
+    "tokenize": tokenize_stage,
+    "init": init_stage,
+    "train": train_stage,
+    "convert": convert_stage,
+    "evaluate": evaluate_stage,
+}
+
+
+@flow(name="pretrain")
+def pretrain(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """Run (or resume) the pipeline for a resolved config in ``run_dir``."""
+    logger = get_run_logger()
+    root = Path(run_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    run = resolve(config, root)
+    check_launchable(run)
+    (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
+    tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
+    tracker.params(tracker.parent, to_dict(run))
+    tracker.artifacts(tracker.parent, root / "config.json")
+    ctx = Context(run, root, tracker, stage_keys(run))
+    outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}
+    try:
+        for name in STAGES:
+            fn = TASKS[name]
+            if name == "train":
+                fn = fn.with_options(retries=run.cluster.launch_retries, retry_delay_seconds=2)
+            state = fn(ctx, return_state=True)
+            outcome["stages"][name] = state.name
+            summary = state.result()
+            if isinstance(summary, dict):
+                outcome[name] = summary
+    except BaseException:
+        tracker.finish(tracker.parent, "FAILED")
+        raise
+    tracker.finish(tracker.parent)
+    evaluation = outcome.get("evaluate", {})
+    outcome["hf_dir"] = str(root / "hf")
+    outcome["perplexity"] = evaluation.get("perplexity")
+    outcome["mlflow_ui"] = f"mlflow ui --backend-store-uri {tracker.uri}"
+    logger.info(
+        "done: Hugging Face checkpoint %s; held-out perplexity %.3f (transformers: %.3f); "
+        "browse with: %s",
+        outcome["hf_dir"],
+        evaluation.get("perplexity", float("nan")),
+        evaluation.get("hf_perplexity", float("nan")),
+        outcome["mlflow_ui"],
+    )
+    return outcome

@@ -1,0 +1,194 @@
+"""MLflow for the pipeline: one parent run per run directory, one nested run per stage.
+
+The run ids live in ``run_dir/mlflow.json``, so a resumed pipeline keeps logging into the same
+parent and stage runs. Tracking never stops the work: if the tracking store cannot be reached,
+the pipeline warns once and goes on; training metrics stay in ``metrics.jsonl`` (the local
+buffer) and the lines not yet sent are sent by a later call that can reach the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Fail fast instead of retrying for minutes when a server is down.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+SCALARS = (
+    "loss",
+    "aux_loss",
+    "lb_loss",
+    "z_loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s_per_gpu",
+    "model_tflops_per_gpu",
+    "mfu",
+    "peak_mem_gib",
+    "eval_loss",
+)
+ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_max")
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= flatten(v, key + ".")
+        else:
+            out[key] = json.dumps(v) if isinstance(v, list | bool) or v is None else str(v)
+    return out
+
+
+def metric_rows(line: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one ``metrics.jsonl`` line worth a chart (per-layer router health too)."""
+    out = {k: float(line[k]) for k in SCALARS if isinstance(line.get(k), int | float)}
+    for layer, health in (line.get("router") or {}).items():
+        for k in ROUTER_SCALARS:
+            if k in health:
+                out[f"router.{layer}.{k}"] = float(health[k])
+    if line.get("skipped"):
+        out["skipped"] = 1.0
+    return out
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, uri: str | None, experiment: str, run_name: str) -> None:
+        self.run_dir = run_dir
+        self.state_path = run_dir / "mlflow.json"
+        self.state: dict[str, Any] = {"parent": None, "stages": {}, "sent": {}}
+        if self.state_path.is_file():
+            self.state |= json.loads(self.state_path.read_text())
+        self.uri = uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        self.online = True
+        self.client = None
+        self.experiment_id: str | None = None
+        self._guard(self._connect, experiment, uri is None)
+        if self.state["parent"] is None:
+            self.state["parent"] = self._guard(self._create, run_name, None)
+            self._save()
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def _guard(self, fn, *args):
+        """Run an MLflow call; on failure warn once, go offline, return None."""
+        if not self.online:
+            return None
+        try:
+            return fn(*args)
+        except Exception as err:
+            self.online = False
+            log.warning(
+                "MLflow at %s is unreachable (%s); the pipeline goes on, metrics stay in "
+                "metrics.jsonl and are sent on a later run.",
+                self.uri,
+                str(err).splitlines()[0][:200],
+            )
+            return None
+
+    def _connect(self, experiment: str, local: bool) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            self.experiment_id = found.experiment_id
+        else:
+            location = (self.run_dir / "mlartifacts").resolve().as_uri() if local else None
+            self.experiment_id = self.client.create_experiment(experiment, location)
+
+    def _create(self, name: str, parent: str | None) -> str:
+        tags = {"mlflow.runName": name}
+        if parent is not None:
+            tags["mlflow.parentRunId"] = parent
+        return self.client.create_run(self.experiment_id, tags=tags).info.run_id
+
+    def _save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.replace(self.state_path)
+
+    # ---- what the flow calls --------------------------------------------------------------
+
+    @property
+    def parent(self) -> str | None:
+        return self.state["parent"]
+
+    def stage(self, name: str) -> str | None:
+        """The nested run of ``name`` (created once; a rerun of the stage logs into it)."""
+        run_id = self.state["stages"].get(name)
+        if run_id is None and self.parent is not None:
+            run_id = self._guard(self._create, name, self.parent)
+            if run_id is not None:
+                self.state["stages"][name] = run_id
+                self._save()
+        if run_id is not None:
+            self._guard(self.client.update_run, run_id, "RUNNING")
+        return run_id
+
+    def params(self, run_id: str | None, values: dict[str, Any]) -> None:
+        if run_id is None:
+            return
+        from mlflow.entities import Param
+
+        flat = flatten(values)
+        already = self._guard(lambda: set(self.client.get_run(run_id).data.params)) or set()
+        params = [Param(k, v[:6000]) for k, v in sorted(flat.items()) if k not in already]
+        for i in range(0, len(params), 100):
+            self._guard(self.client.log_batch, run_id, [], params[i : i + 100])
+
+    def metrics(self, run_id: str | None, values: dict[str, float], step: int = 0) -> None:
+        if run_id is None:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in values.items()]
+        for i in range(0, len(batch), 1000):
+            self._guard(self.client.log_batch, run_id, batch[i : i + 1000])
+
+    def send_metrics_file(self, run_id: str | None, path: Path) -> int:
+        """Send the lines of a metrics.jsonl not sent yet; returns how many were sent."""
+        if run_id is None or not path.is_file() or not self.online:
+            return 0
+        key = str(path.resolve())
+        lines = path.read_text().splitlines()
+        start = self.state["sent"].get(key, 0)
+        if start > len(lines):  # the file was rewritten (a resumed run dropped redone steps)
+            start = 0
+        sent = 0
+        for raw in lines[start:]:
+            if not raw.strip():
+                continue
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                break  # a line still being written
+            self.metrics(run_id, metric_rows(line), int(line["step"]))
+            if not self.online:
+                break
+            sent += 1
+        self.state["sent"][key] = start + sent
+        self._save()
+        return sent
+
+    def artifacts(self, run_id: str | None, path: Path, artifact_path: str | None = None) -> None:
+        if run_id is None or not path.exists():
+            return
+        if path.is_dir():
+            self._guard(self.client.log_artifacts, run_id, str(path), artifact_path)
+        else:
+            self._guard(self.client.log_artifact, run_id, str(path), artifact_path)
+
+    def finish(self, run_id: str | None, status: str = "FINISHED") -> None:
+        if run_id is not None:
+            self._guard(self.client.set_terminated, run_id, status)

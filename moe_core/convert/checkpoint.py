@@ -1,0 +1,114 @@
+"""Read model weights out of a training checkpoint, one tensor (or one expert) at a time.
+
+Training checkpoints (``moe_core.train.checkpoint``) hold fp32 master weights as chunks of
+each flattened global tensor, in whatever layout wrote them. ``CheckpointSource`` assembles
+any parameter, or one expert's slice of a stacked expert tensor, from the chunks that cover it,
+reading only those chunks; export and evaluation use it without a process group and without
+ever holding the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moe_core.config import ModelConfig, RunConfig, from_dict
+from moe_core.convert.hf import expected_names, save_hf
+from moe_core.model import Transformer
+
+_PARAM = re.compile(r"opt/(.+)/param/(\d+)")
+_BUFFER = re.compile(r"buf/(.+)")
+
+
+class CheckpointSource:
+    """A ``convert.hf.TensorSource`` over a training checkpoint's master weights."""
+
+    def __init__(self, path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        self.path, self.cfg, self.dtype = Path(path), cfg, dtype
+        metadata = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        self.chunks: dict[str, list[tuple[int, int, str]]] = {}
+        self.buffers: dict[str, torch.Size] = {}
+        for key, md in metadata.items():
+            if m := _PARAM.fullmatch(key):
+                self.chunks.setdefault(m.group(1), []).append((int(m.group(2)), md.size[0], key))
+            elif m := _BUFFER.fullmatch(key):
+                self.buffers[m.group(1)] = md.size
+        with torch.device("meta"):
+            self.shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters()}
+
+    def names(self) -> set[str]:
+        return set(self.chunks)
+
+    def _read(self, name: str, start: int, length: int) -> torch.Tensor:
+        request = {
+            key: torch.empty(size)
+            for first, size, key in self.chunks[name]
+            if first < start + length and start < first + size
+        }
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(request, checkpoint_id=str(self.path), no_dist=True)
+        out = torch.empty(length)
+        covered = 0
+        for first, size, key in self.chunks[name]:
+            a, z = max(first, start), min(first + size, start + length)
+            if a < z:
+                out[a - start : z - start] = request[key][a - first : z - first]
+                covered += z - a
+        if covered != length:
+            raise ValueError(f"checkpoint {self.path.name} does not cover all of {name}.")
+        return out
+
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        shape = self.shapes[name]
+        if expert is None:
+            return self._read(name, 0, shape.numel()).view(shape).to(self.dtype)
+        per_expert = shape[1:].numel()
+        return self._read(name, expert * per_expert, per_expert).view(shape[1:]).to(self.dtype)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and saved buffer at once (small models: evaluation in one process)."""
+        state = {name: self.get(name) for name in sorted(expected_names(self.cfg))}
+        request = {f"buf/{n}": torch.empty(size) for n, size in self.buffers.items()}
+        if request:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(request, checkpoint_id=str(self.path), no_dist=True)
+            state |= {k.removeprefix("buf/"): v for k, v in request.items()}
+        return state
+
+
+def checkpoint_config(path: str | os.PathLike) -> RunConfig:
+    """The run configuration a checkpoint was written with."""
+    request = {"trainer": ""}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    return from_dict(RunConfig, json.loads(request["trainer"])["config"])
+
+
+def checkpoint_to_hf(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_dir: str | os.PathLike | None = None,
+    eos_token_id: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor."""
+    cfg = checkpoint_config(path).model
+    source = CheckpointSource(path, cfg, dtype)
+    return save_hf(
+        source,
+        cfg,
+        out_dir,
+        tokenizer_dir=tokenizer_dir,
+        eos_token_id=eos_token_id,
+        overwrite=overwrite,
+    )

@@ -1,0 +1,105 @@
+"""The pipeline's ``init`` stage: a step-0 checkpoint written one tensor at a time.
+
+The model is built on the meta device (no memory). Every parameter (every expert of a stacked
+expert tensor separately) becomes one checkpoint entry whose values are computed only when DCP
+writes that entry, with exactly the seeds ``Transformer.init_weights`` uses, so no process ever
+holds more than one tensor (one expert) of the model, even for ``1t``. Adam moments are not
+written: a checkpoint without them starts the optimizer fresh, as a new run would.
+Training (in any layout) resumes from it like from any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from moe_core.config import ParallelConfig, RunConfig, to_dict
+from moe_core.model.moe import Experts
+from moe_core.model.transformer import Transformer, seeded_normal_
+from moe_core.parallel.mesh import Mesh
+from moe_core.train.checkpoint import Checkpointer
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Plans with meta tensors; computes each entry's values when DCP writes it."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        super().__init__()
+        self.makers = makers
+
+    def resolve_data(self, write_item):  # type: ignore[override]
+        maker = self.makers.get(write_item.index.fqn)
+        if maker is None:
+            return super().resolve_data(write_item)
+        return maker()
+
+
+def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Callable]]:
+    """(meta placeholders, makers) for every parameter chunk of the full model."""
+    cfg, seed = run.model, run.train.seed
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    placeholders: dict[str, torch.Tensor] = {}
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def normal(shape: torch.Size, key: str) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            t = torch.empty(shape, dtype=torch.float32)
+            seeded_normal_(t, cfg.init_std, seed, key)
+            return t.reshape(-1)
+
+        return make
+
+    experts = {
+        id(p): (mod_name, p_name)
+        for mod_name, m in model.named_modules()
+        if isinstance(m, Experts)
+        for p_name, p in m.named_parameters(recurse=False)
+    }
+    for name, p in model.named_parameters():
+        if id(p) in experts:
+            mod_name, p_name = experts[id(p)]
+            per_expert = p[0].numel()
+            for e in range(p.shape[0]):
+                key = f"opt/{name}/param/{e * per_expert}"
+                placeholders[key] = torch.empty(per_expert, device="meta")
+                makers[key] = normal(p.shape[1:], f"{mod_name}.{p_name}[{e}]")
+        else:
+            key = f"opt/{name}/param/0"
+            placeholders[key] = torch.empty(p.numel(), device="meta")
+            if name.endswith("norm.weight"):
+                makers[key] = _ones(p.numel())
+            else:
+                makers[key] = normal(p.shape, name)
+    return placeholders, makers
+
+
+def _ones(n: int) -> Callable[[], torch.Tensor]:
+    return lambda: torch.ones(n)
+
+
+def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
+    """Write ``checkpoints/step_00000000`` (atomic, with a manifest); return its path."""
+    placeholders, makers = _param_makers(run)
+    state: dict = dict(placeholders)
+    for name in _expert_bias_names(run):
+        state[f"buf/{name}"] = torch.zeros(run.model.n_experts)
+    trainer = {"step": 0, "guards": {}, "config": to_dict(run), "loader": None}
+    state["trainer"] = json.dumps(trainer)
+    state["adam_step"] = 0
+    ckpt = Checkpointer(
+        Path(checkpoints), Mesh(ParallelConfig()), keep_last=0, keep_every=0, use_async=False
+    )
+    layout = {"pp": run.parallel.pp, "dp": run.parallel.dp, "ep": run.parallel.ep}
+    ckpt.save(0, state, layout, planner=_LazySavePlanner(makers))
+    return Path(checkpoints) / "step_00000000"
+
+
+def _expert_bias_names(run: RunConfig) -> list[str]:
+    if not run.model.expert_bias:
+        return []
+    return [f"layers.{i}.moe.router.expert_bias" for i in range(run.model.n_layers)]

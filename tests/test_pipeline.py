@@ -1,0 +1,189 @@
+"""The pretrain flow end to end on CPU: stages, resume, tracking (Prefect + MLflow + torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.manifests import STAGES
+from moe_core.compose import compose_dict
+
+SMALL = [
+    "train.steps=8",
+    "train.checkpoint_every=2",
+    "train.eval_every=4",
+    "data.max_documents=400",
+    "data.validation_fraction=0.05",
+    "data.workers=1",
+]
+
+
+@pytest.fixture(scope="module")
+def prefect_home(tmp_path_factory):
+    """One Prefect API for the module (a temporary local server), in a private home."""
+    home = tmp_path_factory.mktemp("prefect")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield home
+
+
+def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
+    from flows.pretrain import pretrain
+
+    config = compose_dict([*SMALL, *overrides], config_name="pretrain-tiny")
+    return pretrain(config=config, run_dir=str(run_dir))
+
+
+def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
+    from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+
+    ckpt = run_dir / "train" / "checkpoints" / f"step_{steps:08d}"
+    return CheckpointSource(ckpt, checkpoint_config(ckpt).model, torch.float32).state_dict()
+
+
+@pytest.fixture(scope="module")
+def finished(prefect_home, tmp_path_factory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("pipeline") / "tiny"
+    return run_dir, run_pipeline(run_dir, [])
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_end_to_end(finished):
+    from mlflow.tracking import MlflowClient
+    from transformers import OlmoeForCausalLM
+
+    run_dir, outcome = finished
+    assert outcome["stages"] == dict.fromkeys(STAGES, "Completed")
+    assert list((run_dir / "data").glob("train/*.npy")) or list((run_dir / "data").rglob("*.npy"))
+    assert (run_dir / "train" / "checkpoints" / "step_00000008" / "manifest.json").is_file()
+    model = OlmoeForCausalLM.from_pretrained(run_dir / "hf")
+    assert model.config.num_experts == 8
+    result = json.loads((run_dir / "eval" / "result.json").read_text())
+    assert result["relative_difference"] < 1e-4 and result["tokens"] > 0
+    assert outcome["perplexity"] == pytest.approx(result["perplexity"])
+    assert outcome["mlflow_ui"].startswith("mlflow ui --backend-store-uri sqlite:")
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    assert len(parent) == 1 and sorted(r.info.run_name for r in children) == sorted(STAGES)
+    assert parent[0].data.params["model.name"] == "tiny"
+    train = next(r for r in children if r.info.run_name == "train")
+    history = client.get_metric_history(train.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(8))
+    assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
+        "plots/loss.png",
+        "plots/tokens_per_s.png",
+        "plots/expert_load.png",
+    }
+    evaluate = next(r for r in children if r.info.run_name == "evaluate")
+    assert evaluate.data.metrics["relative_difference"] < 1e-4
+    tokenize = next(r for r in children if r.info.run_name == "tokenize")
+    assert "tokenizer/tokenizer.json" in {
+        a.path for a in client.list_artifacts(tokenize.info.run_id, "tokenizer")
+    }
+
+
+@pytest.mark.slow
+def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished):
+    run_dir, _ = finished
+    shard = sorted((run_dir / "hf").glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])  # corrupt the export only
+    data_mtimes = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
+    outcome = run_pipeline(run_dir, [])
+    assert outcome["stages"] == {
+        "tokenize": "Skipped",
+        "init": "Skipped",
+        "train": "Skipped",
+        "convert": "Completed",
+        "evaluate": "Skipped",
+    }
+    assert all(p.stat().st_mtime_ns == t for p, t in data_mtimes.items())
+
+
+def kill_training_after(run_dir: Path, steps: int, proc: subprocess.Popen) -> None:
+    metrics = run_dir / "train" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None and time.time() < deadline, "training did not get going"
+        time.sleep(0.05)
+    marker = str(run_dir / "train" / "config.json").encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+@pytest.mark.slow
+def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_path):
+    reference_dir, _ = finished
+    run_dir = tmp_path / "crash"
+    script = (
+        "import sys, json; from flows.pretrain import pretrain; "
+        "pretrain(config=json.loads(sys.argv[1]), run_dir=sys.argv[2])"
+    )
+    config = compose_dict([*SMALL, "cluster.launch_retries=0"], config_name="pretrain-tiny")
+    env = {**os.environ}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(config), str(run_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    kill_training_after(run_dir, 3, proc)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, "the first attempt must fail"
+    assert "training exited with code" in log
+    before = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
+    before |= {p: p.stat().st_mtime_ns for p in (run_dir / "init").rglob("*") if p.is_file()}
+
+    outcome = run_pipeline(run_dir, ["cluster.launch_retries=0"])
+    assert outcome["stages"]["tokenize"] == "Skipped" and outcome["stages"]["init"] == "Skipped"
+    assert outcome["stages"]["train"] == "Completed"
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items())
+    lines = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(8))
+    ref, got = masters(reference_dir), masters(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref), "resumed training must end identical"
+
+
+@pytest.mark.slow
+def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "changed"
+    shutil.copytree(finished[0], run_dir)
+    outcome = run_pipeline(run_dir, ["train.lr=1e-3"])
+    assert outcome["stages"] == {
+        "tokenize": "Skipped",
+        "init": "Skipped",
+        "train": "Completed",
+        "convert": "Completed",
+        "evaluate": "Completed",
+    }
+    assert (run_dir / "train.superseded-1" / "checkpoints").is_dir(), "old outputs are kept"
+
+
+def test_1t_refuses_without_its_gpus_and_shows_the_plan(prefect_home, tmp_path, caplog):
+    from flows.pretrain import pretrain
+    from moe_core.config import ConfigError
+
+    config = compose_dict([], config_name="pretrain-1t")
+    with pytest.raises(ConfigError, match="GPU"):
+        pretrain(config=config, run_dir=str(tmp_path / "1t"))
+    assert not (tmp_path / "1t" / "data").exists(), "nothing may start"

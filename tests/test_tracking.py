@@ -1,0 +1,56 @@
+"""MLflow tracking never stops the pipeline, and nothing logged while it was away is lost."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+from flows.tracking import Tracker, metric_rows
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens here once the socket closes
+
+
+def write_metrics(path, steps):
+    with path.open("a") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "loss": 5.0 - step, "lr": 1e-3}) + "\n")
+
+
+def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog):
+    metrics = tmp_path / "metrics.jsonl"
+    write_metrics(metrics, range(3))
+    with caplog.at_level(logging.WARNING):
+        down = Tracker(tmp_path, f"http://127.0.0.1:{closed_port()}", "exp", "run")
+    assert not down.online and "unreachable" in caplog.text
+    assert down.stage("train") is None and down.send_metrics_file(None, metrics) == 0
+
+    # The store is reachable again (here: the local sqlite store): everything is sent.
+    up = Tracker(tmp_path, None, "exp", "run")
+    run_id = up.stage("train")
+    write_metrics(metrics, range(3, 5))
+    assert up.send_metrics_file(run_id, metrics) == 5
+    assert up.send_metrics_file(run_id, metrics) == 0  # nothing twice
+    history = up.client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4]
+
+
+def test_resumed_tracker_keeps_its_runs(tmp_path):
+    first = Tracker(tmp_path, None, "exp", "run")
+    stage = first.stage("tokenize")
+    again = Tracker(tmp_path, None, "exp", "run")
+    assert again.parent == first.parent and again.stage("tokenize") == stage
+
+
+def test_metric_rows_take_scalars_and_router_health():
+    line = {
+        "step": 3,
+        "loss": 2.5,
+        "skipped": False,
+        "router": {"layer_0": {"load_imbalance": 1.5, "load_share": [0.5, 0.5]}},
+    }
+    assert metric_rows(line) == {"loss": 2.5, "router.layer_0.load_imbalance": 1.5}
