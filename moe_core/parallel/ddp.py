@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_core.model.moe import Experts
-from moe_core.parallel.mesh import Mesh
+from moe_core.parallel.mesh import Mesh, reduce_scatter_flat
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -149,9 +149,7 @@ class GradBuckets:
         if self.divisor != 1:
             b.grad_flat.div_(self.divisor)
         if b.group is not None:
-            b.work = dist.reduce_scatter_tensor(
-                b.grad_shard, b.grad_flat, group=b.group, async_op=True
-            )
+            b.work = reduce_scatter_flat(b.grad_shard, b.grad_flat, group=b.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's reduction (launching any whose gradients never all arrived)."""

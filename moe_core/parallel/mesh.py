@@ -16,6 +16,10 @@ from moe_core.config import ConfigError, ParallelConfig
 
 Group = dist.ProcessGroup | None  # None: the default group (or no process group at all)
 
+# Flat-tensor collectives under their current names (torch 2.13 renamed them; 2.11 has the old).
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass
 class Mesh:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
-from moe_core.parallel.mesh import Mesh
+from moe_core.parallel.mesh import Mesh, all_gather_flat
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -91,7 +91,7 @@ class ShardedAdamW:
                 b.param_flat[b.shard].copy_(m.detach())
             if b.group is not None:
                 shard = b.param_flat[b.shard].clone()
-                dist.all_gather_into_tensor(b.param_flat, shard, group=b.group)
+                all_gather_flat(b.param_flat, shard, group=b.group)
 
     def shards(self, index: int, allocate: bool = False) -> dict[str, torch.Tensor]:
         """Bucket ``index``'s fp32 master shard and moments (zeros before the first step, or
@@ -153,7 +153,7 @@ def _gather(shard: torch.Tensor, b: Bucket) -> torch.Tensor:
     if b.group is None:
         return shard
     out = shard.new_empty(shard.numel() * group_size(b.group))
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=b.group)
+    all_gather_flat(out, shard.contiguous(), group=b.group)
     return out
 
 

@@ -124,7 +124,7 @@ class ConsoleSink:
             parts.append("[red]SKIPPED (non-finite)[/]")
         if m.get("spike"):
             parts.append("[yellow]loss spike[/]")
-        self.console.print("  ".join(parts))
+        self.console.print("  ".join(parts), soft_wrap=True)
 
     def close(self) -> None:
         pass
