@@ -14,6 +14,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 from kernels import router_topk_triton, routing_triton, slot_permute_triton, swiglu_triton
 
@@ -26,7 +27,7 @@ def variants(flags: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, values, strict=True)) for values in itertools.product(*flags.values())]
 
 
-def cases() -> list[tuple[object, dict[str, str], dict]]:
+def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
     """(kernel, pointer types by argument name, constexprs): the variants the wrappers launch."""
     sp, rt = slot_permute_triton, routing_triton
     out = []
@@ -85,7 +86,7 @@ def cases() -> list[tuple[object, dict[str, str], dict]]:
     return out
 
 
-def compile_one(fn, ptrs: dict[str, str], constexprs: dict) -> None:
+def compile_one(fn: JITFunction, ptrs: dict[str, str], constexprs: dict) -> None:
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:

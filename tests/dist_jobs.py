@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from kernels.permute import expert_counts
 from moe_core.compose import compose_run
-from moe_core.model.moe import Experts, LocalDispatcher, Routing
+from moe_core.model.moe import Experts, LocalDispatcher, Routing, TokenDispatcher
 from moe_core.parallel.dispatch import AllToAllDispatcher
 from moe_core.train.trainer import Trainer
 
@@ -85,7 +85,7 @@ DISPATCH_CASES = [
 
 
 def dispatch_grads(
-    dispatch,
+    dispatch: TokenDispatcher,
     experts: Experts,
     x_TD: torch.Tensor,
     w_TK: torch.Tensor,
