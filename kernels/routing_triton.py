@@ -11,7 +11,8 @@ Three launches over the flattened assignments ``a = t * K + k`` (M = T * K of th
    padded segment starts and the int32 cumulative ends (the last one is ``n_rows``). Its input
    is M / BLOCK_A * E_PAD ints (128 KiB at T=16384, K=8, E=64), so one program is enough.
 3. ``_finalize``: slot = segment start of its expert + the expert's assignments in earlier
-   blocks + rank within the block.
+   blocks + rank within the block; -1 for a dropped assignment (expert id < 0), which matches
+   no column of the one-hot tile and so is neither ranked nor counted.
 
 Integer sums only, no atomics: the result is exact and identical on every run, and it is the
 stable order (token order within an expert), the layout a stable argsort gives.
@@ -78,10 +79,11 @@ def _finalize(
     a = pid * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < M
     e = tl.load(experts_ptr + a, mask=amask, other=0).to(tl.int32)
-    base = tl.load(hist_ptr + pid * E_PAD + e, mask=amask, other=0)
-    base += tl.load(starts_ptr + e, mask=amask, other=0)
+    valid = amask & (e >= 0)
+    base = tl.load(hist_ptr + pid * E_PAD + e, mask=valid, other=0)
+    base += tl.load(starts_ptr + e, mask=valid, other=0)
     rank = tl.load(slot_ptr + a, mask=amask, other=0)
-    tl.store(slot_ptr + a, rank + base.to(tl.int64), mask=amask)
+    tl.store(slot_ptr + a, tl.where(valid, rank + base.to(tl.int64), -1), mask=amask)
 
 
 def expert_slots(
@@ -93,7 +95,7 @@ def expert_slots(
     block_a: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(slot_TK int64, counts_E int64, offs_E int32) for a buffer of ``n_rows`` rows (see
-    ``routing.slot_rows``); ``block_a`` overrides the assignments per program (tests)."""
+    ``routing.expert_slots``); ``block_a`` overrides the assignments per program (tests)."""
     T, K = experts_TK.shape
     M = T * K
     if M >= 2**31:

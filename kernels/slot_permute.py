@@ -1,10 +1,19 @@
 """Slot-based permutation: token rows into expert-ordered slots ("rowwise") and back, combined.
 
 ``slot_TK`` comes from ``kernels.routing.expert_slots``: an injective map of the T * K
-assignments onto the rows of an ``n_rows``-row buffer. Rows no assignment maps to are padding
-(see ``kernels.routing`` for the layout): the permute writes zeros there, the combine never reads
-them, and the combine's backward writes zero gradients there, so grouped GEMMs over padded
-segments add nothing to weight gradients.
+assignments onto the rows of an ``n_rows``-row buffer, where a slot of -1 is a dropped
+assignment (routed elsewhere): it takes no row, the permute writes nothing for it (its backward
+gives it no gradient), the combine adds nothing for it (its weight gradient is 0). Rows no valid
+slot maps to are padding (see ``kernels.routing`` for the layout): the permute writes zeros
+there, the combine never reads them, and the combine's backward writes zero gradients there, so
+grouped GEMMs over padded segments add nothing to weight gradients.
+
+Zero-filling needs a pass over per-row flags, which the all-valid path must not pay for.
+``every_row_mapped`` says whether it is needed: by default (None) every row counts as mapped
+exactly when ``n_rows == T * K`` (right for any map without dropped assignments); a caller that
+knows better says True (e.g. a buffer of exactly the valid assignments with ``align=1``: no
+padding, no pass) or False (dropped assignments into a buffer of exactly ``T * K`` rows, whose
+last rows are then unmapped). True is a promise: the Triton path leaves unmapped rows unwritten.
 
 Both ops are autograd Functions with deterministic backward passes (no atomics: every sum runs
 inside one program, in a fixed order) and fp32 accumulation. Triton runs them on CUDA tensors
@@ -23,28 +32,48 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _rows_at(src_MD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """``src_MD[slot_TK]`` as [T, K, D], zero where the slot is -1 (dropped)."""
+    if src_MD.shape[0] == 0:  # every slot dropped: gather zeros, still through src's graph
+        src_MD = torch.cat([src_MD, src_MD.new_zeros(1, src_MD.shape[1])])
+    rows_TKD = src_MD[slot_TK.clamp_min(0)]
+    return torch.where((slot_TK >= 0).unsqueeze(-1), rows_TKD, 0)
+
+
+def _scatter_into(
+    out_MD: torch.Tensor, slot_TK: torch.Tensor, rows_AD: torch.Tensor
+) -> torch.Tensor:
+    """``out_MD[slot] = rows`` for valid slots, without a host read: dropped ones go to a spare
+    first row of ``out_MD`` (which has ``n_rows + 1`` rows), cut off on return (a spare row in
+    front keeps a slot past the buffer an index error)."""
+    slot_A = slot_TK.reshape(-1)
+    return out_MD.index_copy(0, torch.where(slot_A >= 0, slot_A + 1, 0), rows_AD)[1:]
+
+
 def permute_to_slots_reference(
     x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int
 ) -> torch.Tensor:
-    """``x_MD[slot_TK[t, k]] = x_TD[t]``; rows no assignment maps to are zero."""
+    """``x_MD[slot_TK[t, k]] = x_TD[t]`` for valid slots; rows no valid slot maps to are zero."""
     T, K = slot_TK.shape
-    x_MD = x_TD.new_zeros(n_rows, x_TD.shape[1])
+    x_MD = x_TD.new_zeros(n_rows + 1, x_TD.shape[1])
     rows_AD = x_TD.unsqueeze(1).expand(T, K, -1).reshape(T * K, x_TD.shape[1])
-    return x_MD.index_copy(0, slot_TK.reshape(-1), rows_AD)
+    return _scatter_into(x_MD, slot_TK, rows_AD)
 
 
 def permute_to_slots_reference_backward(g_MD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
-    """``dx_TD[t] = sum_k g_MD[slot_TK[t, k]]`` in fp32."""
-    return g_MD[slot_TK].to(_acc_dtype(g_MD.dtype)).sum(1).to(g_MD.dtype)
+    """``dx_TD[t] = sum_k g_MD[slot_TK[t, k]]`` over valid slots, in fp32."""
+    return _rows_at(g_MD, slot_TK).to(_acc_dtype(g_MD.dtype)).sum(1).to(g_MD.dtype)
 
 
 def combine_from_slots_reference(
     y_MD: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
-    """``y_TD[t] = sum_k weights_TK[t, k] * y_MD[slot_TK[t, k]]`` in fp32, in y's dtype."""
+    """``y_TD[t] = sum_k weights_TK[t, k] * y_MD[slot_TK[t, k]]`` over valid slots in fp32, in
+    y's dtype."""
     acc = _acc_dtype(y_MD.dtype)
-    y_TKD = y_MD[slot_TK].to(acc)
-    return (y_TKD * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_MD.dtype)
+    y_TKD = _rows_at(y_MD, slot_TK).to(acc)
+    w_TK = torch.where(slot_TK >= 0, weights_TK.to(acc), 0)
+    return (y_TKD * w_TK.unsqueeze(-1)).sum(1).to(y_MD.dtype)
 
 
 def combine_from_slots_reference_backward(
@@ -54,29 +83,39 @@ def combine_from_slots_reference_backward(
     weights_TK: torch.Tensor,
     n_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dy_MD, dweights_TK): ``dy_MD[slot] = w_tk * dy_t`` (unmapped rows 0) and
-    ``dweights_TK[t, k] = <y_MD[slot_TK[t, k]], dy_t>`` in fp32, in the weights' dtype
-    (None when ``y_MD`` is None: the weights need no gradient)."""
+    """(dy_MD, dweights_TK): ``dy_MD[slot] = w_tk * dy_t`` for valid slots (other rows 0) and
+    ``dweights_TK[t, k] = <y_MD[slot_TK[t, k]], dy_t>`` (0 for dropped slots) in fp32, in the
+    weights' dtype (None when ``y_MD`` is None: the weights need no gradient)."""
     (T, K), D = slot_TK.shape, dy_TD.shape[1]
     acc = _acc_dtype(dy_TD.dtype)
     dy_acc_TD = dy_TD.to(acc)
     rows_AD = (weights_TK.to(acc).unsqueeze(-1) * dy_acc_TD.unsqueeze(1)).reshape(T * K, D)
-    dy_MD = dy_TD.new_zeros(n_rows, D)
-    dy_MD.index_copy_(0, slot_TK.reshape(-1), rows_AD.to(dy_TD.dtype))
+    dy_MD = _scatter_into(dy_TD.new_zeros(n_rows + 1, D), slot_TK, rows_AD.to(dy_TD.dtype))
     if y_MD is None:
         return dy_MD, None
-    dw_TK = (y_MD[slot_TK].to(acc) * dy_acc_TD.unsqueeze(1)).sum(-1)
+    dw_TK = (_rows_at(y_MD, slot_TK).to(acc) * dy_acc_TD.unsqueeze(1)).sum(-1)
     return dy_MD, dw_TK.to(weights_TK.dtype)
+
+
+def _zero_unmapped(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None) -> bool:
+    """Whether the kernels must zero-fill rows no valid slot maps to (see the module doc)."""
+    if every_row_mapped is None:
+        return n_rows != slot_TK.numel()
+    return not every_row_mapped
 
 
 class _PermuteToSlots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
+    def forward(
+        ctx, x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int, zero_unmapped: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(slot_TK)
         if use_triton(x_TD, slot_TK):
             from kernels import slot_permute_triton
 
-            return slot_permute_triton.scatter_rows(x_TD, slot_TK, n_rows)
+            return slot_permute_triton.scatter_rows(
+                x_TD, slot_TK, n_rows, zero_unmapped=zero_unmapped
+            )
         return permute_to_slots_reference(x_TD, slot_TK, n_rows)
 
     @staticmethod
@@ -88,16 +127,20 @@ class _PermuteToSlots(torch.autograd.Function):
             dx_TD = slot_permute_triton.gather_rows(g_MD, slot_TK, None, out_dtype=g_MD.dtype)
         else:
             dx_TD = permute_to_slots_reference_backward(g_MD, slot_TK)
-        return dx_TD, None, None
+        return dx_TD, None, None, None
 
 
 class _CombineFromSlots(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, y_MD: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor
+        ctx,
+        y_MD: torch.Tensor,
+        slot_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        zero_unmapped: bool,
     ) -> torch.Tensor:
         # y_MD is kept only when the weights need a gradient (it is the expert output: large).
-        ctx.n_rows = y_MD.shape[0]
+        ctx.n_rows, ctx.zero_unmapped = y_MD.shape[0], zero_unmapped
         ctx.save_for_backward(y_MD if ctx.needs_input_grad[2] else None, slot_TK, weights_TK)
         if use_triton(y_MD, slot_TK):
             from kernels import slot_permute_triton
@@ -112,27 +155,50 @@ class _CombineFromSlots(torch.autograd.Function):
             from kernels import slot_permute_triton
 
             dy_MD, dw_TK = slot_permute_triton.combine_backward(
-                dy_TD, y_MD, slot_TK, weights_TK, ctx.n_rows
+                dy_TD, y_MD, slot_TK, weights_TK, ctx.n_rows, zero_unmapped=ctx.zero_unmapped
             )
         else:
             dy_MD, dw_TK = combine_from_slots_reference_backward(
                 dy_TD, y_MD, slot_TK, weights_TK, ctx.n_rows
             )
-        return dy_MD, None, dw_TK
+        return dy_MD, None, dw_TK, None
 
 
-def permute_to_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Expert-ordered rows ``x_MD`` [n_rows, D]: token t's row in each of its K slots, unmapped
-    rows zero. Backward: ``dx_TD[t] = sum_k dx_MD[slot_TK[t, k]]`` (fp32 sum, no atomics)."""
-    if n_rows < slot_TK.numel():
-        raise ValueError(f"n_rows={n_rows} cannot hold {slot_TK.numel()} routed assignments")
-    return _PermuteToSlots.apply(x_TD, slot_TK, n_rows)
+def _check_rows(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None) -> None:
+    """Host-side sanity checks that need no device read."""
+    if n_rows < 0:
+        raise ValueError(f"n_rows must be >= 0, got {n_rows}")
+    if every_row_mapped and n_rows > slot_TK.numel():
+        raise ValueError(f"{slot_TK.numel()} assignments cannot map every one of {n_rows} rows")
+
+
+def permute_to_slots(
+    x_TD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    n_rows: int,
+    *,
+    every_row_mapped: bool | None = None,
+) -> torch.Tensor:
+    """Expert-ordered rows ``x_MD`` [n_rows, D]: token t's row in each of its valid slots,
+    unmapped rows zero (see the module doc for ``every_row_mapped``). ``n_rows`` must hold every
+    valid slot. Backward: ``dx_TD[t] = sum_k dx_MD[slot_TK[t, k]]`` over valid slots (fp32 sum,
+    no atomics)."""
+    _check_rows(slot_TK, n_rows, every_row_mapped)
+    zero = _zero_unmapped(slot_TK, n_rows, every_row_mapped)
+    return _PermuteToSlots.apply(x_TD, slot_TK, n_rows, zero)
 
 
 def combine_from_slots(
-    y_MD: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor
+    y_MD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    *,
+    every_row_mapped: bool | None = None,
 ) -> torch.Tensor:
-    """``y_TD[t] = sum_k weights_TK[t, k] * y_MD[slot_TK[t, k]]``: un-permute and weighted sum
-    over the K choices in one pass, fp32 accumulation, output in y's dtype. Backward gives
-    ``dy_MD[slot] = w_tk * dy_t`` (unmapped rows 0) and ``dweights = <y_MD[slot], dy_t>``."""
-    return _CombineFromSlots.apply(y_MD, slot_TK, weights_TK)
+    """``y_TD[t] = sum_k weights_TK[t, k] * y_MD[slot_TK[t, k]]`` over valid slots: un-permute
+    and weighted sum over the K choices in one pass, fp32 accumulation, output in y's dtype.
+    Backward gives ``dy_MD[slot] = w_tk * dy_t`` (unmapped rows 0, see ``every_row_mapped`` in
+    the module doc) and ``dweights = <y_MD[slot], dy_t>`` (0 for dropped slots)."""
+    _check_rows(slot_TK, y_MD.shape[0], every_row_mapped)
+    zero = _zero_unmapped(slot_TK, y_MD.shape[0], every_row_mapped)
+    return _CombineFromSlots.apply(y_MD, slot_TK, weights_TK, zero)

@@ -6,9 +6,14 @@ anything summed over the K choices of a token (or over D, for the weight gradien
 inside one program in a fixed order: deterministic, no atomics. Row offsets are int64 (slot *
 row stride passes 2**31 at production sizes).
 
-Rows of the expert-ordered buffer that no assignment maps to (alignment padding) are zero-filled
-by ``_zero_unused_rows`` from a byte flag per row that the main kernel sets; with
-``n_rows == T * K`` every row is mapped and neither the flags nor that pass exist.
+A slot of -1 is a dropped assignment: the kernels neither read nor write a row for it (its
+rows contribute nothing, its weight gradient is 0). Every row access is also masked to the
+buffer (``0 <= slot < n_rows``), so a slot map that does not fit its buffer can give wrong
+values but never touches memory outside it. Rows of the expert-ordered buffer that no
+valid slot maps to (alignment padding, or rows left over by dropped assignments) are zero-filled
+by ``_zero_unused_rows`` from a byte flag per row that the main kernel sets. Where every row is
+mapped (by default: ``n_rows == T * K``, the all-valid bijection; or the caller's word, e.g. a
+buffer of exactly the valid assignments) neither the flags nor that pass exist.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def _scatter_rows(
     used_ptr,
     T,
     D,
+    n_rows,
     stride_x,
     stride_out,
     K: tl.constexpr,
@@ -44,7 +50,7 @@ def _scatter_rows(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """out[slot[t, k]] = x[t] for every k: one read of the token row, K row writes."""
+    """out[slot[t, k]] = x[t] for every valid k: one read of the token row, a write per slot."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t = t.to(tl.int64)
@@ -54,12 +60,14 @@ def _scatter_rows(
         m = tmask[:, None] & (c < D)[None, :]
         row = tl.load(x_ptr + t[:, None] * stride_x + c[None, :], mask=m)
         for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
-            tl.store(out_ptr + slot[:, None] * stride_out + c[None, :], row, mask=m)
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
+            mk = m & ((slot >= 0) & (slot < n_rows))[:, None]
+            tl.store(out_ptr + slot[:, None] * stride_out + c[None, :], row, mask=mk)
     if MARK_USED:
         for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
-            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=tmask)
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
+            valid = (slot >= 0) & (slot < n_rows)
+            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=valid)
 
 
 @triton.jit
@@ -70,6 +78,7 @@ def _gather_rows(
     out_ptr,
     T,
     D,
+    n_rows,
     stride_src,
     stride_out,
     K: tl.constexpr,
@@ -77,7 +86,7 @@ def _gather_rows(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """out[t] = sum_k (w[t, k] *) src[slot[t, k]], accumulated in fp32, k in order."""
+    """out[t] = sum_k (w[t, k] *) src[slot[t, k]] over valid slots, in fp32, k in order."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t = t.to(tl.int64)
@@ -87,10 +96,16 @@ def _gather_rows(
         m = tmask[:, None] & (c < D)[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
-            row = tl.load(src_ptr + slot[:, None] * stride_src + c[None, :], mask=m, other=0.0)
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
+            valid = (slot >= 0) & (slot < n_rows)
+            # A dropped slot reads row 0 and weight 0: it adds exactly +0 (never w * NaN).
+            row = tl.load(
+                src_ptr + slot[:, None] * stride_src + c[None, :],
+                mask=m & valid[:, None],
+                other=0.0,
+            )
             if HAS_W:
-                w = tl.load(w_ptr + t * K + k, mask=tmask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
                 acc += row.to(tl.float32) * w[:, None]
             else:
                 acc += row.to(tl.float32)
@@ -109,6 +124,7 @@ def _combine_backward(
     used_ptr,
     T,
     D,
+    n_rows,
     stride_dy,
     stride_y,
     stride_dy_rows,
@@ -119,7 +135,8 @@ def _combine_backward(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """dy_rows[slot[t, k]] = w[t, k] * dy[t]; dw[t, k] = <y[slot[t, k]], dy[t]> in fp32."""
+    """dy_rows[slot[t, k]] = w[t, k] * dy[t]; dw[t, k] = <y[slot[t, k]], dy[t]> in fp32;
+    a dropped slot (-1) writes no row and gets dw = 0."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t = t.to(tl.int64)
@@ -132,12 +149,14 @@ def _combine_backward(
         g = tl.load(dy_ptr + t[:, None] * stride_dy + c[None, :], mask=m, other=0.0)
         g = g.to(tl.float32)
         for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
-            w = tl.load(w_ptr + t * K + k, mask=tmask, other=0.0).to(tl.float32)
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
+            valid = (slot >= 0) & (slot < n_rows)
+            mk = m & valid[:, None]
+            w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
             dst = dy_rows_ptr + slot[:, None] * stride_dy_rows + c[None, :]
-            tl.store(dst, (g * w[:, None]).to(dy_rows_ptr.dtype.element_ty), mask=m)
+            tl.store(dst, (g * w[:, None]).to(dy_rows_ptr.dtype.element_ty), mask=mk)
             if NEED_DW:
-                y = tl.load(y_ptr + slot[:, None] * stride_y + c[None, :], mask=m, other=0.0)
+                y = tl.load(y_ptr + slot[:, None] * stride_y + c[None, :], mask=mk, other=0.0)
                 part = tl.sum(y.to(tl.float32) * g, axis=1)
                 dw += tl.where(kcols[None, :] == k, part[:, None], 0.0)
     if NEED_DW:
@@ -146,8 +165,9 @@ def _combine_backward(
         tl.store(dst, dw.to(dw_ptr.dtype.element_ty), mask=kmask)
     if MARK_USED:
         for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=0)
-            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=tmask)
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
+            valid = (slot >= 0) & (slot < n_rows)
+            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=valid)
 
 
 @triton.jit
@@ -159,18 +179,21 @@ def _zero_unused_rows(
     rmask = r < n_rows
     free = rmask & (tl.load(used_ptr + r, mask=rmask, other=1) == 0)
     if tl.sum(free.to(tl.int32), axis=0) > 0:
-        r = r.to(tl.int64)
+        # A new name: Triton (3.6+) rejects an `if` body that changes a variable's dtype.
+        r64 = r.to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=out_ptr.dtype.element_ty)
         for d0 in range(0, D, BLOCK_D):
             c = d0 + cols
             m = free[:, None] & (c < D)[None, :]
-            tl.store(out_ptr + r[:, None] * stride_out + c[None, :], zeros, mask=m)
+            tl.store(out_ptr + r64[:, None] * stride_out + c[None, :], zeros, mask=m)
 
 
 def _zero_unmarked(out_MD: torch.Tensor, used_M: torch.Tensor) -> None:
     """Most row blocks hold no padding and exit after reading 16 flag bytes."""
     n_rows, D = out_MD.shape
+    if n_rows == 0 or D == 0:
+        return
     block_d = min(TILE // 16, next_pow2(D))
     _zero_unused_rows[(cdiv(n_rows, 16),)](
         out_MD, used_M, n_rows, D, out_MD.stride(0), BLOCK_R=16, BLOCK_D=block_d, num_warps=4
@@ -181,23 +204,32 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _must_zero(n_rows: int, n_assignments: int, zero_unmapped: bool | None) -> bool:
+    """Whether rows may be left unmapped: the caller's word, else ``n_rows != T * K``."""
+    return n_rows != n_assignments if zero_unmapped is None else zero_unmapped
+
+
 def scatter_rows(
     x_TD: torch.Tensor,
     slot_TK: torch.Tensor,
     n_rows: int,
     *,
+    zero_unmapped: bool | None = None,
     out: torch.Tensor | None = None,
     block_t: int | None = None,
     block_d: int | None = None,
 ) -> torch.Tensor:
-    """``out[slot_TK[t, k]] = x_TD[t]``, unmapped rows zero: the permute forward."""
+    """``out[slot_TK[t, k]] = x_TD[t]`` for valid slots, unmapped rows zero (``zero_unmapped``:
+    whether any row may be unmapped; default ``n_rows != T * K``): the permute forward."""
     T, D = x_TD.shape
     K = slot_TK.shape[1]
     x_TD, slot_TK = _row_major(x_TD), slot_TK.contiguous()
     if out is None:
         out = torch.empty(n_rows, D, dtype=x_TD.dtype, device=x_TD.device)
+    if out.shape != (n_rows, D):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n_rows, D)}")
     bt, bd = _blocks(T, D, block_t, block_d)
-    padded = n_rows != T * K
+    padded = _must_zero(n_rows, T * K, zero_unmapped)
     used = torch.zeros(n_rows if padded else 1, dtype=torch.int8, device=x_TD.device)
     _scatter_rows[(cdiv(T, bt),)](
         x_TD,
@@ -206,6 +238,7 @@ def scatter_rows(
         used,
         T,
         D,
+        n_rows,
         x_TD.stride(0),
         out.stride(0),
         K=K,
@@ -229,8 +262,8 @@ def gather_rows(
     block_t: int | None = None,
     block_d: int | None = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_k (weights_TK[t, k] *) src_MD[slot_TK[t, k]]`` with fp32 accumulation:
-    the combine forward (weighted) and the permute backward (unweighted)."""
+    """``out[t] = sum_k (weights_TK[t, k] *) src_MD[slot_TK[t, k]]`` over valid slots, with
+    fp32 accumulation: the combine forward (weighted) and the permute backward (unweighted)."""
     T, K = slot_TK.shape
     D = src_MD.shape[1]
     src_MD, slot_TK = _row_major(src_MD), slot_TK.contiguous()
@@ -245,6 +278,7 @@ def gather_rows(
         out,
         T,
         D,
+        src_MD.shape[0],
         src_MD.stride(0),
         out.stride(0),
         K=K,
@@ -263,24 +297,30 @@ def combine_backward(
     weights_TK: torch.Tensor,
     n_rows: int,
     *,
+    zero_unmapped: bool | None = None,
     out_rows: torch.Tensor | None = None,
     out_dw: torch.Tensor | None = None,
     block_t: int | None = None,
     block_d: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dy_MD, dweights_TK): rows scattered and scaled, unmapped rows zero; dweights in fp32
-    (cast to the weights' dtype), or None when ``y_MD`` is None (weights need no gradient)."""
+    """(dy_MD, dweights_TK): rows scattered and scaled, unmapped rows zero (``zero_unmapped`` as
+    in ``scatter_rows``); dweights in fp32 (cast to the weights' dtype; 0 for dropped slots), or
+    None when ``y_MD`` is None (weights need no gradient)."""
     T, D = dy_TD.shape
     K = slot_TK.shape[1]
     dy_TD, slot_TK, weights_TK = _row_major(dy_TD), slot_TK.contiguous(), weights_TK.contiguous()
     need_dw = y_MD is not None
+    if y_MD is not None and y_MD.shape != (n_rows, D):
+        raise ValueError(f"y_MD has shape {tuple(y_MD.shape)}, expected {(n_rows, D)}")
     y = _row_major(y_MD) if y_MD is not None else dy_TD
     if out_rows is None:
         out_rows = torch.empty(n_rows, D, dtype=dy_TD.dtype, device=dy_TD.device)
+    if out_rows.shape != (n_rows, D):
+        raise ValueError(f"out_rows has shape {tuple(out_rows.shape)}, expected {(n_rows, D)}")
     if need_dw and out_dw is None:
         out_dw = torch.empty(T, K, dtype=weights_TK.dtype, device=dy_TD.device)
     bt, bd = _blocks(T, D, block_t, block_d)
-    padded = n_rows != T * K
+    padded = _must_zero(n_rows, T * K, zero_unmapped)
     used = torch.zeros(n_rows if padded else 1, dtype=torch.int8, device=dy_TD.device)
     _combine_backward[(cdiv(T, bt),)](
         dy_TD,
@@ -292,6 +332,7 @@ def combine_backward(
         used,
         T,
         D,
+        n_rows,
         dy_TD.stride(0),
         y.stride(0),
         out_rows.stride(0),

@@ -8,14 +8,17 @@ import pytest
 import torch
 from kernel_cases import assert_matches
 
+from kernels import slot_permute_triton
 from kernels.grouped_gemm import grouped_mm
 from kernels.router_topk import topk_softmax, topk_softmax_reference
 from kernels.routing import expert_slots, expert_slots_reference
 from kernels.slot_permute import (
     combine_from_slots,
     combine_from_slots_reference,
+    combine_from_slots_reference_backward,
     permute_to_slots,
     permute_to_slots_reference,
+    permute_to_slots_reference_backward,
 )
 from kernels.swiglu import swiglu, swiglu_reference
 
@@ -77,6 +80,123 @@ def test_permute_and_combine_gpu_equal_reference(align):
     assert torch.equal(got[0], ref[0])
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)
+
+
+# Expert parallelism over 2 ranks: this rank holds experts [0, 32) of 64 and receives about
+# every token of both ranks (top-8 of 64 leaves a token without an expert here with p ~ 0.2 %);
+# choices that live on the other rank are dropped (-1).
+EP, E_LOCAL = 2, E // 2
+
+
+def receiver_routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(local_ids_RK with -1 for the other rank's experts, weights_RK, kept assignments) for
+    R = 2 * T received tokens, every one with at least one kept choice."""
+    experts_a, weights_a = olmoe_routing(skewed=False, seed=seed)
+    experts_b, weights_b = olmoe_routing(skewed=True, seed=seed + 1)
+    experts_RK, weights_RK = torch.cat([experts_a, experts_b]), torch.cat([weights_a, weights_b])
+    here_R = (experts_RK < E_LOCAL).any(1)  # the tokens that visit this rank
+    experts_RK, weights_RK = experts_RK[here_R], weights_RK[here_R]
+    local_RK = torch.where(experts_RK < E_LOCAL, experts_RK, -1)
+    return local_RK, weights_RK, int((local_RK >= 0).sum())
+
+
+def padded_rows(local_RK: torch.Tensor, align: int) -> int:
+    """The exact buffer a receiver sizes: kept assignments, each expert's segment padded."""
+    counts_E = torch.bincount(local_RK[local_RK >= 0], minlength=E_LOCAL)
+    return int(((counts_E + align - 1) // align * align).sum())
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_expert_slots_with_dropped_assignments_gpu_equal_reference(align):
+    local_RK, _, kept = receiver_routing()
+    assert 0 < kept < local_RK.numel()
+    n_rows = padded_rows(local_RK, align)
+    for rows in (None, n_rows):
+        got = expert_slots(local_RK, E_LOCAL, align, rows)
+        ref = expert_slots_reference(local_RK, E_LOCAL, align, rows)
+        for a, b in zip(got[:3], ref[:3], strict=True):
+            assert torch.equal(a, b)
+        assert got.n_rows == ref.n_rows
+        assert int((got.slot_TK < 0).sum()) == local_RK.numel() - kept
+    if align == 1:
+        assert n_rows == kept
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_permute_and_combine_with_dropped_assignments_gpu(align):
+    """The receiver's path at full size: every output element written (NaN-poisoned), equal to
+    the references; with align=1 the buffer is exactly the kept rows (no zero-fill pass)."""
+    local_RK, weights_RK, kept = receiver_routing(seed=3)
+    R, K_ = local_RK.shape
+    n_rows = padded_rows(local_RK, align)
+    slot_RK, _, _, _ = expert_slots(local_RK, E_LOCAL, align, n_rows)
+    mapped = align == 1
+    assert (n_rows == kept) == mapped
+    x_RD, dy_RD = bf16_randn(R, D, seed=4), bf16_randn(R, D, seed=5)
+    y_MD = bf16_randn(n_rows, D, seed=6)
+    nan = float("nan")
+
+    x_MD = torch.full((n_rows, D), nan, dtype=BF16, device="cuda")
+    slot_permute_triton.scatter_rows(x_RD, slot_RK, n_rows, zero_unmapped=not mapped, out=x_MD)
+    assert torch.equal(x_MD, permute_to_slots_reference(x_RD, slot_RK, n_rows))
+
+    dx_RD = torch.full((R, D), nan, dtype=BF16, device="cuda")
+    slot_permute_triton.gather_rows(y_MD, slot_RK, None, out_dtype=BF16, out=dx_RD)
+    assert_matches(dx_RD, permute_to_slots_reference_backward(y_MD, slot_RK))
+
+    w_nan_RK = torch.where(slot_RK < 0, nan, weights_RK)  # never read for dropped slots
+    out_RD = torch.full((R, D), nan, dtype=BF16, device="cuda")
+    slot_permute_triton.gather_rows(y_MD, slot_RK, w_nan_RK, out_dtype=BF16, out=out_RD)
+    assert_matches(out_RD, combine_from_slots_reference(y_MD, slot_RK, weights_RK))
+
+    dy_MD = torch.full((n_rows, D), nan, dtype=BF16, device="cuda")
+    dw_RK = torch.full((R, K_), nan, device="cuda")
+    slot_permute_triton.combine_backward(
+        dy_RD,
+        y_MD,
+        slot_RK,
+        w_nan_RK,
+        n_rows,
+        zero_unmapped=not mapped,
+        out_rows=dy_MD,
+        out_dw=dw_RK,
+    )
+    ref_MD, ref_w = combine_from_slots_reference_backward(dy_RD, y_MD, slot_RK, weights_RK, n_rows)
+    assert_matches(dy_MD, ref_MD)
+    assert_matches(dw_RK, ref_w)
+    assert (dw_RK[slot_RK < 0] == 0).all()
+
+
+def test_send_buffer_slot_map_and_rank_sum_gpu():
+    """The sender's path: a [T, P] slot map (ranks as experts, -1 where a token does not visit
+    a rank) builds the send buffer, and summing the returned rows over ranks (weights 1) is
+    the reference's, forward and backward, and bitwise repeatable."""
+    experts_TK, _ = olmoe_routing(skewed=True, seed=7)
+    rank_TK = experts_TK // E_LOCAL
+    visits_TP = torch.zeros(T, EP, dtype=torch.bool, device="cuda")
+    visits_TP.scatter_(1, rank_TK, True)
+    ids_TP = torch.where(visits_TP, torch.arange(EP, device="cuda"), -1)
+    n_send = int(visits_TP.sum())
+    slot_TP, counts_P, _, _ = expert_slots(ids_TP, EP, n_rows=n_send)
+    ref = expert_slots_reference(ids_TP, EP, n_rows=n_send)
+    assert torch.equal(slot_TP, ref.slot_TK) and torch.equal(counts_P, visits_TP.sum(0))
+    x_TD, dy_TD = bf16_randn(T, D, seed=8), bf16_randn(T, D, seed=9)
+    ones_TP = torch.ones(T, EP, device="cuda")
+
+    def run(permute, combine, **flag):
+        x = x_TD.clone().requires_grad_()
+        x_SD = permute(x, slot_TP, n_send, **flag)
+        y_TD = combine(x_SD * 0.5, slot_TP, ones_TP, **flag)
+        (dx_TD,) = torch.autograd.grad(y_TD, x, dy_TD)
+        return x_SD.detach(), y_TD.detach(), dx_TD
+
+    got = run(permute_to_slots, combine_from_slots, every_row_mapped=True)
+    ref = run(permute_to_slots_reference, combine_from_slots_reference)
+    assert torch.equal(got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert_matches(a, b)
+    again = run(permute_to_slots, combine_from_slots, every_row_mapped=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
 
 
 def test_swiglu_gpu_equal_reference():

@@ -13,9 +13,11 @@ from kernel_cases import (
     T,
     assert_matches,
     assert_triton_path,
+    drop_assignments,
     rand_weights,
     randn,
     routing,
+    valid_rows,
 )
 
 from kernels import slot_permute_triton
@@ -124,10 +126,15 @@ def test_combine_without_weight_gradient_keeps_no_rows_and_matches():
     assert_matches(y_MD.grad, ref_MD)
 
 
-def test_reference_backwards_are_the_derivatives_of_the_reference_forwards():
-    """The hand-written reference backward passes equal autograd through the references (fp64)."""
+@pytest.mark.parametrize("pattern", ["none", "mixed"])
+def test_reference_backwards_are_the_derivatives_of_the_reference_forwards(pattern):
+    """The hand-written reference backward passes equal autograd through the references (fp64),
+    with and without dropped assignments."""
     k = 2
-    slot_TK, n_rows, _ = setup("with-repeats", k, 8, torch.float64)
+    if pattern == "none":
+        slot_TK, n_rows, _ = setup("with-repeats", k, 8, torch.float64)
+    else:
+        slot_TK, n_rows, _, _ = setup_dropped("with-repeats", k, pattern, 8, False, torch.float64)
     x_TD = randn(T, D, dtype=torch.float64, seed=10).requires_grad_()
     g_MD = randn(n_rows, D, dtype=torch.float64, seed=11)
     (dx_TD,) = torch.autograd.grad(
@@ -177,7 +184,149 @@ def test_empty_batch_passes_through():
     assert x.grad.shape == (0, D) and w.grad.shape == (0, 2)
 
 
-def test_permute_refuses_a_buffer_smaller_than_the_assignments():
+def test_a_slot_map_that_overruns_its_buffer_never_writes_outside_it():
+    """Slots past ``n_rows`` are a caller's bug: the reference raises; the kernels mask every
+    row access to the buffer, so they cannot corrupt memory (here: the NaN rows after it)."""
     slot_TK = torch.arange(6, device=DEVICE).view(3, 2)
-    with pytest.raises(ValueError):
-        permute_to_slots(torch.ones(3, 4, device=DEVICE), slot_TK, 5)
+    x_TD = randn(3, 4, seed=20)
+    with pytest.raises(IndexError):
+        permute_to_slots_reference(x_TD.cpu(), slot_TK.cpu(), 5)
+    big = torch.full((8, 4), float("nan"), device=DEVICE)
+    slot_permute_triton.scatter_rows(x_TD, slot_TK, 5, out=big[:5])
+    assert torch.equal(big[:5], x_TD.repeat_interleave(2, 0)[:5])
+    assert big[5:].isnan().all()
+    dy_rows = torch.full((8, 4), float("nan"), device=DEVICE)
+    slot_permute_triton.combine_backward(
+        x_TD, None, slot_TK, rand_weights(3, 2), 5, out_rows=dy_rows[:5]
+    )
+    assert dy_rows[5:].isnan().all() and not dy_rows[:5].isnan().any()
+
+
+def test_every_row_mapped_cannot_hold_more_rows_than_assignments():
+    slot_TK = torch.arange(6, device=DEVICE).view(3, 2)
+    with pytest.raises(ValueError, match="cannot map every one"):
+        permute_to_slots(torch.ones(3, 4, device=DEVICE), slot_TK, 7, every_row_mapped=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        permute_to_slots(torch.ones(3, 4, device=DEVICE), slot_TK, -1)
+
+
+# Dropped assignments (slot -1): every kind of token row (all kept, some dropped, all dropped)
+# and the all-dropped routing; the buffer sized by the static bound (unmapped rows at the end
+# of the last segment) or exactly to the kept assignments (no unmapped row when align=1).
+DROP_CASES = [
+    (pattern, align, exact)
+    for pattern in ("mixed", "all")
+    for align in (1, 8)
+    for exact in (False, True)
+]
+DROP_IDS = [f"{p}-align{a}-{'exact' if e else 'bound'}" for p, a, e in DROP_CASES]
+
+
+def setup_dropped(name: str, k: int, pattern: str, align: int, exact: bool, dtype, seed=0):
+    """(slot_TK, n_rows, every_row_mapped, x_TD): the flag as a caller would set it."""
+    experts_TK = drop_assignments(routing(name, T, E, k, seed), pattern, seed=seed + 1)
+    n_rows = valid_rows(experts_TK, E, align) if exact else None
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, align, n_rows)
+    mapped = exact and align == 1  # only then does every row hold a kept assignment
+    return slot_TK, n_rows, mapped, randn(T, D, dtype=dtype, seed=seed + 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("pattern", "align", "exact"), DROP_CASES, ids=DROP_IDS)
+@pytest.mark.parametrize("name", ["two-empty-experts", "with-repeats"])
+def test_dropped_assignments_autograd_equal_reference(name, pattern, align, exact, dtype):
+    """Round trip with dropped slots: outputs and gradients equal the reference; dropped
+    assignments move no row, add nothing, and get zero gradient (tokens with every choice
+    dropped come back zero with zero gradient)."""
+    k = 4
+    slot_TK, n_rows, mapped, x_TD = setup_dropped(name, k, pattern, align, exact, dtype)
+    assert_triton_path(x_TD)
+    drop_TK = slot_TK < 0
+    w_TK = rand_weights(T, k, seed=2)
+    g_MD = randn(n_rows, D, dtype=dtype, seed=3)
+    dy_TD = randn(T, D, dtype=dtype, seed=4)
+
+    def run(permute, combine, **flag):
+        x = x_TD.clone().requires_grad_()
+        w = w_TK.clone().requires_grad_()
+        x_MD = permute(x, slot_TK, n_rows, **flag)
+        y_TD = combine(x_MD * g_MD, slot_TK, w, **flag)
+        y_TD.backward(dy_TD)
+        return x_MD.detach(), y_TD.detach(), x.grad, w.grad
+
+    got = run(permute_to_slots, combine_from_slots, every_row_mapped=mapped)
+    ref = run(permute_to_slots_reference, combine_from_slots_reference)
+    assert torch.equal(got[0], ref[0]), "permute is a copy: bitwise equal"
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert_matches(a, b)
+    assert (got[3][drop_TK] == 0).all(), "a dropped assignment's weight gets no gradient"
+    all_dropped_T = drop_TK.all(1)
+    assert (got[1][all_dropped_T] == 0).all() and (got[2][all_dropped_T] == 0).all()
+    if pattern == "mixed":
+        assert bool(all_dropped_T.any()) and not bool(all_dropped_T.all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("pattern", "align", "exact"), DROP_CASES, ids=DROP_IDS)
+def test_kernels_with_dropped_assignments_write_every_row(pattern, align, exact, dtype):
+    """NaN-poisoned outputs, many token blocks, a ragged D chunk: every element is written
+    (unmapped rows as zeros, dropped weight gradients as zeros) and equals the reference;
+    NaN weights on dropped assignments change nothing (they are never read)."""
+    k = 4
+    slot_TK, n_rows, mapped, x_TD = setup_dropped("with-repeats", k, pattern, align, exact, dtype)
+    assert_triton_path(x_TD)
+    drop_TK = slot_TK < 0
+    unmapped = padding_mask(slot_TK.clamp_min(-1), n_rows + 1)[:n_rows]  # row n_rows: spare
+    if mapped:
+        assert not unmapped.any()
+    blocks = dict(block_t=8, block_d=16, zero_unmapped=not mapped)
+    nan = float("nan")
+
+    x_MD = torch.full((n_rows, D), nan, dtype=dtype, device=DEVICE)
+    slot_permute_triton.scatter_rows(x_TD, slot_TK, n_rows, out=x_MD, **blocks)
+    assert torch.equal(x_MD, permute_to_slots_reference(x_TD, slot_TK, n_rows))
+    assert (x_MD[unmapped] == 0).all()
+
+    del blocks["zero_unmapped"]
+    g_MD = randn(n_rows, D, dtype=dtype, seed=5)
+    dx_TD = torch.full((T, D), nan, dtype=dtype, device=DEVICE)
+    slot_permute_triton.gather_rows(g_MD, slot_TK, None, out_dtype=dtype, out=dx_TD, **blocks)
+    assert_matches(dx_TD, permute_to_slots_reference_backward(g_MD, slot_TK))
+
+    w_TK = rand_weights(T, k, seed=6)
+    w_nan_TK = torch.where(drop_TK, nan, w_TK)
+    y_TD = torch.full((T, D), nan, dtype=dtype, device=DEVICE)
+    slot_permute_triton.gather_rows(g_MD, slot_TK, w_nan_TK, out_dtype=dtype, out=y_TD, **blocks)
+    assert_matches(y_TD, combine_from_slots_reference(g_MD, slot_TK, w_TK))
+
+    dy_TD = randn(T, D, dtype=dtype, seed=7)
+    dy_MD = torch.full((n_rows, D), nan, dtype=dtype, device=DEVICE)
+    dw_TK = torch.full((T, k), nan, device=DEVICE)
+    slot_permute_triton.combine_backward(
+        dy_TD,
+        g_MD,
+        slot_TK,
+        w_nan_TK,
+        n_rows,
+        zero_unmapped=not mapped,
+        out_rows=dy_MD,
+        out_dw=dw_TK,
+        **blocks,
+    )
+    ref_MD, ref_w = combine_from_slots_reference_backward(dy_TD, g_MD, slot_TK, w_TK, n_rows)
+    assert_matches(dy_MD, ref_MD)
+    assert_matches(dw_TK, ref_w)
+    assert (dy_MD[unmapped] == 0).all() and (dw_TK[drop_TK] == 0).all()
+
+
+def test_dropped_assignments_into_a_full_size_buffer_need_the_flag():
+    """Dropped slots into exactly T * K rows leave the last rows unmapped: with
+    ``every_row_mapped=False`` they come back zero, as in the reference."""
+    experts_TK = drop_assignments(routing("with-repeats", T, E, 2), "mixed")
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, 1)
+    assert n_rows == slot_TK.numel() and bool((slot_TK < 0).any())
+    x_TD = randn(T, D, seed=16)
+    got = permute_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=False)
+    assert torch.equal(got, permute_to_slots_reference(x_TD, slot_TK, n_rows))
+    tail = int((slot_TK >= 0).sum())
+    assert (got[tail:] == 0).all()

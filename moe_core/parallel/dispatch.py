@@ -4,15 +4,31 @@ Backends share ``moe_core.model.moe.TokenDispatcher``: ``local`` is the model's 
 ``LocalDispatcher``; ``all_to_all`` (here) uses ``torch.distributed.all_to_all_single`` (NCCL on
 GPU, gloo on CPU).
 
-A token routed to several experts of one rank travels to that rank once, with the list of its
-experts there and their weights; the receiving rank runs them, sums the weighted outputs and
-sends one row back. With top-8 over 2 ranks that is ~4x fewer rows on the wire than one row per
-routed assignment, in both directions and in backward.
+A token routed to several experts of one rank travels to that rank once; the receiving rank runs
+its experts on it, sums their weighted outputs and sends one row back. With top-8 over 2 ranks
+that is ~4x fewer rows on the wire than one row per routed assignment, in both directions and in
+backward. Every row move is a slot kernel (``kernels.slot_permute``, Triton on GPU):
 
-Host synchronization: one per layer forward, reading the per-rank row and assignment counts
-(a few integers), because ``all_to_all_single`` takes its split sizes as Python ints and the
-receiving rank's buffers are sized by them. Backward reuses those sizes. Everything else
-(routing, per-expert counts, offsets, permutations) stays on the device.
+- sender: the (token, rank) pairs a token visits form a [T, P] slot map into the send buffer
+  (rank-major, token order within a rank; -1 where a token does not visit a rank), built by the
+  routing kernel with ranks as experts (``expert_slots``: no sort, no scan over tokens).
+  ``permute_to_slots`` writes the send buffer, and the same map carries each token's routing
+  (its K weights and global expert ids in one row of the weights' dtype, at least fp32: ids
+  below 2**24 are exact there);
+- receiver: choices of experts on other ranks become -1, ``expert_slots`` with ``n_rows`` the
+  exact number of local assignments lays out an expert-ordered buffer with no padding rows,
+  ``permute_to_slots`` fills it, the experts run, and ``combine_from_slots`` sums each received
+  token's weighted expert outputs;
+- back on the sender, ``combine_from_slots`` with weight 1 sums the rows returned by the ranks.
+
+Backward passes are the slot kernels' and the all-to-all's own: deterministic (fixed-order sums,
+no atomics), with no host read. A routing weight's gradient comes from the one rank holding its
+expert (the others give exactly 0 for it) and is summed over ranks in fixed order.
+
+Host synchronization: one per layer forward, reading the per-rank row counts and this rank's
+assignment count together (a few integers), because ``all_to_all_single`` takes its split sizes
+as Python ints and the receiving rank's buffers are sized by them. Backward reuses those sizes.
+Everything else (routing, per-expert counts, offsets, slot maps) stays on the device.
 """
 
 from __future__ import annotations
@@ -20,8 +36,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.permute import combine_rows, cumulative_offsets, permute_rows
+from kernels.routing import expert_slots
+from kernels.slot_permute import combine_from_slots, permute_to_slots
 from moe_core.model.moe import Experts, Routing
+
+EXACT_FP32_INTS = 2**24  # expert ids travel as fp32 beside the weights
 
 
 class _AllToAll(torch.autograd.Function):
@@ -45,6 +64,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` with Python split sizes, differentiable when ``x`` needs a grad."""
     if x.requires_grad:
         return _AllToAll.apply(x, out_splits, in_splits, group)
     out = x.new_empty(sum(out_splits), *x.shape[1:])
@@ -53,56 +73,61 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 
 class AllToAllDispatcher:
-    """Dropless expert parallelism over ``group`` (``ep_size`` ranks, ``n_local`` experts each)."""
+    """Dropless expert parallelism over ``group`` (``ep_size`` ranks, ``n_local`` experts each;
+    this rank holds experts ``[ep_rank * n_local, (ep_rank + 1) * n_local)``)."""
 
     def __init__(self, group: dist.ProcessGroup, ep_size: int, n_local: int) -> None:
+        if ep_size * n_local > EXACT_FP32_INTS:
+            raise ValueError(f"{ep_size * n_local} experts: ids must stay below 2**24")
         self.group, self.ep_size, self.n_local = group, ep_size, n_local
+        self.expert_offset = dist.get_rank(group) * n_local
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         P, El = self.ep_size, self.n_local
         T, K = routing.experts_TK.shape
         dev = x_TD.device
+        if experts.expert_offset != self.expert_offset or experts.n_experts != El:
+            raise ValueError(
+                f"experts hold [{experts.expert_offset}, +{experts.n_experts}), this rank routes "
+                f"to [{self.expert_offset}, +{El})"
+            )
 
-        # Which ranks each token visits, and the (rank, token) pairs in send order.
+        # Sender: the ranks each token visits, as a [T, P] slot map into the send buffer.
         dest_TK = torch.div(routing.experts_TK, El, rounding_mode="floor")
-        visits_TP = torch.zeros(T, P, dtype=torch.bool, device=dev)
-        visits_TP.scatter_(1, dest_TK, True)
-        send_P = visits_TP.sum(0)
-        # Every pair gets a slot: valid pairs first, ordered by (rank, token); others after.
-        rank_start_P = torch.cumsum(send_P, 0) - send_P
-        pos_TP = torch.cumsum(visits_TP, 0) - 1 + rank_start_P
-        slot_TP = torch.where(visits_TP, pos_TP, T * P)
-        pairs_S = torch.full((T * P + 1,), -1, dtype=torch.int64, device=dev)
-        pairs_S.scatter_(0, slot_TP.reshape(-1), torch.arange(T * P, device=dev))
+        visits_TP = torch.zeros(T, P, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
+        rank_TP = torch.where(visits_TP, torch.arange(P, device=dev), -1)
+        send = expert_slots(rank_TP, P)  # counts_E: rows to each rank
 
-        # Exchange sizes: tokens per rank and routed assignments per expert.
-        sizes_PX = torch.cat([send_P.unsqueeze(1), routing.counts_E.view(P, El)], dim=1)
-        recv_sizes_PX = torch.empty_like(sizes_PX)
-        dist.all_to_all_single(recv_sizes_PX, sizes_PX.contiguous(), group=self.group)
-        local_counts_E = recv_sizes_PX[:, 1:].sum(0)
-        host = torch.cat([send_P, recv_sizes_PX[:, 0], local_counts_E.sum().view(1)]).cpu()
-        send_splits, recv_splits = host[:P].tolist(), host[P : 2 * P].tolist()
-        n_send, n_assigned = sum(send_splits), int(host[-1])
+        # Exchange sizes (rows, and routed assignments, per rank pair); one host read.
+        sizes_P2 = torch.stack([send.counts_E, routing.counts_E.view(P, El).sum(1)], dim=1)
+        recv_sizes_P2 = torch.empty_like(sizes_P2)
+        dist.all_to_all_single(recv_sizes_P2, sizes_P2, group=self.group)
+        host = torch.cat([send.counts_E, recv_sizes_P2[:, 0], recv_sizes_P2[:, 1].sum(0, True)])
+        host_list = host.cpu().tolist()
+        send_splits, recv_splits = host_list[:P], host_list[P : 2 * P]
+        n_send, n_assigned = sum(send_splits), host_list[-1]
 
-        # Send each visited token once, with its experts on that rank (-1: not there) and weights.
-        pair_S = pairs_S[:n_send]  # pair index t * P + p
-        here_TPK = dest_TK.unsqueeze(1) == torch.arange(P, device=dev).view(1, P, 1)
-        local_ids_TPK = torch.where(here_TPK, (routing.experts_TK % El).unsqueeze(1), -1)
-        weights_TPK = torch.where(here_TPK, routing.weights_TK.unsqueeze(1), 0.0)
-        x_SD = permute_rows(x_TD, pair_S, P)
-        ids_SK = local_ids_TPK.reshape(T * P, K).index_select(0, pair_S)
-        w_SK = weights_TPK.reshape(T * P, K).index_select(0, pair_S)
+        # Each visited token once per rank, with its routing (weights and global expert ids).
+        route_dtype = torch.promote_types(routing.weights_TK.dtype, torch.float32)
+        route_T2K = torch.cat(
+            [routing.weights_TK.to(route_dtype), routing.experts_TK.to(route_dtype)], dim=1
+        )
+        x_SD = permute_to_slots(x_TD, send.slot_TK, n_send, every_row_mapped=True)
+        route_S2K = permute_to_slots(route_T2K, send.slot_TK, n_send, every_row_mapped=True)
         x_RD = all_to_all(x_SD, recv_splits, send_splits, self.group)
-        ids_RK = all_to_all(ids_SK, recv_splits, send_splits, self.group)
-        w_RK = all_to_all(w_SK, recv_splits, send_splits, self.group)
+        route_R2K = all_to_all(route_S2K, recv_splits, send_splits, self.group)
 
-        # This rank's experts on the received tokens; each token's outputs summed, weighted.
-        key_A = torch.where(ids_RK >= 0, ids_RK, El).reshape(-1)  # not-here sorts last
-        order_M = torch.argsort(key_A, stable=True)[:n_assigned]
-        y_MD = experts(permute_rows(x_RD, order_M, K), cumulative_offsets(local_counts_E))
-        y_RD = combine_rows(y_MD, order_M, w_RK)
+        # Receiver: this rank's experts on the received tokens (other ranks' choices dropped),
+        # in an expert-ordered buffer of exactly the local assignments; outputs pre-summed.
+        w_RK = route_R2K[:, :K]
+        local_RK = route_R2K[:, K:].to(torch.int64) - self.expert_offset
+        local_RK = torch.where((local_RK >= 0) & (local_RK < El), local_RK, -1)
+        recv = expert_slots(local_RK, El, n_rows=n_assigned)
+        x_MD = permute_to_slots(x_RD, recv.slot_TK, n_assigned, every_row_mapped=True)
+        y_MD = experts(x_MD, recv.offs_E)
+        y_RD = combine_from_slots(y_MD, recv.slot_TK, w_RK, every_row_mapped=True)
 
-        # One row back per (rank, token) pair; sum the ranks' partial outputs per token.
+        # One row back per (token, rank) pair; each token's rows summed over ranks.
         y_SD = all_to_all(y_RD, send_splits, recv_splits, self.group)
-        y_PD = torch.index_copy(y_SD.new_zeros(T * P, y_SD.shape[1]), 0, pair_S, y_SD)
-        return y_PD.view(T, P, -1).sum(1)
+        ones_TP = torch.ones(T, P, device=dev)
+        return combine_from_slots(y_SD, send.slot_TK, ones_TP, every_row_mapped=True)

@@ -1,0 +1,117 @@
+"""Compile every Triton kernel for an sm_90 (H100/H200) target, without a GPU.
+
+Run in a process where TRITON_INTERPRET is unset (``@triton.jit`` then builds real kernels).
+Lowering runs Triton's front end, which rejects code the interpreter runs happily (e.g. a
+variable whose dtype changes inside an ``if`` body). Prints one line per compiled variant and
+exits non-zero listing the failures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kernels import router_topk_triton, routing_triton, slot_permute_triton, swiglu_triton
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def variants(flags: dict[str, list]) -> list[dict]:
+    """Every combination of the listed constexpr values."""
+    keys = list(flags)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*flags.values())]
+
+
+def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
+    """(kernel, pointer types by argument name, constexprs): the variants the wrappers launch."""
+    sp, rt = slot_permute_triton, routing_triton
+    out = []
+    for act in ("*bf16",):  # the activation dtype changes no control flow: one is enough
+        blocks = {"BLOCK_T": [4], "BLOCK_D": [1024]}
+        ptrs = {"x_ptr": act, "slot_ptr": "*i64", "out_ptr": act, "used_ptr": "*i8"}
+        for c in variants({"K": [8], "MARK_USED": [False, True], **blocks}):
+            out.append((sp._scatter_rows, ptrs, c))
+        ptrs = {"src_ptr": act, "slot_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": act}
+        for c in variants({"K": [8], "HAS_W": [False, True], **blocks}):
+            out.append((sp._gather_rows, ptrs, c))
+        ptrs = {
+            "dy_ptr": act,
+            "y_ptr": act,
+            "slot_ptr": "*i64",
+            "w_ptr": "*fp32",
+            "dy_rows_ptr": act,
+            "dw_ptr": "*fp32",
+            "used_ptr": "*i8",
+        }
+        flags = {"K": [8], "K_PAD": [8], "NEED_DW": [False, True], "MARK_USED": [False, True]}
+        for c in variants({**flags, **blocks}):
+            out.append((sp._combine_backward, ptrs, c))
+        ptrs = {"out_ptr": act, "used_ptr": "*i8"}
+        out.append((sp._zero_unused_rows, ptrs, {"BLOCK_R": 16, "BLOCK_D": 256}))
+        ptrs = {"h_ptr": act, "a_ptr": act}
+        out.append((swiglu_triton._swiglu_forward, ptrs, {"BLOCK_M": 4, "BLOCK_F": 1024}))
+        ptrs = {"h_ptr": act, "da_ptr": act, "dh_ptr": act}
+        out.append((swiglu_triton._swiglu_backward, ptrs, {"BLOCK_M": 4, "BLOCK_F": 1024}))
+    e = {"E_PAD": 64}
+    ptrs = {"experts_ptr": "*i64", "slot_ptr": "*i64", "hist_ptr": "*i32"}
+    out.append((rt._block_rank, ptrs, {"BLOCK_A": 256, **e}))
+    ptrs = {"hist_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i64", "offs_ptr": "*i32"}
+    out.append((rt._scan, ptrs, {"ALIGN": 16, "BLOCK_B": 128, **e}))
+    ptrs = {"experts_ptr": "*i64", "slot_ptr": "*i64", "hist_ptr": "*i32", "starts_ptr": "*i32"}
+    out.append((rt._finalize, ptrs, {"BLOCK_A": 256, **e}))
+    topk = {"K": [8], "K_PAD": [8], "NORMALIZE": [False, True], "BLOCK_T": [64], "E_PAD": [64]}
+    ptrs = {
+        "logits_ptr": "*fp32",
+        "bias_ptr": "*fp32",
+        "probs_ptr": "*fp32",
+        "weights_ptr": "*fp32",
+        "experts_ptr": "*i64",
+    }
+    for c in variants({"HAS_BIAS": [False, True], **topk}):
+        out.append((router_topk_triton._topk_softmax_forward, ptrs, c))
+    ptrs = {
+        "probs_ptr": "*fp32",
+        "experts_ptr": "*i64",
+        "dprobs_ptr": "*fp32",
+        "dweights_ptr": "*fp32",
+        "dlogits_ptr": "*fp32",
+    }
+    for c in variants(topk):
+        out.append((router_topk_triton._topk_softmax_backward, ptrs, c))
+    return out
+
+
+def compile_one(fn: JITFunction, ptrs: dict[str, str], constexprs: dict) -> None:
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = ptrs[name]  # a KeyError here means the case list is stale
+        else:
+            signature[name] = "i32"
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    triton.compile(src, target=TARGET, options={"num_warps": 4})
+
+
+def main() -> int:
+    failures = []
+    for fn, ptrs, constexprs in cases():
+        label = f"{fn.__name__} {ptrs.get('x_ptr', '')} {constexprs}"
+        try:
+            compile_one(fn, ptrs, constexprs)
+            print("ok", label)
+        except Exception as exc:  # report every failing variant, not just the first
+            failures.append(f"{label}: {type(exc).__name__}: {exc}")
+    for line in failures:
+        print("FAILED", line, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
