@@ -1,12 +1,15 @@
-"""The ``moe`` command: ``info``, ``tokenize``, ``train`` and ``convert``.
+"""The ``moe`` command: ``info``, ``plan``, ``tokenize``, ``train`` and ``convert``.
 
-Config-driven commands take Hydra overrides (``moe info model=1t``); the config is composed
-and validated before anything heavy is imported or started.
+Config-driven commands take Hydra overrides (``moe info model=1t``) and ``--config-name`` (a
+top-level config of ``conf/``, e.g. ``pretrain-1t``); the config is composed and validated
+before anything heavy is imported or started. ``moe train --config run.json`` takes a resolved
+config instead (what a pipeline writes and a multi-node launcher hands every node).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -15,8 +18,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moe_core.config import ConfigError
+from moe_core.config import ConfigError, RunConfig, from_dict
 from moe_core.data.errors import DataError
+
+DEFAULT_CONFIG_NAME = "config"
 
 console = Console()
 
@@ -34,7 +39,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     from moe_core.compose import compose_run
     from moe_core.model.flops import count
 
-    run = compose_run(args.overrides, args.config_dir)
+    run = compose_run(args.overrides, args.config_dir, args.config_name)
     m = run.model
     counts = count(m)
     table = Table(title=f"model {m.name}", show_header=False)
@@ -57,7 +62,7 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     overrides = list(args.overrides)
     if not any(o.lstrip("+").startswith("data=") for o in overrides):
         overrides.insert(0, "data=kjv")
-    run = compose_run(overrides, args.config_dir)
+    run = compose_run(overrides, args.config_dir, args.config_name)
     if run.data.kind != "tokens":
         raise ConfigError(
             f"data.kind={run.data.kind!r} is not allowed for moe tokenize: choose a data option "
@@ -72,30 +77,53 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     console.print(f"wrote {out}/manifest.json", highlight=False, soft_wrap=True)
 
 
-def _run_config(args: argparse.Namespace):
-    """The run config: a resolved JSON file (``--config``, what the pipeline writes) or Hydra
-    composition of ``conf/`` with overrides; not both."""
+def cmd_plan(args: argparse.Namespace) -> None:
     from moe_core.compose import compose_run
+    from moe_core.plan import plan
 
-    if getattr(args, "config", None) is None:
-        return compose_run(args.overrides, args.config_dir)
-    if args.overrides:
+    run = compose_run(args.overrides, args.config_dir, args.config_name)
+    console.print(plan(run).table())
+
+
+def load_run_config(path: str) -> RunConfig:
+    """A resolved run config from a JSON file (``to_dict(RunConfig)``), validated."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
         raise ConfigError(
-            f"--config {args.config} takes no overrides (got {' '.join(args.overrides)}): edit "
-            "the file or compose from conf/ instead."
+            f"--config {path!r} does not exist: pass the resolved run config (JSON) a pipeline "
+            "wrote."
+        ) from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"--config {path!r} is not valid JSON ({err.msg} at line {err.lineno}): pass a "
+            "resolved run config as the pipeline writes it."
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--config {path!r} holds a {type(data).__name__}, not a mapping of run config "
+            "sections (model, train, data, parallel, ...)."
         )
-    import json
-
-    from moe_core.config import RunConfig, from_dict
-
-    path = Path(args.config)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config {path} does not exist.")
-    return from_dict(RunConfig, json.loads(path.read_text()))
+    return from_dict(RunConfig, data)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    run = _run_config(args)
+    if args.config is not None:
+        given = [*args.overrides]
+        if args.config_name != DEFAULT_CONFIG_NAME:
+            given.append(f"--config-name {args.config_name}")
+        if args.config_dir is not None:
+            given.append(f"--config-dir {args.config_dir}")
+        if given:
+            raise ConfigError(
+                f"moe train --config {args.config} takes no Hydra options, but {given} were "
+                "given: put every setting in the resolved config, or drop --config."
+            )
+        run = load_run_config(args.config)
+    else:
+        from moe_core.compose import compose_run
+
+        run = compose_run(args.overrides, args.config_dir, args.config_name)
     import torch.distributed as dist
 
     try:
@@ -161,16 +189,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
         ("info", cmd_info, "print a model's total/active parameters and FLOPs per token"),
+        ("plan", cmd_plan, "print a layout's GPUs, memory per GPU and communication per step"),
         ("tokenize", cmd_tokenize, "tokenize a corpus into token shards (default: data=kjv)"),
-        ("train", cmd_train, "train a model (one process, or one per GPU under torchrun)"),
+        ("train", cmd_train, "train a model (one process, or every rank under torchrun)"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=olmoe-1b-7b")
         p.add_argument(
             "--config-dir", default=None, help="the conf/ folder (default: the project's)"
         )
+        p.add_argument(
+            "--config-name",
+            default=DEFAULT_CONFIG_NAME,
+            help="the top-level config in conf/, e.g. pretrain-1t (default: config)",
+        )
         if name == "train":
-            p.add_argument("--config", default=None, help="a resolved run config (JSON file)")
+            p.add_argument(
+                "--config",
+                default=None,
+                metavar="PATH",
+                help="a resolved run config (JSON) instead of Hydra composition",
+            )
         p.set_defaults(fn=fn)
     p = sub.add_parser("convert", help="convert between our model directory and Hugging Face OLMoE")
     p.add_argument("direction", choices=["to-hf", "from-hf"])

@@ -308,6 +308,8 @@ class ClusterConfig:
     time_limit: str = "48:00:00"  # slurm
     image: str = "moe-core:latest"  # kubernetes (the infra/ container recipe)
     namespace: str = "default"  # kubernetes
+    volume_claim: str = "moe-runs"  # kubernetes: a ReadWriteMany claim holding run directories
+    volume_path: str = "/runs"  # kubernetes: where pods mount it; run directories lie below
     launch_retries: int = 2  # the pipeline relaunches failed training this often (it resumes)
 
     def __post_init__(self) -> None:
@@ -317,6 +319,13 @@ class ClusterConfig:
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
         _non_negative(p + "launch_retries", self.launch_retries)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
+        if self.rdzv_port > 65535:
+            _fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")
+        for name in ("image", "namespace", "volume_claim", "time_limit"):
+            if not getattr(self, name):
+                _fail(p + name, getattr(self, name), "a non-empty string")
+        if not self.volume_path.startswith("/"):
+            _fail(p + "volume_path", self.volume_path, "an absolute path")
         if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
             _fail(
                 p + "procs_per_node",

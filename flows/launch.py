@@ -1,0 +1,231 @@
+"""Multi-node launch of ``moe train``: the torchrun command, a Slurm batch script, a Kubernetes Job.
+
+Every node runs one ``torchrun`` that starts ``cluster.procs_per_node`` ranks and joins a c10d
+rendezvous hosted on the first node; each rank runs ``moe train --config <resolved JSON>``, so
+every node trains exactly the config the pipeline resolved (no Hydra on the nodes). The run
+directory must be on storage every node shares (a parallel file system under Slurm, a
+ReadWriteMany volume under Kubernetes).
+
+Nothing here submits anything: the renderers return text for ``sbatch`` or ``kubectl apply``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from moe_core.config import ConfigError, RunConfig
+from moe_core.plan import check_cluster
+
+SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
+TORCHRUN_ENTRY = ["-m", "moe_core.cli", "train", "--config"]
+
+
+def run_id(run: RunConfig) -> str:
+    """A stable id for a run (its model and output directory): the rendezvous id."""
+    digest = hashlib.sha256(run.out_dir.encode()).hexdigest()[:8]
+    model = re.sub(r"[^a-z0-9]+", "-", run.model.name.lower()).strip("-")[:40] or "model"
+    return f"moe-{model}-{digest}"
+
+
+def torchrun_command(
+    run: RunConfig,
+    config_path: str,
+    nnodes: int,
+    node_rank: int | None,
+    rdzv_endpoint: str,
+    *,
+    rdzv_id: str | None = None,
+    python: str | None = None,
+    max_restarts: int = 0,
+) -> list[str]:
+    """The command one node runs: ``torchrun`` with a c10d rendezvous at ``rdzv_endpoint``
+    (``host:port`` of the first node), ``cluster.procs_per_node`` ranks, then
+    ``moe train --config config_path``.
+
+    c10d assigns node ranks at the rendezvous: torchrun ignores ``--node-rank`` (with a warning),
+    so ``node_rank`` is only checked and passed along; None leaves it out (Slurm, Kubernetes).
+    ``python`` runs torchrun through that interpreter (``python -m torch.distributed.run``)
+    instead of the ``torchrun`` on PATH.
+    """
+    check_cluster(run)
+    procs = run.cluster.procs_per_node
+    world = run.parallel.world_size
+    if nnodes < 1 or nnodes * procs != world:
+        raise ConfigError(
+            f"nnodes={nnodes} is not allowed: with cluster.procs_per_node={procs} the layout's "
+            f"{world} processes need nnodes={world // procs}."
+        )
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise ConfigError(f"node_rank={node_rank} is not allowed: from 0 to {nnodes - 1}.")
+    if not re.fullmatch(r"[^\s:]+:\d+", rdzv_endpoint):
+        raise ConfigError(
+            f"rdzv_endpoint={rdzv_endpoint!r} is not allowed: host:port of the first node."
+        )
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts={max_restarts} is not allowed: zero or more.")
+    head = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
+    cmd = [
+        *head,
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={procs}",
+        *([f"--node-rank={node_rank}"] if node_rank is not None else []),
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id or run_id(run)}",
+        f"--max-restarts={max_restarts}",
+    ]
+    return [*cmd, *TORCHRUN_ENTRY, config_path]
+
+
+def _safe_path(name: str, path: str) -> str:
+    """An absolute path that batch directives and manifests can hold unquoted."""
+    absolute = os.path.abspath(path)
+    if not SAFE_PATH.fullmatch(absolute):
+        raise ConfigError(
+            f"{name}={path!r} is not allowed: use letters, digits and . _ / + = @ : , - only "
+            "(no spaces, quotes or %), so Slurm and Kubernetes take it as written."
+        )
+    return absolute
+
+
+def _shell(args: list[str]) -> str:
+    """Shell words; an argument holding ``${`` (our own variables) is expanded by the shell."""
+    return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
+
+
+def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
+    c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
+    c = run.cluster
+    if c.kind != "slurm":
+        raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
+    check_cluster(run)
+    run_dir = _safe_path("run_dir", run_dir)
+    config_path = _safe_path("config_path", config_path)
+    directives = [
+        f"--job-name={run_id(run)}",
+        f"--nodes={c.nodes}",
+        "--ntasks-per-node=1",
+        *([f"--gpus-per-node={c.gpus_per_node}"] if c.gpus_per_node else []),
+        *([f"--partition={c.partition}"] if c.partition else []),
+        *([f"--account={c.account}"] if c.account else []),
+        f"--time={c.time_limit}",
+        f"--output={run_dir}/slurm-%j.out",
+        f"--chdir={run_dir}",
+        "--exclusive",
+    ]
+    cmd = torchrun_command(
+        run,
+        config_path,
+        c.nodes,
+        None,
+        f"${{MOE_RDZV_HOST}}:{c.rdzv_port}",
+        rdzv_id="${SLURM_JOB_ID}",
+    )
+    layout = run.parallel
+    lines = [
+        "#!/bin/bash",
+        f"# moe_core: model {run.model.name}, pp {layout.pp} x dp {layout.dp} x ep {layout.ep} "
+        f"on {c.nodes} nodes x {c.procs_per_node} processes (rendered by flows/launch.py).",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -euo pipefail",
+        "# The first node of the allocation hosts the c10d rendezvous.",
+        'MOE_RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_RDZV_HOST"',
+        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none '
+        "--kill-on-bad-exit=1 \\",
+        "  " + _shell(cmd),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_kubernetes(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """Two manifests: a headless Service (stable DNS for the rendezvous host, pod 0) and an
+    Indexed Job of ``cluster.nodes`` pods, each a torchrun on ``gpus_per_node`` GPUs. The
+    PersistentVolumeClaim ``cluster.volume_claim`` is mounted at ``cluster.volume_path`` in every
+    pod, as on the machine that wrote the run directory, which must lie below it."""
+    c = run.cluster
+    if c.kind != "kubernetes":
+        raise ConfigError(
+            f"cluster.kind={c.kind!r} is not allowed here: 'kubernetes' (cluster=kubernetes)."
+        )
+    check_cluster(run)
+    run_dir = _safe_path("run_dir", run_dir)
+    config_path = _safe_path("config_path", config_path)
+    volume = PurePosixPath(c.volume_path)
+    for key, path in (("run_dir", run_dir), ("config_path", config_path)):
+        if not PurePosixPath(path).is_relative_to(volume):
+            raise ConfigError(
+                f"{key}={path!r} is not allowed: it must lie below cluster.volume_path "
+                f"({c.volume_path}), where the pods mount cluster.volume_claim."
+            )
+    name = run_id(run)
+
+    def labels() -> dict[str, str]:
+        return {"app.kubernetes.io/name": "moe-core", "moe-core/run": name}
+
+    rdzv_host = f"{name}-0.{name}"  # pod 0 of the Indexed Job, through the headless Service
+    cmd = torchrun_command(run, config_path, c.nodes, None, f"{rdzv_host}:{c.rdzv_port}")
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": c.image,
+        "workingDir": run_dir,
+        "command": cmd,
+        "ports": [{"name": "rdzv", "containerPort": c.rdzv_port}],
+        "volumeMounts": [
+            {"name": "runs", "mountPath": c.volume_path},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if c.gpus_per_node:
+        container["resources"] = {"limits": {"nvidia.com/gpu": c.gpus_per_node}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": c.namespace, "labels": labels()},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"moe-core/run": name},
+            "ports": [{"name": "rdzv", "port": c.rdzv_port, "targetPort": c.rdzv_port}],
+        },
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": c.namespace, "labels": labels()},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": c.nodes,
+            "parallelism": c.nodes,
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": labels()},
+                "spec": {
+                    "subdomain": name,
+                    "restartPolicy": "Never",
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "runs",
+                            "persistentVolumeClaim": {"claimName": c.volume_claim},
+                        },
+                        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                    ],
+                },
+            },
+        },
+    }
+    header = (
+        f"# moe_core: model {run.model.name} on {c.nodes} pods x {c.procs_per_node} processes "
+        "(rendered by flows/launch.py); kubectl apply -f this file.\n"
+    )
+    return header + yaml.safe_dump_all([service, job], sort_keys=False)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Register every deployment of infra/prefect.yaml (pretrain/tiny, pretrain/olmoe-1b-7b, ...)
+# with the Prefect server.
+#
+#   infra/deploy.sh [PREFECT_FILE] [API_URL]
+#
+# PREFECT_FILE: default infra/prefect.yaml. API_URL: default $PREFECT_API_URL or
+# http://127.0.0.1:4200/api. Runs from the repository root, so entrypoints in the file are
+# relative to it (flows/pretrain.py:pretrain).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+file="${1:-$root/infra/prefect.yaml}"
+file="$(cd "$(dirname "$file")" && pwd)/$(basename "$file")"
+export PREFECT_API_URL="${2:-${PREFECT_API_URL:-http://127.0.0.1:4200/api}}"
+state="$(moe_state_dir)"
+export PREFECT_HOME="${PREFECT_HOME:-$state/prefect}"
+export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
+mkdir -p "$PREFECT_HOME"
+
+if [ ! -f "$file" ]; then
+    echo "error: $file does not exist: pass the prefect.yaml to deploy." >&2
+    exit 1
+fi
+cd "$root"
+prefect --no-prompt deploy --all --prefect-file "$file"
+echo "deployed every deployment of $file to $PREFECT_API_URL (list them: prefect deployment ls)"

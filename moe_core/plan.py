@@ -1,0 +1,492 @@
+"""The layout planner: parameters, GPUs, memory per GPU and communication per step of a run.
+
+Everything is computed from the config alone (parameter shapes from a meta-device model), so a
+1.2T-parameter layout is checked on a laptop before any process starts. The numbers follow what
+this package's code allocates (``parallel.ddp``, ``parallel.optimizer``, ``parallel.pipeline``,
+the model's saved tensors); they are estimates of the peak, not measurements.
+
+Memory of one rank of pipeline stage ``s`` (every rank of a stage holds the same), in bytes:
+
+- weights: ``(N_dense + N_expert) * b_p``, with ``N_dense`` the stage's attention, norm, router,
+  shared-expert (plus embedding on the first, final norm and LM head on the last stage)
+  parameters, ``N_expert`` its routed-expert parameters divided by ``ep``, ``b_p`` 2 for bf16
+  and 4 for fp32 weights.
+- gradient buffers: fp32 ``4 * (N_dense + N_expert)``, plus the fp32 reduced shard
+  ``4 * (N_dense / (dp * ep) + N_expert / dp)`` where that group has more than one rank.
+- optimizer (ZeRO-1): fp32 master and two Adam moments, ``12`` bytes per element (``8`` when
+  the weights are fp32: they are their own masters), over ``N_dense / (dp * ep) +
+  N_expert / dp`` elements.
+- activations: ``in_flight * layers_per_chunk * T * A`` with ``T = micro_batch_size * seq_len``
+  tokens per micro-batch, ``in_flight`` the most forwards whose backward is still pending in
+  the stage's schedule (``pp - s`` for 1F1B) and ``A`` the bytes one layer saves per token
+  (``layer_activation_bytes``); block recompute keeps ``d_model * b_p`` per layer and token
+  instead, plus one rematerialized layer (``T * A``) during backward. The stage holding the LM
+  head adds ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the logits, their fp32
+  copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16 autocast, else 4).
+- pipeline send buffers: ``messages * micro_batches * T * d_model * b_p`` (activations
+  forward, gradients backward; the runner holds each until the step ends).
+- transient: the gradient of the stage's largest parameter in ``b_p`` (autograd writes it
+  before the hook adds it to the fp32 buffer).
+- runtime reserve: ``RUNTIME_RESERVE_GIB`` for the CUDA context, NCCL communicators and
+  library workspaces (none for CPU processes).
+
+Communication (bytes one rank sends; ring collectives send ``(g - 1) / g`` of the buffer):
+
+- all-to-all per MoE layer and micro-batch, under uniform routing: each token goes once to each
+  other expert-parallel rank holding one of its top-k experts, ``r = T * (ep - 1) * (1 - q)``
+  rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends ``r * (d_model * b_p + 12 k)``
+  (row, expert ids, weights) and ``r * d_model * b_p`` back; backward the same rows with
+  ``4 k`` instead of ``12 k``; block recompute repeats the forward.
+- reduce-scatter of the fp32 gradients and all-gather of the updated weights, once per step.
+- pipeline: one ``T * d_model * b_p`` message per micro-batch and chunk boundary, each way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from rich.table import Table
+
+from moe_core.config import ClusterConfig, ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moe_core.model.flops import count
+from moe_core.model.moe import Experts
+from moe_core.model.transformer import Transformer
+from moe_core.parallel.pipeline import rank_chunks, schedule
+
+GIB = 2**30
+RUNTIME_RESERVE_GIB = 4.0
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+class InsufficientResourcesError(ConfigError):
+    """The run needs more GPUs (or GPU memory) than the machine offers; one sentence."""
+
+
+# --------------------------------------------------------------------------------------------
+# parameters
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """Parameter counts by place, read off a one-layer meta-device model."""
+
+    layer_dense: int  # attention, norms, router, shared expert of one block
+    layer_expert: int  # all routed experts of one block
+    largest_dense: int  # the largest dense tensor of a block
+    largest_expert: int  # the largest routed-expert tensor of a block (all experts)
+    embedding: int
+    head: int  # LM head
+    final_norm: int
+
+
+def _shapes(m: ModelConfig) -> _Shapes:
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(m, n_layers=1))
+    block = model.layers["0"]
+    experts = [p for mod in block.modules() if isinstance(mod, Experts) for p in mod.parameters()]
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in block.parameters() if id(p) not in expert_ids]
+    assert model.embed is not None and model.lm_head is not None and model.norm is not None
+    return _Shapes(
+        layer_dense=sum(p.numel() for p in dense),
+        layer_expert=sum(p.numel() for p in experts),
+        largest_dense=max(p.numel() for p in dense),
+        largest_expert=max(p.numel() for p in experts),
+        embedding=model.embed.weight.numel(),
+        head=model.lm_head.weight.numel(),
+        final_norm=model.norm.weight.numel(),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# activations
+
+
+def layer_activation_bytes(
+    m: ModelConfig, param_dtype: str, compute_dtype: str, recompute: str = "none"
+) -> int:
+    """Bytes one transformer block keeps for backward per token (no recompute, or selective).
+
+    ``b_p`` (hidden states, experts: they run in the weights' dtype), ``b_c`` (autocast matmul
+    outputs); per token:
+
+    - four RMSNorms keep an fp32 copy of their input and the normalized output:
+      ``2 d (4 + b_p) + (d + d_kv)(4 + b_c) + 16``;
+    - attention keeps the projections' input, rotated q and k, v and its output (which is the
+      o-projection's input): ``b_c (3 d + 2 d_kv) + 4 n_heads`` (log-sum-exp);
+    - the router keeps its fp32 input, logits, scores and choices: ``4 d + 12 E + 20 k``;
+    - routed experts keep rows in, gate+up out, SwiGLU out and rows out: ``b_p k (2 d + 3 h)``,
+      less ``b_p k h`` under selective recompute;
+    - a shared expert of width ``h_s`` keeps gate, up, SwiGLU and product, ``4 b_c h_s``, and
+      its input, ``b_c d``, unless that is the router's fp32 input already (all fp32).
+
+    - under bf16 autocast each layer keeps its own bf16 copies of the RoPE cos/sin tables for q
+      and k, ``4 head_dim b_c`` per token of a one-sequence micro-batch (an upper bound; the
+      fp32 tables are one copy for the whole model).
+    ``recompute="block"`` is accounted by the caller (a block then keeps only its input).
+    """
+    if recompute not in ("none", "selective", "block"):
+        raise ConfigError(
+            f"recompute={recompute!r} is not allowed: one of 'none', 'selective', 'block'."
+        )
+    bp, bc = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
+    d, d_kv, h, k, e = m.d_model, m.kv_heads * m.head_dim, m.expert_hidden, m.top_k, m.n_experts
+    h_shared = m.n_shared_experts * h
+    norms = 2 * d * (4 + bp) + (d + d_kv) * (4 + bc) + 16
+    attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
+    router = 4 * d + 12 * e + 20 * k
+    experts = bp * k * (2 * d + 3 * h)
+    if recompute == "selective":
+        experts -= bp * k * h
+    shared_input = 0 if bp == bc == 4 else bc * d
+    shared = bc * 4 * h_shared + shared_input if h_shared else 0
+    rope = 4 * m.head_dim * bc if bc < 4 else 0
+    return norms + attention + router + experts + shared + rope
+
+
+def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
+    """The most chunk-forwards of ``pp_rank`` whose backward has not run yet (its schedule)."""
+    if par.pp == 1:
+        return 1
+    live = peak = 0
+    for action in schedule(par, pp_rank, micro_batches):
+        live += 1 if action.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak memory of one rank of pipeline stage ``stage`` (bytes)."""
+
+    stage: int
+    layers: int
+    dense_params: int
+    expert_params: int  # this rank's experts (1 / ep of the stage's)
+    in_flight: int
+    weights: int
+    grad_buffers: int
+    optimizer: int
+    activations: int
+    p2p_buffers: int
+    transient: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.grad_buffers
+            + self.optimizer
+            + self.activations
+            + self.p2p_buffers
+            + self.transient
+            + self.reserve
+        )
+
+
+@dataclass(frozen=True)
+class Communication:
+    """Bytes one rank sends per optimizer step (all-to-all also per layer and micro-batch)."""
+
+    all_to_all_per_layer: int  # one MoE layer, one micro-batch, forward + backward
+    all_to_all: int  # the step: every MoE layer of the busiest rank, every micro-batch
+    reduce_scatter: int  # fp32 gradients, dense and expert groups
+    all_gather: int  # updated weights in the model dtype
+    pipeline: int  # the busiest rank's activation and gradient messages
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run needs: parameters, GPUs, the busiest rank's memory and traffic per step."""
+
+    name: str
+    total_params: int
+    active_params: int
+    parallel: ParallelConfig
+    cluster: ClusterConfig
+    param_dtype: str
+    compute_dtype: str
+    tokens_per_micro_batch: int
+    micro_batches: int
+    stages: tuple[StageMemory, ...]
+    comm: Communication
+
+    @property
+    def gpus(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def memory(self) -> StageMemory:
+        """The most loaded rank (ties: the first stage)."""
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def per_gpu_gib(self) -> float:
+        return self.memory.total / GIB
+
+    def fits(self, cluster: ClusterConfig | None = None) -> bool:
+        """Whether the busiest rank's memory fits ``cluster.gpu_memory_gib`` (default: the run's
+        cluster). A cluster without GPUs (CPU processes) sets no per-device limit: True."""
+        c = cluster or self.cluster
+        if c.gpus_per_node == 0 or c.gpu_memory_gib <= 0:
+            return True
+        return self.memory.total <= c.gpu_memory_gib * GIB
+
+    def table(self) -> Table:
+        """A rich table of the plan (what ``moe plan`` prints)."""
+        par, mem, c = self.parallel, self.memory, self.comm
+        t = Table(title=f"plan: {self.name}", show_header=False)
+        t.add_row(
+            "parameters", f"{_count(self.total_params)} total, {_count(self.active_params)} active"
+        )
+        unit = "GPUs" if self.cluster.gpus_per_node else "CPU processes"
+        t.add_row(
+            "layout",
+            f"pp {par.pp} x dp {par.dp} x ep {par.ep} = {self.gpus} {unit} "
+            f"({par.pp_schedule}, recompute {par.recompute}, {self.param_dtype} weights, "
+            f"{self.compute_dtype} compute)",
+        )
+        t.add_row(
+            "batch",
+            f"{self.micro_batches} micro-batches of {self.tokens_per_micro_batch:,} tokens "
+            "per rank and step",
+        )
+        t.add_row(
+            "busiest rank",
+            f"stage {mem.stage}: {mem.layers} layers, {_count(mem.dense_params)} dense + "
+            f"{_count(mem.expert_params)} expert parameters, micro-batches in flight: "
+            f"{mem.in_flight}",
+        )
+        dense_group, expert_group = par.dp * par.ep, par.dp
+        rows = (
+            ("  weights", mem.weights, f"{self.param_dtype}"),
+            ("  gradient buffers", mem.grad_buffers, "fp32, plus the reduced shard"),
+            (
+                "  optimizer",
+                mem.optimizer,
+                ("fp32 master + 2 moments" if self.param_dtype != "fp32" else "2 fp32 moments")
+                + f", dense / {dense_group}, experts / {expert_group}",
+            ),
+            ("  activations", mem.activations, f"recompute {par.recompute}"),
+            ("  pipeline send buffers", mem.p2p_buffers, "held until the step ends"),
+            ("  transient", mem.transient, "largest parameter's gradient"),
+            ("  runtime reserve", mem.reserve, "CUDA context, NCCL, workspaces"),
+        )
+        for name, value, note in rows:
+            t.add_row(name, f"{value / GIB:,.2f} GiB ({note})")
+        per = "GPU" if self.cluster.gpus_per_node else "process"
+        t.add_row(f"  total per {per}", f"[bold]{mem.total / GIB:,.2f} GiB[/]")
+        t.add_row("per stage (GiB)", ", ".join(f"{s.total / GIB:.1f}" for s in self.stages))
+        cl = self.cluster
+        if cl.gpus_per_node and cl.gpu_memory_gib > 0:
+            verdict = "[green]fits[/]" if self.fits() else "[red]does not fit[/]"
+            t.add_row(
+                "fits",
+                f"{verdict}: {mem.total / GIB:,.1f} of {cl.gpu_memory_gib:g} GiB ({cl.gpu_type})",
+            )
+        procs = cl.world_size
+        match = "matches" if procs == self.gpus else "[red]does not match[/]"
+        t.add_row(
+            "cluster",
+            f"{cl.name} ({cl.kind}): {cl.nodes} nodes x {cl.procs_per_node} = {procs} processes, "
+            f"{match} the layout",
+        )
+        t.add_row(
+            "all-to-all",
+            f"{c.all_to_all_per_layer / GIB:,.3f} GiB per MoE layer and micro-batch, "
+            f"{c.all_to_all / GIB:,.1f} GiB per step",
+        )
+        t.add_row(
+            "ZeRO-1",
+            f"reduce-scatter {c.reduce_scatter / GIB:,.2f} GiB + all-gather "
+            f"{c.all_gather / GIB:,.2f} GiB per step",
+        )
+        t.add_row("pipeline p2p", f"{c.pipeline / GIB:,.2f} GiB per step")
+        return t
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _ring(nbytes: float, group: int) -> float:
+    return nbytes * (group - 1) / group
+
+
+def all_to_all_rows_per_token(m: ModelConfig, ep: int) -> float:
+    """Expected rows one token sends to other expert-parallel ranks (uniform routing)."""
+    if ep == 1:
+        return 0.0
+    per_rank = m.n_experts // ep
+    q = math.comb(m.n_experts - per_rank, m.top_k) / math.comb(m.n_experts, m.top_k)
+    return (ep - 1) * (1.0 - q)
+
+
+def plan(run: RunConfig) -> Plan:
+    """Plan ``run``'s layout; see the module docstring for every formula."""
+    m, t, par = run.model, run.train, run.parallel
+    counts = count(m, t.seq_len)
+    sh = _shapes(m)
+    bp = DTYPE_BYTES[par.param_dtype]
+    bc = DTYPE_BYTES[t.dtype]
+    tokens = t.micro_batch_size * t.seq_len
+    n_mb = run.micro_batches
+    n_chunks = par.pp * par.virtual_stages
+    per_chunk = m.n_layers // n_chunks
+    dense_group, expert_group = par.dp * par.ep, par.dp
+    a_layer = layer_activation_bytes(m, par.param_dtype, t.dtype, par.recompute)
+    a_full = layer_activation_bytes(m, par.param_dtype, t.dtype, "none")
+    head_act = tokens * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
+    message = tokens * m.d_model * bp + 4  # hidden states + the running aux loss
+    reserve = round(RUNTIME_RESERVE_GIB * GIB) if run.cluster.gpus_per_node else 0
+
+    stages: list[StageMemory] = []
+    p2p_sent: list[int] = []
+    for s in range(par.pp):
+        chunks = rank_chunks(par, s)
+        layers = per_chunk * len(chunks)
+        dense = layers * sh.layer_dense
+        largest = sh.largest_dense
+        if 0 in chunks:
+            dense += sh.embedding
+            largest = max(largest, sh.embedding)
+        last = n_chunks - 1 in chunks
+        if last:
+            dense += sh.final_norm + sh.head
+            largest = max(largest, sh.head)
+        experts = layers * sh.layer_expert // par.ep
+        largest = max(largest, sh.largest_expert // par.ep)
+
+        dense_shard = dense / dense_group if dense_group > 1 else 0
+        expert_shard = experts / expert_group if expert_group > 1 else 0
+        grads = 4 * (dense + experts) + 4 * (dense_shard + expert_shard)
+        state_bytes = 12 if bp < 4 else 8
+        optimizer = state_bytes * (dense / dense_group + experts / expert_group)
+
+        in_flight = max_in_flight(par, s, n_mb)
+        if par.recompute == "block":
+            acts = in_flight * per_chunk * tokens * m.d_model * bp + tokens * a_full
+        else:
+            acts = in_flight * per_chunk * tokens * a_layer
+        if last:
+            acts += head_act
+        messages = sum(c < n_chunks - 1 for c in chunks) + sum(c > 0 for c in chunks)
+        sent = messages * n_mb * message
+        p2p_sent.append(sent)
+        stages.append(
+            StageMemory(
+                stage=s,
+                layers=layers,
+                dense_params=dense,
+                expert_params=experts,
+                in_flight=in_flight,
+                weights=(dense + experts) * bp,
+                grad_buffers=round(grads),
+                optimizer=round(optimizer),
+                activations=acts,
+                p2p_buffers=sent if par.pp > 1 else 0,
+                transient=largest * bp,
+                reserve=reserve,
+            )
+        )
+
+    rows = all_to_all_rows_per_token(m, par.ep)
+    k = m.top_k
+    forward = rows * (m.d_model * bp + 12 * k) + rows * m.d_model * bp
+    backward = rows * m.d_model * bp + rows * (m.d_model * bp + 4 * k)
+    sizes = _ring(par.ep * (1 + m.n_experts // par.ep) * 8, par.ep) if par.ep > 1 else 0
+    per_layer = tokens * (forward + backward) + sizes
+    if par.recompute == "block":
+        per_layer += tokens * forward + sizes
+    layers_per_rank = m.n_layers // par.pp
+    busiest = max(stages, key=lambda s: s.dense_params + s.expert_params)
+    comm = Communication(
+        all_to_all_per_layer=round(per_layer),
+        all_to_all=round(per_layer * layers_per_rank * n_mb),
+        reduce_scatter=round(
+            _ring(4 * busiest.dense_params, dense_group)
+            + _ring(4 * busiest.expert_params, expert_group)
+        ),
+        all_gather=round(
+            _ring(bp * busiest.dense_params, dense_group)
+            + _ring(bp * busiest.expert_params, expert_group)
+        ),
+        pipeline=max(p2p_sent) if par.pp > 1 else 0,
+    )
+    return Plan(
+        name=_run_name(run),
+        total_params=counts.total_params,
+        active_params=counts.active_params,
+        parallel=par,
+        cluster=run.cluster,
+        param_dtype=par.param_dtype,
+        compute_dtype=t.dtype,
+        tokens_per_micro_batch=tokens,
+        micro_batches=n_mb,
+        stages=tuple(stages),
+        comm=comm,
+    )
+
+
+def _run_name(run: RunConfig) -> str:
+    return f"model {run.model.name}"
+
+
+# --------------------------------------------------------------------------------------------
+# refusals
+
+
+def check_cluster(run: RunConfig) -> None:
+    """The cluster must start exactly the layout's processes (``nodes x procs_per_node``)."""
+    c, par = run.cluster, run.parallel
+    if c.world_size == par.world_size:
+        return
+    hint = (
+        f"set cluster.nodes={par.world_size // c.procs_per_node}"
+        if par.world_size % c.procs_per_node == 0
+        else "change cluster.nodes/procs_per_node or parallel.pp/dp/ep"
+    )
+    raise ConfigError(
+        f"cluster {c.name!r} starts cluster.nodes x cluster.procs_per_node = {c.nodes} x "
+        f"{c.procs_per_node} = {c.world_size} processes but the layout parallel.pp x dp x ep = "
+        f"{par.pp} x {par.dp} x {par.ep} needs {par.world_size}: {hint}."
+    )
+
+
+def check_resources(
+    run: RunConfig, available_gpus: int, available_gpu_memory_gib: float | None
+) -> None:
+    """Refuse, in one sentence, a run this machine cannot hold: too few GPUs, or (when the
+    memory is known) GPUs smaller than the plan's busiest rank. CPU layouts (a cluster with
+    ``gpus_per_node == 0``) need no GPU."""
+    if run.cluster.gpus_per_node == 0:
+        return
+    par = run.parallel
+    needed = par.world_size
+    if needed > available_gpus:
+        raise InsufficientResourcesError(
+            f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep} needs "
+            f"{needed} GPUs but this machine has {available_gpus}: launch it on a cluster "
+            "(cluster=slurm or cluster=kubernetes) or choose a smaller layout."
+        )
+    if available_gpu_memory_gib is None:
+        return
+    p = plan(run)
+    if p.memory.total > available_gpu_memory_gib * GIB:
+        raise InsufficientResourcesError(
+            f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep} needs "
+            f"{p.per_gpu_gib:.1f} GiB per GPU but this machine's GPUs have "
+            f"{available_gpu_memory_gib:.1f} GiB: raise parallel.ep or parallel.pp, lower "
+            "train.micro_batch_size or turn on parallel.recompute."
+        )

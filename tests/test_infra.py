@@ -1,0 +1,238 @@
+"""infra/: the start scripts really start MLflow and Prefect on loopback (and stop them), the
+deploy script registers a prefect.yaml, the container recipe installs the project."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+INFRA = ROOT / "infra"
+SCRIPTS = ["start-prefect-server.sh", "start-worker.sh", "start-mlflow.sh", "deploy.sh", "stop.sh"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies awaiting their reaper do not)."""
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+class Services:
+    """Runs infra scripts with a private state folder; stops whatever they started."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        bin_dir = str(Path(sys.executable).parent)  # this environment's prefect and mlflow
+        self.env = {
+            **os.environ,
+            "MOE_INFRA_DIR": str(state),
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_HOME": str(state / "prefect"),
+            "MOE_STOP_GRACE": "3",  # then a second TERM (a Prefect worker's "now"), then KILL
+        }
+        self.env.pop("PREFECT_API_URL", None)
+        self.env.pop("MLFLOW_TRACKING_URI", None)
+
+    def run(self, script: str, *args: str, timeout: int = 150) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(INFRA / script), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def pid(self, name: str) -> int:
+        return int((self.state / f"{name}.pid").read_text())
+
+    def stop_all(self) -> None:
+        """Workers first, then servers (a server waits for its clients' connections)."""
+        pidfiles = sorted(self.state.glob("*.pid"), key=lambda p: not p.stem.startswith("worker"))
+        for pidfile in pidfiles:
+            pid = int(pidfile.read_text())
+            self.run("stop.sh", pidfile.stem, timeout=60)
+            if group_alive(pid):  # stop.sh failed: end the group we started ourselves
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[Services]:
+    s = Services(tmp_path / "state")
+    try:
+        yield s
+    finally:
+        s.stop_all()
+
+
+def get_json(url: str, body: dict | None = None) -> dict | list:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url,
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="POST" if data else "GET",
+    )
+    with urllib.request.urlopen(req, timeout=30) as response:
+        return json.load(response)
+
+
+@pytest.mark.slow
+def test_mlflow_server_records_a_run(services: Services, tmp_path: Path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    port, store = free_port(), tmp_path / "mlflow"
+    started = services.run("start-mlflow.sh", str(port), str(store))
+    assert started.returncode == 0, started.stderr + started.stdout
+    pid = services.pid("mlflow")
+    url = f"http://127.0.0.1:{port}"
+    assert f"started mlflow server: {url} (pid {pid}," in started.stdout
+
+    client = MlflowClient(tracking_uri=url)
+    experiment = client.create_experiment("infra-test")
+    run = client.create_run(experiment, run_name="smoke")
+    client.log_param(run.info.run_id, "layout", "pp1-dp1-ep2")
+    for step, loss in enumerate([3.0, 2.5, 2.25]):
+        client.log_metric(run.info.run_id, "loss", loss, step=step)
+    client.log_text(run.info.run_id, "hello from the test", "notes/hello.txt")
+    client.set_terminated(run.info.run_id)
+
+    found = get_json(f"{url}/api/2.0/mlflow/experiments/search?max_results=100")
+    by_name = {e["name"]: e["experiment_id"] for e in found["experiments"]}
+    assert by_name["infra-test"] == experiment
+    runs = get_json(f"{url}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment]})
+    (record,) = runs["runs"]
+    assert record["info"]["run_name"] == "smoke" and record["info"]["status"] == "FINISHED"
+    assert {"key": "layout", "value": "pp1-dp1-ep2"} in record["data"]["params"]
+    assert [m["value"] for m in record["data"]["metrics"] if m["key"] == "loss"] == [2.25]
+    # Artifacts go through the server into the folder given to the script.
+    (artifact,) = (store / "artifacts").rglob("hello.txt")
+    assert artifact.read_text() == "hello from the test"
+    assert (store / "mlflow.db").is_file()
+
+    stopped = services.run("stop.sh", "mlflow")
+    assert stopped.returncode == 0 and f"stopped mlflow (pid {pid})" in stopped.stdout
+    assert not group_alive(pid)
+
+
+@pytest.mark.slow
+def test_prefect_server_worker_and_deploy(services: Services, tmp_path: Path):
+    port, pool = free_port(), "infra-test"
+    api = f"http://127.0.0.1:{port}/api"
+    started = services.run("start-prefect-server.sh", str(port))
+    assert started.returncode == 0, started.stderr + started.stdout
+    server_pid = services.pid("prefect-server")
+    assert f"started prefect server: {api} (pid {server_pid}," in started.stdout
+    assert get_json(f"{api}/health") is True
+
+    worker = services.run("start-worker.sh", pool, api)
+    assert worker.returncode == 0, worker.stderr + worker.stdout
+    worker_pid = services.pid(f"worker-{pool}")
+    assert f"started prefect worker: pool {pool} on {api} (pid {worker_pid}," in worker.stdout
+    assert get_json(f"{api}/work_pools/{pool}")["type"] == "process"
+    assert len(get_json(f"{api}/work_pools/{pool}/workers/filter", {})) == 1
+
+    flow_file = tmp_path / "hello_flow.py"
+    flow_file.write_text(
+        "from prefect import flow\n\n\n@flow(name='hello')\ndef hello() -> int:\n    return 1\n"
+    )
+    prefect_yaml = tmp_path / "prefect.yaml"
+    prefect_yaml.write_text(
+        f"name: infra-test\ndeployments:\n  - name: one\n    entrypoint: {flow_file}:hello\n"
+        f"    work_pool:\n      name: {pool}\n"
+    )
+    deployed = services.run("deploy.sh", str(prefect_yaml), api)
+    assert deployed.returncode == 0, deployed.stderr + deployed.stdout
+    assert get_json(f"{api}/deployments/name/hello/one")["work_pool_name"] == pool
+
+    services.stop_all()
+    assert not group_alive(worker_pid) and not group_alive(server_pid)
+
+
+@pytest.mark.parametrize("script", ["start-mlflow.sh", "start-prefect-server.sh"])
+def test_servers_refuse_a_busy_port(services: Services, script: str):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = services.run(script, str(port), timeout=30)
+    assert done.returncode == 1
+    assert f"error: port {port} on 127.0.0.1 is in use" in done.stderr
+    assert not list(services.state.glob("*.pid"))  # nothing was started
+
+
+def test_deploy_refuses_a_missing_file(services: Services, tmp_path: Path):
+    done = services.run("deploy.sh", str(tmp_path / "nowhere.yaml"), timeout=30)
+    assert done.returncode == 1 and "nowhere.yaml does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_parse_and_stay_on_loopback(script: str):
+    path = INFRA / script
+    assert os.access(path, os.X_OK), f"{script} is not executable"
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    text = path.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    hosts = set(re.findall(r"--host\s+(\S+)", text))
+    assert hosts <= {"127.0.0.1"}
+
+
+def test_shared_shell_helpers_parse():
+    syntax = subprocess.run(
+        ["bash", "-n", str(INFRA / "common.sh")], capture_output=True, text=True
+    )
+    assert syntax.returncode == 0, syntax.stderr
+    assert all("common.sh" in (INFRA / script).read_text() for script in SCRIPTS)
+
+
+def test_containerfile_installs_the_project_with_the_gpu_extra():
+    lines = [
+        line.strip()
+        for line in (INFRA / "Containerfile").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    base = next(line for line in lines if line.startswith("ARG BASE_IMAGE="))
+    assert re.fullmatch(r"ARG BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-\w+(-\w+)*-ubuntu\d+\.\d+", base)
+    assert lines[lines.index(base) + 1] == "FROM ${BASE_IMAGE}"
+    joined = "\n".join(lines)
+    assert 'pip install --no-cache-dir -e ".[gpu]"' in joined
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "gpu" in pyproject["project"]["optional-dependencies"]
+    packages = [
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
+    for folder in [*packages, "conf"]:
+        assert f"COPY {folder} ./{folder}" in lines, folder
+        assert (ROOT / folder).is_dir()
+    assert "COPY pyproject.toml README.md ./" in lines
+    assert lines[-1].startswith("CMD [")
+    # Every RUN that calls apt-get cleans its lists in the same layer.
+    for run in re.findall(
+        r"RUN apt-get[^\n]*(?:\n(?!RUN|ENV|COPY|WORKDIR|CMD|ARG|FROM)[^\n]*)*", joined
+    ):
+        assert "rm -rf /var/lib/apt/lists/*" in run

@@ -1,0 +1,299 @@
+"""Multi-node launchers (torchrun command, Slurm script, Kubernetes manifests) and
+``moe train --config``: rendered for the named deployments and checked without a cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.launch import render_kubernetes, render_slurm, run_id, torchrun_command
+from moe_core.cli import load_run_config, main
+from moe_core.compose import compose_run
+from moe_core.config import ConfigError, to_dict
+
+
+def one_sentence(message: str) -> bool:
+    import re
+
+    return message.endswith(".") and not re.search(r"[.!?]\s+[A-Z]", message)
+
+
+def sbatch_directives(script: str) -> dict[str, str]:
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line.removeprefix("#SBATCH ").partition("=")
+            out[key] = value
+    return out
+
+
+def test_torchrun_command_is_c10d_into_moe_train():
+    run = compose_run(["out_dir=/runs/47b/train"], config_name="pretrain-47b")
+    cmd = torchrun_command(run, "/runs/47b/config.json", 8, 3, "node-a:29500")
+    assert cmd == [
+        "torchrun",
+        "--nnodes=8",
+        "--nproc-per-node=8",
+        "--node-rank=3",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node-a:29500",
+        f"--rdzv-id={run_id(run)}",
+        "--max-restarts=0",
+        "-m",
+        "moe_core.cli",
+        "train",
+        "--config",
+        "/runs/47b/config.json",
+    ]
+    py = torchrun_command(run, "c.json", 8, None, "h:1", python="/x/python", rdzv_id="job7")
+    assert py[:3] == ["/x/python", "-m", "torch.distributed.run"]
+    assert "--rdzv-id=job7" in py and not any(a.startswith("--node-rank") for a in py)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"nnodes": 4}, "nnodes=4 is not allowed"),
+        ({"node_rank": 8}, "node_rank=8 is not allowed"),
+        ({"rdzv_endpoint": "node-a"}, "rdzv_endpoint='node-a' is not allowed"),
+    ],
+)
+def test_torchrun_command_refusals(kwargs, fragment):
+    run = compose_run([], config_name="pretrain-47b")
+    args = {"nnodes": 8, "node_rank": 0, "rdzv_endpoint": "node-a:29500", **kwargs}
+    with pytest.raises(ConfigError) as err:
+        torchrun_command(run, "c.json", **args)
+    assert fragment in str(err.value) and one_sentence(str(err.value))
+
+
+@pytest.mark.parametrize(
+    "name,overrides,nodes",
+    [
+        ("pretrain-47b", ["cluster.account=proj-42", "cluster.time_limit=12:00:00"], 8),
+        ("pretrain-1t", [], 64),
+    ],
+)
+def test_slurm_script(tmp_path: Path, name: str, overrides: list[str], nodes: int):
+    run = compose_run(overrides, config_name=name)
+    run_dir = tmp_path / "run"
+    script = render_slurm(run, str(run_dir), str(run_dir / "config.json"))
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    expected = {
+        "--job-name": run_id(run),
+        "--nodes": str(nodes),
+        "--ntasks-per-node": "1",
+        "--gpus-per-node": "8",
+        "--partition": "gpu",
+        "--time": run.cluster.time_limit,
+        "--output": f"{run_dir}/slurm-%j.out",
+        "--chdir": str(run_dir),
+        "--exclusive": "",
+    }
+    if run.cluster.account:
+        expected["--account"] = "proj-42"
+    assert sbatch_directives(script) == expected
+    assert script.startswith("#!/bin/bash\n")
+
+    # Run it with stand-ins for scontrol and srun: the command each node gets, expanded.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "srun.json"
+    stubs = {
+        "scontrol": "#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n",
+        "srun": f"#!{sys.executable}\nimport json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n",
+    }
+    for tool, body in stubs.items():
+        (bin_dir / tool).write_text(body)
+        (bin_dir / tool).chmod(stat.S_IRWXU)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_CPUS_ON_NODE": "96",
+    }
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    argv = json.loads(record.read_text())
+    torchrun = argv.index("torchrun")
+    assert argv[:torchrun] == [
+        "--ntasks-per-node=1",
+        "--cpus-per-task=96",
+        "--cpu-bind=none",
+        "--kill-on-bad-exit=1",
+    ]
+    expected_cmd = torchrun_command(
+        run,
+        str(run_dir / "config.json"),
+        nodes,
+        None,
+        "gpu-node-07:29500",
+        rdzv_id="4242",
+    )
+    assert argv[torchrun:] == expected_cmd
+
+
+def test_slurm_refusals(tmp_path: Path):
+    run = compose_run([], config_name="pretrain-47b")
+    with pytest.raises(ConfigError) as err:
+        render_slurm(run, str(tmp_path / "my run"), str(tmp_path / "c.json"))
+    assert "run_dir=" in str(err.value) and one_sentence(str(err.value))
+    wrong = compose_run(["cluster.nodes=2"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError) as err:
+        render_slurm(wrong, str(tmp_path), str(tmp_path / "c.json"))
+    assert "needs 64" in str(err.value) and one_sentence(str(err.value))
+    k8s = compose_run(["cluster=kubernetes", "cluster.nodes=8"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError, match=r"cluster\.kind='kubernetes' is not allowed"):
+        render_slurm(k8s, str(tmp_path), str(tmp_path / "c.json"))
+
+
+@pytest.mark.parametrize(
+    "name,overrides,nodes",
+    [
+        ("pretrain-47b", ["cluster=kubernetes", "cluster.nodes=8", "cluster.namespace=ml"], 8),
+        ("pretrain-1t", ["cluster=kubernetes", "cluster.image=reg.example/moe:1.0"], 64),
+    ],
+)
+def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
+    run = compose_run(overrides, config_name=name)
+    c = run.cluster
+    run_dir = f"/runs/{name}"
+    docs = list(yaml.safe_load_all(render_kubernetes(run, run_dir, f"{run_dir}/config.json")))
+    assert [d["kind"] for d in docs] == ["Service", "Job"]
+    service, job = docs
+    job_name = run_id(run)
+    assert service["apiVersion"] == "v1"
+    assert service["metadata"] == {
+        "name": job_name,
+        "namespace": c.namespace,
+        "labels": {"app.kubernetes.io/name": "moe-core", "moe-core/run": job_name},
+    }
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["ports"][0]["port"] == c.rdzv_port
+
+    assert job["apiVersion"] == "batch/v1"
+    assert job["metadata"]["namespace"] == c.namespace
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == nodes
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert pod["restartPolicy"] == "Never"
+    # The Service selects exactly the Job's pods.
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    (container,) = pod["containers"]
+    assert container["image"] == c.image
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert container["command"] == torchrun_command(
+        run, f"{run_dir}/config.json", nodes, None, f"{job_name}-0.{job_name}:{c.rdzv_port}"
+    )
+    assert container["workingDir"] == run_dir
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts == {"runs": c.volume_path, "shm": "/dev/shm"}
+    assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": c.volume_claim}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory"}
+
+
+def test_kubernetes_refuses_a_run_dir_off_the_volume():
+    run = compose_run(["cluster=kubernetes", "cluster.nodes=8"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError) as err:
+        render_kubernetes(run, "/scratch/x", "/scratch/x/config.json")
+    assert "below cluster.volume_path (/runs)" in str(err.value) and one_sentence(str(err.value))
+
+
+# ---- moe train --config -----------------------------------------------------------------
+
+
+def _resolved(tmp_path: Path, *overrides: str) -> tuple[Path, dict]:
+    run = compose_run(
+        [
+            "model=tiny",
+            "train.steps=2",
+            "train.seq_len=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.eval_batches=2",
+            f"out_dir={tmp_path / 'out'}",
+            *overrides,
+        ]
+    )
+    path = tmp_path / "config.json"
+    data = to_dict(run)
+    path.write_text(json.dumps(data))
+    return path, data
+
+
+def test_train_from_a_resolved_config(tmp_path: Path):
+    path, _ = _resolved(tmp_path)
+    assert main(["train", "--config", str(path)]) == 0
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+
+
+def test_train_config_refusals(tmp_path: Path, capsys):
+    path, data = _resolved(tmp_path)
+    assert main(["train", "--config", str(path), "train.steps=5"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "takes no Hydra options" in out and "train.steps=5" in out
+    assert len(out.splitlines()) == 1 and one_sentence(out)
+    assert main(["train", "--config", str(tmp_path / "missing.json")]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "missing.json' does not exist" in out and one_sentence(out)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert main(["train", "--config", str(broken)]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "is not valid JSON" in out and one_sentence(out)
+    data["train"]["stepz"] = 3
+    path.write_text(json.dumps(data))
+    assert main(["train", "--config", str(path)]) == 2
+    assert "train.stepz is not a known option" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_on_loopback(tmp_path: Path):
+    """Two "nodes" of one process each (ep 2), joined by c10d on 127.0.0.1."""
+    path, _ = _resolved(tmp_path, "parallel=ep2", "cluster.nodes=2", "cluster.procs_per_node=1")
+    run = load_run_config(str(path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            torchrun_command(run, str(path), 2, rank, f"127.0.0.1:{port}", python=sys.executable),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-2000:] for o in outputs)
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    assert "on 2 x cpu (pp 1, dp 1, ep 2)" in "".join(outputs)

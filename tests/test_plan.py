@@ -1,0 +1,269 @@
+"""The layout planner: hand-counted bytes for a small layout, the saved-activation formula
+against what autograd really keeps, the named deployments' fit, refusals and ``moe plan``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from math import comb
+
+import pytest
+import torch
+from rich.console import Console
+
+import moe_core.cli as cli
+from moe_core.compose import compose_run
+from moe_core.config import (
+    ClusterConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from moe_core.model.transformer import build_model
+from moe_core.parallel.recompute import apply_recompute
+from moe_core.plan import (
+    GIB,
+    RUNTIME_RESERVE_GIB,
+    InsufficientResourcesError,
+    check_cluster,
+    check_resources,
+    layer_activation_bytes,
+    max_in_flight,
+    plan,
+)
+
+
+def one_sentence(message: str) -> bool:
+    """One sentence: ends with a full stop and no sentence starts inside it."""
+    return message.endswith(".") and not re.search(r"[.!?]\s+[A-Z]", message)
+
+
+def small_run(**parallel) -> RunConfig:
+    model = ModelConfig(
+        name="hand",
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=32,
+        max_seq_len=16,
+    )
+    train = TrainConfig(seq_len=16, micro_batch_size=2, global_batch_size=4, eval_batches=2)
+    par = ParallelConfig(**{"ep": 2, **parallel})
+    cluster = ClusterConfig(procs_per_node=par.world_size)
+    return RunConfig(model=model, train=train, parallel=par, cluster=cluster)
+
+
+def test_small_layout_bytes_by_hand():
+    """d 64, 2 layers, 4 heads, 8 experts (top-2, hidden 32), vocab 256, fp32, ep 2, CPU."""
+    p = plan(small_run())
+    mem = p.memory
+    attention = 4 * 64 * 64 + 64 + 64  # q, k, v, o + q_norm, k_norm
+    dense_layer = attention + 2 * 64 + 8 * 64  # + two block norms + router
+    expert_layer = 8 * (2 * 32 * 64 + 64 * 32)  # gate+up and down of 8 experts
+    dense = 2 * dense_layer + 256 * 64 + 64 + 256 * 64  # + embedding, final norm, LM head
+    experts = 2 * expert_layer // 2  # half of the experts on each ep rank
+    assert (mem.dense_params, mem.expert_params) == (dense, experts)
+    assert mem.weights == 4 * (dense + experts)
+    # fp32 buffer for every local parameter + the reduced shard of dense (over dp x ep = 2);
+    # experts are reduced over dp = 1: no separate shard.
+    assert mem.grad_buffers == 4 * (dense + experts) + 4 * dense // 2
+    # fp32 weights are their own masters: only the two moments, dense over 2, experts over 1.
+    assert mem.optimizer == 8 * (dense // 2 + experts)
+    tokens = 2 * 16
+    per_token_layer = (
+        2 * 64 * (4 + 4) + (64 + 64) * (4 + 4) + 16  # four RMSNorms
+        + 4 * (3 * 64 + 2 * 64) + 4 * 4  # attention: in, q, k, v, out; log-sum-exp per head
+        + 4 * 64 + 12 * 8 + 20 * 2  # router
+        + 4 * 2 * (2 * 64 + 3 * 32)  # routed experts
+    )  # fmt: skip
+    head = 256 * (4 + 8) + 64 * (4 + 4 + 4)
+    assert mem.in_flight == 1
+    assert mem.activations == tokens * (2 * per_token_layer + head)
+    assert mem.p2p_buffers == 0 and mem.reserve == 0  # one stage; CPU processes
+    assert mem.transient == 4 * 256 * 64  # the largest tensor: embedding / LM head
+    assert mem.total == sum(
+        (mem.weights, mem.grad_buffers, mem.optimizer, mem.activations, mem.transient)
+    )
+
+    rows = 1 - comb(8 - 4, 2) / comb(8, 2)  # the other rank holds one of a token's 2 experts
+    forward = rows * (64 * 4 + 12 * 2) + rows * 64 * 4
+    backward = rows * 64 * 4 + rows * (64 * 4 + 4 * 2)
+    sizes = 1 * (1 + 4) * 8  # per-rank counts to the other rank
+    assert p.comm.all_to_all_per_layer == round(tokens * (forward + backward) + sizes)
+    assert p.comm.all_to_all == round((tokens * (forward + backward) + sizes) * 2 * 1)
+    assert p.comm.reduce_scatter == 4 * dense // 2
+    assert p.comm.all_gather == 4 * dense // 2
+    assert p.comm.pipeline == 0
+    assert p.gpus == 2 and p.fits()
+
+
+def test_pipeline_stages_split_memory_and_traffic():
+    run = small_run(pp=2, ep=1, param_dtype="bf16")
+    run.train.dtype = "bf16"
+    p = plan(run)
+    first, last = p.stages
+    assert [s.in_flight for s in p.stages] == [2, 1]  # 1F1B: pp - stage
+    assert first.layers == last.layers == 1
+    # the first stage holds the embedding, the last the LM head (as large) and the final norm
+    assert last.dense_params - first.dense_params == 64
+    assert first.p2p_buffers == last.p2p_buffers == 1 * 2 * (32 * 64 * 2 + 4)
+    assert p.comm.pipeline == 2 * (32 * 64 * 2 + 4)
+    assert first.reserve == 0 and p.comm.all_to_all == 0
+    # bf16 weights: fp32 master + 2 moments
+    assert first.optimizer == 12 * first.dense_params + 12 * first.expert_params
+
+
+@pytest.mark.parametrize("pp,n_mb", [(4, 8), (4, 2), (1, 3)])
+def test_in_flight_follows_the_1f1b_schedule(pp: int, n_mb: int):
+    par = ParallelConfig(pp=pp)
+    assert [max_in_flight(par, s, n_mb) for s in range(pp)] == [
+        min(pp - s, n_mb) for s in range(pp)
+    ]
+
+
+def _saved_bytes_per_token(m: ModelConfig, dtype: str, recompute: str, tokens: int) -> float:
+    """Bytes autograd keeps for one block's backward (distinct storages, weights excluded)."""
+    model = build_model(dataclasses.replace(m, n_layers=1))
+    pdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    for p in model.parameters():
+        p.data = p.data.to(pdt)
+    apply_recompute(model, recompute)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    seq = m.max_seq_len
+    h = torch.randn(tokens // seq, seq, m.d_model, dtype=pdt, requires_grad=True)
+    rope = model.rope(seq, h.device)
+    with (
+        torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        model.layers["0"](h, torch.zeros(()), rope)
+    return sum(kept.values()) / tokens
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize(
+    "shape", [{}, {"n_kv_heads": 2, "n_shared_experts": 1}, {"n_kv_heads": 1, "top_k": 4}]
+)
+def test_activation_formula_matches_what_autograd_keeps(dtype, recompute, shape):
+    m = ModelConfig(
+        **{
+            "vocab_size": 512,
+            "d_model": 256,
+            "n_layers": 1,
+            "n_heads": 4,
+            "n_experts": 8,
+            "top_k": 2,
+            "expert_hidden": 96,
+            "max_seq_len": 64,
+            **shape,
+        }
+    )
+    measured = _saved_bytes_per_token(m, dtype, recompute, tokens=128)
+    estimate = layer_activation_bytes(m, dtype, dtype, recompute)
+    # Within a few percent (the formula leaves out scalars and the shared fp32 RoPE tables).
+    assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
+
+
+def test_block_recompute_keeps_only_block_inputs():
+    m = ModelConfig(
+        vocab_size=512, d_model=128, n_layers=1, n_heads=4, n_experts=8, top_k=2, max_seq_len=32
+    )
+    for dtype, width in (("fp32", 4), ("bf16", 2)):
+        measured = _saved_bytes_per_token(m, dtype, "block", tokens=64)
+        assert measured == pytest.approx(m.d_model * width, rel=0.01)
+    base = small_run(recompute="block")
+    full = small_run()
+    p_block, p_full = plan(base).memory, plan(full).memory
+    tokens, d = 32, 64
+    layer = layer_activation_bytes(full.model, "fp32", "fp32")
+    head = tokens * (256 * 12 + d * 12)
+    assert p_block.activations == 2 * tokens * d * 4 + tokens * layer + head
+    assert p_full.activations == 2 * tokens * layer + head
+
+
+def test_1t_is_1_2_trillion_parameters_and_fits_512_h200():
+    run = compose_run([], config_name="pretrain-1t")
+    p = plan(run)
+    assert p.total_params == pytest.approx(1.2e12, rel=0.005)
+    assert p.active_params == pytest.approx(58.36e9, rel=0.001)
+    assert p.gpus == 512 == run.cluster.world_size
+    assert run.cluster.gpu_memory_gib == 141.0 and p.fits()
+    assert p.per_gpu_gib < 0.9 * 141  # headroom for allocator fragmentation
+    # The layout first drafted for it keeps 1/64 of the experts with fp32 gradients per GPU:
+    # too much for 141 GiB.
+    dense8 = compose_run(["parallel=pp8-dp8-ep8"], config_name="pretrain-1t")
+    assert not plan(dense8).fits()
+
+
+@pytest.mark.parametrize("name,gpus", [("pretrain-47b", 64), ("pretrain-olmoe-1b-7b", 8)])
+def test_named_gpu_deployments_fit(name: str, gpus: int):
+    run = compose_run([], config_name=name)
+    p = plan(run)
+    assert p.gpus == gpus and p.fits()
+    assert p.memory.reserve == round(RUNTIME_RESERVE_GIB * GIB)
+    assert p.comm.all_to_all > 0 and p.comm.reduce_scatter > 0
+
+
+def test_refuses_too_few_gpus_in_one_sentence():
+    run = compose_run([], config_name="pretrain-1t")
+    with pytest.raises(InsufficientResourcesError) as err:
+        check_resources(run, available_gpus=1, available_gpu_memory_gib=141.0)
+    message = str(err.value)
+    assert "needs 512 GPUs" in message and "has 1" in message and one_sentence(message)
+    assert isinstance(err.value, ConfigError)
+
+
+def test_refuses_small_gpus_and_accepts_what_fits():
+    run = compose_run([], config_name="pretrain-olmoe-1b-7b")
+    need = plan(run).per_gpu_gib
+    check_resources(run, available_gpus=8, available_gpu_memory_gib=need + 0.1)
+    check_resources(run, available_gpus=8, available_gpu_memory_gib=None)
+    with pytest.raises(InsufficientResourcesError) as err:
+        check_resources(run, available_gpus=8, available_gpu_memory_gib=need - 1)
+    message = str(err.value)
+    assert f"{need:.1f} GiB per GPU" in message and one_sentence(message)
+    # CPU layouts need no GPU.
+    check_resources(compose_run([], config_name="pretrain-tiny"), 0, None)
+
+
+def test_cluster_must_match_the_layout():
+    check_cluster(compose_run([], config_name="pretrain-47b"))
+    run = compose_run(["cluster.nodes=4"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError) as err:
+        check_cluster(run)
+    message = str(err.value)
+    assert "4 x 8 = 32" in message and "needs 64" in message and "cluster.nodes=8" in message
+    assert one_sentence(message)
+
+
+def test_moe_plan_prints_the_plan(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "console", Console(width=200))
+    assert cli.main(["plan", "--config-name", "pretrain-47b"]) == 0
+    out = capsys.readouterr().out
+    expected = plan(compose_run([], config_name="pretrain-47b"))
+    assert "pp 2 x dp 4 x ep 8 = 64 GPUs" in out
+    assert f"{expected.memory.total / GIB:,.2f} GiB" in out
+    assert "fits" in out and "does not fit" not in out
+    assert f"{expected.comm.all_to_all_per_layer / GIB:,.3f} GiB per MoE layer" in out
+
+
+def test_moe_plan_refuses_a_bad_override(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "console", Console(width=200))
+    assert cli.main(["plan", "model=1t", "parallel.ep=3"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error: parallel.ep=3 is not allowed") and len(out.splitlines()) == 1
