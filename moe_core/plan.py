@@ -44,6 +44,7 @@ Communication (bytes one rank sends; ring collectives send ``(g - 1) / g`` of th
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from dataclasses import dataclass
 
@@ -239,6 +240,14 @@ class Plan:
         if c.gpus_per_node == 0 or c.gpu_memory_gib <= 0:
             return True
         return self.memory.total <= c.gpu_memory_gib * GIB
+
+    def text(self, width: int = 110) -> str:
+        """The table as plain text (for logs)."""
+        from rich.console import Console
+
+        console = Console(record=True, width=width, file=io.StringIO())
+        console.print(self.table())
+        return console.export_text()
 
     def table(self) -> Table:
         """A rich table of the plan (what ``moe plan`` prints)."""

@@ -236,3 +236,55 @@ def test_containerfile_installs_the_project_with_the_gpu_extra():
         r"RUN apt-get[^\n]*(?:\n(?!RUN|ENV|COPY|WORKDIR|CMD|ARG|FROM)[^\n]*)*", joined
     ):
         assert "rm -rf /var/lib/apt/lists/*" in run
+
+
+@pytest.mark.slow
+def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, tmp_path: Path):
+    """The committed infra/prefect.yaml, deployed to a real server: `prefect deployment run
+    pretrain/tiny` completes through a process worker; `pretrain/1t` refuses with the plan."""
+    from moe_core.compose import compose_dict
+
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    assert services.run("start-prefect-server.sh", str(port)).returncode == 0
+    assert services.run("start-worker.sh", "local", api).returncode == 0
+    deployed = services.run("deploy.sh", str(INFRA / "prefect.yaml"), api)
+    assert deployed.returncode == 0, deployed.stderr + deployed.stdout
+    names = {d["name"] for d in get_json(f"{api}/deployments/filter", {})}
+    assert names == {"tiny", "olmoe-1b-7b", "47b", "1t"}
+
+    small = [
+        "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
+        "data.max_documents=400", "data.validation_fraction=0.05", "data.workers=1",
+    ]  # fmt: skip
+    params = {
+        "config": compose_dict(small, config_name="pretrain-tiny"),
+        "run_dir": str(tmp_path / "tiny"),
+    }
+    env = {**services.env, "PREFECT_API_URL": api}
+
+    def run(name: str, parameters: dict | None = None) -> dict:
+        cmd = ["prefect", "deployment", "run", f"pretrain/{name}", "--watch"]
+        if parameters is not None:
+            cmd += ["--params", json.dumps(parameters)]
+        subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        runs = get_json(f"{api}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 1})
+        return runs[0]
+
+    tiny = run("tiny", params)
+    assert tiny["state"]["type"] == "COMPLETED", tiny["state"]
+    assert (tmp_path / "tiny" / "hf" / "config.json").is_file()
+    assert json.loads((tmp_path / "tiny" / "eval" / "result.json").read_text())["perplexity"] > 1
+
+    big = run(
+        "1t",
+        {"config": compose_dict([], config_name="pretrain-1t"), "run_dir": str(tmp_path / "1t")},
+    )
+    assert big["state"]["type"] == "FAILED"
+    logs = get_json(
+        f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [big["id"]]}}, "limit": 200}
+    )
+    text = "\n".join(entry["message"] for entry in logs)
+    assert "needs 512 GPUs" in text, text[-2000:]
+    assert "plan for 1t" in text and "per GPU" in text
+    assert not (tmp_path / "1t" / "data").exists(), "nothing may start"

@@ -138,9 +138,14 @@ class Checkpointer:
             state[f"buf/{name}"] = t
         return state
 
-    def save(self, step: int, state: dict, layout: dict, planner=None) -> None:
+    def save(
+        self, step: int, state: dict, layout: dict, planner=None, file_per_entry: bool = False
+    ) -> None:
         """Write ``state`` as checkpoint ``step``; synchronous unless configured async.
-        ``planner``: a DCP save planner (the init stage's computes entries lazily)."""
+
+        ``planner``: a DCP save planner (the init stage's computes entries lazily).
+        ``file_per_entry``: one file per entry, so the writer holds one entry at a time (DCP's
+        writer keeps every tensor of a file until the file is closed)."""
         self.wait()
         tmp = self.root / f".tmp-step_{step:08d}"
         meta = {"step": step, "layout": layout}
@@ -155,6 +160,9 @@ class Checkpointer:
                 )
             self._pending = (fut, step, tmp, meta)
         else:
+            writer = None
+            if file_per_entry:
+                writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
             with _quiet():
                 dcp.save(
                     state,
@@ -162,6 +170,7 @@ class Checkpointer:
                     process_group=self.group,
                     no_dist=self.no_dist,
                     planner=planner,
+                    storage_writer=writer,
                 )
             self._publish(step, tmp, meta)
 

@@ -95,7 +95,7 @@ def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
         Path(checkpoints), Mesh(ParallelConfig()), keep_last=0, keep_every=0, use_async=False
     )
     layout = {"pp": run.parallel.pp, "dp": run.parallel.dp, "ep": run.parallel.ep}
-    ckpt.save(0, state, layout, planner=_LazySavePlanner(makers))
+    ckpt.save(0, state, layout, planner=_LazySavePlanner(makers), file_per_entry=True)
     return Path(checkpoints) / "step_00000000"
 
 
