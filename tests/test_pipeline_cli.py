@@ -1,0 +1,23 @@
+"""`moe pipeline`: run-directory argument, Hydra sweep expansion, registration in `moe`."""
+
+from __future__ import annotations
+
+from flows.cli import split_run_dir, sweep
+from moe_core.cli import build_parser
+
+
+def test_sweep_expands_hydra_sweep_overrides_into_combinations():
+    combos = sweep(["train.lr=1e-3,3e-3", "model=tiny", "train.steps=range(10,30,10)"])
+    assert len(combos) == 4
+    assert ["train.lr=0.001", "model=tiny", "train.steps=10"] in combos
+    assert ["train.lr=0.003", "model=tiny", "train.steps=20"] in combos
+
+
+def test_run_dir_is_the_pipelines_own_argument():
+    assert split_run_dir(["run_dir=/x", "train.steps=3"], "runs/d") == ("/x", ["train.steps=3"])
+    assert split_run_dir(["train.steps=3"], "runs/d") == ("runs/d", ["train.steps=3"])
+
+
+def test_pipeline_command_is_registered_through_the_entry_point():
+    args = build_parser().parse_args(["pipeline", "--multirun", "train.lr=1e-3,3e-3"])
+    assert args.command == "pipeline" and args.multirun and args.config_name == "pretrain-tiny"
