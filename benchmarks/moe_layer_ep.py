@@ -22,6 +22,7 @@ from datetime import date
 
 import torch
 import torch.distributed as dist
+from timing import cuda_times_ms
 
 from moe_core.config import ModelConfig
 from moe_core.model.moe import Experts, MoE
@@ -58,18 +59,7 @@ def time_steps(
         y, aux = moe(x)
         torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    return cuda_times_ms(step, warmup, iters)
 
 
 def profile_steps(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, list]:

@@ -21,6 +21,7 @@ import statistics
 from datetime import date
 
 import torch
+from timing import cuda_times_ms
 
 from moe_core.config import ModelConfig
 from moe_core.model import build_model, lm_loss
@@ -51,21 +52,6 @@ def force_routing(model: torch.nn.Module, kind: str) -> None:
             router.forward = uniform
 
 
-def timed(step, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def train_step(args: argparse.Namespace) -> dict:
     cfg = ModelConfig(vocab_size=50304, **SHAPE)
     torch.manual_seed(0)
@@ -86,7 +72,7 @@ def train_step(args: argparse.Namespace) -> dict:
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    times = timed(step, args.warmup, args.iters)
+    times = cuda_times_ms(step, args.warmup, args.iters)
     ms = statistics.median(times)
     tps = args.mbs * args.seq / (ms / 1e3)
     flops = count(cfg, args.seq).flops_per_token
@@ -126,7 +112,7 @@ def pool_sweep(args: argparse.Namespace) -> dict:
             y, aux = moe(x)
             torch.autograd.backward([y, aux], [g, torch.ones_like(aux)])
 
-        ms = statistics.median(timed(step, args.warmup, args.iters))
+        ms = statistics.median(cuda_times_ms(step, args.warmup, args.iters))
         rows.append({"experts": n_experts, "median_ms": ms, "tokens_per_s": T / (ms / 1e3)})
         del moe
         torch.cuda.empty_cache()
