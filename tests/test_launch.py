@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from flows.launch import render_kubernetes, render_slurm, run_id, torchrun_command
-from moe_core.cli import load_run_config, main
+from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, to_dict
 
@@ -263,37 +262,3 @@ def test_train_config_refusals(tmp_path: Path, capsys):
     assert main(["train", "--config", str(path)]) == 2
     assert "train.stepz is not a known option" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # refused before anything ran
-
-
-@pytest.mark.slow
-def test_two_torchrun_nodes_on_loopback(tmp_path: Path):
-    """Two "nodes" of one process each (ep 2), joined by c10d on 127.0.0.1."""
-    path, _ = _resolved(tmp_path, "parallel=ep2", "cluster.nodes=2", "cluster.procs_per_node=1")
-    run = load_run_config(str(path))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            torchrun_command(run, str(path), 2, rank, f"127.0.0.1:{port}", python=sys.executable),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-2000:] for o in outputs)
-    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [0, 1]
-    assert "on 2 x cpu (pp 1, dp 1, ep 2)" in "".join(outputs)

@@ -1,8 +1,9 @@
-"""Two torchrun "nodes" on loopback (c10d rendezvous, 2 processes each) train what one node
-with 4 processes trains: the multi-node launch path is the same program."""
+"""Two torchrun "nodes" on loopback, started by the multi-node launcher (c10d rendezvous, 2
+processes each, `moe train --config`), train exactly what one node with 4 processes trains."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +13,9 @@ import pytest
 import torch
 from helpers import BASE, explain, losses, torchrun
 
+from flows.launch import torchrun_command
+from moe_core.compose import compose_run
+from moe_core.config import to_dict
 from moe_core.convert.native import load_model_dir
 
 LAYOUT = ["parallel.ep=2", "parallel.dp=2", "train.steps=3"]
@@ -30,24 +34,32 @@ def test_two_nodes_match_one_node(tmp_path):
     assert result.returncode == 0, explain(result)
 
     two = tmp_path / "two-nodes"
+    run = compose_run(
+        [*BASE, *LAYOUT, "cluster.nodes=2", "cluster.procs_per_node=2", f"out_dir={two}"]
+    )
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(to_dict(run)))
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = []
-    for node_rank in range(2):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node_rank}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=moe-test",
-            "-m", "moe_core.cli", "train", *BASE, *LAYOUT, f"out_dir={two}",
-        ]  # fmt: skip
-        nodes.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
+    nodes = [
+        subprocess.Popen(
+            torchrun_command(run, str(config), 2, rank, endpoint, python=sys.executable),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-    for node in nodes:
-        out, err = node.communicate(timeout=300)
-        assert node.returncode == 0, out[-2000:] + err[-3000:]
+        for rank in range(2)
+    ]
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=300)
+            assert node.returncode == 0, out[-2000:] + err[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
 
     assert losses(two) == losses(one)
     _, a = load_model_dir(one / "model")
