@@ -10,19 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_core.data.files import file_sha256
+
 STAGES = ("tokenize", "init", "train", "convert", "evaluate")
 
 
 def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checksums(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:

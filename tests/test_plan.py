@@ -9,6 +9,7 @@ from math import comb
 
 import pytest
 import torch
+from helpers import small_config
 from rich.console import Console
 
 import moe_core.cli as cli
@@ -41,18 +42,7 @@ def one_sentence(message: str) -> bool:
 
 
 def small_run(**parallel) -> RunConfig:
-    model = ModelConfig(
-        name="hand",
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=4,
-        n_experts=8,
-        top_k=2,
-        expert_hidden=32,
-        max_seq_len=16,
-    )
+    model = small_config(name="hand", max_seq_len=16)
     train = TrainConfig(seq_len=16, micro_batch_size=2, global_batch_size=4, eval_batches=2)
     par = ParallelConfig(**{"ep": 2, **parallel})
     cluster = ClusterConfig(procs_per_node=par.world_size)

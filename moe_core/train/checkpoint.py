@@ -17,7 +17,6 @@ newest ``step_N`` whose manifest verifies and reports the ones that do not.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import shutil
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from moe_core.data.files import file_sha256
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
 
@@ -74,14 +74,6 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(path: Path) -> str | None:
     """None if the checkpoint's manifest verifies, else why not (one sentence)."""
     manifest = path / MANIFEST
@@ -99,7 +91,7 @@ def verify(path: Path) -> str | None:
             return (
                 f"{path.name}/{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
             )
-        if _sha256(f) != info["sha256"]:
+        if file_sha256(f) != info["sha256"]:
             return f"{path.name}/{rel} does not match its sha256"
     return None
 
@@ -190,7 +182,7 @@ class Checkpointer:
     def _publish(self, step: int, tmp: Path, meta: dict) -> None:
         if self.is_main:
             files = {
-                str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+                str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
                 for f in sorted(tmp.rglob("*"))
                 if f.is_file()
             }
