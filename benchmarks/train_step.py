@@ -6,11 +6,14 @@
 Same conventions as the peer kit's Olmo-core benchmark, so the two compare side by side:
 OLMoE-1B-7B shape (d 2048, 16 layers, 16 heads, 64 experts top-8, expert hidden 1024, vocab
 50304), sequence 4096, random token ids from a fixed seed, bf16 parameters, torch fused AdamW,
-SDPA attention; 3 warm-up steps, then the median of CUDA-event-timed steps. Routing: ``learned``
+SDPA attention; 3 warm-up steps, then the median of CUDA-event-timed steps. ``--compile``
+compiles the blocks and the loss (``parallel.compile``); ``--optimizer moe_core`` takes our
+fused AdamW kernel instead of torch's (same math, same bf16 moments). Routing: ``learned``
 (the router from its random init), ``skewed`` (router rows biased so a few experts win), or
 ``uniform`` (assignments forced round-robin over the experts, weights from the router).
 ``--experts-sweep``: one MoE layer forward + backward per expert count at top-4 with expert
 hidden fixed, so the active parameters stay fixed: throughput relative to the first count.
+``--layer-vs-dense``: the OLMoE MoE layer forward + backward against dense GEMMs of its FLOPs.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from datetime import date
 
 import torch
 from timing import cuda_times_ms
 
 from moe_core.config import ModelConfig
-from moe_core.model import build_model, lm_loss
+from moe_core.model import build_model
 from moe_core.model.flops import count
 from moe_core.model.moe import MoE, Router, Routing
+from moe_core.parallel.compile import apply_compile, loss_function
+from moe_core.train.adamw import AdamW
 
 SHAPE = dict(d_model=2048, n_layers=16, n_heads=16, n_experts=64, top_k=8, expert_hidden=1024)
 PEAK = 989.4
@@ -52,33 +58,65 @@ def force_routing(model: torch.nn.Module, kind: str) -> None:
             router.forward = uniform
 
 
-def train_step(args: argparse.Namespace) -> dict:
+Phases = list[tuple[str, Callable[[], None]]]
+
+
+def run_phases(phases: Phases) -> Callable[[], None]:
+    def step() -> None:
+        for _, fn in phases:
+            fn()
+
+    return step
+
+
+def train_step_parts(args: argparse.Namespace) -> Phases:
+    """The benchmarked step on fixed random tokens as phases: forward (with the loss),
+    backward, AdamW (fused, zeroing the gradients)."""
     cfg = ModelConfig(vocab_size=50304, **SHAPE)
     torch.manual_seed(0)
     model = build_model(cfg, "cuda", seed=0)
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     force_routing(model, args.routing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if args.compile:
+        apply_compile(model)
+    loss_fn = loss_function(args.compile)
+    if args.optimizer == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:
+        opt = AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator(device="cuda").manual_seed(1234)
     tokens = torch.randint(
         0, cfg.vocab_size, (args.mbs, args.seq + 1), device="cuda", generator=gen
     )
+    loss: list[torch.Tensor] = []
 
-    def step() -> None:
+    def forward() -> None:
         logits, aux = model(tokens[:, :-1])
-        (lm_loss(logits, tokens[:, 1:]) + aux).backward()
+        loss.append(loss_fn(logits, tokens[:, 1:]) + aux)
+
+    def backward() -> None:
+        loss.pop().backward()
+
+    def optimizer() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return [("forward", forward), ("backward", backward), ("optimizer", optimizer)]
+
+
+def train_step(args: argparse.Namespace) -> dict:
+    step = run_phases(train_step_parts(args))
     torch.cuda.reset_peak_memory_stats()
     times = cuda_times_ms(step, args.warmup, args.iters)
     ms = statistics.median(times)
     tps = args.mbs * args.seq / (ms / 1e3)
-    flops = count(cfg, args.seq).flops_per_token
+    flops = count(ModelConfig(vocab_size=50304, **SHAPE), args.seq).flops_per_token
     return {
         "benchmark": "train_step",
         "routing": args.routing,
+        "compile": args.compile,
+        "optimizer": args.optimizer,
         "mbs": args.mbs,
         "seq": args.seq,
         "median_ms": ms,
@@ -90,31 +128,86 @@ def train_step(args: argparse.Namespace) -> dict:
     }
 
 
+def moe_layer_step(args: argparse.Namespace, n_experts: int, top_k: int = 4) -> Phases:
+    """One MoE layer (expert hidden 1024, bf16) forward and backward on fixed random inputs:
+    ``mbs * seq`` tokens."""
+    cfg = ModelConfig(
+        d_model=2048, n_heads=16, n_experts=n_experts, top_k=top_k, expert_hidden=1024
+    )
+    torch.manual_seed(0)
+    moe = MoE(cfg).cuda()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.02)
+    moe = moe.to(torch.bfloat16)
+    if args.compile:
+        moe.compile()  # the router fuses, as inside a compiled block; dispatch stays eager
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(1, args.mbs * args.seq, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    x.requires_grad_()
+    g = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward() -> None:
+        for t in (x, *moe.parameters()):  # as a training step's zero_grad(set_to_none=True)
+            t.grad = None
+        out.append(moe(x))
+
+    def backward() -> None:
+        y, aux = out.pop()
+        torch.autograd.backward([y, aux], [g, torch.ones_like(aux)])
+
+    return [("forward", forward), ("backward", backward)]
+
+
+def layer_vs_dense(args: argparse.Namespace) -> dict:
+    """The OLMoE MoE layer (64 experts, top-8) forward + backward against dense GEMMs of the
+    same FLOPs: the six products of a SwiGLU MLP's forward and backward over all ``T * K``
+    routed rows with one weight (plain ``torch.mm``, no elementwise work)."""
+    T, K, D, Fh, E = args.mbs * args.seq, 8, 2048, 1024, 64
+    layer_ms = statistics.median(
+        cuda_times_ms(run_phases(moe_layer_step(args, E, K)), args.warmup, args.iters)
+    )
+    M = T * K
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    a_MD, w1_D2F, g_MF, w2_FD = rand(M, D), rand(D, 2 * Fh), rand(M, Fh), rand(Fh, D)
+    dy_MD, dh_M2F = rand(M, D), rand(M, 2 * Fh)
+
+    def dense() -> None:
+        a_MD @ w1_D2F  # forward: gate+up, down
+        g_MF @ w2_FD
+        dy_MD @ w2_FD.t()  # backward: down's input and weight gradients, then gate+up's
+        g_MF.t() @ dy_MD
+        dh_M2F @ w1_D2F.t()
+        a_MD.t() @ dh_M2F
+
+    dense_ms = statistics.median(cuda_times_ms(dense, args.warmup, args.iters))
+    flops = 6 * M * D * 3 * Fh
+    return {
+        "benchmark": "moe_layer_vs_dense",
+        "tokens": T,
+        "experts": E,
+        "top_k": K,
+        "layer_ms": layer_ms,
+        "layer_tflops": flops / layer_ms / 1e9,
+        "dense_gemm_ms": dense_ms,
+        "dense_gemm_tflops": flops / dense_ms / 1e9,
+        "layer_rate_vs_dense": dense_ms / layer_ms,
+    }
+
+
 def pool_sweep(args: argparse.Namespace) -> dict:
     rows = []
     T = args.mbs * args.seq
     for n_experts in [int(e) for e in args.experts_sweep.split(",")]:
-        cfg = ModelConfig(
-            d_model=2048, n_heads=16, n_experts=n_experts, top_k=4, expert_hidden=1024
-        )
-        torch.manual_seed(0)
-        moe = MoE(cfg).cuda()
-        with torch.no_grad():
-            for p in moe.parameters():
-                p.normal_(0.0, 0.02)
-        moe = moe.to(torch.bfloat16)
-        gen = torch.Generator(device="cuda").manual_seed(7)
-        x = torch.randn(1, T, 2048, device="cuda", generator=gen).to(torch.bfloat16)
-        x.requires_grad_()
-        g = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
-
-        def step(moe=moe, x=x, g=g) -> None:
-            y, aux = moe(x)
-            torch.autograd.backward([y, aux], [g, torch.ones_like(aux)])
-
+        step = run_phases(moe_layer_step(args, n_experts))
         ms = statistics.median(cuda_times_ms(step, args.warmup, args.iters))
         rows.append({"experts": n_experts, "median_ms": ms, "tokens_per_s": T / (ms / 1e3)})
-        del moe
+        del step
         torch.cuda.empty_cache()
     base = rows[0]["tokens_per_s"]
     for r in rows:
@@ -122,18 +215,35 @@ def pool_sweep(args: argparse.Namespace) -> dict:
     return {"benchmark": "expert_pool_scaling", "top_k": 4, "tokens": T, "rows": rows}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--routing", choices=["learned", "skewed", "uniform"], default="learned")
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="torch.compile blocks and the loss")
+    p.add_argument(
+        "--optimizer",
+        choices=["torch", "moe_core"],
+        default="torch",
+        help="torch's fused AdamW or ours (kernels.adamw); both keep moments in bf16",
+    )
+    p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
-    args = p.parse_args()
-    result = pool_sweep(args) if args.experts_sweep else train_step(args)
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.layer_vs_dense:
+        result = layer_vs_dense(args)
+    elif args.experts_sweep:
+        result = pool_sweep(args)
+    else:
+        result = train_step(args)
     result |= {
         "date": str(date.today()),
         "gpu": torch.cuda.get_device_name(),

@@ -3,7 +3,7 @@
 The rule: Triton for CUDA tensors; for CPU tensors only inside ``interpret_on_cpu()`` (the
 kernel tests: Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set before triton is
 imported); the PyTorch reference otherwise (CPU training stays fast), where triton is not
-installed, or for empty inputs.
+installed, for empty inputs, or inside ``references_only()``.
 This module imports no kernel, so ``kernels`` loads on a machine without a GPU or triton.
 """
 
@@ -19,6 +19,7 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _interpreting = False
+_references_only = False
 
 
 @contextlib.contextmanager
@@ -34,10 +35,23 @@ def interpret_on_cpu() -> Iterator[None]:
         _interpreting = previous
 
 
+@contextlib.contextmanager
+def references_only() -> Iterator[None]:
+    """Inside: every op runs its PyTorch reference, on the GPU too (the unfused model that the
+    fused one is checked against)."""
+    global _references_only
+    previous, _references_only = _references_only, True
+    try:
+        yield
+    finally:
+        _references_only = previous
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True where an op on these tensors takes its Triton kernel: by the first one's device;
-    never for empty tensors (no zero-size grids: the reference handles them)."""
-    if not HAS_TRITON or any(t.numel() == 0 for t in tensors):
+    never for empty tensors (no zero-size grids: the reference handles them) nor inside
+    ``references_only()``."""
+    if _references_only or not HAS_TRITON or any(t.numel() == 0 for t in tensors):
         return False
     device = tensors[0].device.type
     return device == "cuda" or (_interpreting and device == "cpu")

@@ -70,7 +70,20 @@ def _forward(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> t
     return grouped_mm_reference(x_MK, w_GKN, offs_G)
 
 
-def _wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+def _wgrad(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GKN: torch.Tensor
+) -> torch.Tensor:
+    """The weight gradient in the memory layout of ``w_GKN``.
+
+    A weight stored as [G, N, K] and used transposed (the experts' case) gets ``dy^T @ x`` per
+    group, contiguous [G, N, K], returned as its transposed view: autograd then hands the
+    parameter a gradient in its own layout and stores it as is, instead of copying a
+    transposed [G, K, N] gradient (one strided pass over all expert weights per layer).
+    """
+    if w_GKN.stride(-2) == 1 and w_GKN.stride(-1) != 1:
+        dy_NM = dy_MN.t()
+        if grouped_mm_supported(dy_NM, x_MK):
+            return _GROUPED_MM(dy_NM, x_MK, offs=offs_G).transpose(-2, -1)
     x_KM = x_MK.t()
     if grouped_mm_supported(x_KM, dy_MN):
         return _GROUPED_MM(x_KM, dy_MN, offs=offs_G)
@@ -93,7 +106,7 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _forward(dy_MN, w_GKN.transpose(-2, -1), offs_G)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(x_MK, dy_MN, offs_G).to(w_GKN.dtype)
+            dw = _wgrad(x_MK, dy_MN, offs_G, w_GKN).to(w_GKN.dtype)
         return dx, dw, None
 
 

@@ -261,6 +261,7 @@ class ParallelConfig:
     recompute: Literal["none", "block", "selective"] = "none"
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights; master weights are fp32
+    compile: bool = False  # torch.compile each block (token dispatch stays eager)
 
     def __post_init__(self) -> None:
         p = "parallel."

@@ -16,7 +16,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import router_topk_triton, routing_triton, slot_permute_triton, swiglu_triton
+from kernels import (
+    adamw_triton,
+    router_topk_triton,
+    routing_triton,
+    slot_permute_triton,
+    swiglu_triton,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -83,6 +89,13 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
     }
     for c in variants(topk):
         out.append((router_topk_triton._topk_softmax_backward, ptrs, c))
+    for dtype in ("*bf16", "*fp32"):
+        ptrs = {f"{t}_ptr": dtype for t in "pgmv"}
+        ptrs |= {"lr_ptr": "*fp32", "step_ptr": "*fp32", "scale_ptr": "*fp32"}
+        ptrs |= {k: "fp32" for k in ("beta1", "beta2", "log2_beta1", "log2_beta2", "eps")}
+        ptrs["weight_decay"] = "fp32"
+        for c in variants({"HAS_SCALE": [False, True], "BLOCK": [4096]}):
+            out.append((adamw_triton._adamw, ptrs, c))
     return out
 
 
@@ -94,7 +107,7 @@ def compile_one(fn: JITFunction, ptrs: dict[str, str], constexprs: dict) -> None
         elif name.endswith("_ptr"):
             signature[name] = ptrs[name]  # a KeyError here means the case list is stale
         else:
-            signature[name] = "i32"
+            signature[name] = ptrs.get(name, "i32")  # scalars: i32 unless the case says
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(src, target=TARGET, options={"num_warps": 4})
 

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from helpers import small_config
 
-from kernels.grouped_gemm import grouped_mm, grouped_mm_reference, grouped_mm_supported
+from kernels.grouped_gemm import (
+    grouped_mm,
+    grouped_mm_reference,
+    grouped_mm_supported,
+    grouped_mm_wgrad_reference,
+)
 from kernels.permute import combine_rows, expert_counts, expert_order, permute_rows
 from moe_core.model.moe import MoE, Routing
 
@@ -142,3 +147,27 @@ def test_moe_layer_matches_loop_including_starved_experts():
     for a, b in zip(grads_fast, grads_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert grads_fast[2][6:].abs().max() == 0
+
+
+@pytest.mark.parametrize("stored_transposed", [True, False])
+def test_grouped_mm_weight_gradient_arrives_in_the_weights_layout(stored_transposed):
+    """Experts store weights [G, N, K] and use them transposed: their gradient must come back
+    contiguous in that layout (autograd would otherwise copy it), and equal the reference."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(30, 16, generator=gen, requires_grad=True)
+    offs = torch.tensor([7, 7, 30], dtype=torch.int32)
+    shape = (3, 24, 16) if stored_transposed else (3, 16, 24)
+    w = torch.randn(*shape, generator=gen, requires_grad=True)
+    w_GKN = w.transpose(-2, -1) if stored_transposed else w
+    arriving = []  # the gradient autograd hands the parameter, before it stores it
+    w.register_hook(lambda g: arriving.append(g))
+    y = grouped_mm(x, w_GKN, offs)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    assert arriving[0].is_contiguous(), "the weight gradient arrived transposed (autograd copies)"
+    expected_GKN = grouped_mm_wgrad_reference(x.detach(), dy, offs)
+    expected = expected_GKN.transpose(-2, -1) if stored_transposed else expected_GKN
+    torch.testing.assert_close(w.grad, expected)
+    torch.testing.assert_close(
+        x.grad, grouped_mm_reference(dy, w_GKN.detach().transpose(-2, -1), offs)
+    )

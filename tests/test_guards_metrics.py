@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import BASE, small_config
 
-import moe_core.train.trainer as trainer_module
 from moe_core.compose import compose_run
 from moe_core.model.moe import Router, load_balancing_loss
 from moe_core.train.guards import Guards, TrainingHaltedError
@@ -19,13 +18,13 @@ from moe_core.train.trainer import Trainer
 
 def poison_loss_at(monkeypatch, trainer: Trainer, steps: set[int]) -> None:
     """Make the loss NaN (and so every gradient) on the given steps."""
-    real = trainer_module.lm_loss
+    real = trainer.loss_fn
 
     def lm_loss(logits, targets):
         loss = real(logits, targets)
         return loss * float("nan") if trainer.step in steps else loss
 
-    monkeypatch.setattr(trainer_module, "lm_loss", lm_loss)
+    monkeypatch.setattr(trainer, "loss_fn", lm_loss)
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 from kernel_cases import DEVICE, assert_matches, assert_triton_path, randn
 
 from kernels import swiglu_triton
+from kernels._triton import references_only, use_triton
 from kernels.swiglu import swiglu, swiglu_reference, swiglu_reference_backward
 
 M, F = 33, 20  # neither a power of two nor a block multiple
@@ -58,3 +59,15 @@ def test_swiglu_reference_backward_is_its_derivative():
 def test_swiglu_rejects_odd_width():
     with pytest.raises(ValueError):
         swiglu(torch.zeros(4, 7, device=DEVICE))
+
+
+def test_references_only_switches_every_op_to_its_reference(monkeypatch):
+    h = randn(M, 2 * F, dtype=torch.float32, seed=3)
+    assert_triton_path(h)
+    calls = []
+    monkeypatch.setattr(swiglu_triton, "swiglu_forward", lambda *a: calls.append(a))
+    with references_only():
+        assert not use_triton(h)
+        torch.testing.assert_close(swiglu(h), swiglu_reference(h))
+    assert not calls, "a Triton kernel ran inside references_only()"
+    assert use_triton(h)

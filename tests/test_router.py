@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers import small_config
 
-from moe_core.model.moe import Router
+from moe_core.model.moe import Router, router_logits
 
 
 def naive_lb_loss(probs_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
@@ -94,3 +95,26 @@ def test_expert_bias_moves_load_toward_uniform_on_a_skewed_router():
     probs = (x @ router.weight.t()).softmax(-1)
     torch.testing.assert_close(r.weights_TK, probs.gather(1, r.experts_TK))
     assert not torch.equal(r.experts_TK, probs.topk(2, dim=-1).indices)
+
+
+@pytest.mark.gpu
+def test_bf16_router_logits_equal_the_fp32_gemm_of_the_upcast_inputs_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(64, 2048, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    g = torch.randn(4096, 64, device="cuda", generator=gen)
+    x.requires_grad_(), w.requires_grad_()
+    logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    logits.backward(g)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    expected = x32 @ w32.t()
+    expected.backward(g)
+    # Exact products, fp32 sums in another order: fp32 rounding of a length-2048 sum.
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # The backward rounds the logits' gradient to bf16 (relative error up to 2^-9 per element)
+    # before its GEMMs: over a sum of n unit-size terms that leaves an absolute error of about
+    # sqrt(n) * 2^-9 (n = 4096 tokens for w: ~0.13; its largest over 131k elements reaches
+    # ~0.5), against entries of size ~sqrt(n) = 64. A wrong operand or transpose is off by O(64).
+    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=0, atol=1.0)

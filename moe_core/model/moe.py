@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,17 +23,20 @@ from kernels.slot_permute import combine_from_slots, permute_to_slots
 from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
 
-_RECORD_STATS: ContextVar[bool] = ContextVar("moe_record_router_stats", default=True)
+# A plain global rather than a ContextVar: torch.compile traces (and guards on) globals, and a
+# recompute re-runs forwards inside backward while the training loop waits for it.
+_record_stats = True
 
 
 @contextlib.contextmanager
 def router_stats_paused() -> Iterator[None]:
     """Forward passes inside do not add to router statistics (used by activation recompute)."""
-    token = _RECORD_STATS.set(False)
+    global _record_stats
+    previous, _record_stats = _record_stats, False
     try:
         yield
     finally:
-        _RECORD_STATS.reset(token)
+        _record_stats = previous
 
 
 @dataclass
@@ -58,6 +60,35 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """Router z-loss: mean squared log-partition of the router logits."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class _Bf16RouterLogits(torch.autograd.Function):
+    """fp32 logits from bf16 tokens and weights on tensor cores. A product of two bf16 numbers is
+    exact in fp32 and the sums accumulate in fp32, so the forward equals the fp32 GEMM of the
+    upcast inputs (up to summation order) at bf16 GEMM speed, instead of an fp32 GEMM on CUDA
+    cores. The backward rounds the logits' gradient to bf16, as every other bf16 GEMM does."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        return torch.mm(x_TD, w_ED.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g_TE: torch.Tensor):  # type: ignore[override]
+        x_TD, w_ED = ctx.saved_tensors
+        g_TE = g_TE.to(x_TD.dtype)
+        dx = g_TE @ w_ED if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(g_TE.t(), x_TD, out_dtype=torch.float32).to(w_ED.dtype)
+        return dx, dw
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits ``x @ w^T``: tensor cores for bf16 on the GPU, an fp32 GEMM otherwise."""
+    if x_TD.is_cuda and x_TD.dtype == w_ED.dtype == torch.bfloat16:
+        return _Bf16RouterLogits.apply(x_TD, w_ED)
+    return F.linear(x_TD.float(), w_ED.float())
 
 
 class Router(nn.Module):
@@ -98,7 +129,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+            logits_TE = router_logits(x_TD, self.weight)
         if self.kind == "softmax":
             probs_TE = torch.softmax(logits_TE, dim=-1)
         else:
@@ -114,7 +145,7 @@ class Router(nn.Module):
         lb = load_balancing_loss(share_TE, counts_E, self.top_k)
         z = z_loss(logits_TE)
         aux = self.aux_loss_coef * lb + self.z_loss_coef * z
-        if _RECORD_STATS.get():
+        if _record_stats:
             with torch.no_grad():
                 self.stat_counts_E += counts_E
                 self.stat_lb += lb.detach()
@@ -184,6 +215,15 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+@torch.compiler.disable
+def _dispatch(
+    dispatcher: TokenDispatcher, x_TD: torch.Tensor, routing: Routing, experts: Experts
+) -> torch.Tensor:
+    """Token dispatch always runs eagerly: its Triton kernels, grouped GEMMs and collectives
+    are fused already, and a compiled block (``compile_blocks``) breaks its graph here."""
+    return dispatcher(x_TD, routing, experts)
+
+
 class MoE(nn.Module):
     """Routed experts (+ an always-on shared expert); returns the output and the aux loss."""
 
@@ -201,7 +241,7 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD)
-        y_TD = self.dispatcher(x_TD, routing, self.experts)
+        y_TD = _dispatch(self.dispatcher, x_TD, routing, self.experts)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         return y_TD.view_as(x_BSD), routing.aux_loss

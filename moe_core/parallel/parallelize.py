@@ -12,6 +12,7 @@ import torch
 from moe_core.config import ModelConfig, ParallelConfig
 from moe_core.model import Transformer
 from moe_core.model.moe import Experts, MoE
+from moe_core.parallel.compile import apply_compile
 from moe_core.parallel.dispatch import AllToAllDispatcher
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.pipeline import chunk_layers, rank_chunks
@@ -56,5 +57,7 @@ def parallelize(
         for p in model.parameters():
             p.data = p.data.to(dtype)
         apply_recompute(model, pcfg.recompute)
+        if pcfg.compile:
+            apply_compile(model)
         chunks[c] = model
     return chunks

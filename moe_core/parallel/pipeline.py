@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import ParallelConfig
-from moe_core.model import Transformer, lm_loss
+from moe_core.model import Transformer
+from moe_core.parallel.compile import loss_function
 from moe_core.parallel.mesh import Mesh, rank_of
 
 
@@ -120,6 +121,7 @@ class PipelineRunner:
         self.cfg = mesh.cfg
         self.n_chunks = self.cfg.pp * self.cfg.virtual_stages
         self.act_shape, self.act_dtype, self.autocast = act_shape, act_dtype, autocast
+        self.loss_fn = loss_function(self.cfg.compile)
 
     def _owner(self, chunk: int) -> int:
         return chunk % self.cfg.pp
@@ -194,7 +196,7 @@ class PipelineRunner:
                     out, aux_out = model(x_in, aux_in)
                 if a.chunk == last:
                     with self.autocast:
-                        ce = lm_loss(out, tokens[:, 1:])
+                        ce = self.loss_fn(out, tokens[:, 1:])
                     ce_sum += ce.detach()
                     aux_sum += aux_out.detach()
                     if not forward_only:

@@ -27,9 +27,10 @@ from moe_core.config import RunConfig, check_tokenizer_fits, to_dict
 from moe_core.convert.native import save_model_dir
 from moe_core.data.loader import TokenLoader
 from moe_core.data.synthetic import SyntheticTokens
-from moe_core.model import Transformer, lm_loss
+from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.model.moe import Router, router_stats_paused
+from moe_core.parallel.compile import loss_function
 from moe_core.parallel.ddp import GradBuckets
 from moe_core.parallel.mesh import Mesh, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
@@ -93,6 +94,7 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         torch.manual_seed(tc.seed)
         self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed)
+        self.loss_fn = loss_function(pc.compile)
         modules = list(self.chunks.values())
         self.routers = routers_by_layer(modules)
         self.buffers = router_buffers(modules)
@@ -176,7 +178,7 @@ class Trainer:
         for tokens in batches:
             with self.autocast:
                 logits, aux = model(tokens[:, :-1])
-                ce = lm_loss(logits, tokens[:, 1:])
+                ce = self.loss_fn(logits, tokens[:, 1:])
             if not forward_only:
                 ((ce + aux) / len(batches)).backward()
             ce_sum += ce.detach()

@@ -1,0 +1,67 @@
+"""AdamW's update of one tensor: parameter, gradient and moments in any float dtype, fp32 math.
+
+Decoupled weight decay, then the bias-corrected Adam step, as ``torch.optim.AdamW`` computes
+it. ``lr``, ``step`` (already counting this step) and the optional gradient ``scale`` (global
+norm clipping) are device scalars, so a step needs no host value and can be captured in a CUDA
+graph. Triton on CUDA tensors (one pass: each tensor read once and written once); the PyTorch
+reference below elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import use_triton
+
+
+def adamw_reference_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    scale: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """The definition, in PyTorch (fp32 math, results cast back to each tensor's dtype)."""
+    lr32, step32 = lr.float(), step.float()
+    g32 = g.float() if scale is None else g.float() * scale.float()
+    p32 = p.float() * (1 - lr32 * weight_decay)
+    m32 = beta1 * m.float() + (1 - beta1) * g32
+    v32 = beta2 * v.float() + (1 - beta2) * g32 * g32
+    bias1 = 1 - torch.pow(torch.tensor(beta1, device=p.device), step32)
+    bias2 = 1 - torch.pow(torch.tensor(beta2, device=p.device), step32)
+    p32 = p32 - (lr32 / bias1) * m32 / (v32.sqrt() / bias2.sqrt() + eps)
+    p.copy_(p32)
+    m.copy_(m32)
+    v.copy_(v32)
+
+
+def adamw_step_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Update ``p``, ``m``, ``v`` in place from gradient ``g`` (all the same shape)."""
+    if not (p.shape == g.shape == m.shape == v.shape):
+        raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, m {m.shape}, v {v.shape}")
+    args = (p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay)
+    if use_triton(p) and all(t.is_contiguous() for t in (p, g, m, v)):
+        from kernels import adamw_triton
+
+        adamw_triton.adamw_step_(*args)
+    else:
+        adamw_reference_(*args)

@@ -1,0 +1,96 @@
+"""Triton kernel for ``adamw.adamw_step_``: one pass over a tensor's parameter, gradient and two
+moments, math in fp32, each written back once in its own dtype.
+
+The step count, learning rate and gradient scale (clipping) are read from device scalars, so
+the kernel never needs a host value that changes between steps: a CUDA graph can replay it and
+nothing recompiles. Programs own BLOCK contiguous elements with 64-bit offsets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import cdiv
+
+BLOCK = 4096
+
+
+@triton.jit
+def _adamw(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    n,
+    lr_ptr,
+    step_ptr,
+    scale_ptr,
+    beta1,
+    beta2,
+    log2_beta1,
+    log2_beta2,
+    eps,
+    weight_decay,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    lr = tl.load(lr_ptr).to(tl.float32)
+    step = tl.load(step_ptr).to(tl.float32)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr).to(tl.float32)
+    p = p * (1.0 - lr * weight_decay)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    bias1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias2 = 1.0 - tl.exp2(step * log2_beta2)
+    p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw_step_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    scale: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    block: int = BLOCK,
+) -> None:
+    """In place on contiguous ``p``, ``m``, ``v`` (see ``adamw.adamw_step_``)."""
+    n = p.numel()
+    _adamw[(cdiv(n, block),)](
+        p,
+        g,
+        m,
+        v,
+        n,
+        lr,
+        step,
+        scale if scale is not None else lr,
+        beta1,
+        beta2,
+        math.log2(beta1) if beta1 > 0 else -math.inf,
+        math.log2(beta2) if beta2 > 0 else -math.inf,
+        eps,
+        weight_decay,
+        HAS_SCALE=scale is not None,
+        BLOCK=block,
+        num_warps=8,
+    )
