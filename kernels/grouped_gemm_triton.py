@@ -28,11 +28,13 @@ device.
 Both accumulate in fp32 (``tl.dot``) and store the input dtype. Every operand is addressed by its
 strides: ``w_GKN`` may be any view, e.g. the transpose of a contiguous [G, N, K] weight (the
 model's layout); nothing is copied. On a GPU the block sizes are autotuned over a few Hopper
-configs, keyed on (N, K, G, the weight's strides); the first call for a key benchmarks them
-(host syncs then, so warm up before capturing a CUDA graph). On CPU (Triton's interpreter, for
-the tests) small fixed blocks run, and tl.dot takes fp32 copies of the operands (``_upcast``).
-fp32 inputs run tl.dot's default precision: TF32 on a GPU. Rows past ``offs_G[-1]`` (none when
-it equals M, as it must) are neither written by the forward nor read by the weight gradient.
+configs, keyed on the shapes except M (forward: N, K, G and the weight's strides; weight
+gradient: the output's shape and G), so a new row count does not retune. The first call for a
+key benchmarks the configs (host syncs then: warm up before capturing a CUDA graph). On CPU
+(Triton's interpreter, for the tests) small fixed blocks run, and tl.dot takes fp32 copies of
+the operands (``_upcast``). fp32 inputs run tl.dot's default precision: TF32 on a GPU. Rows
+past ``offs_G[-1]`` (none when it equals M, as it must) are neither written by the forward nor
+read by the weight gradient.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ def _grouped_wgrad_kernel(
     offs_ptr,
     P,
     Q,
+    G,  # unused: in the autotune key (rows per group set the best row chunk)
     stride_am,
     stride_ap,
     stride_bm,
@@ -228,7 +231,7 @@ _grouped_wgrad = triton.heuristics(
         "EVEN_Q": lambda a: a["Q"] % a["BLOCK_Q"] == 0,
     }
 )(_grouped_wgrad_kernel)
-_grouped_wgrad_tuned = triton.autotune(configs=WGRAD_CONFIGS, key=["P", "Q"])(_grouped_wgrad)
+_grouped_wgrad_tuned = triton.autotune(configs=WGRAD_CONFIGS, key=["P", "Q", "G"])(_grouped_wgrad)
 
 
 def _check_offs(offs_G: torch.Tensor, x: torch.Tensor) -> None:
@@ -354,6 +357,7 @@ def grouped_wgrad(
         offs_G,
         P,
         Q,
+        G,
         a.stride(0),
         a.stride(1),
         b.stride(0),
