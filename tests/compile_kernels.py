@@ -18,6 +18,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels import (
     adamw_triton,
+    grouped_gemm_triton,
     router_topk_triton,
     routing_triton,
     slot_permute_triton,
@@ -63,6 +64,16 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         out.append((swiglu_triton._swiglu_forward, ptrs, {"BLOCK_M": 4, "BLOCK_F": 1024}))
         ptrs = {"h_ptr": act, "da_ptr": act, "dh_ptr": act}
         out.append((swiglu_triton._swiglu_backward, ptrs, {"BLOCK_M": 4, "BLOCK_F": 1024}))
+        gg = grouped_gemm_triton
+        ptrs = {"x_ptr": act, "w_ptr": act, "y_ptr": act, "offs_ptr": "*i32"}
+        fixed = {"G_PAD": 64, "GROUP_M": gg.GROUP_M, "UPCAST": False}
+        blocks = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+        for c in variants({"EVEN_K": [False, True], "EVEN_N": [False, True]}):
+            out.append((gg._grouped_mm_kernel, ptrs, {**fixed, **c, **blocks}))
+        ptrs = {"a_ptr": act, "b_ptr": act, "c_ptr": act, "offs_ptr": "*i32"}
+        blocks = {"UPCAST": False, "BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_Q": 128}
+        for c in variants({"EVEN_P": [False, True], "EVEN_Q": [False, True]}):
+            out.append((gg._grouped_wgrad_kernel, ptrs, {**c, **blocks}))
     e = {"E_PAD": 64}
     ptrs = {"experts_ptr": "*i64", "slot_ptr": "*i64", "hist_ptr": "*i32"}
     out.append((rt._block_rank, ptrs, {"BLOCK_A": 256, **e}))
