@@ -147,11 +147,13 @@ def _train(run) -> None:
         )
     history = trainer.fit()
     if trainer.is_main:
-        console.print(
-            f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}; "
-            f"model saved to {run.out_dir}/model "
-            f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT)"
-        )
+        done = f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}"
+        if run.train.save_model:
+            done += (
+                f"; model saved to {run.out_dir}/model "
+                f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT)"
+            )
+        console.print(done)
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

@@ -107,14 +107,12 @@ def test_bf16_router_logits_equal_the_fp32_gemm_of_the_upcast_inputs_gpu():
     logits = router_logits(x, w)
     assert logits.dtype == torch.float32
     logits.backward(g)
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    expected = x32 @ w32.t()
-    expected.backward(g)
+    x32, w32 = x.detach().float(), w.detach().float()
     # Exact products, fp32 sums in another order: fp32 rounding of a length-2048 sum.
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    # The backward rounds the logits' gradient to bf16 (relative error up to 2^-9 per element)
-    # before its GEMMs: over a sum of n unit-size terms that leaves an absolute error of about
-    # sqrt(n) * 2^-9 (n = 4096 tokens for w: ~0.13; its largest over 131k elements reaches
-    # ~0.5), against entries of size ~sqrt(n) = 64. A wrong operand or transpose is off by O(64).
-    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=0, atol=1.0)
+    torch.testing.assert_close(logits, x32 @ w32.t(), rtol=1e-5, atol=1e-5)
+    # The backward rounds the logits' gradient to bf16 first (as every bf16 GEMM's input is);
+    # with that rounding the fp32 products are exact again, so only the summation order and
+    # the final rounding to bf16 differ.
+    g16 = g.to(torch.bfloat16).float()
+    torch.testing.assert_close(w.grad, (g16.t() @ x32).to(torch.bfloat16), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(x.grad, (g16 @ w32).to(torch.bfloat16), rtol=1e-2, atol=1e-4)
