@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from moe_core.config import ModelConfig
+from moe_core.model import build_model
 
 TESTS = Path(__file__).parent
 BASE = [
@@ -38,6 +41,17 @@ def small_config(**overrides) -> ModelConfig:
     )
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def small_gpu_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A 2-layer MoE model (16 experts, top-4, vocab 1024) on the GPU, weights in ``dtype``."""
+    cfg = small_config(
+        vocab_size=1024, d_model=256, n_experts=16, top_k=4, expert_hidden=128, max_seq_len=512
+    )
+    model = build_model(cfg, "cuda", seed=0)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:

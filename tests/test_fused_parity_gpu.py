@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_gpu_model
 
 from kernels._triton import references_only
-from moe_core.config import ModelConfig
-from moe_core.model import build_model
 from moe_core.parallel.compile import apply_compile, loss_function
 
 pytestmark = pytest.mark.gpu
@@ -20,18 +19,7 @@ STEPS = 50
 
 
 def _losses(fused: bool, dtype: torch.dtype = torch.bfloat16) -> list[float]:
-    cfg = ModelConfig(
-        vocab_size=1024,
-        d_model=256,
-        n_layers=2,
-        n_heads=4,
-        n_experts=16,
-        top_k=4,
-        expert_hidden=128,
-    )
-    model = build_model(cfg, "cuda", seed=0)
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+    model = small_gpu_model(dtype)
     if fused:
         apply_compile(model)
     loss_fn = loss_function(fused)

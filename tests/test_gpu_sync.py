@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_gpu_model
 
 from moe_core.config import ModelConfig
-from moe_core.model import build_model, lm_loss
+from moe_core.model import lm_loss
 from moe_core.model.moe import MoE
 
 
@@ -40,18 +41,7 @@ def test_moe_layer_forward_backward_runs_without_host_sync():
 
 
 def _small_training_setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    cfg = ModelConfig(
-        vocab_size=1024,
-        d_model=256,
-        n_layers=2,
-        n_heads=4,
-        n_experts=16,
-        top_k=4,
-        expert_hidden=128,
-    )
-    model = build_model(cfg, "cuda", seed=0)
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
+    model = small_gpu_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     tokens = torch.randint(0, 1024, (2, 257), device="cuda", generator=_gen())
     return model, opt, tokens

@@ -1,17 +1,19 @@
 """ZeRO-1 AdamW: fp32 master weights and Adam moments sharded over each bucket's group.
 
 Per step: the gradient buckets have been reduce-scattered (``ddp.GradBuckets``); the global
-gradient norm is summed over every shard of every stage; each rank updates its fp32 shard with
-torch's AdamW (fused on GPU) and all-gathers the updated weights into the bucket's flat
-parameter buffer, which the model's parameters view.
+gradient norm is summed over every shard of every stage; each rank updates its fp32 shards with
+the fused AdamW update of ``kernels.adamw`` (one pass per shard on the GPU, the clipping scale
+applied inside it) and all-gathers the updated weights into the bucket's flat parameter buffer,
+which the model's parameters view. Step count, learning rate and clipping scale stay on the
+device: the update reads nothing back.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from kernels.adamw import adamw_step_
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
 from moe_core.parallel.mesh import Mesh, all_gather_flat
 
@@ -29,33 +31,22 @@ class ShardedAdamW:
         weight_decay: float,
     ) -> None:
         self.buckets, self.mesh = buckets.buckets, mesh
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         # fp32 model weights are their own masters (the shard is a view, updated in place);
         # lower-precision weights get an fp32 copy.
-        self.masters: list[nn.Parameter] = [
-            nn.Parameter(
-                b.param_flat[b.shard].detach()
-                if b.param_flat.dtype == torch.float32
-                else b.param_flat[b.shard].detach().float().clone()
-            )
+        self.masters: list[torch.Tensor] = [
+            b.param_flat[b.shard].detach()
+            if b.param_flat.dtype == torch.float32
+            else b.param_flat[b.shard].detach().float().clone()
             for b in self.buckets
         ]
-        decay = [m for m, b in zip(self.masters, self.buckets, strict=True) if b.decay]
-        no_decay = [m for m, b in zip(self.masters, self.buckets, strict=True) if not b.decay]
-        fused = mesh.device.type == "cuda"
-        self.inner = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            fused=fused,
-        )
+        # Moments per bucket, allocated at the first update (or when a checkpoint loads).
+        self.moments: list[dict[str, torch.Tensor]] = [{} for _ in self.buckets]
+        self.lr_t = torch.tensor(lr, dtype=torch.float32, device=mesh.device)
+        self.step_t = torch.zeros((), dtype=torch.float32, device=mesh.device)
 
     def set_lr(self, lr: float) -> None:
-        for g in self.inner.param_groups:
-            g["lr"] = lr
+        self.lr_t.fill_(lr)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, over all shards of all stages."""
@@ -74,21 +65,32 @@ class ShardedAdamW:
 
     def update(self, norm: torch.Tensor, max_norm: float) -> None:
         """Apply the step given the global gradient norm (see ``grad_norm``)."""
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for m, b in zip(self.masters, self.buckets, strict=True):
-            m.grad = b.grad_shard
-            if max_norm != float("inf"):
-                m.grad.mul_(coef)
-        self.inner.step()
-        for m in self.masters:
-            m.grad = None
+        scale = None
+        if max_norm != float("inf"):
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.step_t += 1
+        for i, (m, b) in enumerate(zip(self.masters, self.buckets, strict=True)):
+            state = self.shards(i, allocate=True)
+            adamw_step_(
+                m,
+                b.grad_shard,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                self.lr_t,
+                self.step_t,
+                scale,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                eps=self.eps,
+                weight_decay=self.weight_decay if b.decay else 0.0,
+            )
         self.publish_weights()
 
     def publish_weights(self) -> None:
         """Model weights := masters (cast to the model dtype), gathered over each bucket's group."""
         for m, b in zip(self.masters, self.buckets, strict=True):
             if m.data_ptr() != b.param_flat[b.shard].data_ptr():
-                b.param_flat[b.shard].copy_(m.detach())
+                b.param_flat[b.shard].copy_(m)
             if b.group is not None:
                 shard = b.param_flat[b.shard].clone()
                 all_gather_flat(b.param_flat, shard, group=b.group)
@@ -96,36 +98,26 @@ class ShardedAdamW:
     def shards(self, index: int, allocate: bool = False) -> dict[str, torch.Tensor]:
         """Bucket ``index``'s fp32 master shard and moments (zeros before the first step, or
         freshly allocated state to load into when ``allocate``)."""
-        m = self.masters[index]
-        if allocate and m not in self.inner.state:
-            fused = bool(self.inner.param_groups[0].get("fused"))
-            step = torch.tensor(0.0, dtype=torch.float32, device=m.device if fused else "cpu")
-            self.inner.state[m] = {
-                "step": step,
-                "exp_avg": torch.zeros_like(m),
-                "exp_avg_sq": torch.zeros_like(m),
-            }
-        state = self.inner.state.get(m, {})
-        zeros = torch.zeros_like(m)
+        m, state = self.masters[index], self.moments[index]
+        if allocate and not state:
+            state["exp_avg"] = torch.zeros_like(m)
+            state["exp_avg_sq"] = torch.zeros_like(m)
+        zeros = torch.zeros_like(m) if not state else None
         return {
-            "param": m.data,
+            "param": m,
             "exp_avg": state.get("exp_avg", zeros),
             "exp_avg_sq": state.get("exp_avg_sq", zeros),
         }
 
     def set_step(self, step: int) -> None:
-        for state in self.inner.state.values():
-            state["step"].fill_(float(step))
+        self.step_t.fill_(float(step))
 
     def state_numel(self) -> int:
         """Elements of optimizer state held by this rank (master + two moments)."""
-        total = 0
-        for m in self.masters:
-            state = self.inner.state.get(m, {})
-            total += m.numel() + sum(
-                state[k].numel() for k in ("exp_avg", "exp_avg_sq") if k in state
-            )
-        return total
+        return sum(
+            m.numel() + sum(v.numel() for v in state.values())
+            for m, state in zip(self.masters, self.moments, strict=True)
+        )
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Unsharded fp32 master weights and moments by parameter name (this stage's names).
@@ -144,9 +136,8 @@ class ShardedAdamW:
 
     @property
     def step_count(self) -> int:
-        for state in self.inner.state.values():
-            return int(state["step"])
-        return 0
+        """Updates applied so far (a host read: for checkpoints and logs, not the step)."""
+        return int(self.step_t)
 
 
 def _gather(shard: torch.Tensor, b: Bucket) -> torch.Tensor:
