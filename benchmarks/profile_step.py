@@ -48,10 +48,13 @@ def kernel_times_ms(fn: Callable[[], None], steps: int) -> dict[str, float]:
         torch.cuda.synchronize()
     times: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
-        # Kernels only: CPU-side ranges (autograd Functions, Optimizer.step) also carry the
-        # device time of the kernels they launch and would count it twice.
-        if evt.device_type != DeviceType.CUDA or evt.key.startswith("Command Buffer Full"):
-            continue  # (the latter: the host waiting for launch slots, not GPU work)
+        # Kernels only: CPU-side ranges (autograd Functions) and the GPU mirrors of annotated
+        # ranges (Optimizer.step) also carry the device time of the kernels inside them and
+        # would count it twice; "Command Buffer Full" is the host waiting for launch slots.
+        if evt.device_type != DeviceType.CUDA or evt.is_user_annotation:
+            continue
+        if evt.key.startswith("Command Buffer Full"):
+            continue
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
             us = getattr(evt, "self_cuda_time_total", 0.0)
