@@ -40,23 +40,34 @@ moe_group_running() {
     ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
 }
 
-# moe_wait_http URL PID LOG SECONDS: wait until URL answers 2xx; fail (showing the log's end)
-# if the process exits first, or stop it and fail if the time runs out.
-moe_wait_http() {
-    local url="$1" pid="$2" log="$3" seconds="$4" waited=0
-    while ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-        "$url" >/dev/null 2>&1; do
+# moe_wait_until PID LOG SECONDS WHAT CMD [ARGS...]: run CMD each second until it succeeds;
+# fail (showing the log's end) if the process exits first, or stop it and fail if the time
+# runs out. WHAT says what is awaited, for the error messages.
+moe_wait_until() {
+    local pid="$1" log="$2" seconds="$3" what="$4" waited=0
+    shift 4
+    until "$@" >/dev/null 2>&1; do
         if ! moe_running "$pid"; then
-            echo "error: the process (pid $pid) exited before $url answered; its log ($log) ends:" >&2
+            echo "error: the process (pid $pid) exited before $what; its log ($log) ends:" >&2
             tail -n 20 "$log" >&2
             return 1
         fi
         if [ "$waited" -ge "$seconds" ]; then
-            echo "error: $url did not answer within ${seconds}s (pid $pid, log $log): stopped it." >&2
+            echo "error: not $what within ${seconds}s (pid $pid, log $log): stopped it." >&2
             kill -TERM -- "-$pid" 2>/dev/null || true
             return 1
         fi
         sleep 1
         waited=$((waited + 1))
     done
+}
+
+# moe_http_ok URL: whether URL answers 2xx.
+moe_http_ok() {
+    python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$1"
+}
+
+# moe_wait_http URL PID LOG SECONDS: wait until URL answers 2xx (see moe_wait_until).
+moe_wait_http() {
+    moe_wait_until "$2" "$3" "$4" "$1 answered" moe_http_ok "$1"
 }

@@ -18,8 +18,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-fal
 mkdir -p "$PREFECT_HOME"
 log="$state/worker-$pool.log"
 
-if ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
-    "$PREFECT_API_URL/health" >/dev/null 2>&1; then
+if ! moe_http_ok "$PREFECT_API_URL/health" >/dev/null 2>&1; then
     echo "error: no Prefect API answers at $PREFECT_API_URL: start one (infra/start-prefect-server.sh) or pass its URL." >&2
     exit 1
 fi
@@ -28,8 +27,8 @@ since="$(python3 -c 'import datetime; print(datetime.datetime.now(datetime.timez
 moe_start "worker-$pool" "$log" prefect worker start --pool "$pool" --type process
 
 # Ready once the worker has sent the pool a heartbeat since $since (earlier workers' are older).
-waited=0
-until python3 - "$PREFECT_API_URL" "$pool" "$since" <<'PY' >/dev/null 2>&1
+worker_beat_since() {
+    python3 - "$PREFECT_API_URL" "$pool" "$since" <<'PY'
 import datetime, json, sys, urllib.request
 def when(text):
     return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
@@ -40,18 +39,7 @@ workers = json.load(urllib.request.urlopen(req, timeout=5))
 beats = [when(w["last_heartbeat_time"]) for w in workers if w.get("last_heartbeat_time")]
 sys.exit(0 if any(b >= since for b in beats) else 1)
 PY
-do
-    if ! moe_running "$MOE_PID"; then
-        echo "error: the worker (pid $MOE_PID) exited; its log ($log) ends:" >&2
-        tail -n 20 "$log" >&2
-        exit 1
-    fi
-    if [ "$waited" -ge "${PREFECT_START_TIMEOUT:-90}" ]; then
-        echo "error: the worker did not register with pool $pool (pid $MOE_PID, log $log): stopped it." >&2
-        kill -TERM -- "-$MOE_PID" 2>/dev/null || true
-        exit 1
-    fi
-    sleep 1
-    waited=$((waited + 1))
-done
+}
+moe_wait_until "$MOE_PID" "$log" "${PREFECT_START_TIMEOUT:-90}" \
+    "the worker registered with pool $pool" worker_beat_since
 echo "started prefect worker: pool $pool on $PREFECT_API_URL (pid $MOE_PID, log $log)"

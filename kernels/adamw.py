@@ -33,8 +33,7 @@ def adamw_reference_(
     p32 = p.float() * (1 - lr32 * weight_decay)
     m32 = beta1 * m.float() + (1 - beta1) * g32
     v32 = beta2 * v.float() + (1 - beta2) * g32 * g32
-    bias1 = 1 - torch.pow(torch.tensor(beta1, device=p.device), step32)
-    bias2 = 1 - torch.pow(torch.tensor(beta2, device=p.device), step32)
+    bias1, bias2 = 1 - beta1**step32, 1 - beta2**step32
     p32 = p32 - (lr32 / bias1) * m32 / (v32.sqrt() / bias2.sqrt() + eps)
     p.copy_(p32)
     m.copy_(m32)

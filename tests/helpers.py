@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +43,18 @@ def small_config(**overrides) -> ModelConfig:
     )
     base.update(overrides)
     return ModelConfig(**base)
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Inside, any CUDA call that waits on the device from the host raises (work queued before
+    is finished first, so it cannot trip the check)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def small_gpu_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:

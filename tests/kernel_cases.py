@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -112,3 +112,34 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
         assert err < 1e-2, f"relative error {err:.2e}"
     else:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=fp32_atol(ref))
+
+
+def permute_combine_round_trip(
+    permute: Callable,
+    combine: Callable,
+    x_TD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    n_rows: int,
+    w_TK: torch.Tensor,
+    g_MD: torch.Tensor,
+    dy_TD: torch.Tensor,
+    **flags,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Permute, scale the expert rows by ``g_MD`` (so the ops' gradients differ from a plain
+    copy), combine with weights, backward of ``dy_TD``: (x_MD, y_TD, dx_TD, dw_TK)."""
+    x = x_TD.clone().requires_grad_()
+    w = w_TK.clone().requires_grad_()
+    x_MD = permute(x, slot_TK, n_rows, **flags)
+    y_TD = combine(x_MD * g_MD, slot_TK, w, **flags)
+    y_TD.backward(dy_TD)
+    return x_MD.detach(), y_TD.detach(), x.grad, w.grad
+
+
+def output_and_grad(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fn(x), d fn(x) / dx applied to dy) for an elementwise-style op."""
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    y.backward(dy)
+    return y.detach(), x.grad

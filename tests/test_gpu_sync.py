@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import small_gpu_model
+from helpers import no_host_sync, small_gpu_model
 
 from moe_core.config import ModelConfig
 from moe_core.model import lm_loss
@@ -28,12 +28,8 @@ def test_moe_layer_forward_backward_runs_without_host_sync():
         return y
 
     step()  # warm-up: library handles and workspaces are created outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         y = step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.isfinite(y).all()
     assert moe.experts.w_gate_up.grad is not None and moe.experts.w_gate_up.grad.abs().sum() > 0
@@ -66,12 +62,8 @@ def test_training_step_without_host_sync_and_as_one_cuda_graph():
     captured in one CUDA graph trains like the eager step."""
     model, opt, tokens = _small_training_setup()
     _train_step(model, opt, tokens)  # warm-up: kernels compiled, optimizer state created
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         _train_step(model, opt, tokens)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
     eager_model, eager_opt, _ = _small_training_setup()
     eager = [_train_step(eager_model, eager_opt, tokens).item() for _ in range(8)]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_matches
+from helpers import no_host_sync
+from kernel_cases import assert_matches, output_and_grad, permute_combine_round_trip
 
 from kernels import slot_permute_triton
 from kernels.grouped_gemm import grouped_mm
@@ -66,17 +67,10 @@ def test_permute_and_combine_gpu_equal_reference(align):
         bf16_randn(n_rows, D, seed=2),
         bf16_randn(T, D, seed=3),
     )
-
-    def run(permute, combine):
-        x = x_TD.clone().requires_grad_()
-        w = weights_TK.clone().requires_grad_()
-        x_MD = permute(x, slot_TK, n_rows)
-        y_TD = combine(x_MD * g_MD, slot_TK, w)
-        y_TD.backward(dy_TD)
-        return x_MD.detach(), y_TD.detach(), x.grad, w.grad
-
-    got = run(permute_to_slots, combine_from_slots)
-    ref = run(permute_to_slots_reference, combine_from_slots_reference)
+    args = (x_TD, slot_TK, n_rows, weights_TK, g_MD, dy_TD)
+    got = permute_combine_round_trip(permute_to_slots, combine_from_slots, *args)
+    references = (permute_to_slots_reference, combine_from_slots_reference)
+    ref = permute_combine_round_trip(*references, *args)
     assert torch.equal(got[0], ref[0])
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)
@@ -202,14 +196,10 @@ def test_send_buffer_slot_map_and_rank_sum_gpu():
 def test_swiglu_gpu_equal_reference():
     h = bf16_randn(T * K, 2 * F, seed=4)
     da = bf16_randn(T * K, F, seed=5)
-    outs = []
-    for fn in (swiglu, swiglu_reference):
-        x = h.clone().requires_grad_()
-        a = fn(x)
-        a.backward(da)
-        outs.append((a.detach(), x.grad))
-    assert_matches(outs[0][0], outs[1][0])
-    assert_matches(outs[0][1], outs[1][1])
+    a_got, dh_got = output_and_grad(swiglu, h, da)
+    a_ref, dh_ref = output_and_grad(swiglu_reference, h, da)
+    assert_matches(a_got, a_ref)
+    assert_matches(dh_got, dh_ref)
 
 
 def test_topk_softmax_gpu_equal_reference():
@@ -280,13 +270,9 @@ def test_moe_path_without_host_sync_and_in_a_cuda_graph_gpu():
 
     y = moe_experts(*leaves, align=16)  # warm-up: kernels compiled, library handles created
     torch.autograd.grad(y.float().square().mean(), leaves)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         y = moe_experts(*leaves, align=16)
         grads = torch.autograd.grad(y.float().square().mean(), leaves)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert all(torch.isfinite(g).all() for g in grads)
 
     with torch.no_grad():

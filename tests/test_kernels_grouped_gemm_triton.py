@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import no_host_sync
 from kernel_cases import DEVICE, assert_matches, assert_triton_path, randn
 
 from kernels import grouped_gemm_triton as ggt
@@ -169,12 +170,8 @@ def test_grouped_gemms_equal_torch_grouped_mm_gpu():
         ]
 
     first = run()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = run()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     refs = [
         torch._grouped_mm(x_MK, w_GKN, offs=offs_G),

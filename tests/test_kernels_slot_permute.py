@@ -14,6 +14,7 @@ from kernel_cases import (
     assert_matches,
     assert_triton_path,
     drop_assignments,
+    permute_combine_round_trip,
     rand_weights,
     randn,
     routing,
@@ -57,17 +58,10 @@ def test_permute_and_combine_autograd_equal_reference(name, k, align, dtype):
     w_TK = rand_weights(T, k, seed=2)
     g_MD = randn(n_rows, D, dtype=dtype, seed=3)  # perturbs the expert rows between the ops
     dy_TD = randn(T, D, dtype=dtype, seed=4)
-
-    def run(permute, combine):
-        x = x_TD.clone().requires_grad_()
-        w = w_TK.clone().requires_grad_()
-        x_MD = permute(x, slot_TK, n_rows)
-        y_TD = combine(x_MD * g_MD, slot_TK, w)
-        y_TD.backward(dy_TD)
-        return x_MD.detach(), y_TD.detach(), x.grad, w.grad
-
-    got = run(permute_to_slots, combine_from_slots)
-    ref = run(permute_to_slots_reference, combine_from_slots_reference)
+    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
+    got = permute_combine_round_trip(permute_to_slots, combine_from_slots, *args)
+    references = (permute_to_slots_reference, combine_from_slots_reference)
+    ref = permute_combine_round_trip(*references, *args)
     assert torch.equal(got[0], ref[0]), "permute is a copy: bitwise equal"
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)
@@ -245,17 +239,12 @@ def test_dropped_assignments_autograd_equal_reference(name, pattern, align, exac
     w_TK = rand_weights(T, k, seed=2)
     g_MD = randn(n_rows, D, dtype=dtype, seed=3)
     dy_TD = randn(T, D, dtype=dtype, seed=4)
-
-    def run(permute, combine, **flag):
-        x = x_TD.clone().requires_grad_()
-        w = w_TK.clone().requires_grad_()
-        x_MD = permute(x, slot_TK, n_rows, **flag)
-        y_TD = combine(x_MD * g_MD, slot_TK, w, **flag)
-        y_TD.backward(dy_TD)
-        return x_MD.detach(), y_TD.detach(), x.grad, w.grad
-
-    got = run(permute_to_slots, combine_from_slots, every_row_mapped=mapped)
-    ref = run(permute_to_slots_reference, combine_from_slots_reference)
+    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
+    got = permute_combine_round_trip(
+        permute_to_slots, combine_from_slots, *args, every_row_mapped=mapped
+    )
+    references = (permute_to_slots_reference, combine_from_slots_reference)
+    ref = permute_combine_round_trip(*references, *args)
     assert torch.equal(got[0], ref[0]), "permute is a copy: bitwise equal"
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)

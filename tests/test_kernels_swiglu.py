@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, assert_matches, assert_triton_path, randn
+from kernel_cases import DEVICE, assert_matches, assert_triton_path, output_and_grad, randn
 
 from kernels import swiglu_triton
 from kernels._triton import references_only, use_triton
@@ -19,13 +19,8 @@ def test_swiglu_autograd_equals_reference(dtype):
     h = randn(M, 2 * F, dtype=dtype, seed=1)
     da = randn(M, F, dtype=dtype, seed=2)
     assert_triton_path(h)
-    outs = []
-    for fn in (swiglu, swiglu_reference):
-        x = h.clone().requires_grad_()
-        a = fn(x)
-        a.backward(da)
-        outs.append((a.detach(), x.grad))
-    (a_got, dh_got), (a_ref, dh_ref) = outs
+    a_got, dh_got = output_and_grad(swiglu, h, da)
+    a_ref, dh_ref = output_and_grad(swiglu_reference, h, da)
     assert_matches(a_got, a_ref)
     assert_matches(dh_got, dh_ref)
     assert a_got.shape == (M, F) and dh_got.dtype == dtype

@@ -220,7 +220,8 @@ def _dispatch(
     dispatcher: TokenDispatcher, x_TD: torch.Tensor, routing: Routing, experts: Experts
 ) -> torch.Tensor:
     """Token dispatch always runs eagerly: its Triton kernels, grouped GEMMs and collectives
-    are fused already, and a compiled block (``compile_blocks``) breaks its graph here."""
+    are fused already, and a compiled block (``parallel.compile.apply_compile``) breaks its graph
+    here."""
     return dispatcher(x_TD, routing, experts)
 
 
