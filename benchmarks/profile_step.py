@@ -63,29 +63,34 @@ def kernel_times_ms(fn: Callable[[], None], steps: int) -> dict[str, float]:
 
 
 def phase_times_ms(phases: list[tuple[str, Callable[[], None]]], iters: int) -> dict[str, float]:
-    """Median CUDA-event milliseconds of each phase, run in order ``iters`` times."""
-    samples: dict[str, list[float]] = defaultdict(list)
+    """Median CUDA-event milliseconds of each phase, run in order ``iters`` times back to back
+    (one wait at the end, as ``timing.cuda_times_ms``)."""
+    events = []
     for _ in range(iters):
-        events = []
         for name, fn in phases:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             events.append((name, start, end))
-        torch.cuda.synchronize()
-        for name, start, end in events:
-            samples[name].append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = defaultdict(list)
+    for name, start, end in events:
+        samples[name].append(start.elapsed_time(end))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main() -> None:
     p = parser()
-    p.add_argument("--moe-layer", type=int, default=0, help="experts of one MoE layer (top-4)")
+    p.add_argument("--moe-layer", type=int, default=0, help="experts of one MoE layer")
+    p.add_argument("--top-k", type=int, default=4, help="the MoE layer's top-k")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args()
-    phases = moe_layer_step(args, args.moe_layer) if args.moe_layer else train_step_parts(args)
+    if args.moe_layer:
+        phases = moe_layer_step(args, args.moe_layer, args.top_k)
+    else:
+        phases = train_step_parts(args)
 
     def whole() -> None:
         for _, fn in phases:
@@ -103,6 +108,7 @@ def main() -> None:
     result = {
         "benchmark": "profile_moe_layer" if args.moe_layer else "profile_train_step",
         "experts": args.moe_layer or None,
+        "top_k": args.top_k if args.moe_layer else None,
         "mbs": args.mbs,
         "compile": args.compile,
         "phase_ms": phase_ms,

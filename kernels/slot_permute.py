@@ -164,6 +164,34 @@ class _CombineFromSlots(torch.autograd.Function):
         return dy_MD, None, dw_TK, None
 
 
+class _SumFromSlots(torch.autograd.Function):
+    """The unweighted combine: the adjoint of ``_PermuteToSlots`` (its forward is the permute's
+    backward and its backward the permute's forward), so it keeps nothing but the slot map."""
+
+    @staticmethod
+    def forward(ctx, y_MD: torch.Tensor, slot_TK: torch.Tensor, zero_unmapped: bool):
+        ctx.n_rows, ctx.zero_unmapped = y_MD.shape[0], zero_unmapped
+        ctx.save_for_backward(slot_TK)
+        if use_triton(y_MD, slot_TK):
+            from kernels import slot_permute_triton
+
+            return slot_permute_triton.gather_rows(y_MD, slot_TK, None, out_dtype=y_MD.dtype)
+        return permute_to_slots_reference_backward(y_MD, slot_TK)
+
+    @staticmethod
+    def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
+        (slot_TK,) = ctx.saved_tensors
+        if use_triton(dy_TD, slot_TK):
+            from kernels import slot_permute_triton
+
+            dy_MD = slot_permute_triton.scatter_rows(
+                dy_TD, slot_TK, ctx.n_rows, zero_unmapped=ctx.zero_unmapped
+            )
+        else:
+            dy_MD = permute_to_slots_reference(dy_TD, slot_TK, ctx.n_rows)
+        return dy_MD, None, None
+
+
 def _check_rows(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None) -> None:
     """Host-side sanity checks that need no device read."""
     if n_rows < 0:
@@ -202,3 +230,23 @@ def combine_from_slots(
     _check_rows(slot_TK, y_MD.shape[0], every_row_mapped)
     zero = _zero_unmapped(slot_TK, y_MD.shape[0], every_row_mapped)
     return _CombineFromSlots.apply(y_MD, slot_TK, weights_TK, zero)
+
+
+def sum_from_slots(
+    y_MD: torch.Tensor, slot_TK: torch.Tensor, *, every_row_mapped: bool | None = None
+) -> torch.Tensor:
+    """``y_TD[t] = sum_k y_MD[slot_TK[t, k]]`` over valid slots (fp32 sum, y's dtype): the
+    combine for expert rows already scaled by their weights (see ``slot_weights``). Backward
+    writes ``dy_t`` into each of t's slots (unmapped rows 0); unlike the weighted combine it
+    keeps no expert output for backward."""
+    _check_rows(slot_TK, y_MD.shape[0], every_row_mapped)
+    zero = _zero_unmapped(slot_TK, y_MD.shape[0], every_row_mapped)
+    return _SumFromSlots.apply(y_MD, slot_TK, zero)
+
+
+def slot_weights(weights_TK: torch.Tensor, slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Each assignment's weight at its slot, ``weights_M[slot_TK[t, k]] = weights_TK[t, k]``,
+    0 on rows no valid slot maps to; differentiable (the backward gathers). No host read."""
+    _check_rows(slot_TK, n_rows, None)
+    w_M1 = _scatter_into(weights_TK.new_zeros(n_rows + 1, 1), slot_TK, weights_TK.reshape(-1, 1))
+    return w_M1[:, 0]

@@ -1,8 +1,11 @@
-"""Triton kernels for ``swiglu``: ``a = silu(gate) * up`` over [M, 2F] rows, and its backward.
+"""Triton kernels for ``swiglu``: ``a = w * silu(gate) * up`` over [M, 2F] rows (``w`` an
+optional per-row weight), and its backward.
 
 A program owns a [BLOCK_M, BLOCK_F] tile of the output: it reads the matching gate and up tiles
 (F columns apart in the same row), computes in fp32 and writes once. Elementwise, so the grid is
-2-D over rows and columns and every access is a contiguous run along F.
+2-D over rows and columns and every access is a contiguous run along F. The row weight's
+gradient ``sum_f da * silu(gate) * up`` is summed per tile into an fp32 [M, column blocks]
+buffer, which the caller sums over its (usually single) column: no atomics, deterministic.
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ MAX_BLOCK_F = 1024
 
 @triton.jit
 def _swiglu_forward(
-    h_ptr, a_ptr, M, F, stride_h, stride_a, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr
+    h_ptr,
+    w_ptr,
+    a_ptr,
+    M,
+    F,
+    stride_h,
+    stride_a,
+    HAS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -28,19 +40,24 @@ def _swiglu_forward(
     g = tl.load(gate_ptrs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + F, mask=m, other=0.0).to(tl.float32)
     a = g * tl.sigmoid(g) * u
+    if HAS_W:
+        a = a * tl.load(w_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
     tl.store(a_ptr + rows[:, None] * stride_a + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _swiglu_backward(
     h_ptr,
+    w_ptr,
     da_ptr,
     dh_ptr,
+    dw_ptr,
     M,
     F,
     stride_h,
     stride_da,
     stride_dh,
+    HAS_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -54,6 +71,11 @@ def _swiglu_backward(
     da = da.to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
+    if HAS_W:
+        # dw partial for this tile, then the weight folds into da for gate and up
+        dw = tl.sum(da * silu * u, axis=1)
+        tl.store(dw_ptr + rows * tl.num_programs(1) + tl.program_id(1), dw, mask=rows < M)
+        da = da * tl.load(w_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
     dg = da * u * sig * (1.0 + g * (1.0 - sig))
     dgate_ptrs = dh_ptr + rows[:, None] * stride_dh + cols[None, :]
     tl.store(dgate_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=m)
@@ -72,19 +94,31 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 def swiglu_forward(
     h_M2F: torch.Tensor,
+    weight_M: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_f: int | None = None,
 ) -> torch.Tensor:
-    """a_MF = silu(h[:, :F]) * h[:, F:], fp32 math, h's dtype."""
+    """a_MF = (weight_M *) silu(h[:, :F]) * h[:, F:], fp32 math, h's dtype."""
     h_M2F = _row_major(h_M2F)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     if out is None:
         out = torch.empty(M, F, dtype=h_M2F.dtype, device=h_M2F.device)
     bm, bf = _grid_blocks(M, F, block_m, block_f)
+    w = h_M2F if weight_M is None else weight_M.contiguous()
     _swiglu_forward[(cdiv(M, bm), cdiv(F, bf))](
-        h_M2F, out, M, F, h_M2F.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_F=bf, num_warps=4
+        h_M2F,
+        w,
+        out,
+        M,
+        F,
+        h_M2F.stride(0),
+        out.stride(0),
+        HAS_W=weight_M is not None,
+        BLOCK_M=bm,
+        BLOCK_F=bf,
+        num_warps=4,
     )
     return out
 
@@ -92,28 +126,41 @@ def swiglu_forward(
 def swiglu_backward(
     h_M2F: torch.Tensor,
     da_MF: torch.Tensor,
+    weight_M: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_f: int | None = None,
-) -> torch.Tensor:
-    """dh_M2F = [da * up * silu'(gate) | da * silu(gate)], fp32 math, h's dtype."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dh_M2F, dweight_M): with ``w`` the row weight (1 without one), ``dh = [w * da * up *
+    silu'(gate) | w * da * silu(gate)]`` and ``dweight = sum_f da * silu(gate) * up`` (None
+    without a weight); fp32 math, dh in h's dtype, dweight fp32."""
     h_M2F, da_MF = _row_major(h_M2F), _row_major(da_MF)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     if out is None:
         out = torch.empty_like(h_M2F, memory_format=torch.contiguous_format)
     bm, bf = _grid_blocks(M, F, block_m, block_f)
-    _swiglu_backward[(cdiv(M, bm), cdiv(F, bf))](
+    grid = (cdiv(M, bm), cdiv(F, bf))
+    w, dw = h_M2F, h_M2F
+    if weight_M is not None:
+        w = weight_M.contiguous()
+        dw = torch.empty(M, grid[1], dtype=torch.float32, device=h_M2F.device)
+    _swiglu_backward[grid](
         h_M2F,
+        w,
         da_MF,
         out,
+        dw,
         M,
         F,
         h_M2F.stride(0),
         da_MF.stride(0),
         out.stride(0),
+        HAS_W=weight_M is not None,
         BLOCK_M=bm,
         BLOCK_F=bf,
         num_warps=4,
     )
-    return out
+    if weight_M is None:
+        return out, None
+    return out, dw[:, 0] if grid[1] == 1 else dw.sum(1)

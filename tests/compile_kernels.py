@@ -60,10 +60,13 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
             out.append((sp._combine_backward, ptrs, c))
         ptrs = {"out_ptr": act, "used_ptr": "*i8"}
         out.append((sp._zero_unused_rows, ptrs, {"BLOCK_R": 16, "BLOCK_D": 256}))
-        ptrs = {"h_ptr": act, "a_ptr": act}
-        out.append((swiglu_triton._swiglu_forward, ptrs, {"BLOCK_M": 4, "BLOCK_F": 1024}))
-        ptrs = {"h_ptr": act, "da_ptr": act, "dh_ptr": act}
-        out.append((swiglu_triton._swiglu_backward, ptrs, {"BLOCK_M": 4, "BLOCK_F": 1024}))
+        blocks = {"HAS_W": [False, True], "BLOCK_M": [4], "BLOCK_F": [1024]}
+        ptrs = {"h_ptr": act, "w_ptr": "*fp32", "a_ptr": act}
+        for c in variants(blocks):
+            out.append((swiglu_triton._swiglu_forward, ptrs, c))
+        ptrs = {"h_ptr": act, "w_ptr": "*fp32", "da_ptr": act, "dh_ptr": act, "dw_ptr": "*fp32"}
+        for c in variants(blocks):
+            out.append((swiglu_triton._swiglu_backward, ptrs, c))
         gg = grouped_gemm_triton
         ptrs = {"x_ptr": act, "w_ptr": act, "y_ptr": act, "offs_ptr": "*i32"}
         fixed = {"G_PAD": 64, "GROUP_M": gg.GROUP_M, "UPCAST": False}

@@ -1,5 +1,6 @@
-"""permute_to_slots and combine_from_slots: Triton equals the PyTorch reference, forward and
-backward, on every routing shape; outputs are fully written; padding rows are zero."""
+"""permute_to_slots, combine_from_slots and sum_from_slots: Triton equals the PyTorch reference,
+forward and backward, on every routing shape; outputs are fully written; padding rows are zero;
+weights applied at the rows (``slot_weights``) then summed equal the weighted combine."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from kernels.slot_permute import (
     permute_to_slots,
     permute_to_slots_reference,
     permute_to_slots_reference_backward,
+    slot_weights,
+    sum_from_slots,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -319,3 +322,65 @@ def test_dropped_assignments_into_a_full_size_buffer_need_the_flag():
     assert torch.equal(got, permute_to_slots_reference(x_TD, slot_TK, n_rows))
     tail = int((slot_TK >= 0).sum())
     assert (got[tail:] == 0).all()
+
+
+def weighted_rows_then_sum(y_MD, slot_TK, w_TK, **flags):
+    """The MoE layer's combine: each expert row scaled by its assignment's weight (in the
+    layer this happens inside the SwiGLU), then the plain sum over the K slots."""
+    w_M = slot_weights(w_TK, slot_TK, y_MD.shape[0])
+    return sum_from_slots((y_MD.float() * w_M[:, None]).to(y_MD.dtype), slot_TK, **flags)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("pattern", "align", "exact"), [("none", 1, False), ("none", 8, False), *DROP_CASES[:4]]
+)
+def test_weights_at_the_rows_then_sum_equals_the_weighted_combine(pattern, align, exact, dtype):
+    """``slot_weights`` + ``sum_from_slots`` compute the weighted combine: forward and every
+    gradient (the weights' through the row scale), with padding and dropped assignments."""
+    k = 4
+    if pattern == "none":
+        slot_TK, n_rows, x_TD = setup("with-repeats", k, align, dtype)
+        mapped = None
+    else:
+        slot_TK, n_rows, mapped, x_TD = setup_dropped(
+            "with-repeats", k, pattern, align, exact, dtype
+        )
+    assert_triton_path(x_TD)
+    w_TK = rand_weights(T, k, seed=2)
+    g_MD = randn(n_rows, D, dtype=dtype, seed=3)
+    dy_TD = randn(T, D, dtype=dtype, seed=4)
+    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
+    got = permute_combine_round_trip(
+        permute_to_slots, weighted_rows_then_sum, *args, every_row_mapped=mapped
+    )
+    references = (permute_to_slots_reference, combine_from_slots_reference)
+    ref = permute_combine_round_trip(*references, *args)
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert_matches(a, b)
+    assert (got[3][slot_TK < 0] == 0).all(), "a dropped assignment's weight gets no gradient"
+
+
+def test_sum_from_slots_keeps_only_the_slot_map_and_its_backward_is_the_permute():
+    slot_TK, n_rows, _ = setup("two-empty-experts", 2, 8, torch.float32)
+    y_MD = randn(n_rows, D, seed=10).requires_grad_()
+    assert_triton_path(y_MD)
+    out = sum_from_slots(y_MD, slot_TK)
+    assert [t.shape for t in out.grad_fn.saved_tensors] == [slot_TK.shape]  # type: ignore[union-attr]
+    assert_matches(out, permute_to_slots_reference_backward(y_MD.detach(), slot_TK))
+    dy_TD = randn(T, D, seed=11)
+    out.backward(dy_TD)
+    assert torch.equal(y_MD.grad, permute_to_slots_reference(dy_TD, slot_TK, n_rows))
+
+
+def test_slot_weights_places_each_weight_at_its_slot_and_zero_elsewhere():
+    experts_TK = drop_assignments(routing("with-repeats", T, E, 2), "mixed")
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, 8)
+    w_TK = rand_weights(T, 2, seed=12).requires_grad_()
+    w_M = slot_weights(w_TK, slot_TK, n_rows)
+    kept = slot_TK >= 0
+    assert torch.equal(w_M[slot_TK[kept]], w_TK.detach()[kept])
+    assert int((w_M != 0).sum()) == int(kept.sum())
+    g_M = randn(n_rows, seed=13)
+    w_M.backward(g_M)
+    assert torch.equal(w_TK.grad, torch.where(kept, g_M[slot_TK.clamp_min(0)], 0.0))

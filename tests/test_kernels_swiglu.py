@@ -1,11 +1,18 @@
-"""Fused SwiGLU: Triton equals the PyTorch reference forward and backward, and the reference
-backward is the derivative of the reference forward."""
+"""Fused SwiGLU, plain and row-weighted: Triton equals the PyTorch reference forward and
+backward, and the reference backward is the derivative of the reference forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, assert_matches, assert_triton_path, output_and_grad, randn
+from kernel_cases import (
+    DEVICE,
+    assert_matches,
+    assert_triton_path,
+    output_and_grad,
+    rand_weights,
+    randn,
+)
 
 from kernels import swiglu_triton
 from kernels._triton import references_only, use_triton
@@ -26,6 +33,53 @@ def test_swiglu_autograd_equals_reference(dtype):
     assert a_got.shape == (M, F) and dh_got.dtype == dtype
 
 
+def _weighted_output_and_grads(fn, h, w, da):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    a = fn(h, w)
+    a.backward(da)
+    return a.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_weighted_swiglu_equals_reference_and_the_scaled_plain_one(dtype):
+    """Weights in [0.1, 1) and one zero (a padding row): a = w * swiglu(h), dh scaled by w, and
+    dw the row sum of da * swiglu(h) in fp32."""
+    h = randn(M, 2 * F, dtype=dtype, seed=1)
+    da = randn(M, F, dtype=dtype, seed=2)
+    w = rand_weights(M, 1, seed=3)[:, 0]
+    w[5] = 0.0
+    assert_triton_path(h)
+    got = _weighted_output_and_grads(swiglu, h, w, da)
+    ref = _weighted_output_and_grads(swiglu_reference, h, w, da)
+    for g, r in zip(got, ref, strict=True):
+        assert_matches(g, r)
+    assert got[2].dtype == torch.float32 and got[1][5].abs().max() == 0
+    # the definition: the plain SwiGLU, scaled per row (computed in fp64)
+    h64, w64, da64 = h.double(), w.double(), da.double()
+    a_plain = swiglu_reference(h64)
+    torch.testing.assert_close(got[0].double(), a_plain * w64[:, None], **_tol(dtype))
+    torch.testing.assert_close(got[2].double(), (da64 * a_plain).sum(1), **_tol(dtype, 40))
+
+
+def _tol(dtype: torch.dtype, terms: int = 1) -> dict:
+    return (
+        {"rtol": 1e-5, "atol": 1e-5 * terms}
+        if dtype == torch.float32
+        else {"rtol": 2e-2, "atol": 2e-2 * terms}
+    )
+
+
+def test_row_weighted_swiglu_sums_its_weight_gradient_over_column_blocks():
+    """F wider than one column block: the per-block partial sums add up to the row sum."""
+    h = randn(M, 2 * F, dtype=torch.float32, seed=7)
+    da = randn(M, F, dtype=torch.float32, seed=8)
+    w = rand_weights(M, 1, seed=9)[:, 0]
+    dh, dw = swiglu_triton.swiglu_backward(h, da, w, block_m=8, block_f=8)
+    ref_dh, ref_dw = swiglu_reference_backward(h, da, w)
+    assert_matches(dh, ref_dh)
+    assert_matches(dw, ref_dw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_swiglu_kernels_write_every_element_on_many_blocks(dtype):
     """NaN-poisoned outputs, blocks of 8 x 8: five row blocks and a ragged third column block;
@@ -38,22 +92,29 @@ def test_swiglu_kernels_write_every_element_on_many_blocks(dtype):
     assert_matches(a, swiglu_reference(h))
     dh = torch.full((M, 2 * F), float("nan"), dtype=dtype, device=DEVICE)
     swiglu_triton.swiglu_backward(h, da, out=dh, **blocks)
-    assert_matches(dh, swiglu_reference_backward(h, da))
+    assert_matches(dh, swiglu_reference_backward(h, da)[0])
 
 
 def test_swiglu_reference_backward_is_its_derivative():
     h = randn(M, 2 * F, dtype=torch.float64, seed=5).requires_grad_()
     da = randn(M, F, dtype=torch.float64, seed=6)
     (dh,) = torch.autograd.grad((swiglu_reference(h) * da).sum(), h)
-    torch.testing.assert_close(swiglu_reference_backward(h.detach(), da), dh)
+    torch.testing.assert_close(swiglu_reference_backward(h.detach(), da)[0], dh)
+    w = rand_weights(M, 1, seed=7)[:, 0].double().requires_grad_()
+    dh, dw = torch.autograd.grad((swiglu_reference(h, w) * da).sum(), (h, w))
+    ref_dh, ref_dw = swiglu_reference_backward(h.detach(), da, w.detach())
+    torch.testing.assert_close(ref_dh, dh)
+    torch.testing.assert_close(ref_dw, dw)
     # and the reference is the model's formula: gate first, up second
     gate, up = h.detach().chunk(2, dim=1)
     torch.testing.assert_close(swiglu_reference(h.detach()), torch.nn.functional.silu(gate) * up)
 
 
-def test_swiglu_rejects_odd_width():
+def test_swiglu_rejects_odd_width_and_a_misshapen_weight():
     with pytest.raises(ValueError):
         swiglu(torch.zeros(4, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="weight_M must be"):
+        swiglu(torch.zeros(4, 8, device=DEVICE), torch.ones(3, device=DEVICE))
 
 
 def test_references_only_switches_every_op_to_its_reference(monkeypatch):

@@ -19,7 +19,7 @@ from torch import nn
 from kernels.grouped_gemm import grouped_mm
 from kernels.permute import expert_counts
 from kernels.routing import expert_slots
-from kernels.slot_permute import combine_from_slots, permute_to_slots
+from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
 
@@ -173,16 +173,25 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
 
-    def forward(self, x_MD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends."""
+    def forward(
+        self, x_MD: torch.Tensor, offs_E: torch.Tensor, weights_M: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends;
+        ``weights_M`` an optional per-row output scale (the router weights, applied to the
+        down projection's input)."""
         w_gate_up = self.w_gate_up.to(x_MD.dtype).transpose(-2, -1)
         gate_up_M2F = grouped_mm(x_MD, w_gate_up, offs_E)
-        return self.activation_and_down(gate_up_M2F, offs_E)
+        return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
-    def activation_and_down(self, gate_up_M2F: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU then the down projection (the region selective recompute re-runs)."""
+    def activation_and_down(
+        self,
+        gate_up_M2F: torch.Tensor,
+        offs_E: torch.Tensor,
+        weights_M: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(Weighted) SwiGLU then the down projection (the region selective recompute re-runs)."""
         w_down = self.w_down.to(gate_up_M2F.dtype).transpose(-2, -1)
-        return grouped_mm(swiglu(gate_up_M2F), w_down, offs_E)
+        return grouped_mm(swiglu(gate_up_M2F, weights_M), w_down, offs_E)
 
 
 class TokenDispatcher(Protocol):
@@ -193,13 +202,16 @@ class TokenDispatcher(Protocol):
 
 class LocalDispatcher:
     """Every expert on this rank: each token row written straight into its expert-ordered
-    slots, grouped GEMMs over the expert segments, un-permute and weighted sum in one pass."""
+    slots, grouped GEMMs over the expert segments with the router weights applied in the
+    SwiGLU (so the combine is a plain sum that keeps no expert output for backward), then
+    un-permute and sum in one pass."""
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         slots = expert_slots(routing.experts_TK, experts.n_experts)
         x_MD = permute_to_slots(x_TD, slots.slot_TK, slots.n_rows)
-        y_MD = experts(x_MD, slots.offs_E)
-        return combine_from_slots(y_MD, slots.slot_TK, routing.weights_TK)
+        weights_M = slot_weights(routing.weights_TK, slots.slot_TK, slots.n_rows)
+        y_MD = experts(x_MD, slots.offs_E, weights_M)
+        return sum_from_slots(y_MD, slots.slot_TK)
 
 
 class SwiGLU(nn.Module):
