@@ -15,8 +15,9 @@ Layout of the expert-ordered buffer (``n_rows`` rows, a static Python int, ``slo
   ``align`` rows, except in the last segment, which also takes the slack of the static bound).
 
 ``permute_to_slots`` writes zeros into the padding rows, so a grouped GEMM computes zero rows
-there (``silu(0) * 0 = 0`` too) and adds nothing to weight gradients; ``combine_from_slots``
-never reads them, and its backward writes zero gradients into them. No row of any buffer on the
+there (``silu(0) * 0 = 0`` too, and ``slot_weights`` gives them weight 0) and adds nothing to
+weight gradients; ``sum_from_slots`` and ``combine_from_slots`` never read them, and their
+backward passes write zero gradients into them. No row of any buffer on the
 path holds uninitialized memory. With ``align=1`` there is no padding: ``n_rows = T * K``.
 
 Dropped assignments: an expert id < 0 means "not routed here" (an expert-parallel receiver marks

@@ -1,11 +1,14 @@
 """Triton kernels for ``swiglu``: ``a = w * silu(gate) * up`` over [M, 2F] rows (``w`` an
 optional per-row weight), and its backward.
 
-A program owns a [BLOCK_M, BLOCK_F] tile of the output: it reads the matching gate and up tiles
-(F columns apart in the same row), computes in fp32 and writes once. Elementwise, so the grid is
-2-D over rows and columns and every access is a contiguous run along F. The row weight's
-gradient ``sum_f da * silu(gate) * up`` is summed per tile into an fp32 [M, column blocks]
-buffer, which the caller sums over its (usually single) column: no atomics, deterministic.
+Forward: a program owns a [BLOCK_M, BLOCK_F] tile of the output: it reads the matching gate and
+up tiles (F columns apart in the same row), computes in fp32 and writes once; the grid is 2-D
+over rows and columns and every access is a contiguous run along F.
+
+Backward: a program owns BLOCK_M whole rows and walks F in chunks of BLOCK_F, so the row
+weight's gradient ``sum_f da * silu(gate) * up`` accumulates in registers and is stored once per
+row: no atomics, no partial sums, deterministic. Chunks of 256 columns keep each row inside one
+warp (4 warps, 16 rows), so the final sum over columns needs no cross-warp exchange.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kernels._triton import cdiv, next_pow2
 
 TILE = 4096
 MAX_BLOCK_F = 1024
+BACKWARD_BLOCK_F = 256
 
 
 @triton.jit
@@ -62,28 +66,34 @@ def _swiglu_backward(
     BLOCK_F: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    m = (rows < M)[:, None] & (cols < F)[None, :]
-    gate_ptrs = h_ptr + rows[:, None] * stride_h + cols[None, :]
-    g = tl.load(gate_ptrs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptrs + F, mask=m, other=0.0).to(tl.float32)
-    da = tl.load(da_ptr + rows[:, None] * stride_da + cols[None, :], mask=m, other=0.0)
-    da = da.to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
+    row_ok = rows < M
+    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None] if HAS_W else 1.0
+    acc = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        m = row_ok[:, None] & (cols < F)[None, :]
+        gate_ptrs = h_ptr + rows[:, None] * stride_h + cols[None, :]
+        g = tl.load(gate_ptrs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gate_ptrs + F, mask=m, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + rows[:, None] * stride_da + cols[None, :], mask=m, other=0.0)
+        da = da.to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        if HAS_W:
+            acc += da * silu * u
+            da = da * w
+        dg = da * u * sig * (1.0 + g * (1.0 - sig))
+        dgate_ptrs = dh_ptr + rows[:, None] * stride_dh + cols[None, :]
+        tl.store(dgate_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=m)
+        tl.store(dgate_ptrs + F, (da * silu).to(dh_ptr.dtype.element_ty), mask=m)
     if HAS_W:
-        # dw partial for this tile, then the weight folds into da for gate and up
-        dw = tl.sum(da * silu * u, axis=1)
-        tl.store(dw_ptr + rows * tl.num_programs(1) + tl.program_id(1), dw, mask=rows < M)
-        da = da * tl.load(w_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
-    dg = da * u * sig * (1.0 + g * (1.0 - sig))
-    dgate_ptrs = dh_ptr + rows[:, None] * stride_dh + cols[None, :]
-    tl.store(dgate_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=m)
-    tl.store(dgate_ptrs + F, (da * silu).to(dh_ptr.dtype.element_ty), mask=m)
+        tl.store(dw_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
 
 
-def _grid_blocks(M: int, F: int, block_m: int | None, block_f: int | None) -> tuple[int, int]:
-    bf = block_f or min(MAX_BLOCK_F, next_pow2(F))
+def _grid_blocks(
+    M: int, F: int, block_m: int | None, block_f: int | None, max_block_f: int = MAX_BLOCK_F
+) -> tuple[int, int]:
+    bf = block_f or min(max_block_f, next_pow2(F))
     bm = block_m or max(1, min(TILE // bf, next_pow2(M)))
     return bm, bf
 
@@ -139,12 +149,12 @@ def swiglu_backward(
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     if out is None:
         out = torch.empty_like(h_M2F, memory_format=torch.contiguous_format)
-    bm, bf = _grid_blocks(M, F, block_m, block_f)
-    grid = (cdiv(M, bm), cdiv(F, bf))
+    bm, bf = _grid_blocks(M, F, block_m, block_f, BACKWARD_BLOCK_F)
+    grid = (cdiv(M, bm),)
     w, dw = h_M2F, h_M2F
     if weight_M is not None:
         w = weight_M.contiguous()
-        dw = torch.empty(M, grid[1], dtype=torch.float32, device=h_M2F.device)
+        dw = torch.empty(M, dtype=torch.float32, device=h_M2F.device)
     _swiglu_backward[grid](
         h_M2F,
         w,
@@ -161,6 +171,4 @@ def swiglu_backward(
         BLOCK_F=bf,
         num_warps=4,
     )
-    if weight_M is None:
-        return out, None
-    return out, dw[:, 0] if grid[1] == 1 else dw.sum(1)
+    return out, None if weight_M is None else dw

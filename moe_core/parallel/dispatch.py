@@ -17,9 +17,10 @@ backward. Every row move is a slot kernel (``kernels.slot_permute``, Triton on G
   below 2**24 are exact there);
 - receiver: choices of experts on other ranks become -1, ``expert_slots`` with ``n_rows`` the
   exact number of local assignments lays out an expert-ordered buffer with no padding rows,
-  ``permute_to_slots`` fills it, the experts run, and ``combine_from_slots`` sums each received
-  token's weighted expert outputs;
-- back on the sender, ``combine_from_slots`` with weight 1 sums the rows returned by the ranks.
+  ``permute_to_slots`` fills it, ``slot_weights`` lays the received router weights out along
+  it, the experts run with the weights applied in their SwiGLU, and ``sum_from_slots`` sums each
+  received token's weighted expert outputs;
+- back on the sender, ``sum_from_slots`` sums the rows returned by the ranks.
 
 Backward passes are the slot kernels' and the all-to-all's own: deterministic (fixed-order sums,
 no atomics), with no host read. A routing weight's gradient comes from the one rank holding its
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.routing import expert_slots
-from kernels.slot_permute import combine_from_slots, permute_to_slots
+from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from moe_core.model.moe import Experts, Routing
 
 EXACT_FP32_INTS = 2**24  # expert ids travel as fp32 beside the weights
@@ -118,16 +119,17 @@ class AllToAllDispatcher:
         route_R2K = all_to_all(route_S2K, recv_splits, send_splits, self.group)
 
         # Receiver: this rank's experts on the received tokens (other ranks' choices dropped),
-        # in an expert-ordered buffer of exactly the local assignments; outputs pre-summed.
+        # in an expert-ordered buffer of exactly the local assignments, the router weights
+        # applied inside the experts (as ``LocalDispatcher``); outputs pre-summed per token.
         w_RK = route_R2K[:, :K]
         local_RK = route_R2K[:, K:].to(torch.int64) - self.expert_offset
         local_RK = torch.where((local_RK >= 0) & (local_RK < El), local_RK, -1)
         recv = expert_slots(local_RK, El, n_rows=n_assigned)
         x_MD = permute_to_slots(x_RD, recv.slot_TK, n_assigned, every_row_mapped=True)
-        y_MD = experts(x_MD, recv.offs_E)
-        y_RD = combine_from_slots(y_MD, recv.slot_TK, w_RK, every_row_mapped=True)
+        weights_M = slot_weights(w_RK, recv.slot_TK, n_assigned)
+        y_MD = experts(x_MD, recv.offs_E, weights_M)
+        y_RD = sum_from_slots(y_MD, recv.slot_TK, every_row_mapped=True)
 
         # One row back per (token, rank) pair; each token's rows summed over ranks.
         y_SD = all_to_all(y_RD, send_splits, recv_splits, self.group)
-        ones_TP = torch.ones(T, P, device=dev)
-        return combine_from_slots(y_SD, send.slot_TK, ones_TP, every_row_mapped=True)
+        return sum_from_slots(y_SD, send.slot_TK, every_row_mapped=True)
