@@ -119,8 +119,9 @@ def layer_activation_bytes(
     - attention keeps the projections' input, rotated q and k, v and its output (which is the
       o-projection's input): ``b_c (3 d + 2 d_kv) + 4 n_heads`` (log-sum-exp);
     - the router keeps its fp32 input, logits, scores and choices: ``4 d + 12 E + 20 k``;
-    - routed experts keep rows in, gate+up out, SwiGLU out and rows out: ``b_p k (2 d + 3 h)``,
-      less ``b_p k h`` under selective recompute;
+    - routed experts keep rows in, gate+up out and SwiGLU out, plus each row's fp32 router
+      weight (applied in the SwiGLU, so the plain-sum combine keeps no rows out):
+      ``b_p k (d + 3 h) + 4 k``, less ``b_p k h`` under selective recompute;
     - a shared expert of width ``h_s`` keeps gate, up, SwiGLU and product, ``4 b_c h_s``, and
       its input, ``b_c d``, unless that is the router's fp32 input already (all fp32).
 
@@ -139,7 +140,7 @@ def layer_activation_bytes(
     norms = 2 * d * (4 + bp) + (d + d_kv) * (4 + bc) + 16
     attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
     router = 4 * d + 12 * e + 20 * k
-    experts = bp * k * (2 * d + 3 * h)
+    experts = bp * k * (d + 3 * h) + 4 * k
     if recompute == "selective":
         experts -= bp * k * h
     shared_input = 0 if bp == bc == 4 else bc * d

@@ -70,7 +70,7 @@ def test_small_layout_bytes_by_hand():
         2 * 64 * (4 + 4) + (64 + 64) * (4 + 4) + 16  # four RMSNorms
         + 4 * (3 * 64 + 2 * 64) + 4 * 4  # attention: in, q, k, v, out; log-sum-exp per head
         + 4 * 64 + 12 * 8 + 20 * 2  # router
-        + 4 * 2 * (2 * 64 + 3 * 32)  # routed experts
+        + 4 * 2 * (64 + 3 * 32) + 4 * 2  # routed experts: rows in, gate+up, SwiGLU; weights
     )  # fmt: skip
     head = 256 * (4 + 8) + 64 * (4 + 4 + 4)
     assert mem.in_flight == 1
