@@ -50,6 +50,18 @@ def setup(name: str, k: int, align: int, dtype: torch.dtype, seed: int = 0):
     return slot_TK, n_rows, randn(T, D, dtype=dtype, seed=seed + 1)
 
 
+def round_trips(combine, slot_TK, n_rows, x_TD, k, dtype, mapped=None):
+    """(ours, reference): permute, perturb the rows, ``combine`` with random weights, backward;
+    each (x_MD, y_TD, dx_TD, dw_TK) as ``permute_combine_round_trip`` gives them."""
+    w_TK = rand_weights(T, k, seed=2)
+    g_MD = randn(n_rows, D, dtype=dtype, seed=3)  # perturbs the expert rows between the ops
+    dy_TD = randn(T, D, dtype=dtype, seed=4)
+    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
+    got = permute_combine_round_trip(permute_to_slots, combine, *args, every_row_mapped=mapped)
+    references = (permute_to_slots_reference, combine_from_slots_reference)
+    return got, permute_combine_round_trip(*references, *args)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("k", [1, 2, 8])
@@ -58,13 +70,7 @@ def test_permute_and_combine_autograd_equal_reference(name, k, align, dtype):
     """The whole round trip through the public ops: forward outputs and every gradient."""
     slot_TK, n_rows, x_TD = setup(name, k, align, dtype)
     assert_triton_path(x_TD)
-    w_TK = rand_weights(T, k, seed=2)
-    g_MD = randn(n_rows, D, dtype=dtype, seed=3)  # perturbs the expert rows between the ops
-    dy_TD = randn(T, D, dtype=dtype, seed=4)
-    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
-    got = permute_combine_round_trip(permute_to_slots, combine_from_slots, *args)
-    references = (permute_to_slots_reference, combine_from_slots_reference)
-    ref = permute_combine_round_trip(*references, *args)
+    got, ref = round_trips(combine_from_slots, slot_TK, n_rows, x_TD, k, dtype)
     assert torch.equal(got[0], ref[0]), "permute is a copy: bitwise equal"
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)
@@ -239,15 +245,7 @@ def test_dropped_assignments_autograd_equal_reference(name, pattern, align, exac
     slot_TK, n_rows, mapped, x_TD = setup_dropped(name, k, pattern, align, exact, dtype)
     assert_triton_path(x_TD)
     drop_TK = slot_TK < 0
-    w_TK = rand_weights(T, k, seed=2)
-    g_MD = randn(n_rows, D, dtype=dtype, seed=3)
-    dy_TD = randn(T, D, dtype=dtype, seed=4)
-    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
-    got = permute_combine_round_trip(
-        permute_to_slots, combine_from_slots, *args, every_row_mapped=mapped
-    )
-    references = (permute_to_slots_reference, combine_from_slots_reference)
-    ref = permute_combine_round_trip(*references, *args)
+    got, ref = round_trips(combine_from_slots, slot_TK, n_rows, x_TD, k, dtype, mapped)
     assert torch.equal(got[0], ref[0]), "permute is a copy: bitwise equal"
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)
@@ -347,15 +345,7 @@ def test_weights_at_the_rows_then_sum_equals_the_weighted_combine(pattern, align
             "with-repeats", k, pattern, align, exact, dtype
         )
     assert_triton_path(x_TD)
-    w_TK = rand_weights(T, k, seed=2)
-    g_MD = randn(n_rows, D, dtype=dtype, seed=3)
-    dy_TD = randn(T, D, dtype=dtype, seed=4)
-    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
-    got = permute_combine_round_trip(
-        permute_to_slots, weighted_rows_then_sum, *args, every_row_mapped=mapped
-    )
-    references = (permute_to_slots_reference, combine_from_slots_reference)
-    ref = permute_combine_round_trip(*references, *args)
+    got, ref = round_trips(weighted_rows_then_sum, slot_TK, n_rows, x_TD, k, dtype, mapped)
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert_matches(a, b)
     assert (got[3][slot_TK < 0] == 0).all(), "a dropped assignment's weight gets no gradient"
