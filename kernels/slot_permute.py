@@ -104,30 +104,38 @@ def _zero_unmapped(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | 
     return not every_row_mapped
 
 
+def _scatter_to_slots(
+    x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int, zero_unmapped: bool
+) -> torch.Tensor:
+    """The permute (and the plain sum's backward): Triton where it runs, else the reference."""
+    if use_triton(x_TD, slot_TK):
+        from kernels import slot_permute_triton
+
+        return slot_permute_triton.scatter_rows(x_TD, slot_TK, n_rows, zero_unmapped=zero_unmapped)
+    return permute_to_slots_reference(x_TD, slot_TK, n_rows)
+
+
+def _sum_over_slots(y_MD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """The plain sum (and the permute's backward): Triton where it runs, else the reference."""
+    if use_triton(y_MD, slot_TK):
+        from kernels import slot_permute_triton
+
+        return slot_permute_triton.gather_rows(y_MD, slot_TK, None, out_dtype=y_MD.dtype)
+    return permute_to_slots_reference_backward(y_MD, slot_TK)
+
+
 class _PermuteToSlots(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int, zero_unmapped: bool
     ) -> torch.Tensor:
         ctx.save_for_backward(slot_TK)
-        if use_triton(x_TD, slot_TK):
-            from kernels import slot_permute_triton
-
-            return slot_permute_triton.scatter_rows(
-                x_TD, slot_TK, n_rows, zero_unmapped=zero_unmapped
-            )
-        return permute_to_slots_reference(x_TD, slot_TK, n_rows)
+        return _scatter_to_slots(x_TD, slot_TK, n_rows, zero_unmapped)
 
     @staticmethod
     def backward(ctx, g_MD: torch.Tensor):  # type: ignore[override]
         (slot_TK,) = ctx.saved_tensors
-        if use_triton(g_MD, slot_TK):
-            from kernels import slot_permute_triton
-
-            dx_TD = slot_permute_triton.gather_rows(g_MD, slot_TK, None, out_dtype=g_MD.dtype)
-        else:
-            dx_TD = permute_to_slots_reference_backward(g_MD, slot_TK)
-        return dx_TD, None, None, None
+        return _sum_over_slots(g_MD, slot_TK), None, None, None
 
 
 class _CombineFromSlots(torch.autograd.Function):
@@ -172,24 +180,12 @@ class _SumFromSlots(torch.autograd.Function):
     def forward(ctx, y_MD: torch.Tensor, slot_TK: torch.Tensor, zero_unmapped: bool):
         ctx.n_rows, ctx.zero_unmapped = y_MD.shape[0], zero_unmapped
         ctx.save_for_backward(slot_TK)
-        if use_triton(y_MD, slot_TK):
-            from kernels import slot_permute_triton
-
-            return slot_permute_triton.gather_rows(y_MD, slot_TK, None, out_dtype=y_MD.dtype)
-        return permute_to_slots_reference_backward(y_MD, slot_TK)
+        return _sum_over_slots(y_MD, slot_TK)
 
     @staticmethod
     def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
         (slot_TK,) = ctx.saved_tensors
-        if use_triton(dy_TD, slot_TK):
-            from kernels import slot_permute_triton
-
-            dy_MD = slot_permute_triton.scatter_rows(
-                dy_TD, slot_TK, ctx.n_rows, zero_unmapped=ctx.zero_unmapped
-            )
-        else:
-            dy_MD = permute_to_slots_reference(dy_TD, slot_TK, ctx.n_rows)
-        return dy_MD, None, None
+        return _scatter_to_slots(dy_TD, slot_TK, ctx.n_rows, ctx.zero_unmapped), None, None
 
 
 def _check_rows(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None) -> None:
