@@ -8,7 +8,9 @@ OLMoE-1B-7B shape (d 2048, 16 layers, 16 heads, 64 experts top-8, expert hidden 
 50304), sequence 4096, random token ids from a fixed seed, bf16 parameters, torch fused AdamW,
 SDPA attention; 3 warm-up steps, then the median of CUDA-event-timed steps. ``--compile``
 compiles the blocks and the loss (``parallel.compile``); ``--optimizer moe_core`` takes our
-fused AdamW kernel instead of torch's (same math, same bf16 moments). Routing: ``learned``
+fused AdamW kernel instead of torch's (same math, same bf16 moments), and with
+``--optimizer-dtype fp32`` keeps fp32 master weights and moments (the trainer's default
+precision). ``--layers`` changes the depth (8 layers fit with fp32 masters). Routing: ``learned``
 (the router from its random init), ``skewed`` (router rows biased so a few experts win), or
 ``uniform`` (assignments forced round-robin over the experts, weights from the router).
 ``--experts-sweep``: one MoE layer forward + backward per expert count at top-4 with expert
@@ -69,10 +71,14 @@ def run_phases(phases: Phases) -> Callable[[], None]:
     return step
 
 
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(vocab_size=50304, **{**SHAPE, "n_layers": args.layers})
+
+
 def train_step_parts(args: argparse.Namespace) -> Phases:
     """The benchmarked step on fixed random tokens as phases: forward (with the loss),
     backward, AdamW (fused, zeroing the gradients)."""
-    cfg = ModelConfig(vocab_size=50304, **SHAPE)
+    cfg = model_config(args)
     torch.manual_seed(0)
     model = build_model(cfg, "cuda", seed=0)
     for p in model.parameters():
@@ -84,7 +90,7 @@ def train_step_parts(args: argparse.Namespace) -> Phases:
     if args.optimizer == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
-        opt = AdamW(model.parameters(), lr=1e-4)
+        opt = AdamW(model.parameters(), lr=1e-4, master_weights=args.optimizer_dtype == "fp32")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     tokens = torch.randint(
         0, cfg.vocab_size, (args.mbs, args.seq + 1), device="cuda", generator=gen
@@ -111,12 +117,14 @@ def train_step(args: argparse.Namespace) -> dict:
     times = cuda_times_ms(step, args.warmup, args.iters)
     ms = statistics.median(times)
     tps = args.mbs * args.seq / (ms / 1e3)
-    flops = count(ModelConfig(vocab_size=50304, **SHAPE), args.seq).flops_per_token
+    flops = count(model_config(args), args.seq).flops_per_token
     return {
         "benchmark": "train_step",
         "routing": args.routing,
         "compile": args.compile,
         "optimizer": args.optimizer,
+        "optimizer_dtype": args.optimizer_dtype if args.optimizer == "moe_core" else "bf16",
+        "layers": args.layers,
         "mbs": args.mbs,
         "seq": args.seq,
         "median_ms": ms,
@@ -229,6 +237,13 @@ def parser() -> argparse.ArgumentParser:
         default="torch",
         help="torch's fused AdamW or ours (kernels.adamw); both keep moments in bf16",
     )
+    p.add_argument(
+        "--optimizer-dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="with --optimizer moe_core: bf16 moments, or fp32 master weights and moments",
+    )
+    p.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")
     p.add_argument("--commit", default="unknown")

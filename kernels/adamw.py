@@ -3,8 +3,10 @@
 Decoupled weight decay, then the bias-corrected Adam step, as ``torch.optim.AdamW`` computes
 it. ``lr``, ``step`` (already counting this step) and the optional gradient ``scale`` (global
 norm clipping) are device scalars, so a step needs no host value and can be captured in a CUDA
-graph. Triton on CUDA tensors (one pass: each tensor read once and written once); the PyTorch
-reference below elsewhere.
+graph. ``out`` (optional) receives the updated parameter in its own dtype in the same pass: the
+model's bf16 weights written from fp32 master weights without a second pass over them. Triton on
+CUDA tensors (one pass: each tensor read once and written once); the PyTorch reference below
+elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def adamw_reference_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    out: torch.Tensor | None = None,
 ) -> None:
     """The definition, in PyTorch (fp32 math, results cast back to each tensor's dtype)."""
     lr32, step32 = lr.float(), step.float()
@@ -38,6 +41,8 @@ def adamw_reference_(
     p.copy_(p32)
     m.copy_(m32)
     v.copy_(v32)
+    if out is not None:
+        out.copy_(p)
 
 
 def adamw_step_(
@@ -53,12 +58,18 @@ def adamw_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    out: torch.Tensor | None = None,
 ) -> None:
-    """Update ``p``, ``m``, ``v`` in place from gradient ``g`` (all the same shape)."""
-    if not (p.shape == g.shape == m.shape == v.shape):
-        raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, m {m.shape}, v {v.shape}")
-    args = (p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay)
-    if use_triton(p) and all(t.is_contiguous() for t in (p, g, m, v)):
+    """Update ``p``, ``m``, ``v`` in place from gradient ``g`` (all the same shape); also write
+    the updated ``p`` into ``out`` (same shape, any float dtype) when given."""
+    if not (p.shape == g.shape == m.shape == v.shape) or (out is not None and out.shape != p.shape):
+        extra = "" if out is None else f", out {out.shape}"
+        raise ValueError(
+            f"shapes differ: p {p.shape}, g {g.shape}, m {m.shape}, v {v.shape}{extra}"
+        )
+    args = (p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay, out)
+    tensors = (p, g, m, v) if out is None else (p, g, m, v, out)
+    if use_triton(p) and all(t.is_contiguous() for t in tensors):
         from kernels import adamw_triton
 
         adamw_triton.adamw_step_(*args)

@@ -1,5 +1,6 @@
 """Triton kernel for ``adamw.adamw_step_``: one pass over a tensor's parameter, gradient and two
-moments, math in fp32, each written back once in its own dtype.
+moments, math in fp32, each written back once in its own dtype (and the parameter a second time
+into ``out``, the model's copy in its dtype, when given).
 
 The step count, learning rate and gradient scale (clipping) are read from device scalars, so
 the kernel never needs a host value that changes between steps: a CUDA graph can replay it and
@@ -25,6 +26,7 @@ def _adamw(
     g_ptr,
     m_ptr,
     v_ptr,
+    out_ptr,
     n,
     lr_ptr,
     step_ptr,
@@ -36,6 +38,7 @@ def _adamw(
     eps,
     weight_decay,
     HAS_SCALE: tl.constexpr,
+    HAS_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -57,6 +60,10 @@ def _adamw(
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    if HAS_OUT:
+        # The model's copy is the stored parameter cast once more (as ``out.copy_(p)`` would).
+        p = p.to(p_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, p, mask=mask)
 
 
 def adamw_step_(
@@ -71,6 +78,7 @@ def adamw_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    out: torch.Tensor | None = None,
     block: int = BLOCK,
 ) -> None:
     """In place on contiguous ``p``, ``m``, ``v`` (see ``adamw.adamw_step_``)."""
@@ -80,6 +88,7 @@ def adamw_step_(
         g,
         m,
         v,
+        out if out is not None else p,
         n,
         lr,
         step,
@@ -91,6 +100,7 @@ def adamw_step_(
         eps,
         weight_decay,
         HAS_SCALE=scale is not None,
+        HAS_OUT=out is not None,
         BLOCK=block,
         num_warps=8,
     )

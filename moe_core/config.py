@@ -117,7 +117,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast over fp32 master weights
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast over fp32 weights
+    # Optimizer state and gradient buffers: fp32 (moments, and a master copy of bf16 weights)
+    # or bf16 (moments and gradients in bf16, no master: bf16 weights updated in place).
+    optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
     log_every: int = 10
     eval_every: int = 0  # held-out loss every N steps (0: never)
     eval_batches: int = 4  # micro-batches in one evaluation, split over the data-parallel ranks
@@ -260,8 +263,12 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank; interleaved_1f1b needs >= 2
     recompute: Literal["none", "block", "selective"] = "none"
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
-    param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights; master weights are fp32
-    compile: bool = False  # torch.compile each block (token dispatch stays eager)
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights (masters: train.optimizer_dtype)
+    compile: bool | None = None  # torch.compile each block (dispatch stays eager); None: on CUDA
+
+    def compile_on(self, device_type: str) -> bool:
+        """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
+        return self.compile if self.compile is not None else device_type == "cuda"
 
     def __post_init__(self) -> None:
         p = "parallel."
@@ -399,6 +406,13 @@ class RunConfig:
                 t.global_batch_size,
                 f"interleaved 1F1B needs micro-batches per step ({n_micro}) divisible by "
                 f"parallel.pp ({par.pp})",
+            )
+        if t.optimizer_dtype == "bf16" and par.param_dtype == "fp32":
+            _fail(
+                "train.optimizer_dtype",
+                "bf16",
+                "fp32 with parallel.param_dtype=fp32 (bf16 optimizer state is for bf16 weights: "
+                "precision=pure-bf16)",
             )
         if par.dispatcher == "nvshmem_rowwise" and par.ep > 1:
             raise OptionNotImplementedError(

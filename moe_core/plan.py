@@ -11,11 +11,13 @@ Memory of one rank of pipeline stage ``s`` (every rank of a stage holds the same
   shared-expert (plus embedding on the first, final norm and LM head on the last stage)
   parameters, ``N_expert`` its routed-expert parameters divided by ``ep``, ``b_p`` 2 for bf16
   and 4 for fp32 weights.
-- gradient buffers: fp32 ``4 * (N_dense + N_expert)``, plus the fp32 reduced shard
-  ``4 * (N_dense / (dp * ep) + N_expert / dp)`` where that group has more than one rank.
-- optimizer (ZeRO-1): fp32 master and two Adam moments, ``12`` bytes per element (``8`` when
-  the weights are fp32: they are their own masters), over ``N_dense / (dp * ep) +
-  N_expert / dp`` elements.
+- gradient buffers, in ``b_o`` (``train.optimizer_dtype``: 4 for fp32, 2 for bf16):
+  ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
+  N_expert / dp)`` where that group has more than one rank.
+- optimizer (ZeRO-1): two Adam moments in ``b_o`` and, when the weights are less precise than
+  that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
+  for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
+  master), over ``N_dense / (dp * ep) + N_expert / dp`` elements.
 - activations: ``in_flight * layers_per_chunk * T * A`` with ``T = micro_batch_size * seq_len``
   tokens per micro-batch, ``in_flight`` the most forwards whose backward is still pending in
   the stage's schedule (``pp - s`` for 1F1B) and ``A`` the bytes one layer saves per token
@@ -37,7 +39,7 @@ Communication (bytes one rank sends; ring collectives send ``(g - 1) / g`` of th
   rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends ``r * (d_model * b_p + 12 k)``
   (row, expert ids, weights) and ``r * d_model * b_p`` back; backward the same rows with
   ``4 k`` instead of ``12 k``; block recompute repeats the forward.
-- reduce-scatter of the fp32 gradients and all-gather of the updated weights, once per step.
+- reduce-scatter of the gradients (``b_o``) and all-gather of the updated weights, once per step.
 - pipeline: one ``T * d_model * b_p`` message per micro-batch and chunk boundary, each way.
 """
 
@@ -200,7 +202,7 @@ class Communication:
 
     all_to_all_per_layer: int  # one MoE layer, one micro-batch, forward + backward
     all_to_all: int  # the step: every MoE layer of the busiest rank, every micro-batch
-    reduce_scatter: int  # fp32 gradients, dense and expert groups
+    reduce_scatter: int  # gradients in the optimizer's dtype, dense and expert groups
     all_gather: int  # updated weights in the model dtype
     pipeline: int  # the busiest rank's activation and gradient messages
 
@@ -216,6 +218,7 @@ class Plan:
     cluster: ClusterConfig
     param_dtype: str
     compute_dtype: str
+    optimizer_dtype: str
     tokens_per_micro_batch: int
     micro_batches: int
     stages: tuple[StageMemory, ...]
@@ -276,14 +279,15 @@ class Plan:
             f"{mem.in_flight}",
         )
         dense_group, expert_group = par.dp * par.ep, par.dp
+        od = self.optimizer_dtype
         rows = (
             ("  weights", mem.weights, f"{self.param_dtype}"),
-            ("  gradient buffers", mem.grad_buffers, "fp32, plus the reduced shard"),
+            ("  gradient buffers", mem.grad_buffers, f"{od}, plus the reduced shard"),
             (
                 "  optimizer",
                 mem.optimizer,
-                ("fp32 master + 2 moments" if self.param_dtype != "fp32" else "2 fp32 moments")
-                + f", dense / {dense_group}, experts / {expert_group}",
+                ("fp32 master + " if self.param_dtype != od else "")
+                + f"2 {od} moments, dense / {dense_group}, experts / {expert_group}",
             ),
             ("  activations", mem.activations, f"recompute {par.recompute}"),
             ("  pipeline send buffers", mem.p2p_buffers, "held until the step ends"),
@@ -350,6 +354,7 @@ def plan(run: RunConfig) -> Plan:
     sh = _shapes(m)
     bp = DTYPE_BYTES[par.param_dtype]
     bc = DTYPE_BYTES[t.dtype]
+    bo = DTYPE_BYTES[t.optimizer_dtype]
     tokens = t.micro_batch_size * t.seq_len
     n_mb = run.micro_batches
     n_chunks = par.pp * par.virtual_stages
@@ -380,8 +385,8 @@ def plan(run: RunConfig) -> Plan:
 
         dense_shard = dense / dense_group if dense_group > 1 else 0
         expert_shard = experts / expert_group if expert_group > 1 else 0
-        grads = 4 * (dense + experts) + 4 * (dense_shard + expert_shard)
-        state_bytes = 12 if bp < 4 else 8
+        grads = bo * (dense + experts) + bo * (dense_shard + expert_shard)
+        state_bytes = 2 * bo + (4 if bp < bo else 0)
         optimizer = state_bytes * (dense / dense_group + experts / expert_group)
 
         in_flight = max_in_flight(par, s, n_mb)
@@ -425,8 +430,8 @@ def plan(run: RunConfig) -> Plan:
         all_to_all_per_layer=round(per_layer),
         all_to_all=round(per_layer * layers_per_rank * n_mb),
         reduce_scatter=round(
-            _ring(4 * busiest.dense_params, dense_group)
-            + _ring(4 * busiest.expert_params, expert_group)
+            _ring(bo * busiest.dense_params, dense_group)
+            + _ring(bo * busiest.expert_params, expert_group)
         ),
         all_gather=round(
             _ring(bp * busiest.dense_params, dense_group)
@@ -442,6 +447,7 @@ def plan(run: RunConfig) -> Plan:
         cluster=run.cluster,
         param_dtype=par.param_dtype,
         compute_dtype=t.dtype,
+        optimizer_dtype=t.optimizer_dtype,
         tokens_per_micro_batch=tokens,
         micro_batches=n_mb,
         stages=tuple(stages),

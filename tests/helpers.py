@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_core.config import ModelConfig
@@ -26,6 +27,12 @@ BASE = [
     "train.warmup_steps=1",
     "train.eps=1e-6",
 ]
+
+
+def needs_gpus(n: int) -> pytest.MarkDecorator:
+    """Skip (with the reason) where fewer than ``n`` GPUs are present; use with ``gpu``."""
+    have = torch.cuda.device_count()
+    return pytest.mark.skipif(have < n, reason=f"needs {n} GPUs; this machine has {have}")
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -94,10 +101,11 @@ def losses(run_dir: Path) -> list[float]:
     ]
 
 
-def write_token_dir(path, splits, shard_tokens, dtype="uint32"):
+def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20):
     """A data directory holding exactly the given token arrays (through the real shard writer).
 
-    ``splits`` maps "train"/"validation" to 1-D integer arrays; each array is one document.
+    ``splits`` maps "train"/"validation" to 1-D integer arrays; each array is one document;
+    ``vocab_size`` is the stand-in tokenizer's size the manifest records.
     """
     from pathlib import Path
 
@@ -121,6 +129,6 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32"):
         shards = writer.finish()
         records[split] = (writer.documents, shards)
     spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
-    info = {"sha256": sha256_hex(tokenizer), "vocab_size": 1 << 20, "eos_id": 0, "dtype": dtype}
+    info = {"sha256": sha256_hex(tokenizer), "vocab_size": vocab_size, "eos_id": 0, "dtype": dtype}
     atomic_write(out / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
     return out

@@ -214,3 +214,36 @@ def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     assert "stopped at step" in stdout
     steps = [int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").iterdir()]
     assert len(steps) == 1 and steps[0] == len(losses(tmp_path)) and steps[0] < 100000
+
+
+def test_pure_bf16_checkpoint_resumes_under_fp32_master_state_and_back(tmp_path):
+    """A pure-bf16 checkpoint (bf16 weights and moments, no master) loads into fp32 master
+    state exactly (bf16 values are fp32 values); the fp32 state written from there loads back
+    into pure-bf16, rounded once; both go on training."""
+    common = [*BASE, "train.checkpoint_every=2", f"out_dir={tmp_path}"]
+    pure = [*common, "precision=pure-bf16"]
+    first = Trainer(compose_run([*pure, "train.steps=2"]))
+    first.fit(show_progress=False)
+    assert first.optimizer.moments[0]["exp_avg"].dtype == torch.bfloat16
+
+    wide = Trainer(compose_run([*common, "precision=bf16", "train.steps=4"]))
+    assert wide.step == 2 and wide.optimizer.state_dtype == torch.float32
+    for i, b in enumerate(first.optimizer.buckets):
+        name = b.names[0]
+        j = next(k for k, w in enumerate(wide.optimizer.buckets) if name in w.names)
+        assert wide.optimizer.buckets[j].names == b.names  # same packing: same precision of weights
+        saved, loaded = first.optimizer.shards(i), wide.optimizer.shards(j)
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            assert loaded[kind].dtype == torch.float32
+            assert torch.equal(loaded[kind], saved[kind].float()), (name, kind)
+    wide.fit(show_progress=False)
+
+    narrow = Trainer(compose_run([*pure, "train.steps=5"]))
+    assert narrow.step == 4
+    for i, b in enumerate(wide.optimizer.buckets):
+        j = next(k for k, w in enumerate(narrow.optimizer.buckets) if b.names[0] in w.names)
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            got, ref = narrow.optimizer.shards(j)[kind], wide.optimizer.shards(i)[kind]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16))
+    history = narrow.fit(show_progress=False)
+    assert len(history) == 1 and history[0].step == 4

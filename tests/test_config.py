@@ -84,6 +84,10 @@ def test_flops_follow_the_convention_by_hand():
         ("+model.n_expert=4", "model.n_expert is not a known option"),
         ("train.seq_len=512", "train.seq_len=512 is not allowed: at most model.max_seq_len (256)"),
         ("model=huge", "model='huge' is not allowed: one of 1t, 47b, olmoe-1b-7b, small-64e, tiny"),
+        (
+            "train.optimizer_dtype=bf16",
+            "train.optimizer_dtype='bf16' is not allowed: fp32 with parallel.param_dtype=fp32",
+        ),
     ],
 )
 def test_invalid_values_fail_with_one_sentence(override, message, capsys):
@@ -103,3 +107,25 @@ def test_from_dict_keeps_types_and_defaults():
 def test_missing_config_dir_is_explained(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"has no config\.yaml"):
         compose_run([], tmp_path)
+
+
+def test_compile_is_on_by_default_on_cuda_only():
+    default = compose_run([]).parallel
+    assert default.compile is None
+    assert default.compile_on("cuda") and not default.compile_on("cpu")
+    off = compose_run(["parallel.compile=false"]).parallel
+    on = compose_run(["parallel.compile=true"]).parallel
+    assert not off.compile_on("cuda") and on.compile_on("cpu")
+
+
+def test_precision_presets_set_weights_compute_and_optimizer_state():
+    presets = {name: compose_run([f"precision={name}"]) for name in ("fp32", "bf16", "pure-bf16")}
+    got = {
+        name: (r.parallel.param_dtype, r.train.dtype, r.train.optimizer_dtype)
+        for name, r in presets.items()
+    }
+    assert got == {
+        "fp32": ("fp32", "fp32", "fp32"),
+        "bf16": ("bf16", "bf16", "fp32"),
+        "pure-bf16": ("bf16", "bf16", "bf16"),
+    }

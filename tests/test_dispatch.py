@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from helpers import TESTS, explain, torchrun
+from helpers import TESTS, explain, needs_gpus, torchrun
 
 
 @pytest.mark.slow
@@ -42,8 +41,8 @@ def test_all_to_all_dispatcher_equals_local_dispatcher(mode, tmp_path, monkeypat
 
 
 @pytest.mark.gpu
+@needs_gpus(2)
 def test_all_to_all_dispatcher_reads_the_host_once_per_forward_and_never_in_backward(tmp_path):
-    assert torch.cuda.device_count() >= 2, "this test needs 2 GPUs"
     out = tmp_path / "syncs.json"
     result = torchrun(2, [str(TESTS / "dist_jobs.py"), "dispatch-syncs", str(out)])
     assert result.returncode == 0, explain(result)

@@ -109,6 +109,46 @@ def test_pipeline_stages_split_memory_and_traffic():
     assert first.optimizer == 12 * first.dense_params + 12 * first.expert_params
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "pure-bf16"])
+def test_static_memory_is_what_the_trainer_allocates(precision, tmp_path):
+    """Weights, gradient buffers and optimizer state per precision preset: the plan's bytes are
+    the bytes the trainer's buckets and ZeRO-1 optimizer hold after a step (one process)."""
+    from moe_core.train.trainer import Trainer
+
+    run = compose_run(
+        [
+            "model=tiny",
+            "model.n_layers=2",
+            f"precision={precision}",
+            "train.seq_len=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "train.steps=1",
+            f"out_dir={tmp_path}",
+        ]
+    )
+    mem = plan(run).memory
+    trainer = Trainer(run)
+    trainer.train_step()
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    buckets, opt = trainer.buckets.buckets, trainer.optimizer
+    assert nbytes(b.param_flat for b in buckets) == mem.weights
+    assert nbytes(b.grad_flat for b in buckets) == mem.grad_buffers
+    state = [t for m in opt.moments for t in m.values()]
+    state += [
+        m
+        for m, b in zip(opt.masters, buckets, strict=True)
+        if m.data_ptr() != b.param_flat.data_ptr()
+    ]
+    assert nbytes(state) == mem.optimizer
+    per_param = {"fp32": 4 + 4 + 8, "bf16": 2 + 4 + 12, "pure-bf16": 2 + 2 + 4}[precision]
+    n = mem.dense_params + mem.expert_params
+    assert mem.weights + mem.grad_buffers + mem.optimizer == per_param * n
+
+
 @pytest.mark.parametrize("pp,n_mb", [(4, 8), (4, 2), (1, 3)])
 def test_in_flight_follows_the_1f1b_schedule(pp: int, n_mb: int):
     par = ParallelConfig(pp=pp)

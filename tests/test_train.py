@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import time
 
 import pytest
+from helpers import BASE
+from rich.console import Console
 
 from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.convert.native import load_model_dir
+from moe_core.model.flops import count
 from moe_core.train.schedule import lr_multiplier
 from moe_core.train.trainer import Trainer
 
@@ -47,3 +52,35 @@ def test_schedules():
     assert lr_multiplier(50, wsd) == 1.0 and lr_multiplier(79, wsd) == 1.0
     assert lr_multiplier(99, wsd) == pytest.approx(wsd.min_lr_ratio)
     assert 0.1 < lr_multiplier(90, wsd) < 1.0
+
+
+def test_step_time_is_wall_time_between_steps_and_printed_rates_are_the_logged_ones(tmp_path):
+    """A step is timed from the previous step's host read to its own, so time spent between
+    steps (here a slow metrics sink) counts; TFLOP/s is tokens x FLOPs per token over that time,
+    and the console prints what ``metrics.jsonl`` holds."""
+    stamps: list[float] = []
+
+    class SlowSink:
+        def log(self, step, metrics) -> None:
+            stamps.append(time.perf_counter())
+            time.sleep(0.05)
+
+        def close(self) -> None:
+            pass
+
+    console = Console(record=True, width=250)
+    run = compose_run([*BASE, "train.steps=4", "train.log_every=1", f"out_dir={tmp_path}"])
+    history = Trainer(run, console=console).fit(sinks=[SlowSink()])
+    span = stamps[-1] - stamps[0]
+    timed = sum(m.step_time_s for m in history[1:])
+    assert timed > 3 * 0.05 and abs(timed - span) < 0.02 * span + 0.005, (timed, span)
+
+    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    flops = count(run.model, run.train.seq_len).flops_per_token
+    printed = re.findall(r"step\s+(\d+) .*?([\d,]+) tok/s/gpu", console.export_text())
+    assert [int(s) for s, _ in printed] == [0, 1, 2, 3]
+    for (_, tok_s), m in zip(printed, logged, strict=True):
+        tokens = run.train.global_batch_size * run.train.seq_len
+        assert m["tokens_per_s_per_gpu"] == pytest.approx(tokens / m["step_time_s"])
+        assert m["model_tflops_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"] * flops / 1e12)
+        assert int(tok_s.replace(",", "")) == round(m["tokens_per_s_per_gpu"])

@@ -154,12 +154,17 @@ class Router(nn.Module):
         return Routing(experts_TK, weights_TK, counts_E, aux)
 
     @torch.no_grad()
-    def update_bias(self, counts_E: torch.Tensor) -> None:
-        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the rest."""
+    def next_bias(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Auxiliary-loss-free balancing: the bias after a step that routed ``counts_E`` (under-
+        loaded experts raised, the rest lowered); ``update_bias`` applies it."""
         if self.expert_bias is None:
-            raise RuntimeError("update_bias needs model.expert_bias=true")
+            raise RuntimeError("the expert bias needs model.expert_bias=true")
         load_E = counts_E.to(torch.float32)
-        self.expert_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
+        return self.expert_bias + self.bias_rate * torch.sign(load_E.mean() - load_E)
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        self.expert_bias.copy_(self.next_bias(counts_E))  # type: ignore[union-attr]
 
 
 class Experts(nn.Module):

@@ -2,10 +2,12 @@
 
 Parameters are packed into buckets (one kind of weight, one weight-decay setting, bounded
 size). Each bucket owns a flat parameter buffer (the model's parameters become views into it)
-and a flat fp32 gradient buffer. A post-accumulate hook adds each micro-batch's gradient into
-the fp32 buffer; once every parameter of a bucket has received all micro-batches of the step,
-the bucket is reduce-scattered asynchronously while backward goes on. Each rank ends up with
-the reduced gradient of its own shard, which is what the ZeRO-1 optimizer updates.
+and a flat gradient buffer in the optimizer's dtype (fp32, or bf16 for the pure-bf16 preset). A
+post-accumulate hook moves each micro-batch's gradient into that buffer (the first micro-batch
+of a step is copied, later ones added, so the buffer is never zeroed: one pass less per step);
+once every parameter of a bucket has received all micro-batches of the step, the bucket is
+reduce-scattered asynchronously while backward goes on. Each rank ends up with the reduced
+gradient of its own shard, which is what the ZeRO-1 optimizer updates.
 
 Gradients are averaged over ``dp x ep`` for both kinds: every rank's loss is a mean over its own
 tokens, and an expert on one rank has already summed, through the all-to-all backward, the
@@ -43,8 +45,8 @@ class Bucket:
     is_expert: bool
     decay: bool
     param_flat: torch.Tensor = field(init=False)  # model dtype, padded; params are views
-    grad_flat: torch.Tensor = field(init=False)  # fp32 accumulation buffer, padded
-    grad_shard: torch.Tensor = field(init=False)  # fp32 reduced gradient of this rank's shard
+    grad_flat: torch.Tensor = field(init=False)  # accumulation buffer, padded (zero padding)
+    grad_shard: torch.Tensor = field(init=False)  # reduced gradient of this rank's shard
     pending: int = 0  # hook calls still expected this step
     work: dist.Work | None = None
 
@@ -76,8 +78,15 @@ def _expert_offsets(modules: list[nn.Module]) -> dict[int, int]:
 class GradBuckets:
     """Owns the flat buffers of a rank's model chunks and reduces their gradients."""
 
-    def __init__(self, chunks: list[nn.Module], mesh: Mesh, bucket_mb: float, divisor: int) -> None:
-        self.mesh, self.divisor = mesh, divisor
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        mesh: Mesh,
+        bucket_mb: float,
+        divisor: int,
+        grad_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.mesh, self.divisor, self.grad_dtype = mesh, divisor, grad_dtype
         named: dict[str, nn.Parameter] = {}
         for chunk in chunks:
             for name, p in chunk.named_parameters():
@@ -104,7 +113,7 @@ class GradBuckets:
             for b in self.buckets
             for p in b.params
         ]
-        self._micro_batches = 1
+        self._fresh: set[int] = set()  # parameters without a gradient yet this step
 
     def _add(self, items: list[tuple[str, nn.Parameter]], is_expert: bool, decay: bool) -> None:
         group = self.mesh.expert_dp_group if is_expert else self.mesh.dense_dp_group
@@ -119,7 +128,7 @@ class GradBuckets:
         padded = b.shard_numel * b.size
         first = items[0][1]
         b.param_flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-        b.grad_flat = torch.zeros(padded, dtype=torch.float32, device=first.device)
+        b.grad_flat = torch.zeros(padded, dtype=self.grad_dtype, device=first.device)
         b.grad_shard = b.grad_flat if b.group is None else b.grad_flat.new_zeros(b.shard_numel)
         for p, off in zip(b.params, offsets, strict=True):
             view = b.param_flat[off : off + p.numel()].view_as(p)
@@ -129,16 +138,20 @@ class GradBuckets:
         self.buckets.append(b)
 
     def start_step(self, micro_batches: int) -> None:
-        """Zero the gradients and expect ``micro_batches`` backward passes before reducing."""
-        self._micro_batches = micro_batches
+        """Expect ``micro_batches`` backward passes before reducing (the first one of each
+        parameter overwrites its gradient, so nothing is zeroed)."""
+        self._fresh = set(self._owner)
         for b in self.buckets:
-            b.grad_flat.zero_()
             b.pending = len(b.params) * micro_batches
             b.work = None
 
     def _on_grad(self, p: nn.Parameter) -> None:
         assert p.grad is not None
-        p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+        if id(p) in self._fresh:
+            self._fresh.discard(id(p))
+            p.main_grad.copy_(p.grad)  # type: ignore[attr-defined]
+        else:
+            p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
         p.grad = None
         b = self._owner[id(p)]
         b.pending -= 1

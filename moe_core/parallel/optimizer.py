@@ -1,11 +1,17 @@
-"""ZeRO-1 AdamW: fp32 master weights and Adam moments sharded over each bucket's group.
+"""ZeRO-1 AdamW: master weights and Adam moments sharded over each bucket's group.
+
+State precision (``train.optimizer_dtype``): ``fp32`` keeps fp32 moments and, for bf16 weights,
+an fp32 master copy of this rank's shard (fp32 weights are their own masters); ``bf16`` keeps
+bf16 moments and no master: the bf16 weights are updated in place (math in fp32).
 
 Per step: the gradient buckets have been reduce-scattered (``ddp.GradBuckets``); the global
-gradient norm is summed over every shard of every stage; each rank updates its fp32 shards with
-the fused AdamW update of ``kernels.adamw`` (one pass per shard on the GPU, the clipping scale
-applied inside it) and all-gathers the updated weights into the bucket's flat parameter buffer,
-which the model's parameters view. Step count, learning rate and clipping scale stay on the
-device: the update reads nothing back.
+gradient norm comes from one multi-tensor pass over this rank's shards (``torch._foreach_norm``,
+fp32 accumulation) summed over every shard of every stage; each rank updates its shards with the
+fused AdamW update of ``kernels.adamw`` (one pass per shard on the GPU: gradient, master and
+moments read once, master and moments written once, the clipping scale applied inside it, and
+the bf16 model weights written from the fp32 masters in the same pass) and all-gathers the
+updated weights into the bucket's flat parameter buffer, which the model's parameters view.
+Step count, learning rate and clipping scale stay on the device: the update reads nothing back.
 """
 
 from __future__ import annotations
@@ -29,15 +35,17 @@ class ShardedAdamW:
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.buckets, self.mesh = buckets.buckets, mesh
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        # fp32 model weights are their own masters (the shard is a view, updated in place);
-        # lower-precision weights get an fp32 copy.
+        self.state_dtype = state_dtype
+        # Weights at least as precise as the state are their own masters (the shard is a view,
+        # updated in place); bf16 weights under fp32 state get an fp32 copy.
         self.masters: list[torch.Tensor] = [
             b.param_flat[b.shard].detach()
-            if b.param_flat.dtype == torch.float32
-            else b.param_flat[b.shard].detach().float().clone()
+            if b.param_flat.dtype in (torch.float32, state_dtype)
+            else b.param_flat[b.shard].detach().to(state_dtype)
             for b in self.buckets
         ]
         # Moments per bucket, allocated at the first update (or when a checkpoint loads).
@@ -50,9 +58,13 @@ class ShardedAdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, over all shards of all stages."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        for b in self.buckets:
-            sq += b.grad_shard.float().square().sum()
+        shards = [b.grad_shard for b in self.buckets]
+        # fp32 accumulation on the GPU (tree reductions); the CPU's norm kernel sums in order,
+        # which loses ~1e-5 over a million fp32 squares, so it accumulates in fp64 there.
+        acc = torch.float32 if self.mesh.device.type == "cuda" else torch.float64
+        norms = torch._foreach_norm(shards, 2, dtype=acc) if shards else []
+        zero = torch.zeros((), dtype=acc, device=self.mesh.device)
+        sq = torch.stack([*norms, zero]).square().sum().float()
         if self.mesh.distributed:
             dist.all_reduce(sq)
         return sq.sqrt()
@@ -71,6 +83,7 @@ class ShardedAdamW:
         self.step_t += 1
         for i, (m, b) in enumerate(zip(self.masters, self.buckets, strict=True)):
             state = self.shards(i, allocate=True)
+            weights = b.param_flat[b.shard]
             adamw_step_(
                 m,
                 b.grad_shard,
@@ -83,14 +96,19 @@ class ShardedAdamW:
                 beta2=self.betas[1],
                 eps=self.eps,
                 weight_decay=self.weight_decay if b.decay else 0.0,
+                out=None if _same(m, weights) else weights,
             )
-        self.publish_weights()
+        self._gather_weights()
 
     def publish_weights(self) -> None:
         """Model weights := masters (cast to the model dtype), gathered over each bucket's group."""
         for m, b in zip(self.masters, self.buckets, strict=True):
-            if m.data_ptr() != b.param_flat[b.shard].data_ptr():
+            if not _same(m, b.param_flat[b.shard]):
                 b.param_flat[b.shard].copy_(m)
+        self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        for b in self.buckets:
             if b.group is not None:
                 shard = b.param_flat[b.shard].clone()
                 all_gather_flat(b.param_flat, shard, group=b.group)
@@ -100,9 +118,9 @@ class ShardedAdamW:
         freshly allocated state to load into when ``allocate``)."""
         m, state = self.masters[index], self.moments[index]
         if allocate and not state:
-            state["exp_avg"] = torch.zeros_like(m)
-            state["exp_avg_sq"] = torch.zeros_like(m)
-        zeros = torch.zeros_like(m) if not state else None
+            state["exp_avg"] = torch.zeros_like(m, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(m, dtype=self.state_dtype)
+        zeros = torch.zeros_like(m, dtype=self.state_dtype) if not state else None
         return {
             "param": m,
             "exp_avg": state.get("exp_avg", zeros),
@@ -138,6 +156,11 @@ class ShardedAdamW:
     def step_count(self) -> int:
         """Updates applied so far (a host read: for checkpoints and logs, not the step)."""
         return int(self.step_t)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory (a master that is the weights themselves)."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
 
 
 def _gather(shard: torch.Tensor, b: Bucket) -> torch.Tensor:

@@ -57,7 +57,7 @@ def parallelize(
         for p in model.parameters():
             p.data = p.data.to(dtype)
         apply_recompute(model, pcfg.recompute)
-        if pcfg.compile:
+        if pcfg.compile_on(mesh.device.type):
             apply_compile(model)
         chunks[c] = model
     return chunks

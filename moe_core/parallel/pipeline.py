@@ -121,7 +121,7 @@ class PipelineRunner:
         self.cfg = mesh.cfg
         self.n_chunks = self.cfg.pp * self.cfg.virtual_stages
         self.act_shape, self.act_dtype, self.autocast = act_shape, act_dtype, autocast
-        self.loss_fn = loss_function(self.cfg.compile)
+        self.loss_fn = loss_function(self.cfg.compile_on(mesh.device.type))
 
     def _owner(self, chunk: int) -> int:
         return chunk % self.cfg.pp

@@ -1,8 +1,10 @@
 """AdamW on the fused ``kernels.adamw`` update: one pass per tensor, no host synchronization.
 
-Moments are kept in each parameter's dtype (as ``torch.optim.AdamW`` keeps them); the math runs
-in fp32. The step count and learning rate live on the device, so a step reads nothing back and
-can be captured in a CUDA graph (set ``lr`` between replays with ``set_lr``).
+Moments are kept in each parameter's dtype (as ``torch.optim.AdamW`` keeps them), or, with
+``master_weights``, in fp32 beside an fp32 master copy of each lower-precision parameter (the
+update writes the parameter from its master in the same pass); the math runs in fp32. The step
+count and learning rate live on the device, so a step reads nothing back and can be captured in
+a CUDA graph (set ``lr`` between replays with ``set_lr``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        master_weights: bool = False,
     ) -> None:
         if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps < 0:
             raise ValueError(f"AdamW: lr {lr} must be > 0, betas {betas} in [0, 1), eps >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master_weights = master_weights
 
     def _device_scalars(self, group: dict, device: torch.device) -> None:
         if "lr_t" not in group:
@@ -53,10 +57,16 @@ class AdamW(torch.optim.Optimizer):
             for p in params:
                 state = self.state[p]
                 if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    master = self.master_weights and p.dtype != torch.float32
+                    if master:
+                        state["master"] = p.detach().float().contiguous()
+                    dtype = torch.float32 if master else p.dtype
+                    fmt = torch.contiguous_format
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=fmt)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=fmt)
+                master = state.get("master")
                 adamw_step_(
-                    p,
+                    p if master is None else master,
                     p.grad,
                     state["exp_avg"],
                     state["exp_avg_sq"],
@@ -66,4 +76,5 @@ class AdamW(torch.optim.Optimizer):
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
+                    out=None if master is None else p,
                 )

@@ -1,7 +1,8 @@
 """Sharded, atomic, resharding checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-What is saved: the ZeRO-1 optimizer's fp32 master weights and Adam moments, router buffers
-(the expert bias), and the trainer's state (step, guard counters, config). Model weights are the
+What is saved: the ZeRO-1 optimizer's master weights and Adam moments (fp32, or bf16 under
+``train.optimizer_dtype=bf16``; either loads into either, converted), router buffers (the
+expert bias), and the trainer's state (step, guard counters, config). Model weights are the
 masters cast to the model dtype, so they are not stored twice. Each rank writes only what it
 owns: for every parameter, the contiguous range of its flattened *global* tensor that its shard
 covers, under the key ``opt/<name>/<kind>/<start>``. Loading in any layout reads the saved
@@ -231,18 +232,20 @@ class Checkpointer:
         trainer state. Works whatever layout wrote the checkpoint."""
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+        dtypes: dict[str, torch.dtype] = {}  # as saved: fp32, or bf16 from the pure-bf16 preset
         for key, md in metadata.items():
             if m := _KEY.fullmatch(key):
                 saved.setdefault((m.group(1), m.group(2)), []).append(
                     (int(m.group(3)), md.size[0], key)
                 )
+                dtypes[key] = md.properties.dtype
         owned = owned_ranges(opt)
         request: dict[str, Any] = {"trainer": "", "adam_step": 0}
         for o in owned:
             for kind in STATE_KEYS:
                 for start, length, key in saved.get((o.name, kind), []):
                     if start < o.start + o.length and o.start < start + length:
-                        request.setdefault(key, torch.empty(length, dtype=torch.float32))
+                        request.setdefault(key, torch.empty(length, dtype=dtypes[key]))
         missing = [o.name for o in owned if (o.name, "param") not in saved]
         if missing:
             raise ValueError(

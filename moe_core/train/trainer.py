@@ -8,6 +8,12 @@ global gradient norm: a non-finite one skips the step (nothing changes), too man
 the run with a checkpoint. Router statistics summed over the step drive the expert bias and the
 router-health metrics. Checkpoints are sharded and atomic; a restarted run resumes from the
 newest valid one and reproduces the uninterrupted run bit for bit (deterministic kernels).
+
+Keeping the GPU busy: the next step's micro-batches are produced on a background thread while
+the GPU runs this one (``data.prefetch``); the step reads the host once (loss, norm, router
+statistics and memory in one transfer), after which the optimizer is queued and the metrics are
+logged while the GPU runs it. A step's time is wall time from the previous step's host read to
+its own (data, optimizer and logging included), so TFLOP/s over steps is the run's real rate.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from moe_core.config import RunConfig, check_tokenizer_fits, to_dict
 from moe_core.convert.native import save_model_dir
 from moe_core.data.loader import TokenLoader
+from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.synthetic import SyntheticTokens
 from moe_core.model import Transformer
 from moe_core.model.flops import count
@@ -94,15 +101,27 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         torch.manual_seed(tc.seed)
         self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed)
-        self.loss_fn = loss_function(pc.compile)
+        self.loss_fn = loss_function(pc.compile_on(self.device.type))
         modules = list(self.chunks.values())
         self.routers = routers_by_layer(modules)
         self.buffers = router_buffers(modules)
-        self.buckets = GradBuckets(modules, self.mesh, pc.bucket_mb, divisor=pc.data_parallel)
-        self.optimizer = ShardedAdamW(
-            self.buckets, self.mesh, tc.lr, (tc.beta1, tc.beta2), tc.eps, tc.weight_decay
+        state_dtype = DTYPES[tc.optimizer_dtype]
+        self.buckets = GradBuckets(
+            modules, self.mesh, pc.bucket_mb, divisor=pc.data_parallel, grad_dtype=state_dtype
         )
-        self.autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=tc.dtype == "bf16")
+        self.optimizer = ShardedAdamW(
+            self.buckets,
+            self.mesh,
+            tc.lr,
+            (tc.beta1, tc.beta2),
+            tc.eps,
+            tc.weight_decay,
+            state_dtype=state_dtype,
+        )
+        # Autocast only where it changes something: bf16 compute over fp32 weights. bf16 weights
+        # compute in bf16 as they are (norms, router and loss keep fp32 inside the model).
+        bf16_over_fp32 = tc.dtype == "bf16" and pc.param_dtype == "fp32"
+        self.autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=bf16_over_fp32)
         self.pipeline = None
         if pc.pp > 1:
             shape = (tc.micro_batch_size, tc.seq_len, cfg.model.d_model)
@@ -130,6 +149,11 @@ class Trainer:
             vocab = self.loader.dataset.manifest.tokenizer["vocab_size"]
             check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size)
             self._train_iter = iter(self.loader)
+        # The loader's position after the last step that ran (what a checkpoint records; the
+        # loader itself may already be a step ahead, prefetching).
+        self._loader_state = None if self.loader is None else self.loader.state_dict()
+        self._prefetch: Prefetcher[list[torch.Tensor]] | None = None
+        self._clock: float | None = None  # when the last step's host read returned
         self.flops_per_token = count(cfg.model, tc.seq_len).flops_per_token
         self.peak = peak_tflops(self.device)
         self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
@@ -149,21 +173,41 @@ class Trainer:
     # ---- data -----------------------------------------------------------------------------
 
     def micro_batches(self) -> list[torch.Tensor]:
-        """This rank's micro-batches of the current step. Token shards: the loader's next ones
-        (a step holds the same instances for any layout). Synthetic: sequences are numbered
-        globally, and data rank ``d`` reads the ``d``-th contiguous slice of the step's batch."""
+        """This rank's micro-batches of the current step, on the device (made one step ahead on
+        a background thread; see ``_produce``)."""
+        if self._prefetch is None:
+            self._prefetch = Prefetcher(self._produce)
+        batches, self._loader_state = self._prefetch.take(self.step)
+        return [b.to(self.device, non_blocking=True) for b in batches]
+
+    def _produce(self, step: int) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+        """Step ``step``'s micro-batches in host memory, and the loader's state after them.
+        Token shards: the loader's next ones (a step holds the same instances for any layout).
+        Synthetic: sequences are numbered globally, and data rank ``d`` reads the ``d``-th
+        contiguous slice of the step's batch."""
         tc = self.cfg.train
         if self.loader is not None:
-            return [next(self._train_iter).to(self.device) for _ in range(self.cfg.micro_batches)]
+            batches = [next(self._train_iter) for _ in range(self.cfg.micro_batches)]
+            return [pinned(b, self.device) for b in batches], self.loader.state_dict()
         per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
-        start = self.step * tc.global_batch_size + self.mesh.data_rank * per_rank
-        return self._sequences(start, self.cfg.micro_batches)
+        start = step * tc.global_batch_size + self.mesh.data_rank * per_rank
+        return self._sequences(start, self.cfg.micro_batches), None
 
     def _sequences(self, start: int, n_micro: int) -> list[torch.Tensor]:
+        """Synthetic walks ``start ..`` as ``n_micro`` micro-batches in (pinned) host memory."""
         mb, seq_len = self.cfg.train.micro_batch_size, self.cfg.train.seq_len
-        return [
-            self.data.sequences(start + j * mb, mb, seq_len).to(self.device) for j in range(n_micro)
-        ]
+        tokens = pinned(self.data.sequences(start, n_micro * mb, seq_len), self.device)
+        return list(tokens.split(mb))
+
+    def _stop_prefetching(self) -> None:
+        """Drop a step made ahead; the loader goes back to where the last step left it."""
+        if self._prefetch is None:
+            return
+        self._prefetch.close()
+        self._prefetch = None
+        if self.loader is not None and self._loader_state is not None:
+            self.loader.load_state_dict(self._loader_state)
+            self._train_iter = iter(self.loader)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -185,29 +229,48 @@ class Trainer:
             aux_sum += aux.detach()
         return ce_sum, aux_sum
 
-    def _router_health(self, applied: bool) -> dict[str, dict[str, Any]]:
-        """Per-layer router health over the step (summed over data-parallel ranks); also applies
-        the expert-bias update when the step was applied."""
-        if not self.routers:
-            return {}
-        layers = list(self.routers)
-        rs = [self.routers[k] for k in layers]
-        table = torch.stack(
+    def _router_table(self) -> torch.Tensor:
+        """Per layer (rows): the step's assignments per expert, its summed load-balancing score,
+        then (with the expert bias) the bias and the bias after this step's update; counts and
+        scores summed over the data-parallel ranks. float64 on the device: no host read."""
+        rs = list(self.routers.values())
+        if not rs:
+            return torch.zeros(0, device=self.device, dtype=torch.float64)
+        stats = torch.stack(
             [torch.cat([r.stat_counts_E.double(), r.stat_lb.double().view(1)]) for r in rs]
         )
         if self.mesh.dense_dp_group is not None:
-            dist.all_reduce(table, group=self.mesh.dense_dp_group)
-        counts, lb = (
-            table[:, :-1],
-            table[:, -1] / (self.cfg.micro_batches * self.cfg.parallel.data_parallel),
+            dist.all_reduce(stats, group=self.mesh.dense_dp_group)
+        if not self.cfg.model.expert_bias:
+            return stats
+        E = self.cfg.model.n_experts
+        bias = torch.stack(
+            [torch.cat([r.expert_bias, r.next_bias(c[:E])]) for r, c in zip(rs, stats, strict=True)]
         )
+        return torch.cat([stats, bias.double()], dim=1)
+
+    def _router_health(
+        self, table: torch.Tensor, host: list[list[float]], applied: bool
+    ) -> dict[str, dict[str, Any]]:
+        """Per-layer router health over the step from the router table (``table`` on the
+        device, ``host`` its values read back); applies the expert-bias update when the step
+        was applied."""
+        if not self.routers:
+            return {}
+        E = self.cfg.model.n_experts
+        rs, layers = list(self.routers.values()), list(self.routers)
+        n_scores = self.cfg.micro_batches * self.cfg.parallel.data_parallel
         if applied and self.cfg.model.expert_bias:
-            for r, c in zip(rs, counts, strict=True):
-                r.update_bias(c)
+            for r, row in zip(rs, table, strict=True):
+                r.expert_bias.copy_(row[E + 1 + E :])  # type: ignore[union-attr]
         health = {}
-        for name, r, c, score in zip(layers, rs, counts.cpu(), lb.tolist(), strict=True):
-            bias = None if r.expert_bias is None else r.expert_bias.cpu()
-            health[f"layer_{name}"] = router_health(c, score, self.cfg.parallel.ep, bias)
+        for name, row in zip(layers, host, strict=True):
+            bias = None
+            if self.cfg.model.expert_bias:
+                bias = torch.tensor(row[E + 1 + E :] if applied else row[E + 1 : E + 1 + E])
+            counts = torch.tensor(row[:E], dtype=torch.float64)
+            score = row[E] / n_scores
+            health[f"layer_{name}"] = router_health(counts, score, self.cfg.parallel.ep, bias)
         if self.cfg.parallel.pp > 1:
             parts: list = [None] * dist.get_world_size()
             mine = health if (self.mesh.dp_rank, self.mesh.ep_rank) == (0, 0) else None
@@ -217,7 +280,8 @@ class Trainer:
 
     def train_step(self) -> StepMetrics:
         tc, pc = self.cfg.train, self.cfg.parallel
-        start = time.perf_counter()
+        if self._clock is None:
+            self._clock = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = tc.lr * lr_multiplier(self.step, tc)
@@ -227,39 +291,49 @@ class Trainer:
         ce_sum, aux_sum = self._forward_backward(batches)
         self.buckets.finish()
         grad_norm = self.optimizer.grad_norm()
+        if self.step + 1 < tc.steps:
+            self._prefetch.prepare(self.step + 1)  # type: ignore[union-attr]
 
         rs = list(self.routers.values())
         zero = torch.zeros((), device=self.device)
+        mem = (
+            torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.device.type == "cuda"
+            else 0.0
+        )
+        # Host values join the device's through pinned memory: an asynchronous copy, no sync.
+        host = torch.tensor([float(len(rs)), mem, float(self.stop_requested)])
+        host = pinned(host, self.device).to(self.device, non_blocking=True)
         sums = torch.stack(
             [
                 ce_sum,
                 aux_sum,
                 sum((r.stat_lb for r in rs), zero),
                 sum((r.stat_z for r in rs), zero),
-                torch.tensor(float(len(rs)), device=self.device),
+                host[0],
             ]
         )
-        mem = (
-            torch.cuda.max_memory_allocated(self.device) / 2**30
-            if self.device.type == "cuda"
-            else 0.0
-        )
-        maxes = torch.tensor([mem, float(self.stop_requested)], device=self.device)
+        maxes = host[1:]
         if self.mesh.distributed:
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        values = torch.cat([sums, grad_norm.view(1), maxes]).tolist()  # the step's one host read
-        ce, aux, lb, z, n_routers, norm, mem_max, stop = values
+        table = self._router_table()
+        scalars = torch.cat([sums, grad_norm.view(1), maxes]).double()
+        values = torch.cat([scalars, table.flatten()]).tolist()  # the step's one host read
+        now = time.perf_counter()
+        elapsed, self._clock = now - self._clock, now
+        ce, aux, lb, z, n_routers, norm, mem_max, stop = values[: len(scalars)]
+        width = table.shape[1] if table.ndim == 2 else 0
+        rows = [values[len(scalars) + i * width :][:width] for i in range(len(self.routers))]
         n_micro = len(batches) * pc.data_parallel
         loss = ce / n_micro
         verdict = self.guards.check(loss, norm)
         if not verdict.skip:
             self.optimizer.update(grad_norm, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-        health = self._router_health(applied=not verdict.skip)
+        health = self._router_health(table, rows, applied=not verdict.skip)
         for r in rs:
             r.reset_stats()
         self.stop_requested = self.stop_requested or stop > 0
-        elapsed = time.perf_counter() - start
         speed = throughput(
             tc.global_batch_size * tc.seq_len,
             elapsed,
@@ -310,7 +384,7 @@ class Trainer:
                 )
         else:
             start = EVAL_BASE + self.mesh.data_rank * per_rank * tc.micro_batch_size
-            batches = self._sequences(start, per_rank)
+            batches = [b.to(self.device) for b in self._sequences(start, per_rank)]
         with router_stats_paused():
             ce_sum, _ = self._forward_backward(batches, forward_only=True)
         if self.mesh.distributed:
@@ -324,7 +398,7 @@ class Trainer:
             "step": self.step,
             "guards": self.guards.state_dict(),
             "config": to_dict(self.cfg),
-            "loader": None if self.loader is None else self.loader.state_dict(),
+            "loader": self._loader_state,
         }
         state = self.checkpointer.state_dict(self.optimizer, self.buffers, trainer_state)
         pc = self.cfg.parallel
@@ -341,6 +415,7 @@ class Trainer:
         if self.loader is not None and state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
             self._train_iter = iter(self.loader)
+            self._loader_state = self.loader.state_dict()
         self.resumed_from = path
         if self.is_main:
             self.console.print(f"resumed from {path} (step {self.step})")
@@ -412,6 +487,7 @@ class Trainer:
                     m = self.train_step()
                     if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == tc.steps):
                         m.eval_loss = self.evaluate()
+                        self._clock = None  # the next step is timed from its own start
                     history.append(m)
                     for sink in sinks:
                         sink.log(m.step, m.as_dict())
@@ -429,6 +505,7 @@ class Trainer:
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
                         self.save_checkpoint()
                         saved_at = self.step
+                        self._clock = None
                     self.checkpointer.poll()
             if tc.checkpoint_at_end and saved_at != self.step:
                 self.save_checkpoint()
@@ -436,6 +513,8 @@ class Trainer:
             if self.stop_requested and self.is_main:
                 self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
         finally:
+            self._stop_prefetching()
+            self._clock = None
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             for sink in sinks:

@@ -1,0 +1,182 @@
+"""The trainer users run (``moe train``) against the bare training step, same shape and precision.
+
+    python benchmarks/trainer_step.py --layers 16 --precision pure-bf16 --out trainer.json
+    python benchmarks/trainer_step.py --layers 8 --precision bf16 --data kjv-gpt2 --data-dir DIR
+
+In one run on one GPU, one after the other, each in its own process:
+
+1. the bare step (``train_step.py``: the model compiled, forward, backward and our fused AdamW
+   with the state in the precision's dtype, on random token ids), CUDA events after warm-up,
+   the median;
+2. ``moe train`` itself, as a child process (the product: data, gradient buckets, ZeRO-1
+   optimizer, guards, metrics), OLMoE-1B-7B width at ``--layers`` layers, sequence 4096, one
+   micro-batch of ``--mbs`` sequences per step, learned routing; its figure is the median of the
+   TFLOP/s it prints and writes to ``metrics.jsonl`` over the steps after warm-up (both are
+   checked to agree).
+
+Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master) and ``bf16`` (bf16
+weights; fp32 gradient buffers, master weights and moments). ``--accumulate`` also times
+moving one bf16 gradient into an fp32 bucket: zeroing then adding (the old hook) against one
+copy (the hook now, for the first micro-batch of a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+import torch
+from timing import cuda_times_ms
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+STATE_DTYPE = {"pure-bf16": "bf16", "bf16": "fp32"}
+
+
+def child(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def bare_step(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        cmd = [
+            sys.executable,
+            str(HERE / "train_step.py"),
+            "--compile",
+            "--optimizer=moe_core",
+            f"--optimizer-dtype={STATE_DTYPE[args.precision]}",
+            f"--layers={args.layers}",
+            f"--mbs={args.mbs}",
+            f"--warmup={args.warmup}",
+            f"--iters={args.steps}",
+            f"--out={out}",
+        ]
+        child(cmd, "the bare step")
+        return json.loads(out.read_text())
+
+
+def trainer_overrides(args: argparse.Namespace, out_dir: str) -> list[str]:
+    data = ["data=synthetic"]
+    if args.data != "synthetic":
+        data = [f"data={args.data}", f"data.dir={args.data_dir}"]
+    return [
+        "model=olmoe-1b-7b",
+        f"model.n_layers={args.layers}",
+        f"precision={args.precision}",
+        "train=default",
+        *data,
+        f"train.micro_batch_size={args.mbs}",
+        f"train.global_batch_size={args.mbs}",
+        f"train.steps={args.warmup + args.steps}",
+        "train.log_every=1",
+        "train.checkpoint_at_end=false",
+        "train.save_model=false",
+        "train.resume=false",
+        f"out_dir={out_dir}",
+    ]
+
+
+PRINTED = re.compile(r"step\s+(\d+)\s.*?([\d.]+) TFLOP/s/gpu")
+
+
+def trainer_run(args: argparse.Namespace) -> dict:
+    """``moe train`` in a child process; its printed and logged figures after warm-up."""
+    with tempfile.TemporaryDirectory() as out:
+        overrides = trainer_overrides(args, out)
+        done = child([sys.executable, "-m", "moe_core.cli", "train", *overrides], "moe train")
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r["step"] >= args.warmup]
+    printed = {int(s): float(v) for s, v in PRINTED.findall(done.stdout)}
+    for r in timed:  # the printed figure is the logged one, rounded to one decimal
+        assert abs(printed[r["step"]] - r["model_tflops_per_gpu"]) <= 0.051, (printed, r)
+    tflops = [r["model_tflops_per_gpu"] for r in timed]
+    return {
+        "command": "moe train " + " ".join(o for o in overrides if not o.startswith("out_dir")),
+        "steps_timed": len(timed),
+        "tflops_per_step": tflops,
+        "median_tflops": statistics.median(tflops),
+        "median_step_s": statistics.median(r["step_time_s"] for r in timed),
+        "peak_mem_gib": max(r["peak_mem_gib"] for r in timed),
+        "loss_first": rows[0]["loss"],
+        "loss_last": rows[-1]["loss"],
+        "printed_tail": done.stdout.splitlines()[-4:],
+    }
+
+
+def accumulate(n: int = 1 << 28) -> dict:
+    """One bf16 gradient of ``n`` elements into an fp32 bucket: zero + add vs one copy."""
+    g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    bucket = torch.empty(n, device="cuda", dtype=torch.float32)
+
+    def zero_add() -> None:
+        bucket.zero_()
+        bucket.add_(g)
+
+    def copy() -> None:
+        bucket.copy_(g)
+
+    out = {"elements": n}
+    for name, fn in (("zero_add", zero_add), ("copy", copy)):
+        out[f"{name}_ms"] = statistics.median(cuda_times_ms(fn, 3, 20))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--precision", choices=sorted(STATE_DTYPE), default="pure-bf16")
+    p.add_argument("--data", choices=["synthetic", "kjv-gpt2"], default="synthetic")
+    p.add_argument("--data-dir", default="", help="token shards for --data kjv-gpt2")
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--skip-bare", action="store_true", help="only the trainer")
+    p.add_argument("--accumulate", action="store_true")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.data != "synthetic" and not args.data_dir:
+        raise SystemExit(f"--data {args.data} needs --data-dir (the token shards).")
+    result: dict = {
+        "benchmark": "trainer_vs_step",
+        "date": str(date.today()),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "layers": args.layers,
+        "precision": args.precision,
+        "data": args.data,
+        "mbs": args.mbs,
+        "seq": 4096,
+    }
+    if args.accumulate:
+        result["accumulate"] = accumulate()
+    if not args.skip_bare:
+        bare = bare_step(args)
+        result["step"] = bare
+        result["step_tflops"] = bare["model_tflops"]
+    trainer = trainer_run(args)
+    result["trainer"] = trainer
+    result["trainer_tflops"] = trainer["median_tflops"]
+    if "step_tflops" in result:
+        result["ratio"] = result["trainer_tflops"] / result["step_tflops"]
+    print("RESULT " + json.dumps({k: v for k, v in result.items() if k not in ("step", "trainer")}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
