@@ -13,7 +13,9 @@ Memory of one rank of pipeline stage ``s`` (every rank of a stage holds the same
   and 4 for fp32 weights.
 - gradient buffers, in ``b_o`` (``train.optimizer_dtype``: 4 for fp32, 2 for bf16):
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
-  N_expert / dp)`` where that group has more than one rank.
+  N_expert / dp)`` where that group has more than one rank. A rank that reduces nothing
+  (``dp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
+  gradients instead: ``b_p * (N_dense + N_expert)`` and no transient.
 - optimizer (ZeRO-1): two Adam moments in ``b_o`` and, when the weights are less precise than
   that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
   for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
@@ -360,6 +362,7 @@ def plan(run: RunConfig) -> Plan:
     n_chunks = par.pp * par.virtual_stages
     per_chunk = m.n_layers // n_chunks
     dense_group, expert_group = par.dp * par.ep, par.dp
+    autograd_grads = par.data_parallel == 1 and (n_mb == 1 or bp == bo)  # see parallel.ddp
     a_layer = layer_activation_bytes(m, par.param_dtype, t.dtype, par.recompute)
     a_full = layer_activation_bytes(m, par.param_dtype, t.dtype, "none")
     head_act = tokens * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
@@ -386,6 +389,9 @@ def plan(run: RunConfig) -> Plan:
         dense_shard = dense / dense_group if dense_group > 1 else 0
         expert_shard = experts / expert_group if expert_group > 1 else 0
         grads = bo * (dense + experts) + bo * (dense_shard + expert_shard)
+        transient = largest * bp
+        if autograd_grads:
+            grads, transient = bp * (dense + experts), 0
         state_bytes = 2 * bo + (4 if bp < bo else 0)
         optimizer = state_bytes * (dense / dense_group + experts / expert_group)
 
@@ -411,7 +417,7 @@ def plan(run: RunConfig) -> Plan:
                 optimizer=round(optimizer),
                 activations=acts,
                 p2p_buffers=sent if par.pp > 1 else 0,
-                transient=largest * bp,
+                transient=transient,
                 reserve=reserve,
             )
         )

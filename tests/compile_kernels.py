@@ -103,12 +103,20 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
     }
     for c in variants(topk):
         out.append((router_topk_triton._topk_softmax_backward, ptrs, c))
-    for dtype in ("*bf16", "*fp32"):
-        ptrs = {f"{t}_ptr": dtype for t in "pgmv"}
+    # (master, gradient, moments, model copy): fp32 weights, pure bf16, fp32 masters of bf16
+    # weights with bf16 (autograd's) or fp32 (bucketed) gradients
+    for p, g, mv, copy in (
+        ("*fp32", "*fp32", "*fp32", None),
+        ("*bf16", "*bf16", "*bf16", None),
+        ("*fp32", "*bf16", "*fp32", "*bf16"),
+        ("*fp32", "*fp32", "*fp32", "*bf16"),
+    ):
+        ptrs = {"p_ptr": p, "g_ptr": g, "m_ptr": mv, "v_ptr": mv, "out_ptr": copy or p}
         ptrs |= {"lr_ptr": "*fp32", "step_ptr": "*fp32", "scale_ptr": "*fp32"}
         ptrs |= {k: "fp32" for k in ("beta1", "beta2", "log2_beta1", "log2_beta2", "eps")}
         ptrs["weight_decay"] = "fp32"
-        for c in variants({"HAS_SCALE": [False, True], "BLOCK": [4096]}):
+        flags = {"HAS_SCALE": [False, True], "HAS_OUT": [copy is not None], "BLOCK": [4096]}
+        for c in variants(flags):
             out.append((adamw_triton._adamw, ptrs, c))
     return out
 

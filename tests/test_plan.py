@@ -109,10 +109,15 @@ def test_pipeline_stages_split_memory_and_traffic():
     assert first.optimizer == 12 * first.dense_params + 12 * first.expert_params
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "pure-bf16"])
-def test_static_memory_is_what_the_trainer_allocates(precision, tmp_path):
-    """Weights, gradient buffers and optimizer state per precision preset: the plan's bytes are
-    the bytes the trainer's buckets and ZeRO-1 optimizer hold after a step (one process)."""
+@pytest.mark.parametrize(
+    "precision, micro_batches",
+    [("fp32", 1), ("bf16", 1), ("pure-bf16", 1), ("bf16", 2), ("pure-bf16", 2)],
+)
+def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, tmp_path):
+    """Weights, gradients and optimizer state per precision preset: the plan's bytes are the
+    bytes the trainer's buckets, autograd's kept gradients and the ZeRO-1 optimizer hold after
+    backward and after the update (one process: gradient buffers only where bf16 gradients
+    accumulate over micro-batches in fp32)."""
     from moe_core.train.trainer import Trainer
 
     run = compose_run(
@@ -122,21 +127,28 @@ def test_static_memory_is_what_the_trainer_allocates(precision, tmp_path):
             f"precision={precision}",
             "train.seq_len=16",
             "train.micro_batch_size=2",
-            "train.global_batch_size=2",
+            f"train.global_batch_size={2 * micro_batches}",
             "train.steps=1",
             f"out_dir={tmp_path}",
         ]
     )
     mem = plan(run).memory
     trainer = Trainer(run)
-    trainer.train_step()
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     buckets, opt = trainer.buckets.buckets, trainer.optimizer
+    batches = trainer.micro_batches()
+    trainer.buckets.start_step(len(batches))
+    trainer._forward_backward(batches)
+    trainer.buckets.finish()
+    flat = [b.grad_flat for b in buckets if b.grad_flat is not None]
+    kept = [p.grad for b in buckets if b.keeps_autograd_grads for p in b.params]
+    assert bool(flat) == (precision == "bf16" and micro_batches == 2)
+    assert nbytes(flat) + nbytes(kept) == mem.grad_buffers
     assert nbytes(b.param_flat for b in buckets) == mem.weights
-    assert nbytes(b.grad_flat for b in buckets) == mem.grad_buffers
+    opt.update(opt.grad_norm(), 1.0)
     state = [t for m in opt.moments for t in m.values()]
     state += [
         m
@@ -144,8 +156,10 @@ def test_static_memory_is_what_the_trainer_allocates(precision, tmp_path):
         if m.data_ptr() != b.param_flat.data_ptr()
     ]
     assert nbytes(state) == mem.optimizer
-    per_param = {"fp32": 4 + 4 + 8, "bf16": 2 + 4 + 12, "pure-bf16": 2 + 2 + 4}[precision]
     n = mem.dense_params + mem.expert_params
+    per_param = {"fp32": 4 + 4 + 8, "bf16": 2 + 2 + 12, "pure-bf16": 2 + 2 + 4}[precision]
+    if flat:
+        per_param += 2  # fp32 accumulation buffer instead of bf16 gradients
     assert mem.weights + mem.grad_buffers + mem.optimizer == per_param * n
 
 

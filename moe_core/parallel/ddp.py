@@ -9,6 +9,12 @@ once every parameter of a bucket has received all micro-batches of the step, the
 reduce-scattered asynchronously while backward goes on. Each rank ends up with the reduced
 gradient of its own shard, which is what the ZeRO-1 optimizer updates.
 
+A rank that reduces nothing (``dp x ep = 1``) needs no flat gradient buffer when the step has
+one micro-batch, or when gradients accumulate in the weights' own dtype: autograd's gradients
+(``param.grad``, accumulated in place over micro-batches) are used as they are, with no copy
+and no buffer (measured on one H200: the copy of a bf16 gradient into the buffer is most of the
+trainer's overhead over a bare step). ``Bucket.gradients`` hides which of the two a bucket does.
+
 Gradients are averaged over ``dp x ep`` for both kinds: every rank's loss is a mean over its own
 tokens, and an expert on one rank has already summed, through the all-to-all backward, the
 gradient of every token of its expert-parallel group.
@@ -44,11 +50,29 @@ class Bucket:
     group: dist.ProcessGroup | None
     is_expert: bool
     decay: bool
+    keeps_autograd_grads: bool  # param.grad used as it is: no flat gradient buffer
     param_flat: torch.Tensor = field(init=False)  # model dtype, padded; params are views
-    grad_flat: torch.Tensor = field(init=False)  # accumulation buffer, padded (zero padding)
-    grad_shard: torch.Tensor = field(init=False)  # reduced gradient of this rank's shard
+    grad_flat: torch.Tensor | None = field(init=False)  # accumulation buffer, padded (zeros)
+    grad_shard: torch.Tensor | None = field(init=False)  # reduced gradient of this rank's shard
     pending: int = 0  # hook calls still expected this step
     work: dist.Work | None = None
+
+    def gradients(self) -> list[tuple[int, torch.Tensor]]:
+        """This rank's reduced gradient as (offset in the shard, flat tensor) pieces: the whole
+        shard, or each parameter's own autograd gradient."""
+        if self.grad_shard is not None:
+            return [(0, self.grad_shard)]
+        pieces = []
+        for p, off in zip(self.params, self.offsets, strict=True):
+            assert p.grad is not None, "gradients read before backward"
+            pieces.append((off, p.grad.reshape(-1)))
+        return pieces
+
+    def release_gradients(self) -> None:
+        """Drop autograd's gradients once used (nothing for a flat buffer, which is reused)."""
+        if self.keeps_autograd_grads:
+            for p in self.params:
+                p.grad = None
 
     @property
     def size(self) -> int:
@@ -85,8 +109,10 @@ class GradBuckets:
         bucket_mb: float,
         divisor: int,
         grad_dtype: torch.dtype = torch.float32,
+        micro_batches: int = 1,
     ) -> None:
         self.mesh, self.divisor, self.grad_dtype = mesh, divisor, grad_dtype
+        self.micro_batches = micro_batches
         named: dict[str, nn.Parameter] = {}
         for chunk in chunks:
             for name, p in chunk.named_parameters():
@@ -124,41 +150,59 @@ class GradBuckets:
             starts.append(self._expert_offsets.get(id(p), 0) * per_expert)
             total += p.numel()
         names, params = [n for n, _ in items], [p for _, p in items]
-        b = Bucket(names, params, offsets, starts, total, group, is_expert, decay)
-        padded = b.shard_numel * b.size
         first = items[0][1]
+        keeps = (
+            group is None
+            and self.divisor == 1
+            and (self.micro_batches == 1 or first.dtype == self.grad_dtype)
+        )
+        b = Bucket(names, params, offsets, starts, total, group, is_expert, decay, keeps)
+        padded = b.shard_numel * b.size
         b.param_flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-        b.grad_flat = torch.zeros(padded, dtype=self.grad_dtype, device=first.device)
-        b.grad_shard = b.grad_flat if b.group is None else b.grad_flat.new_zeros(b.shard_numel)
+        b.grad_flat = b.grad_shard = None
+        if not keeps:
+            b.grad_flat = torch.zeros(padded, dtype=self.grad_dtype, device=first.device)
+            b.grad_shard = b.grad_flat if b.group is None else b.grad_flat.new_zeros(b.shard_numel)
         for p, off in zip(b.params, offsets, strict=True):
             view = b.param_flat[off : off + p.numel()].view_as(p)
             view.copy_(p.data)
             p.data = view
-            p.main_grad = b.grad_flat[off : off + p.numel()].view_as(p)  # type: ignore[attr-defined]
+            if b.grad_flat is not None:
+                p.main_grad = b.grad_flat[off : off + p.numel()].view_as(p)  # type: ignore[attr-defined]
         self.buckets.append(b)
 
     def start_step(self, micro_batches: int) -> None:
         """Expect ``micro_batches`` backward passes before reducing (the first one of each
         parameter overwrites its gradient, so nothing is zeroed)."""
+        if micro_batches != self.micro_batches:
+            raise ValueError(
+                f"micro_batches={micro_batches} is not allowed: these buckets were built for "
+                f"{self.micro_batches} per step."
+            )
         self._fresh = set(self._owner)
         for b in self.buckets:
+            b.release_gradients()
             b.pending = len(b.params) * micro_batches
             b.work = None
 
     def _on_grad(self, p: nn.Parameter) -> None:
         assert p.grad is not None
+        b = self._owner[id(p)]
+        if b.keeps_autograd_grads:  # autograd accumulates into p.grad itself
+            b.pending -= 1
+            return
         if id(p) in self._fresh:
             self._fresh.discard(id(p))
             p.main_grad.copy_(p.grad)  # type: ignore[attr-defined]
         else:
             p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
         p.grad = None
-        b = self._owner[id(p)]
         b.pending -= 1
         if b.pending == 0:
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
+        assert b.grad_flat is not None and b.grad_shard is not None
         if self.divisor != 1:
             b.grad_flat.div_(self.divisor)
         if b.group is not None:

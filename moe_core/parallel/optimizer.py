@@ -58,7 +58,7 @@ class ShardedAdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, over all shards of all stages."""
-        shards = [b.grad_shard for b in self.buckets]
+        shards = [g for b in self.buckets for _, g in b.gradients()]
         # fp32 accumulation on the GPU (tree reductions); the CPU's norm kernel sums in order,
         # which loses ~1e-5 over a million fp32 squares, so it accumulates in fp64 there.
         acc = torch.float32 if self.mesh.device.type == "cuda" else torch.float64
@@ -84,20 +84,24 @@ class ShardedAdamW:
         for i, (m, b) in enumerate(zip(self.masters, self.buckets, strict=True)):
             state = self.shards(i, allocate=True)
             weights = b.param_flat[b.shard]
-            adamw_step_(
-                m,
-                b.grad_shard,
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                self.lr_t,
-                self.step_t,
-                scale,
-                beta1=self.betas[0],
-                beta2=self.betas[1],
-                eps=self.eps,
-                weight_decay=self.weight_decay if b.decay else 0.0,
-                out=None if _same(m, weights) else weights,
-            )
+            copy = not _same(m, weights)
+            for start, g in b.gradients():
+                part = slice(start, start + g.numel())
+                adamw_step_(
+                    m[part],
+                    g,
+                    state["exp_avg"][part],
+                    state["exp_avg_sq"][part],
+                    self.lr_t,
+                    self.step_t,
+                    scale,
+                    beta1=self.betas[0],
+                    beta2=self.betas[1],
+                    eps=self.eps,
+                    weight_decay=self.weight_decay if b.decay else 0.0,
+                    out=weights[part] if copy else None,
+                )
+            b.release_gradients()
         self._gather_weights()
 
     def publish_weights(self) -> None:

@@ -18,6 +18,7 @@ its own (data, optimizer and logging included), so TFLOP/s over steps is the run
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -107,7 +108,12 @@ class Trainer:
         self.buffers = router_buffers(modules)
         state_dtype = DTYPES[tc.optimizer_dtype]
         self.buckets = GradBuckets(
-            modules, self.mesh, pc.bucket_mb, divisor=pc.data_parallel, grad_dtype=state_dtype
+            modules,
+            self.mesh,
+            pc.bucket_mb,
+            divisor=pc.data_parallel,
+            grad_dtype=state_dtype,
+            micro_batches=cfg.micro_batches,
         )
         self.optimizer = ShardedAdamW(
             self.buckets,
@@ -491,6 +497,12 @@ class Trainer:
                     history.append(m)
                     for sink in sinks:
                         sink.log(m.step, m.as_dict())
+                    if len(history) == 1:
+                        # What lives now (the model, compiled graphs) stays: keep it out of the
+                        # collector's full passes, which otherwise stall the host mid-run.
+                        gc.collect()
+                        gc.freeze()
+                        self._clock = None
                     bar.update(task, completed=self.step, status=f"loss {m.loss:.3f}")
                     if self.guards.exhausted:
                         self.save_checkpoint()
@@ -513,6 +525,7 @@ class Trainer:
             if self.stop_requested and self.is_main:
                 self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
         finally:
+            gc.unfreeze()
             self._stop_prefetching()
             self._clock = None
             for sig, handler in previous.items():
