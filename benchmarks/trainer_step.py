@@ -9,8 +9,9 @@ In one run on one GPU, one after the other, each in its own process:
    with the state in the precision's dtype, on random token ids), CUDA events after warm-up,
    the median;
 2. ``moe train`` itself, as a child process (the product: data, gradient buckets, ZeRO-1
-   optimizer, guards, metrics), OLMoE-1B-7B width at ``--layers`` layers, sequence 4096, one
-   micro-batch of ``--mbs`` sequences per step, learned routing; its figure is the median of the
+   optimizer, guards, metrics), OLMoE-1B-7B width at ``--layers`` layers, sequence 4096,
+   ``--micro-batches`` micro-batches of ``--mbs`` sequences per step (the bare step always runs
+   one), learned routing; its figure is the median of the
    TFLOP/s it prints and writes to ``metrics.jsonl`` over the steps after warm-up (both are
    checked to agree).
 
@@ -68,10 +69,10 @@ def bare_step(args: argparse.Namespace) -> dict:
         return json.loads(out.read_text())
 
 
-def trainer_overrides(args: argparse.Namespace, out_dir: str) -> list[str]:
+def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> list[str]:
     data = ["data=synthetic"]
     if args.data != "synthetic":
-        data = [f"data={args.data}", f"data.dir={args.data_dir}"]
+        data = [f"data={args.data}", f"data.dir={data_dir}"]
     return [
         "model=olmoe-1b-7b",
         f"model.n_layers={args.layers}",
@@ -79,7 +80,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str) -> list[str]:
         "train=default",
         *data,
         f"train.micro_batch_size={args.mbs}",
-        f"train.global_batch_size={args.mbs}",
+        f"train.global_batch_size={args.mbs * args.micro_batches}",
         f"train.steps={args.warmup + args.steps}",
         "train.log_every=1",
         "train.checkpoint_at_end=false",
@@ -95,8 +96,9 @@ PRINTED = re.compile(r"step\s+(\d+)\s.*?([\d.]+) TFLOP/s/gpu")
 def trainer_run(args: argparse.Namespace) -> dict:
     """``moe train`` in a child process; its printed and logged figures after warm-up."""
     with tempfile.TemporaryDirectory() as out:
-        overrides = trainer_overrides(args, out)
+        overrides = trainer_overrides(args, out, str(Path(args.data_dir).resolve()))
         done = child([sys.executable, "-m", "moe_core.cli", "train", *overrides], "moe train")
+        shown = trainer_overrides(args, "OUT", "DIR")  # no machine paths in the record
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] >= args.warmup]
     printed = {int(s): float(v) for s, v in PRINTED.findall(done.stdout)}
@@ -104,7 +106,7 @@ def trainer_run(args: argparse.Namespace) -> dict:
         assert abs(printed[r["step"]] - r["model_tflops_per_gpu"]) <= 0.051, (printed, r)
     tflops = [r["model_tflops_per_gpu"] for r in timed]
     return {
-        "command": "moe train " + " ".join(o for o in overrides if not o.startswith("out_dir")),
+        "command": "moe train " + " ".join(o for o in shown if not o.startswith("out_dir")),
         "steps_timed": len(timed),
         "tflops_per_step": tflops,
         "median_tflops": statistics.median(tflops),
@@ -139,8 +141,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--precision", choices=sorted(STATE_DTYPE), default="pure-bf16")
     p.add_argument("--data", choices=["synthetic", "kjv-gpt2"], default="synthetic")
-    p.add_argument("--data-dir", default="", help="token shards for --data kjv-gpt2")
+    p.add_argument(
+        "--data-dir",
+        default="",
+        help="token shards for --data kjv-gpt2 (moe tokenize model=olmoe-1b-7b data=kjv-gpt2)",
+    )
     p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=1, help="per trainer step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
@@ -160,6 +167,7 @@ def main() -> None:
         "precision": args.precision,
         "data": args.data,
         "mbs": args.mbs,
+        "micro_batches": args.micro_batches,
         "seq": 4096,
     }
     if args.accumulate:
