@@ -308,18 +308,18 @@ class Trainer:
             else 0.0
         )
         # Host values join the device's through pinned memory: an asynchronous copy, no sync.
-        host = torch.tensor([float(len(rs)), mem, float(self.stop_requested)])
-        host = pinned(host, self.device).to(self.device, non_blocking=True)
+        known = torch.tensor([float(len(rs)), mem, float(self.stop_requested)])
+        known = pinned(known, self.device).to(self.device, non_blocking=True)
         sums = torch.stack(
             [
                 ce_sum,
                 aux_sum,
                 sum((r.stat_lb for r in rs), zero),
                 sum((r.stat_z for r in rs), zero),
-                host[0],
+                known[0],
             ]
         )
-        maxes = host[1:]
+        maxes = known[1:]
         if self.mesh.distributed:
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
