@@ -1,7 +1,11 @@
-"""One MoE layer forward + backward at OLMoE-1B-7B shapes, EP=1 vs EP=2 (GPU).
+"""One MoE layer forward + backward at OLMoE-1B-7B shapes, EP=1 vs EP=N per dispatcher (GPU).
 
-Launch on a machine with 2 GPUs:
-    torchrun --standalone --nproc-per-node 2 benchmarks/moe_layer_ep.py --out results.json
+Launch on a machine with N GPUs:
+    torchrun --standalone --nproc-per-node N benchmarks/moe_layer_ep.py --out results.json
+    torchrun ... --dispatchers all_to_all,nvshmem_rowwise [--capacity-factor 1.25]
+
+On one GPU (N = 1) the rowwise dispatcher runs with one PE: its own overhead against the local
+path, with no link in between.
 
 Each rank routes its own 16,384 tokens (learned routing from a random router: skewed as at
 initialization, the same random inputs on every variant) through 64 experts, top-8, expert
@@ -26,19 +30,25 @@ from timing import cuda_times_ms
 
 from moe_core.config import ModelConfig
 from moe_core.model.moe import Experts, MoE
-from moe_core.parallel.dispatch import AllToAllDispatcher
+from moe_core.parallel.dispatch import (
+    AllToAllDispatcher,
+    RowwiseDispatcher,
+    RowwiseExchange,
+    rowwise_capacity,
+)
+from moe_core.parallel.symmetric import CudaSymmetricHeap
 
 CFG = ModelConfig(d_model=2048, n_heads=16, n_experts=64, top_k=8, expert_hidden=1024)
 TOKENS = 16384
 
 
-def build(ep: int, group, ep_rank: int) -> MoE:
+def build(ep: int, group, ep_rank: int, dispatcher: str, factor: float | None) -> MoE:
     torch.manual_seed(0)
     moe = MoE(CFG)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0.0, 0.02)
-    if ep > 1:
+    if dispatcher != "local":
         n_local = CFG.n_experts // ep
         full = moe.experts
         local = Experts(n_local, CFG.d_model, CFG.expert_hidden)
@@ -48,7 +58,15 @@ def build(ep: int, group, ep_rank: int) -> MoE:
             local.w_down.copy_(full.w_down[sl])
         local.expert_offset = ep_rank * n_local
         moe.experts = local
-        moe.dispatcher = AllToAllDispatcher(group, ep, n_local)
+        if dispatcher == "all_to_all":
+            moe.dispatcher = AllToAllDispatcher(group, ep, n_local)
+        else:
+            heap = CudaSymmetricHeap(group, torch.device("cuda"))
+            rows, assignments = rowwise_capacity(CFG.n_experts, CFG.top_k, ep, TOKENS, factor)
+            exchange = RowwiseExchange(
+                heap, rows, assignments, CFG.d_model, CFG.top_k, torch.bfloat16
+            )
+            moe.dispatcher = RowwiseDispatcher(exchange, n_local)
     return moe.cuda().to(torch.bfloat16)
 
 
@@ -88,6 +106,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--commit", default="unknown", help="the commit measured")
+    parser.add_argument("--dispatchers", default="all_to_all", help="comma-separated")
+    parser.add_argument("--capacity-factor", type=float, default=None, help="rowwise buffers")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -100,15 +120,19 @@ def main() -> None:
     grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
     flops_per_token = 6 * CFG.top_k * 3 * CFG.d_model * CFG.expert_hidden
 
+    variants = [("ep1", 1, "local")]
+    for name in args.dispatchers.split(","):
+        if world > 1 or name == "nvshmem_rowwise":
+            variants.append((f"ep{world}-{name}", world, name))
     results = {}
-    for ep in (1, world):
-        group = dist.group.WORLD if ep > 1 else None
-        moe = build(ep, group, rank if ep > 1 else 0)
+    for key, ep, dispatcher in variants:
+        moe = build(ep, dist.group.WORLD, rank, dispatcher, args.capacity_factor)
         times = time_steps(moe, x, grad, args.warmup, args.iters)
         med = statistics.median(times)
         share, top = profile_steps(moe, x, grad)
         row = {
             "ep": ep,
+            "dispatcher": dispatcher,
             "median_ms": med,
             "tokens_per_s_per_gpu": TOKENS / (med / 1e3),
             "model_tflops_per_gpu": TOKENS * flops_per_token / (med / 1e3) / 1e12,
@@ -117,7 +141,7 @@ def main() -> None:
         }
         gathered = [None] * world
         dist.all_gather_object(gathered, row)
-        results[f"ep{ep}"] = gathered
+        results[key] = gathered
         del moe
         torch.cuda.empty_cache()
 
@@ -138,19 +162,24 @@ def main() -> None:
             },
             "routing": "learned (random router init)",
             "precision": "bf16",
+            "capacity_factor": args.capacity_factor,
             "results": results,
         }
         ep1 = statistics.mean(r["tokens_per_s_per_gpu"] for r in results["ep1"])
-        epn = statistics.mean(r["tokens_per_s_per_gpu"] for r in results[f"ep{world}"])
-        report["ep_over_ep1"] = epn / ep1
-        print(f"{'layout':<8}{'ms':>10}{'tokens/s/GPU':>16}{'TFLOP/s/GPU':>14}{'NCCL share':>12}")
+        report["over_ep1"] = {
+            key: statistics.mean(r["tokens_per_s_per_gpu"] for r in rows) / ep1
+            for key, rows in results.items()
+        }
+        head = f"{'layout':<26}{'ms':>9}{'tokens/s/GPU':>15}{'TFLOP/s/GPU':>13}{'NCCL share':>12}"
+        print(head)
         for key, rows in results.items():
             for r in rows:
                 print(
-                    f"{key:<8}{r['median_ms']:>10.2f}{r['tokens_per_s_per_gpu']:>16,.0f}"
-                    f"{r['model_tflops_per_gpu']:>14.1f}{r['nccl_time_share']:>12.1%}"
+                    f"{key:<26}{r['median_ms']:>9.2f}{r['tokens_per_s_per_gpu']:>15,.0f}"
+                    f"{r['model_tflops_per_gpu']:>13.1f}{r['nccl_time_share']:>12.1%}"
                 )
-        print(f"EP={world} per-GPU throughput / EP=1: {report['ep_over_ep1']:.3f}")
+        for key, ratio in report["over_ep1"].items():
+            print(f"{key} per-GPU throughput / EP=1: {ratio:.3f}")
         for key, rows in results.items():
             print(f"costliest GPU kernels, {key}, rank 0 (ms per step):")
             for name, ms in rows[0]["top_kernels_ms_per_step"]:

@@ -258,7 +258,12 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
-    dispatcher: Literal["all_to_all", "nvshmem_rowwise"] = "all_to_all"  # used when ep > 1
+    # Token dispatch when ep > 1: NCCL/gloo all-to-all (a host read per layer), or rows written
+    # straight into the owners' buffers through symmetric memory (no host read).
+    dispatcher: Literal["all_to_all", "nvshmem_rowwise"] = "all_to_all"
+    # nvshmem_rowwise: receive buffers sized this many times the load expected under uniform
+    # routing (overflow stops the step with an error); None: dropless, sized for the worst case.
+    ep_capacity_factor: float | None = None
     pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank; interleaved_1f1b needs >= 2
     recompute: Literal["none", "block", "selective"] = "none"
@@ -284,6 +289,19 @@ class ParallelConfig:
             )
         if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
             _fail(p + "pp", self.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b")
+        if self.ep_capacity_factor is not None:
+            if not self.ep_capacity_factor >= 1.0:  # also refuses nan
+                _fail(
+                    p + "ep_capacity_factor",
+                    self.ep_capacity_factor,
+                    "at least 1.0 (the load expected under uniform routing), or null (dropless)",
+                )
+            if self.dispatcher != "nvshmem_rowwise":
+                _fail(
+                    p + "ep_capacity_factor",
+                    self.ep_capacity_factor,
+                    "null unless parallel.dispatcher=nvshmem_rowwise (all_to_all is dropless)",
+                )
 
     @property
     def world_size(self) -> int:
@@ -413,10 +431,6 @@ class RunConfig:
                 "bf16",
                 "fp32 with parallel.param_dtype=fp32 (bf16 optimizer state is for bf16 weights: "
                 "precision=pure-bf16)",
-            )
-        if par.dispatcher == "nvshmem_rowwise" and par.ep > 1:
-            raise OptionNotImplementedError(
-                "parallel.dispatcher='nvshmem_rowwise' is not implemented yet: use 'all_to_all'."
             )
 
     @property

@@ -29,6 +29,11 @@ Memory of one rank of pipeline stage ``s`` (every rank of a stage holds the same
   copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16 autocast, else 4).
 - pipeline send buffers: ``messages * micro_batches * T * d_model * b_p`` (activations
   forward, gradients backward; the runner holds each until the step ends).
+- expert-parallel receive buffers (``parallel.dispatcher=nvshmem_rowwise``): the symmetric
+  staging of ``RowwiseExchange.buffer_bytes`` for the rows ``rowwise_capacity`` allows, and,
+  per layer, the expert-ordered buffers sized for its assignment capacity ``M`` instead of the
+  ``T * k`` rows the exact-size dispatchers keep: ``(M - T k) (b_p (d + 3 h) + 4)`` more
+  activation bytes (``b_p h`` less per row under selective recompute).
 - transient: the gradient of the stage's largest parameter in ``b_p`` (autograd writes it
   before the hook adds it to the fp32 buffer).
 - runtime reserve: ``RUNTIME_RESERVE_GIB`` for the CUDA context, NCCL communicators and
@@ -59,6 +64,8 @@ from moe_core.config import ClusterConfig, ConfigError, ModelConfig, ParallelCon
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts
 from moe_core.model.transformer import Transformer
+from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
+from moe_core.parallel.parallelize import DTYPES
 from moe_core.parallel.pipeline import rank_chunks, schedule
 
 GIB = 2**30
@@ -184,6 +191,7 @@ class StageMemory:
     p2p_buffers: int
     transient: int
     reserve: int
+    ep_buffers: int = 0  # symmetric receive buffers of the rowwise dispatcher
 
     @property
     def total(self) -> int:
@@ -195,6 +203,7 @@ class StageMemory:
             + self.p2p_buffers
             + self.transient
             + self.reserve
+            + self.ep_buffers
         )
 
 
@@ -293,6 +302,7 @@ class Plan:
             ),
             ("  activations", mem.activations, f"recompute {par.recompute}"),
             ("  pipeline send buffers", mem.p2p_buffers, "held until the step ends"),
+            ("  expert-parallel receive buffers", mem.ep_buffers, "symmetric memory, rowwise"),
             ("  transient", mem.transient, "largest parameter's gradient"),
             ("  runtime reserve", mem.reserve, "CUDA context, NCCL, workspaces"),
         )
@@ -366,6 +376,17 @@ def plan(run: RunConfig) -> Plan:
     a_layer = layer_activation_bytes(m, par.param_dtype, t.dtype, par.recompute)
     a_full = layer_activation_bytes(m, par.param_dtype, t.dtype, "none")
     head_act = tokens * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
+    ep_buffers, extra_layer, extra_full = 0, 0, 0
+    if par.ep > 1 and par.dispatcher == "nvshmem_rowwise":
+        rows_cap, assign_cap = rowwise_capacity(
+            m.n_experts, m.top_k, par.ep, tokens, par.ep_capacity_factor
+        )
+        ep_buffers = RowwiseExchange.buffer_bytes(
+            par.ep, rows_cap, m.d_model, m.top_k, DTYPES[par.param_dtype]
+        )
+        more_rows = assign_cap - tokens * m.top_k
+        extra_full = more_rows * (bp * (m.d_model + 3 * m.expert_hidden) + 4)
+        extra_layer = extra_full - more_rows * bp * m.expert_hidden * (par.recompute == "selective")
     message = tokens * m.d_model * bp + 4  # hidden states + the running aux loss
     reserve = round(RUNTIME_RESERVE_GIB * GIB) if run.cluster.gpus_per_node else 0
 
@@ -397,9 +418,9 @@ def plan(run: RunConfig) -> Plan:
 
         in_flight = max_in_flight(par, s, n_mb)
         if par.recompute == "block":
-            acts = in_flight * per_chunk * tokens * m.d_model * bp + tokens * a_full
+            acts = in_flight * per_chunk * tokens * m.d_model * bp + tokens * a_full + extra_full
         else:
-            acts = in_flight * per_chunk * tokens * a_layer
+            acts = in_flight * per_chunk * (tokens * a_layer + extra_layer)
         if last:
             acts += head_act
         messages = sum(c < n_chunks - 1 for c in chunks) + sum(c > 0 for c in chunks)
@@ -419,6 +440,7 @@ def plan(run: RunConfig) -> Plan:
                 p2p_buffers=sent if par.pp > 1 else 0,
                 transient=transient,
                 reserve=reserve,
+                ep_buffers=ep_buffers,
             )
         )
 

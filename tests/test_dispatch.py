@@ -1,4 +1,5 @@
-"""The all-to-all expert-parallel dispatcher computes what the local dispatcher computes."""
+"""The expert-parallel dispatchers compute what the local dispatcher computes: all-to-all
+against the local path, rowwise (symmetric memory) against all-to-all."""
 
 from __future__ import annotations
 
@@ -48,3 +49,49 @@ def test_all_to_all_dispatcher_reads_the_host_once_per_forward_and_never_in_back
     assert result.returncode == 0, explain(result)
     for counts in json.loads(out.read_text()):
         assert counts == {"forward": 1, "backward": 0, "finite": True}, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc, mode",
+    [(2, "reference"), (2, "interpret"), (4, "reference"), (8, "reference")],
+    ids=["ep2", "ep2-interpret", "ep4", "ep8"],
+)
+def test_rowwise_dispatcher_equals_all_to_all_and_counts_every_dropped_row(
+    nproc, mode, tmp_path, monkeypatch
+):
+    """EP = 2, 4, 8 processes (gloo) with a shared-memory symmetric heap: the rowwise
+    dispatcher (routing metadata exchanged through the heap, rows written into the owners'
+    buffers, results read back) gives the all-to-all dispatcher's outputs and gradients of
+    tokens, routing weights and expert weights, incl. a rank receiving nothing and a rank with
+    no tokens, bit-repeatably; a buffer with room for 2 rows counts exactly the rows past it."""
+    if mode == "interpret":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "rowwise.json"
+    result = torchrun(nproc, [str(TESTS / "dist_jobs.py"), "rowwise", str(out), mode])
+    assert result.returncode == 0, explain(result)
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == nproc
+    by_case = [{c["case"]: c for c in r["cases"]} for r in ranks]
+    assert set(by_case[0]) == {"distinct", "repeats", "all-to-rank-0", "rank-1-without-tokens"}
+    assert by_case[1]["rank-1-without-tokens"]["tokens"] == 0
+    # every token wants rank 0's experts: no other rank's experts move
+    assert all(s > 0 for s in by_case[0]["all-to-rank-0"]["expert_grad_abs_sum"])
+    for r in range(1, nproc):
+        assert by_case[r]["all-to-rank-0"]["expert_grad_abs_sum"] == [0.0, 0.0]
+    received = ranks[0]["overflow"]["rows_per_owner"]
+    dropped = sum(r["overflow"]["dropped"] for r in ranks)
+    assert dropped == sum(max(0, n - 2) for n in received) > 0
+
+
+@pytest.mark.gpu
+@needs_gpus(2)
+def test_rowwise_dispatcher_over_nvlink_equals_all_to_all(tmp_path):
+    """2 GPUs (NCCL, torch's symmetric memory, bf16): the rowwise dispatcher's outputs and
+    gradients equal the all-to-all dispatcher's within bf16 noise; overflow is counted."""
+    out = tmp_path / "rowwise.json"
+    result = torchrun(2, [str(TESTS / "dist_jobs.py"), "rowwise", str(out), "cuda"])
+    assert result.returncode == 0, explain(result)
+    ranks = json.loads(out.read_text())
+    received = ranks[0]["overflow"]["rows_per_owner"]
+    assert sum(r["overflow"]["dropped"] for r in ranks) == sum(max(0, n - 2) for n in received)

@@ -34,6 +34,7 @@ LAYOUTS = {
         2,
         ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
     ),
+    "ep2-rowwise": (2, ["parallel.ep=2", "parallel.dispatcher=nvshmem_rowwise"]),
     "dp2-ep2": (4, ["parallel.dp=2", "parallel.ep=2"]),
     "pp2-ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
 }
@@ -202,8 +203,17 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
         ),
         (["parallel.pp=0"], "parallel.pp=0 is not allowed: it must be positive"),
         (
-            ["parallel.dispatcher=nvshmem_rowwise", "parallel.ep=2", "train.micro_batch_size=8"],
-            "parallel.dispatcher='nvshmem_rowwise' is not implemented yet",
+            ["parallel.ep=2", "train.micro_batch_size=4", "parallel.ep_capacity_factor=1.5"],
+            "parallel.ep_capacity_factor=1.5 is not allowed: null unless parallel.dispatcher=",
+        ),
+        (
+            [
+                "parallel.dispatcher=nvshmem_rowwise",
+                "parallel.ep=2",
+                "train.micro_batch_size=4",
+                "parallel.ep_capacity_factor=0.5",
+            ],
+            "parallel.ep_capacity_factor=0.5 is not allowed: at least 1.0",
         ),
     ],
 )

@@ -311,3 +311,39 @@ def test_moe_plan_refuses_a_bad_override(monkeypatch, capsys):
     assert cli.main(["plan", "model=1t", "parallel.ep=3"]) == 2
     out = capsys.readouterr().out.strip()
     assert out.startswith("error: parallel.ep=3 is not allowed") and len(out.splitlines()) == 1
+
+
+def test_rowwise_receive_buffers_in_the_plan():
+    """nvshmem_rowwise: capacities by hand, the symmetric staging the plan counts is what the
+    exchange allocates, and the expert-ordered buffers grow from T * k rows to the assignment
+    capacity in every layer's activations."""
+    import torch
+
+    from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
+    from moe_core.parallel.symmetric import SharedMemoryHeap
+
+    # 8 experts over 2 ranks, top-2, 32 tokens: a token visits a rank w.p. 1 - C(4,2)/C(8,2)
+    assert rowwise_capacity(8, 2, 2, 32, None) == (64, 128)  # every token of both ranks, 2 each
+    assert rowwise_capacity(8, 2, 2, 32, 1.5) == (64, 96)  # rows: min(64, ceil(75.4)); 1.5*32*2
+    visit = 1 - comb(56, 8) / comb(64, 8)  # OLMoE's 64 experts over 8 ranks: 0.68
+    assert rowwise_capacity(64, 8, 8, 100, 1.0) == (544, 800) == (round(800 * visit + 0.5), 800)
+
+    exchange = RowwiseExchange(SharedMemoryHeap(None), 10, 20, 16, 3, torch.bfloat16)
+    allocated = sum(
+        b.local.numel() * b.local.element_size()
+        for b in (exchange.x, exchange.route, exchange.counts)
+    )
+    assert allocated == RowwiseExchange.buffer_bytes(1, 10, 16, 3, torch.bfloat16)
+    assert allocated == 11 * 16 * 2 + 11 * 6 * 4 + 1 * 2 * 8
+
+    a2a = plan(small_run(dispatcher="all_to_all")).memory
+    for factor in (None, 1.5):
+        run = small_run(dispatcher="nvshmem_rowwise", ep_capacity_factor=factor)
+        mem = plan(run).memory
+        tokens = run.train.micro_batch_size * run.train.seq_len
+        rows, assignments = rowwise_capacity(8, 2, 2, tokens, factor)
+        assert mem.ep_buffers == RowwiseExchange.buffer_bytes(2, rows, 64, 2, torch.float32)
+        per_row = 4 * (64 + 3 * 32) + 4  # fp32 rows in, gate+up, SwiGLU; the router weight
+        layers = 2
+        assert mem.activations - a2a.activations == layers * (assignments - tokens * 2) * per_row
+        assert mem.total == a2a.total + mem.ep_buffers + mem.activations - a2a.activations

@@ -34,12 +34,15 @@ Everything else (routing, per-expert counts, offsets, slot maps) stays on the de
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from kernels.routing import expert_slots
 from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from moe_core.model.moe import Experts, Routing
+from moe_core.parallel.symmetric import SymmetricHeap
 
 EXACT_FP32_INTS = 2**24  # expert ids travel as fp32 beside the weights
 
@@ -133,3 +136,222 @@ class AllToAllDispatcher:
         # One row back per (token, rank) pair; each token's rows summed over ranks.
         y_SD = all_to_all(y_RD, send_splits, recv_splits, self.group)
         return sum_from_slots(y_SD, send.slot_TK, every_row_mapped=True)
+
+
+# --------------------------------------------------------------------------------------------
+# rowwise over symmetric memory
+
+
+def rowwise_capacity(
+    n_experts: int, top_k: int, ep: int, tokens: int, factor: float | None
+) -> tuple[int, int]:
+    """(rows, assignments) one rank's receive buffers hold, for ``tokens`` tokens per rank.
+
+    Dropless (``factor`` None): every token of every rank may visit this rank (``ep * tokens``
+    rows) and pick ``min(top_k, n_local)`` of its experts. With a factor: that many times the
+    load expected under uniform routing (a token visits a given rank with probability
+    ``1 - C(E - E/ep, k) / C(E, k)``; a rank's experts get ``tokens * top_k`` assignments),
+    never more than the dropless sizes.
+    """
+    n_local = n_experts // ep
+    rows, assignments = ep * tokens, ep * tokens * min(top_k, n_local)
+    if factor is None:
+        return rows, assignments
+    visit = 1.0 - math.comb(n_experts - n_local, top_k) / math.comb(n_experts, top_k)
+    return (
+        min(rows, math.ceil(factor * ep * tokens * visit)),
+        min(assignments, math.ceil(factor * tokens * top_k)),
+    )
+
+
+class ReceiveBufferOverflowError(RuntimeError):
+    """Routed rows found no room in the rowwise dispatcher's capacity-bounded buffers."""
+
+
+class RowwiseExchange:
+    """The symmetric staging buffers one rank's MoE layers share (one layer uses them at a time)
+    and the three moves of ``RowwiseDispatcher``; ``dropped`` counts rows and assignments that
+    found no room since it was last reset (the trainer reads it with the step's host read)."""
+
+    def __init__(
+        self,
+        heap: SymmetricHeap,
+        rows: int,
+        assignments: int,
+        d_model: int,
+        top_k: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.heap, self.rows, self.assignments = heap, rows, assignments
+        self.d_model, self.top_k, self.dtype = d_model, top_k, dtype
+        self.route_dtype = torch.promote_types(dtype, torch.float32)  # ids exact below 2**24
+        shapes = self.buffer_shapes(heap.size, rows, d_model, top_k, dtype)
+        self.x, self.route, self.counts = (heap.buffer(n, dt) for n, dt in shapes)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=heap.device)
+
+    @staticmethod
+    def buffer_shapes(
+        P: int, rows: int, d_model: int, top_k: int, dtype: torch.dtype
+    ) -> list[tuple[int, torch.dtype]]:
+        """(elements, dtype) of the symmetric buffers: token rows and routing rows (weights and
+        expert ids), each with a spare row at the end for writes that go nowhere, and the
+        [P, 2P] count matrix."""
+        route = torch.promote_types(dtype, torch.float32)
+        return [
+            ((rows + 1) * d_model, dtype),
+            ((rows + 1) * 2 * top_k, route),
+            (P * 2 * P, torch.int64),
+        ]
+
+    @classmethod
+    def buffer_bytes(cls, P: int, rows: int, d_model: int, top_k: int, dtype: torch.dtype) -> int:
+        """Bytes of symmetric memory one rank holds (what ``moe plan`` shows)."""
+        return sum(n * dt.itemsize for n, dt in cls.buffer_shapes(P, rows, d_model, top_k, dtype))
+
+    def exchange_counts(self, mine_2P: torch.Tensor) -> torch.Tensor:
+        """Every rank's row ``[rows to each rank, assignments to each rank]`` as a [P, 2P]
+        matrix, on every rank (rank r's row written into row r of every peer's matrix)."""
+        P, r = self.heap.size, self.heap.rank
+        self.heap.barrier()
+        for p in range(P):
+            self.counts.peer(p).view(P, 2 * P)[r].copy_(mine_2P)
+        self.heap.barrier()
+        return self.counts.local.view(P, 2 * P).clone()
+
+    def put(self, rows: list[torch.Tensor], dest_TP: torch.Tensor) -> list[torch.Tensor]:
+        """Each source's row ``t`` into each rank ``p``'s receive buffers at row
+        ``dest_TP[t, p]`` (the spare row where it goes nowhere); returns this rank's receive
+        buffers (copies: the staging is reused by the next move)."""
+        bufs = (self.x, self.route)[: len(rows)]
+        self.heap.barrier()
+        for p in range(self.heap.size):
+            for buf, src in zip(bufs, rows, strict=True):
+                buf.peer(p).view(self.rows + 1, -1).index_copy_(0, dest_TP[:, p], src)
+        self.heap.barrier()
+        return [buf.local.view(self.rows + 1, -1).clone() for buf in bufs]
+
+    def gather(
+        self, rows: list[torch.Tensor], dest_TP: torch.Tensor, keep_TP: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """The adjoint of ``put``: each rank publishes its receive-buffer rows, and each source
+        sums, in rank order and fp32, the rows its tokens left at the ranks they visited."""
+        bufs = (self.x, self.route)[: len(rows)]
+        self.heap.barrier()
+        for buf, src in zip(bufs, rows, strict=True):
+            buf.local.view(self.rows + 1, -1).copy_(src)
+        self.heap.barrier()
+        out = []
+        for buf, src in zip(bufs, rows, strict=True):
+            acc = torch.zeros(
+                dest_TP.shape[0],
+                src.shape[1],
+                dtype=torch.promote_types(src.dtype, torch.float32),
+                device=src.device,
+            )
+            for p in range(self.heap.size):
+                got = buf.peer(p).view(self.rows + 1, -1).index_select(0, dest_TP[:, p])
+                acc += torch.where(keep_TP[:, p : p + 1], got, 0)
+            out.append(acc.to(src.dtype))
+        return out
+
+
+class _Put(torch.autograd.Function):
+    """Token rows (and their routing rows) to the ranks they visit; backward: ``gather``."""
+
+    @staticmethod
+    def forward(ctx, x_TD, route_TF, dest_TP, keep_TP, exchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        ctx.save_for_backward(dest_TP, keep_TP)
+        return tuple(exchange.put([x_TD, route_TF], dest_TP))
+
+    @staticmethod
+    def backward(ctx, g_xR, g_routeR):  # type: ignore[override]
+        dest_TP, keep_TP = ctx.saved_tensors
+        g_x, g_route = ctx.exchange.gather(
+            [g_xR.contiguous(), g_routeR.contiguous()], dest_TP, keep_TP
+        )
+        return g_x, g_route, None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Each rank's per-row results back to the tokens' ranks, summed; backward: ``put``."""
+
+    @staticmethod
+    def forward(ctx, y_RD, dest_TP, keep_TP, exchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        ctx.save_for_backward(dest_TP)
+        return exchange.gather([y_RD.contiguous()], dest_TP, keep_TP)[0]
+
+    @staticmethod
+    def backward(ctx, g_TD):  # type: ignore[override]
+        (dest_TP,) = ctx.saved_tensors
+        (g_R,) = ctx.exchange.put([g_TD.contiguous()], dest_TP)
+        return g_R, None, None, None
+
+
+class RowwiseDispatcher:
+    """Expert parallelism over symmetric memory with no host read (see the module docstring's
+    rowwise section): routing metadata is exchanged on the device, each token row is written
+    once into each visited rank's receive buffer, and results are read back."""
+
+    def __init__(self, exchange: RowwiseExchange, n_local: int) -> None:
+        P = exchange.heap.size
+        if P * n_local > EXACT_FP32_INTS:
+            raise ValueError(f"{P * n_local} experts: ids must stay below 2**24")
+        self.exchange, self.ep_size, self.n_local = exchange, P, n_local
+        self.expert_offset = exchange.heap.rank * n_local
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        ex, P, El = self.exchange, self.ep_size, self.n_local
+        T, K = routing.experts_TK.shape
+        dev, R, M = x_TD.device, ex.rows, ex.assignments
+        if experts.expert_offset != self.expert_offset or experts.n_experts != El:
+            raise ValueError(
+                f"experts hold [{experts.expert_offset}, +{experts.n_experts}), this rank routes "
+                f"to [{self.expert_offset}, +{El})"
+            )
+        if x_TD.dtype != ex.dtype or ex.top_k != K or x_TD.shape[1] != ex.d_model:
+            raise ValueError(
+                f"tokens {tuple(x_TD.shape)} {x_TD.dtype} top-{K} do not fit the exchange's "
+                f"buffers (d_model {ex.d_model}, {ex.dtype}, top-{ex.top_k})"
+            )
+
+        # Sender: the ranks each token visits and its row's place in a rank-major send order.
+        dest_TK = torch.div(routing.experts_TK, El, rounding_mode="floor")
+        visits_TP = torch.zeros(T, P, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
+        rank_TP = torch.where(visits_TP, torch.arange(P, device=dev), -1)
+        send = expert_slots(rank_TP, P)
+        start_P = send.counts_E.cumsum(0) - send.counts_E
+
+        # Routing metadata on the device: every rank learns how many rows each rank sends to
+        # each rank, so a source knows where its rows land: after those of lower ranks.
+        sent_P2 = torch.cat([send.counts_E, routing.counts_E.view(P, El).sum(1)])
+        counts_PP = ex.exchange_counts(sent_P2)[:, :P]
+        me = ex.heap.rank
+        before_P = counts_PP.cumsum(0)[me] - counts_PP[me]
+        dest_TP = before_P + (send.slot_TK - start_P)
+        keep_TP = visits_TP & (dest_TP < R)
+        dest_TP = torch.where(keep_TP, dest_TP, R)  # the spare row
+        ex.dropped += (visits_TP & ~keep_TP).sum()
+
+        route_T2K = torch.cat(
+            [routing.weights_TK.to(ex.route_dtype), routing.experts_TK.to(ex.route_dtype)], dim=1
+        )
+        x_RD, route_R2K = _Put.apply(x_TD, route_T2K, dest_TP, keep_TP, ex)
+
+        # Receiver: the first ``received`` rows are real. Its experts' assignments go into an
+        # expert-ordered buffer of M rows (rows past the real count are never read).
+        received = counts_PP[:, me].sum().clamp_max(R)
+        real_R = torch.arange(R + 1, device=dev) < received
+        local_RK = route_R2K[:, K:].to(torch.int64) - self.expert_offset
+        local_RK = torch.where((local_RK >= 0) & (local_RK < El) & real_R[:, None], local_RK, -1)
+        fits_R = torch.cumsum((local_RK >= 0).sum(1), 0) <= M
+        ex.dropped += ((local_RK >= 0) & ~fits_R[:, None]).sum()
+        local_RK = torch.where(fits_R[:, None], local_RK, -1)
+        recv = expert_slots(local_RK, El, n_rows=M)
+        offs_E = recv.counts_E.cumsum(0).to(torch.int32)  # grouped GEMMs stop at the real rows
+        x_MD = permute_to_slots(x_RD, recv.slot_TK, M, every_row_mapped=False)
+        weights_M = slot_weights(route_R2K[:, :K].to(routing.weights_TK.dtype), recv.slot_TK, M)
+        y_MD = experts(x_MD, offs_E, weights_M)
+        y_RD = sum_from_slots(y_MD, recv.slot_TK, every_row_mapped=False)
+        return _Gather.apply(y_RD, dest_TP, keep_TP, ex)

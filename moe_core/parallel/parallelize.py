@@ -2,7 +2,9 @@
 
 Chunks are constructed on the meta device, pruned to their layers and local experts, then
 allocated and initialized; ``Transformer.init_weights`` seeds every tensor (every expert) by its
-global name, so each shard holds exactly the values of the single-process model.
+global name, so each shard holds exactly the values of the single-process model. Under expert
+parallelism every MoE layer gets the configured dispatcher; the rowwise ones share one set of
+symmetric receive buffers (the layers use them one at a time).
 """
 
 from __future__ import annotations
@@ -13,16 +15,42 @@ from moe_core.config import ModelConfig, ParallelConfig
 from moe_core.model import Transformer
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.compile import apply_compile
-from moe_core.parallel.dispatch import AllToAllDispatcher
+from moe_core.parallel.dispatch import (
+    AllToAllDispatcher,
+    RowwiseDispatcher,
+    RowwiseExchange,
+    rowwise_capacity,
+)
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.pipeline import chunk_layers, rank_chunks
 from moe_core.parallel.recompute import apply_recompute
+from moe_core.parallel.symmetric import symmetric_heap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build_chunk(cfg: ModelConfig, pcfg: ParallelConfig, chunk: int, mesh: Mesh) -> Transformer:
-    """Chunk ``chunk`` of ``pp x virtual_stages``, with this rank's experts, on the meta device."""
+def rowwise_exchange(
+    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, tokens: int
+) -> RowwiseExchange:
+    """The symmetric receive buffers of this rank's rowwise dispatchers, for ``tokens`` tokens
+    per micro-batch (collective over the expert-parallel group)."""
+    rows, assignments = rowwise_capacity(
+        cfg.n_experts, cfg.top_k, pcfg.ep, tokens, pcfg.ep_capacity_factor
+    )
+    heap = symmetric_heap(mesh.ep_group, mesh.device)
+    dtype = DTYPES[pcfg.param_dtype]
+    return RowwiseExchange(heap, rows, assignments, cfg.d_model, cfg.top_k, dtype)
+
+
+def build_chunk(
+    cfg: ModelConfig,
+    pcfg: ParallelConfig,
+    chunk: int,
+    mesh: Mesh,
+    exchange: RowwiseExchange | None = None,
+) -> Transformer:
+    """Chunk ``chunk`` of ``pp x virtual_stages``, with this rank's experts, on the meta device
+    (``exchange``: the rowwise dispatchers' buffers, when that is the dispatcher)."""
     n_chunks = pcfg.pp * pcfg.virtual_stages
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -40,17 +68,24 @@ def build_chunk(cfg: ModelConfig, pcfg: ParallelConfig, chunk: int, mesh: Mesh) 
             with torch.device("meta"):
                 moe.experts = Experts(n_local, cfg.d_model, cfg.expert_hidden)
             moe.experts.expert_offset = mesh.ep_rank * n_local
-            moe.dispatcher = AllToAllDispatcher(mesh.ep_group, pcfg.ep, n_local)
+            if exchange is not None:
+                moe.dispatcher = RowwiseDispatcher(exchange, n_local)
+            else:
+                moe.dispatcher = AllToAllDispatcher(mesh.ep_group, pcfg.ep, n_local)
     return model
 
 
 def parallelize(
-    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, seed: int
+    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, seed: int, tokens: int
 ) -> dict[int, Transformer]:
-    """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized."""
+    """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized
+    (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
+    exchange = None
+    if pcfg.ep > 1 and pcfg.dispatcher == "nvshmem_rowwise":
+        exchange = rowwise_exchange(cfg, pcfg, mesh, tokens)
     chunks: dict[int, Transformer] = {}
     for c in rank_chunks(pcfg, mesh.pp_rank):
-        model = build_chunk(cfg, pcfg, c, mesh)
+        model = build_chunk(cfg, pcfg, c, mesh, exchange)
         model.to_empty(device=mesh.device)
         model.init_weights(seed)
         dtype = DTYPES[pcfg.param_dtype]

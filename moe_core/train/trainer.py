@@ -40,6 +40,7 @@ from moe_core.model.flops import count
 from moe_core.model.moe import Router, router_stats_paused
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.ddp import GradBuckets
+from moe_core.parallel.dispatch import ReceiveBufferOverflowError, RowwiseDispatcher
 from moe_core.parallel.mesh import Mesh, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.parallel.parallelize import DTYPES, parallelize
@@ -101,11 +102,20 @@ class Trainer:
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
         torch.manual_seed(tc.seed)
-        self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed)
+        tokens = tc.micro_batch_size * tc.seq_len
+        self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed, tokens)
         self.loss_fn = loss_function(pc.compile_on(self.device.type))
         modules = list(self.chunks.values())
         self.routers = routers_by_layer(modules)
         self.buffers = router_buffers(modules)
+        self.exchanges = list(
+            {
+                id(m.dispatcher.exchange): m.dispatcher.exchange
+                for chunk in modules
+                for m in chunk.modules()
+                if isinstance(getattr(m, "dispatcher", None), RowwiseDispatcher)
+            }.values()
+        )
         state_dtype = DTYPES[tc.optimizer_dtype]
         self.buckets = GradBuckets(
             modules,
@@ -235,6 +245,26 @@ class Trainer:
             aux_sum += aux.detach()
         return ce_sum, aux_sum
 
+    def _dropped(self) -> torch.Tensor:
+        """Rows and assignments the rowwise dispatchers found no room for since the last read
+        (then reset); a device value, read with the rest."""
+        out = torch.zeros((), device=self.device)
+        for ex in self.exchanges:
+            out = out + ex.dropped.float()
+            ex.dropped.zero_()
+        return out
+
+    def _check_dropped(self, dropped: float, where: str) -> None:
+        """Stop before anything is applied when routed tokens were dropped (never silently)."""
+        if dropped > 0:
+            factor = self.cfg.parallel.ep_capacity_factor
+            raise ReceiveBufferOverflowError(
+                f"{where}: {int(dropped)} routed token rows or expert assignments found no room "
+                f"in the expert-parallel receive buffers (parallel.ep_capacity_factor={factor}); "
+                "nothing of this step was applied: raise the factor, or set it to null for "
+                "dropless dispatch, and resume."
+            )
+
     def _router_table(self) -> torch.Tensor:
         """Per layer (rows): the step's assignments per expert, its summed load-balancing score,
         then (with the expert bias) the bias and the bias after this step's update; counts and
@@ -317,6 +347,7 @@ class Trainer:
                 sum((r.stat_lb for r in rs), zero),
                 sum((r.stat_z for r in rs), zero),
                 known[0],
+                self._dropped(),
             ]
         )
         maxes = known[1:]
@@ -328,7 +359,8 @@ class Trainer:
         values = torch.cat([scalars, table.flatten()]).tolist()  # the step's one host read
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
-        ce, aux, lb, z, n_routers, norm, mem_max, stop = values[: len(scalars)]
+        ce, aux, lb, z, n_routers, dropped, norm, mem_max, stop = values[: len(scalars)]
+        self._check_dropped(dropped, f"step {self.step}")
         width = table.shape[1] if table.ndim == 2 else 0
         rows = [values[len(scalars) + i * width :][:width] for i in range(len(self.routers))]
         n_micro = len(batches) * pc.data_parallel
@@ -393,9 +425,12 @@ class Trainer:
             batches = [b.to(self.device) for b in self._sequences(start, per_rank)]
         with router_stats_paused():
             ce_sum, _ = self._forward_backward(batches, forward_only=True)
+        read = torch.stack([ce_sum, self._dropped()])
         if self.mesh.distributed:
-            dist.all_reduce(ce_sum)
-        return float(ce_sum) / tc.eval_batches
+            dist.all_reduce(read)
+        ce, dropped = read.tolist()
+        self._check_dropped(dropped, f"evaluation after step {self.step}")
+        return ce / tc.eval_batches
 
     # ---- checkpoints ----------------------------------------------------------------------
 
