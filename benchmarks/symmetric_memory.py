@@ -38,7 +38,11 @@ def bench_torch(n: int, iters: int) -> dict:
 
     if not dist.is_initialized():
         dist.init_process_group(
-            "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda")
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", torch.cuda.current_device()),
         )
     out: dict = {"backend": f"torch symmetric memory ({symm_mem.get_backend('cuda')})"}
     times = []
@@ -93,9 +97,11 @@ def bench_nvshmem(n: int, iters: int) -> dict:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         out["alloc_ms_first"], out["alloc_ms_second"] = times
-        sym = bufs[-1]
-        src = torch.randn(n, device="cuda").to(torch.bfloat16)
-        dst = torch.empty_like(src)
+        # nvshmem4py moves data between symmetric tensors only (both ends on its heap)
+        src, sym = bufs
+        src.copy_(torch.randn(n, device="cuda").to(torch.bfloat16))
+        dst = nvshmem.tensor((n,), dtype=torch.bfloat16)
+        bufs.append(dst)
         put = statistics.median(
             cuda_times_ms(lambda: nvshmem.put(sym, src, remote_pe=0, stream=stream), 3, iters)
         )

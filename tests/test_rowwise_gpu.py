@@ -24,7 +24,11 @@ def dispatcher():
     started = not dist.is_initialized()
     if started:
         dist.init_process_group(
-            "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda")
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", torch.cuda.current_device()),
         )
     heap = CudaSymmetricHeap(dist.group.WORLD, torch.device("cuda"))
     yield RowwiseDispatcher(RowwiseExchange(heap, T, T * K, D, K, torch.bfloat16), E)
