@@ -15,6 +15,10 @@ In one run on one GPU, one after the other, each in its own process:
    TFLOP/s it prints and writes to ``metrics.jsonl`` over the steps after warm-up (both are
    checked to agree).
 
+``--ep N --dispatcher D`` runs ``moe train`` under torchrun with expert parallelism over N
+GPUs (one micro-batch per rank and step; the printed figure is per GPU) against the one-GPU
+bare step: what the multi-GPU runs compare (target: >= 0.97x).
+
 Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master) and ``bf16`` (bf16
 weights; fp32 gradient buffers, master weights and moments). ``--accumulate`` also times
 moving one bf16 gradient into an fp32 bucket: zeroing then adding (the old hook) against one
@@ -80,7 +84,9 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         "train=default",
         *data,
         f"train.micro_batch_size={args.mbs}",
-        f"train.global_batch_size={args.mbs * args.micro_batches}",
+        f"train.global_batch_size={args.mbs * args.micro_batches * args.ep}",
+        f"parallel.ep={args.ep}",
+        f"parallel.dispatcher={args.dispatcher}",
         f"train.steps={args.warmup + args.steps}",
         "train.log_every=1",
         "train.checkpoint_at_end=false",
@@ -97,7 +103,11 @@ def trainer_run(args: argparse.Namespace) -> dict:
     """``moe train`` in a child process; its printed and logged figures after warm-up."""
     with tempfile.TemporaryDirectory() as out:
         overrides = trainer_overrides(args, out, str(Path(args.data_dir).resolve()))
-        done = child([sys.executable, "-m", "moe_core.cli", "train", *overrides], "moe train")
+        launch = [sys.executable, "-m", "moe_core.cli"]
+        if args.ep > 1:
+            run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            launch = [*run, f"--nproc-per-node={args.ep}", "-m", "moe_core.cli"]
+        done = child([*launch, "train", *overrides], "moe train")
         shown = trainer_overrides(args, "OUT", "DIR")  # no machine paths in the record
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] >= args.warmup]
@@ -150,6 +160,8 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=1, help="per trainer step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel GPUs for moe train")
+    p.add_argument("--dispatcher", choices=["all_to_all", "nvshmem_rowwise"], default="all_to_all")
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
@@ -168,6 +180,8 @@ def main() -> None:
         "data": args.data,
         "mbs": args.mbs,
         "micro_batches": args.micro_batches,
+        "ep": args.ep,
+        "dispatcher": args.dispatcher,
         "seq": 4096,
     }
     if args.accumulate:

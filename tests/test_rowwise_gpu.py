@@ -73,15 +73,18 @@ def test_one_pe_rowwise_step_reads_no_host_value_and_replays_as_a_cuda_graph(dis
     eager = _step(dispatcher, experts, *args)  # warm-up: kernels compiled, handles made
     with no_host_sync():
         _step(dispatcher, experts, *args)
+    # The graph's own copy of the experts, first used on the capturing side stream (autograd
+    # keeps each leaf's gradient node on the stream it was made on).
+    graph_experts, *_ = _inputs(1)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            _step(dispatcher, experts, *args)
+            _step(dispatcher, graph_experts, *args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = _step(dispatcher, experts, *args)
+        static = _step(dispatcher, graph_experts, *args)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

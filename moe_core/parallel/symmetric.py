@@ -6,6 +6,11 @@ One interface, two heaps:
 - ``CudaSymmetricHeap``: torch's symmetric memory on the GPUs of one machine (NVLink peers).
   A peer's buffer is a device tensor that any kernel (PyTorch's or Triton's) writes and reads;
   ``barrier`` is a device-side barrier on the current stream: no host synchronization.
+  Chosen over nvshmem4py (measured on one H200, ``benchmarks/symmetric_memory.py``: the same
+  copy rate, 20 vs 19 us barriers) because it needs no package beyond torch, is bootstrapped by
+  the process group the run already has, and hands back plain tensors any op can use, where
+  nvshmem4py moves data only between its own tensors and needs its own bootstrap and a heap
+  sized up front.
 - ``SharedMemoryHeap``: CPU processes of one machine. Each rank's buffer is a shared-memory file
   that every rank maps, so a store by one process lands in another's buffer, as on the GPU;
   ``barrier`` is the group's (gloo) barrier. The files are unlinked as soon as every rank has
@@ -134,7 +139,14 @@ class CudaSymmetricHeap:
         self.rank, self.size = _group_rank_size(self.group)
         self.device = device
         check_one_machine(group)
-        self._barrier_handle = self._rendezvous(1, torch.int32)[1]
+        try:
+            self._barrier_handle = self._rendezvous(1, torch.int32)[1]
+        except RuntimeError as e:
+            raise ConfigError(
+                "parallel.dispatcher='nvshmem_rowwise' needs torch's symmetric memory between "
+                f"these GPUs, which failed here ({str(e).splitlines()[0][:160]}); use "
+                "'all_to_all'."
+            ) from e
 
     def _rendezvous(self, numel: int, dtype: torch.dtype):
         t = self._symm.empty(numel, dtype=dtype, device=self.device)
