@@ -29,8 +29,25 @@ for key in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
 os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
 
 
-def gbps(nbytes: int, ms: float) -> float:
-    return nbytes / ms / 1e6
+def copy_rates(put, get, dst: torch.Tensor, src: torch.Tensor, iters: int) -> dict:
+    """Median put and get of ``src``'s bytes (read + write counted), then a check that the
+    round trip brought the data back into ``dst``."""
+    put_ms = statistics.median(cuda_times_ms(put, 3, iters))
+    get_ms = statistics.median(cuda_times_ms(get, 3, iters))
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src), "the round trip must return the data"
+    moved = 2 * src.numel() * src.element_size()
+    return {
+        "put_ms": put_ms,
+        "get_ms": get_ms,
+        "put_GBps": moved / put_ms / 1e6,
+        "get_GBps": moved / get_ms / 1e6,
+    }
+
+
+def latency_us(fn) -> float:
+    """Median microseconds of ``fn`` on the stream, back to back."""
+    return 1e3 * statistics.median(cuda_times_ms(fn, 10, 200))
 
 
 def bench_torch(n: int, iters: int) -> dict:
@@ -57,24 +74,14 @@ def bench_torch(n: int, iters: int) -> dict:
     peer = handle.get_buffer(0, (n,), torch.bfloat16)
     src = torch.randn(n, device="cuda").to(torch.bfloat16)
     dst = torch.empty_like(src)
-    put = statistics.median(cuda_times_ms(lambda: peer.copy_(src), 3, iters))
-    get = statistics.median(cuda_times_ms(lambda: dst.copy_(peer), 3, iters))
-    assert torch.equal(dst, src), "the round trip must return the data"
-    out |= {
-        "put_ms": put,
-        "get_ms": get,
-        "put_GBps": gbps(4 * n, put),
-        "get_GBps": gbps(4 * n, get),
-    }
-    out["barrier_us"] = 1e3 * statistics.median(
-        cuda_times_ms(lambda: handle.barrier(channel=0), 10, 200)
-    )
+    out |= copy_rates(lambda: peer.copy_(src), lambda: dst.copy_(peer), dst, src, iters)
+    out["barrier_us"] = latency_us(lambda: handle.barrier(channel=0))
 
     def signal_round_trip() -> None:
         handle.put_signal(0, channel=1)
         handle.wait_signal(0, channel=1)
 
-    out["signal_round_trip_us"] = 1e3 * statistics.median(cuda_times_ms(signal_round_trip, 10, 200))
+    out["signal_round_trip_us"] = latency_us(signal_round_trip)
     return out
 
 
@@ -102,23 +109,14 @@ def bench_nvshmem(n: int, iters: int) -> dict:
         src.copy_(torch.randn(n, device="cuda").to(torch.bfloat16))
         dst = nvshmem.tensor((n,), dtype=torch.bfloat16)
         bufs.append(dst)
-        put = statistics.median(
-            cuda_times_ms(lambda: nvshmem.put(sym, src, remote_pe=0, stream=stream), 3, iters)
+        out |= copy_rates(
+            lambda: nvshmem.put(sym, src, remote_pe=0, stream=stream),
+            lambda: nvshmem.get(dst, sym, remote_pe=0, stream=stream),
+            dst,
+            src,
+            iters,
         )
-        get = statistics.median(
-            cuda_times_ms(lambda: nvshmem.get(dst, sym, remote_pe=0, stream=stream), 3, iters)
-        )
-        torch.cuda.synchronize()
-        assert torch.equal(dst, src), "the round trip must return the data"
-        out |= {
-            "put_ms": put,
-            "get_ms": get,
-            "put_GBps": gbps(4 * n, put),
-            "get_GBps": gbps(4 * n, get),
-        }
-        out["barrier_us"] = 1e3 * statistics.median(
-            cuda_times_ms(lambda: nvshmem.barrier(nvshmem.Teams.TEAM_WORLD, stream), 10, 200)
-        )
+        out["barrier_us"] = latency_us(lambda: nvshmem.barrier(nvshmem.Teams.TEAM_WORLD, stream))
         signal = nvshmem.buffer(8)
         count = [0]
 
@@ -127,9 +125,7 @@ def bench_nvshmem(n: int, iters: int) -> dict:
             nvshmem.signal_op(signal, count[0], nvshmem.SignalOp.SIGNAL_SET, 0, stream)
             nvshmem.signal_wait(signal, count[0], nvshmem.ComparisonType.CMP_GE, stream)
 
-        out["signal_round_trip_us"] = 1e3 * statistics.median(
-            cuda_times_ms(signal_round_trip, 10, 200)
-        )
+        out["signal_round_trip_us"] = latency_us(signal_round_trip)
         torch.cuda.synchronize()
         for b in bufs:
             nvshmem.free_tensor(b)

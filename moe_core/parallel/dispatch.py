@@ -40,12 +40,31 @@ import math
 import torch
 import torch.distributed as dist
 
-from kernels.routing import expert_slots
+from kernels.routing import ExpertSlots, expert_slots
 from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from moe_core.model.moe import Experts, Routing
 from moe_core.parallel.symmetric import SymmetricHeap
 
 EXACT_FP32_INTS = 2**24  # expert ids travel as fp32 beside the weights
+
+
+def check_local_experts(experts: Experts, offset: int, n_local: int) -> None:
+    """The experts module must hold exactly the experts this rank routes to."""
+    if experts.expert_offset != offset or experts.n_experts != n_local:
+        raise ValueError(
+            f"experts hold [{experts.expert_offset}, +{experts.n_experts}), this rank routes "
+            f"to [{offset}, +{n_local})"
+        )
+
+
+def rank_slots(experts_TK: torch.Tensor, P: int, n_local: int) -> tuple[torch.Tensor, ExpertSlots]:
+    """The ranks each token visits ([T, P] bool) and, with ranks as experts, each visit's slot
+    in a rank-major send order (``expert_slots``: counts per rank, no sort, no host read)."""
+    T, dev = experts_TK.shape[0], experts_TK.device
+    dest_TK = torch.div(experts_TK, n_local, rounding_mode="floor")
+    visits_TP = torch.zeros(T, P, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
+    rank_TP = torch.where(visits_TP, torch.arange(P, device=dev), -1)
+    return visits_TP, expert_slots(rank_TP, P)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -89,19 +108,11 @@ class AllToAllDispatcher:
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         P, El = self.ep_size, self.n_local
-        T, K = routing.experts_TK.shape
-        dev = x_TD.device
-        if experts.expert_offset != self.expert_offset or experts.n_experts != El:
-            raise ValueError(
-                f"experts hold [{experts.expert_offset}, +{experts.n_experts}), this rank routes "
-                f"to [{self.expert_offset}, +{El})"
-            )
+        K = routing.experts_TK.shape[1]
+        check_local_experts(experts, self.expert_offset, El)
 
         # Sender: the ranks each token visits, as a [T, P] slot map into the send buffer.
-        dest_TK = torch.div(routing.experts_TK, El, rounding_mode="floor")
-        visits_TP = torch.zeros(T, P, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
-        rank_TP = torch.where(visits_TP, torch.arange(P, device=dev), -1)
-        send = expert_slots(rank_TP, P)  # counts_E: rows to each rank
+        _, send = rank_slots(routing.experts_TK, P, El)  # counts_E: rows to each rank
 
         # Exchange sizes (rows, and routed assignments, per rank pair); one host read.
         sizes_P2 = torch.stack([send.counts_E, routing.counts_E.view(P, El).sum(1)], dim=1)
@@ -333,13 +344,9 @@ class RowwiseDispatcher:
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         ex, P, El = self.exchange, self.ep_size, self.n_local
-        T, K = routing.experts_TK.shape
+        K = routing.experts_TK.shape[1]
         dev, R, M = x_TD.device, ex.rows, ex.assignments
-        if experts.expert_offset != self.expert_offset or experts.n_experts != El:
-            raise ValueError(
-                f"experts hold [{experts.expert_offset}, +{experts.n_experts}), this rank routes "
-                f"to [{self.expert_offset}, +{El})"
-            )
+        check_local_experts(experts, self.expert_offset, El)
         if x_TD.dtype != ex.dtype or ex.top_k != K or x_TD.shape[1] != ex.d_model:
             raise ValueError(
                 f"tokens {tuple(x_TD.shape)} {x_TD.dtype} top-{K} do not fit the exchange's "
@@ -347,10 +354,7 @@ class RowwiseDispatcher:
             )
 
         # Sender: the ranks each token visits and its row's place in a rank-major send order.
-        dest_TK = torch.div(routing.experts_TK, El, rounding_mode="floor")
-        visits_TP = torch.zeros(T, P, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
-        rank_TP = torch.where(visits_TP, torch.arange(P, device=dev), -1)
-        send = expert_slots(rank_TP, P)
+        visits_TP, send = rank_slots(routing.experts_TK, P, El)
         start_P = send.counts_E.cumsum(0) - send.counts_E
 
         # Routing metadata on the device: every rank learns how many rows each rank sends to
