@@ -5,10 +5,10 @@
 Each rank routes 16,384 tokens (d_model 2048, bf16) top-8 over 64 experts with learned-looking
 skew (softmax of random logits): 16,384 x 8 x 2048 x 2 bytes = 512 MiB of routed rows. The
 experts are replaced by the identity (rows come back scaled by their router weight), so what is
-timed is the metadata exchange, the rows there and back, and the sums: forward + backward,
-CUDA events after warm-up, median, per dispatcher in the same run (``all_to_all``: NCCL with its
-host read; ``nvshmem_rowwise``: symmetric memory, dropless buffers unless
-``--capacity-factor``). With one process only the rowwise path runs (one PE).
+timed is the metadata exchange, the rows there and back, and the sums: forward alone and
+forward + backward, CUDA events after warm-up, median, per dispatcher in the same run
+(``all_to_all``: NCCL with its host read; ``nvshmem_rowwise``: symmetric memory, dropless
+buffers unless ``--capacity-factor``). With one process only the rowwise path runs (one PE).
 """
 
 from __future__ import annotations
@@ -79,15 +79,19 @@ def main() -> None:
             exchange = RowwiseExchange(heap, rows, assignments, D, K, torch.bfloat16)
             dispatcher = RowwiseDispatcher(exchange, El)
 
-        def step(dispatcher=dispatcher) -> None:
-            x = x_TD.detach().requires_grad_()
+        def step(dispatcher=dispatcher, backward: bool = True) -> None:
+            x = x_TD.detach().requires_grad_(backward)
             routing = Routing(experts_TK, w_TK, expert_counts(experts_TK, E), torch.zeros(()))
-            dispatcher(x, routing, experts).backward(dy_TD)
+            y = dispatcher(x, routing, experts)
+            if backward:
+                y.backward(dy_TD)
 
-        ms = statistics.median(cuda_times_ms(step, args.warmup, args.iters))
-        everyone = [None] * P
-        dist.all_gather_object(everyone, ms)
-        results[name] = {"median_ms_per_rank": everyone, "median_ms": max(everyone)}
+        results[name] = {}
+        for key, fn in (("forward", lambda: step(backward=False)), ("forward_backward", step)):
+            ms = statistics.median(cuda_times_ms(fn, args.warmup, args.iters))
+            everyone = [None] * P
+            dist.all_gather_object(everyone, ms)
+            results[name][key] = {"median_ms_per_rank": everyone, "median_ms": max(everyone)}
         del dispatcher
         torch.cuda.empty_cache()
     if rank == 0:
