@@ -334,7 +334,7 @@ def test_rowwise_receive_buffers_in_the_plan():
         for b in (exchange.x, exchange.route, exchange.counts)
     )
     assert allocated == RowwiseExchange.buffer_bytes(1, 10, 16, 3, torch.bfloat16)
-    assert allocated == 11 * 16 * 2 + 11 * 6 * 4 + 1 * 2 * 8
+    assert allocated == 11 * 16 * 2 + 11 * 6 * 4 + 1 * 1 * 8
 
     a2a = plan(small_run(dispatcher="all_to_all")).memory
     for factor in (None, 1.5):

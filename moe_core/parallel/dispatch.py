@@ -157,9 +157,9 @@ class AllToAllDispatcher:
 #
 # 1. Sender, as in all-to-all: the ranks each token visits and each (token, rank) pair's place
 #    in a rank-major send order (``expert_slots`` with ranks as experts).
-# 2. Metadata on the device: r writes its row ``[rows to each rank, assignments to each rank]``
-#    into row r of every rank's [P, 2P] count matrix (barrier before and after). From the
-#    matrix, r knows where its rows land on owner p: after the rows of ranks below r.
+# 2. Metadata on the device: r writes its row of counts (rows it sends to each rank) into row r
+#    of every rank's [P, P] count matrix (barrier before and after). From the matrix, r knows
+#    where its rows land on owner p (after the rows of ranks below r), and p how many it got.
 # 3. Put: r writes each visiting token's row, and its routing row (router weights and global
 #    expert ids), into row ``dest`` of the owner's receive buffer; a row past the buffer's
 #    capacity goes to a spare last row instead and is counted in ``dropped``.
@@ -236,12 +236,12 @@ class RowwiseExchange:
     ) -> list[tuple[int, torch.dtype]]:
         """(elements, dtype) of the symmetric buffers: token rows and routing rows (weights and
         expert ids), each with a spare row at the end for writes that go nowhere, and the
-        [P, 2P] count matrix."""
+        [P, P] count matrix."""
         route = torch.promote_types(dtype, torch.float32)
         return [
             ((rows + 1) * d_model, dtype),
             ((rows + 1) * 2 * top_k, route),
-            (P * 2 * P, torch.int64),
+            (P * P, torch.int64),
         ]
 
     @classmethod
@@ -249,15 +249,15 @@ class RowwiseExchange:
         """Bytes of symmetric memory one rank holds (what ``moe plan`` shows)."""
         return sum(n * dt.itemsize for n, dt in cls.buffer_shapes(P, rows, d_model, top_k, dtype))
 
-    def exchange_counts(self, mine_2P: torch.Tensor) -> torch.Tensor:
-        """Every rank's row ``[rows to each rank, assignments to each rank]`` as a [P, 2P]
-        matrix, on every rank (rank r's row written into row r of every peer's matrix)."""
+    def exchange_counts(self, mine_P: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows sent to each rank as a [P, P] matrix (source, owner), on every
+        rank: rank r's row written into row r of every peer's matrix."""
         P, r = self.heap.size, self.heap.rank
         self.heap.barrier()
         for p in range(P):
-            self.counts.peer(p).view(P, 2 * P)[r].copy_(mine_2P)
+            self.counts.peer(p).view(P, P)[r].copy_(mine_P)
         self.heap.barrier()
-        return self.counts.local.view(P, 2 * P).clone()
+        return self.counts.local.view(P, P).clone()
 
     def put(self, rows: list[torch.Tensor], dest_TP: torch.Tensor) -> list[torch.Tensor]:
         """Each source's row ``t`` into each rank ``p``'s receive buffers at row
@@ -359,8 +359,7 @@ class RowwiseDispatcher:
 
         # Routing metadata on the device: every rank learns how many rows each rank sends to
         # each rank, so a source knows where its rows land: after those of lower ranks.
-        sent_P2 = torch.cat([send.counts_E, routing.counts_E.view(P, El).sum(1)])
-        counts_PP = ex.exchange_counts(sent_P2)[:, :P]
+        counts_PP = ex.exchange_counts(send.counts_E)
         me = ex.heap.rank
         before_P = counts_PP.cumsum(0)[me] - counts_PP[me]
         dest_TP = before_P + (send.slot_TK - start_P)
