@@ -86,3 +86,35 @@ def test_step_time_is_wall_time_between_steps_and_printed_rates_are_the_logged_o
         assert m["tokens_per_s_per_gpu"] == pytest.approx(tokens / m["step_time_s"])
         assert m["model_tflops_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"] * flops / 1e12)
         assert int(tok_s.replace(",", "")) == round(m["tokens_per_s_per_gpu"])
+
+
+def test_dropped_expert_rows_stop_the_step_before_anything_is_applied(tmp_path):
+    """The rowwise dispatcher counts rows that found no room on the device; the step's host read
+    sees the count and stops with one clear error before the update, so the weights, the step
+    and the checkpoints stay as they were."""
+    import torch
+
+    from moe_core.parallel.dispatch import ReceiveBufferOverflowError
+
+    run = compose_run([*BASE, "train.steps=3", "train.checkpoint_every=1", f"out_dir={tmp_path}"])
+    trainer = Trainer(run)
+    trainer.fit(show_progress=False)  # checkpoints 1..3
+    run = compose_run([*BASE, "train.steps=4", f"out_dir={tmp_path}"])
+    trainer = Trainer(run)
+    assert trainer.step == 3
+
+    class Exchange:  # what the trainer reads of a rowwise exchange: its device counter
+        dropped = torch.tensor(5)
+
+    trainer.exchanges = [Exchange()]
+    before = {k: v.clone() for k, v in trainer.chunks[0].state_dict().items()}
+    with pytest.raises(ReceiveBufferOverflowError) as err:
+        trainer.train_step()
+    message = str(err.value)
+    assert "step 3: 5 routed token rows or expert assignments found no room" in message
+    assert "parallel.ep_capacity_factor=None" in message and "\n" not in message
+    assert trainer.step == 3
+    for k, v in trainer.chunks[0].state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed"
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000001", "step_00000002", "step_00000003"]
