@@ -140,7 +140,7 @@ def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, t
 
     buckets, opt = trainer.buckets.buckets, trainer.optimizer
     batches = trainer.micro_batches()
-    trainer.buckets.start_step(len(batches))
+    trainer.buckets.start_step()
     trainer._forward_backward(batches)
     trainer.buckets.finish()
     flat = [b.grad_flat for b in buckets if b.grad_flat is not None]

@@ -171,18 +171,13 @@ class GradBuckets:
                 p.main_grad = b.grad_flat[off : off + p.numel()].view_as(p)  # type: ignore[attr-defined]
         self.buckets.append(b)
 
-    def start_step(self, micro_batches: int) -> None:
+    def start_step(self) -> None:
         """Expect ``micro_batches`` backward passes before reducing (the first one of each
         parameter overwrites its gradient, so nothing is zeroed)."""
-        if micro_batches != self.micro_batches:
-            raise ValueError(
-                f"micro_batches={micro_batches} is not allowed: these buckets were built for "
-                f"{self.micro_batches} per step."
-            )
         self._fresh = set(self._owner)
         for b in self.buckets:
             b.release_gradients()
-            b.pending = len(b.params) * micro_batches
+            b.pending = len(b.params) * self.micro_batches
             b.work = None
 
     def _on_grad(self, p: nn.Parameter) -> None:

@@ -323,7 +323,7 @@ class Trainer:
         lr = tc.lr * lr_multiplier(self.step, tc)
         self.optimizer.set_lr(lr)
         batches = self.micro_batches()
-        self.buckets.start_step(len(batches))
+        self.buckets.start_step()
         ce_sum, aux_sum = self._forward_backward(batches)
         self.buckets.finish()
         grad_norm = self.optimizer.grad_norm()
