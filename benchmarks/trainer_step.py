@@ -17,7 +17,8 @@ In one run on one GPU, one after the other, each in its own process:
 
 ``--ep N --dispatcher D`` runs ``moe train`` under torchrun with expert parallelism over N
 GPUs (one micro-batch per rank and step; the printed figure is per GPU) against the one-GPU
-bare step: what the multi-GPU runs compare (target: >= 0.97x).
+bare step: what the multi-GPU runs compare (target: >= 0.97x). ``--cuda-graph true|false``
+sets ``parallel.cuda_graph`` for ``moe train`` (default: the config's, on for rowwise EP).
 
 Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master) and ``bf16`` (bf16
 weights; fp32 gradient buffers, master weights and moments). ``--accumulate`` also times
@@ -87,6 +88,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         f"train.global_batch_size={args.mbs * args.micro_batches * args.ep}",
         f"parallel.ep={args.ep}",
         f"parallel.dispatcher={args.dispatcher}",
+        *([] if args.cuda_graph is None else [f"parallel.cuda_graph={args.cuda_graph}"]),
         f"train.steps={args.warmup + args.steps}",
         "train.log_every=1",
         "train.checkpoint_at_end=false",
@@ -162,6 +164,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel GPUs for moe train")
     p.add_argument("--dispatcher", choices=["all_to_all", "nvshmem_rowwise"], default="all_to_all")
+    p.add_argument(
+        "--cuda-graph",
+        choices=["true", "false"],
+        default=None,
+        help="parallel.cuda_graph for moe train (default: the config's null)",
+    )
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
@@ -182,6 +190,7 @@ def main() -> None:
         "micro_batches": args.micro_batches,
         "ep": args.ep,
         "dispatcher": args.dispatcher,
+        "cuda_graph": args.cuda_graph,
         "seq": 4096,
     }
     if args.accumulate:

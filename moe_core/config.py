@@ -270,10 +270,21 @@ class ParallelConfig:
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights (masters: train.optimizer_dtype)
     compile: bool | None = None  # torch.compile each block (dispatch stays eager); None: on CUDA
+    # Replay each step's device work as CUDA graphs (``train.step_graph``); None: on for CUDA
+    # with expert parallelism over nvshmem_rowwise (many small kernels, no host read).
+    cuda_graph: bool | None = None
 
     def compile_on(self, device_type: str) -> bool:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
         return self.compile if self.compile is not None else device_type == "cuda"
+
+    def cuda_graph_on(self, device_type: str) -> bool:
+        """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA
+        with ``ep > 1`` over ``nvshmem_rowwise`` and no pipeline."""
+        if self.cuda_graph is not None:
+            return self.cuda_graph
+        rowwise = self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
+        return device_type == "cuda" and rowwise and self.pp == 1
 
     def __post_init__(self) -> None:
         p = "parallel."
@@ -289,6 +300,15 @@ class ParallelConfig:
             )
         if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
             _fail(p + "pp", self.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b")
+        if self.cuda_graph and self.pp > 1:
+            _fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
+        if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":
+            _fail(
+                p + "cuda_graph",
+                True,
+                "false or null with parallel.dispatcher=all_to_all, which reads split sizes on "
+                "the host each layer (nvshmem_rowwise does not)",
+            )
         if self.ep_capacity_factor is not None:
             if not self.ep_capacity_factor >= 1.0:  # also refuses nan
                 _fail(

@@ -12,6 +12,7 @@ from moe_core.compose import DEFAULT_CONFIG_DIR, compose_run
 from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict
 from moe_core.model import Transformer
 from moe_core.model.flops import count
+from moe_core.train.trainer import Trainer
 
 MODELS = sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
 
@@ -116,6 +117,24 @@ def test_compile_is_on_by_default_on_cuda_only():
     off = compose_run(["parallel.compile=false"]).parallel
     on = compose_run(["parallel.compile=true"]).parallel
     assert not off.compile_on("cuda") and on.compile_on("cpu")
+
+
+def test_cuda_graphs_are_on_by_default_for_rowwise_expert_parallelism_on_cuda_only():
+    ep = ["parallel.ep=2", "train.micro_batch_size=4"]
+    rowwise = compose_run([*ep, "parallel.dispatcher=nvshmem_rowwise"]).parallel
+    assert rowwise.cuda_graph_on("cuda") and not rowwise.cuda_graph_on("cpu")
+    for other in (compose_run(ep).parallel, compose_run([]).parallel):
+        assert not other.cuda_graph_on("cuda")
+    assert compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda")
+
+
+def test_cuda_graphs_asked_for_on_cpu_are_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        Trainer(compose_run(["model=tiny", "parallel.cuda_graph=true", f"out_dir={tmp_path}"]))
+    assert str(err.value) == (
+        "parallel.cuda_graph=true needs CUDA GPUs, and this run is on cpu; set it to false or null."
+    )
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_precision_presets_set_weights_compute_and_optimizer_state():

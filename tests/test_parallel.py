@@ -215,6 +215,15 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
             ],
             "parallel.ep_capacity_factor=0.5 is not allowed: at least 1.0",
         ),
+        (
+            ["parallel.ep=2", "train.micro_batch_size=4", "parallel.cuda_graph=true"],
+            "parallel.cuda_graph=True is not allowed: false or null with parallel.dispatcher="
+            "all_to_all, which reads split sizes on the host",
+        ),
+        (
+            ["parallel.pp=2", "parallel.cuda_graph=true"],
+            "parallel.cuda_graph=True is not allowed: false or null with parallel.pp > 1",
+        ),
     ],
 )
 def test_invalid_layouts_fail_at_load(overrides, message):

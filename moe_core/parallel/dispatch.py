@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.routing import ExpertSlots, expert_slots
+from kernels.rowwise import PeerRows, gather_rows, put_rows
 from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from moe_core.model.moe import Experts, Routing
 from moe_core.parallel.symmetric import SymmetricHeap
@@ -161,8 +162,8 @@ class AllToAllDispatcher:
 #    of every rank's [P, P] count matrix (barrier before and after). From the matrix, r knows
 #    where its rows land on owner p (after the rows of ranks below r), and p how many it got.
 # 3. Put: r writes each visiting token's row, and its routing row (router weights and global
-#    expert ids), into row ``dest`` of the owner's receive buffer; a row past the buffer's
-#    capacity goes to a spare last row instead and is counted in ``dropped``.
+#    expert ids), into the owner's receive buffer at its place there; a row past the buffer's
+#    capacity is not moved and is counted in ``dropped`` (from the counts, in closed form).
 # 4. Receiver: the first ``received`` rows are real (the count matrix says how many); this
 #    rank's experts run on them through the slot kernels into an expert-ordered buffer of a
 #    static assignment capacity (assignments past it are dropped and counted), the router
@@ -178,9 +179,10 @@ class AllToAllDispatcher:
 # (``rowwise_capacity``: dropless by default, or bounded by ``parallel.ep_capacity_factor``);
 # rows or assignments that found no room are counted on the device and the trainer stops the
 # step at its single host read (``ReceiveBufferOverflowError``), before anything is applied.
-# The moves here are PyTorch ops on the peers' tensors (index_copy/index_select); fused Triton
-# kernels for them are the next step (one GPU: the rowwise layer at one PE runs at 0.90 of the
-# local path, the difference being these moves).
+# The moves are ``kernels.rowwise`` (Triton on the GPU: one kernel per move carrying token and
+# routing rows together, the destination row computed in it from the send slot and the
+# owner's base; the PyTorch reference on the CPU). Received rows are read in place from the
+# buffer (no copy); a rank's results are copied into its buffer to be read back.
 
 
 def rowwise_capacity(
@@ -259,57 +261,50 @@ class RowwiseExchange:
         self.heap.barrier()
         return self.counts.local.view(P, P).clone()
 
-    def put(self, rows: list[torch.Tensor], dest_TP: torch.Tensor) -> list[torch.Tensor]:
-        """Each source's row ``t`` into each rank ``p``'s receive buffers at row
-        ``dest_TP[t, p]`` (the spare row where it goes nowhere); returns this rank's receive
-        buffers (copies: the staging is reused by the next move)."""
-        bufs = (self.x, self.route)[: len(rows)]
+    def put(
+        self, rows: list[torch.Tensor], slot_TP: torch.Tensor, base_P: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Each source's token rows (and routing rows) into the receive buffers of the ranks
+        they visit (``kernels.rowwise.put_rows``); returns this rank's receive buffers as
+        views, valid until the next move (their readers run before it, in stream order)."""
+        bufs = self._buffers(rows)
         self.heap.barrier()
-        for p in range(self.heap.size):
-            for buf, src in zip(bufs, rows, strict=True):
-                buf.peer(p).view(self.rows + 1, -1).index_copy_(0, dest_TP[:, p], src)
+        put_rows(rows, bufs, slot_TP, base_P)
         self.heap.barrier()
-        return [buf.local.view(self.rows + 1, -1).clone() for buf in bufs]
+        return [b.views[self.heap.rank] for b in bufs]
 
     def gather(
-        self, rows: list[torch.Tensor], dest_TP: torch.Tensor, keep_TP: torch.Tensor
+        self, rows: list[torch.Tensor], slot_TP: torch.Tensor, base_P: torch.Tensor
     ) -> list[torch.Tensor]:
         """The adjoint of ``put``: each rank publishes its receive-buffer rows, and each source
         sums, in rank order and fp32, the rows its tokens left at the ranks they visited."""
-        bufs = (self.x, self.route)[: len(rows)]
+        bufs = self._buffers(rows)
         self.heap.barrier()
-        for buf, src in zip(bufs, rows, strict=True):
-            buf.local.view(self.rows + 1, -1).copy_(src)
+        for b, src in zip(bufs, rows, strict=True):
+            mine = b.views[self.heap.rank]
+            if mine.data_ptr() != src.data_ptr():
+                mine.copy_(src)
         self.heap.barrier()
-        out = []
-        for buf, src in zip(bufs, rows, strict=True):
-            acc = torch.zeros(
-                dest_TP.shape[0],
-                src.shape[1],
-                dtype=torch.promote_types(src.dtype, torch.float32),
-                device=src.device,
-            )
-            for p in range(self.heap.size):
-                got = buf.peer(p).view(self.rows + 1, -1).index_select(0, dest_TP[:, p])
-                acc += torch.where(keep_TP[:, p : p + 1], got, 0)
-            out.append(acc.to(src.dtype))
-        return out
+        return gather_rows(bufs, slot_TP, base_P)
+
+    def _buffers(self, rows: list[torch.Tensor]) -> list[PeerRows]:
+        return [buf.rows(r.shape[1]) for buf, r in zip((self.x, self.route), rows, strict=False)]
 
 
 class _Put(torch.autograd.Function):
     """Token rows (and their routing rows) to the ranks they visit; backward: ``gather``."""
 
     @staticmethod
-    def forward(ctx, x_TD, route_TF, dest_TP, keep_TP, exchange):  # type: ignore[override]
+    def forward(ctx, x_TD, route_TF, slot_TP, base_P, exchange):  # type: ignore[override]
         ctx.exchange = exchange
-        ctx.save_for_backward(dest_TP, keep_TP)
-        return tuple(exchange.put([x_TD, route_TF], dest_TP))
+        ctx.save_for_backward(slot_TP, base_P)
+        return tuple(exchange.put([x_TD, route_TF], slot_TP, base_P))
 
     @staticmethod
     def backward(ctx, g_xR, g_routeR):  # type: ignore[override]
-        dest_TP, keep_TP = ctx.saved_tensors
+        slot_TP, base_P = ctx.saved_tensors
         g_x, g_route = ctx.exchange.gather(
-            [g_xR.contiguous(), g_routeR.contiguous()], dest_TP, keep_TP
+            [g_xR.contiguous(), g_routeR.contiguous()], slot_TP, base_P
         )
         return g_x, g_route, None, None, None
 
@@ -318,15 +313,15 @@ class _Gather(torch.autograd.Function):
     """Each rank's per-row results back to the tokens' ranks, summed; backward: ``put``."""
 
     @staticmethod
-    def forward(ctx, y_RD, dest_TP, keep_TP, exchange):  # type: ignore[override]
+    def forward(ctx, y_RD, slot_TP, base_P, exchange):  # type: ignore[override]
         ctx.exchange = exchange
-        ctx.save_for_backward(dest_TP)
-        return exchange.gather([y_RD.contiguous()], dest_TP, keep_TP)[0]
+        ctx.save_for_backward(slot_TP, base_P)
+        return exchange.gather([y_RD.contiguous()], slot_TP, base_P)[0]
 
     @staticmethod
     def backward(ctx, g_TD):  # type: ignore[override]
-        (dest_TP,) = ctx.saved_tensors
-        (g_R,) = ctx.exchange.put([g_TD.contiguous()], dest_TP)
+        slot_TP, base_P = ctx.saved_tensors
+        (g_R,) = ctx.exchange.put([g_TD.contiguous()], slot_TP, base_P)
         return g_R, None, None, None
 
 
@@ -354,23 +349,22 @@ class RowwiseDispatcher:
             )
 
         # Sender: the ranks each token visits and its row's place in a rank-major send order.
-        visits_TP, send = rank_slots(routing.experts_TK, P, El)
-        start_P = send.counts_E.cumsum(0) - send.counts_E
+        _, send = rank_slots(routing.experts_TK, P, El)
 
         # Routing metadata on the device: every rank learns how many rows each rank sends to
-        # each rank, so a source knows where its rows land: after those of lower ranks.
+        # each rank, so a source knows where its rows land on each owner: after those of lower
+        # ranks (``base_P``: that start less the rows' start in the send order; the moves add
+        # it to each row's send slot). Rows past an owner's capacity are counted, not moved.
         counts_PP = ex.exchange_counts(send.counts_E)
         me = ex.heap.rank
         before_P = counts_PP.cumsum(0)[me] - counts_PP[me]
-        dest_TP = before_P + (send.slot_TK - start_P)
-        keep_TP = visits_TP & (dest_TP < R)
-        dest_TP = torch.where(keep_TP, dest_TP, R)  # the spare row
-        ex.dropped += (visits_TP & ~keep_TP).sum()
+        base_P = before_P - (send.counts_E.cumsum(0) - send.counts_E)
+        ex.dropped += (before_P + send.counts_E - R).clamp(min=0).minimum(send.counts_E).sum()
 
         route_T2K = torch.cat(
             [routing.weights_TK.to(ex.route_dtype), routing.experts_TK.to(ex.route_dtype)], dim=1
         )
-        x_RD, route_R2K = _Put.apply(x_TD, route_T2K, dest_TP, keep_TP, ex)
+        x_RD, route_R2K = _Put.apply(x_TD, route_T2K, send.slot_TK, base_P, ex)
 
         # Receiver: the first ``received`` rows are real. Its experts' assignments go into an
         # expert-ordered buffer of M rows (rows past the real count are never read).
@@ -387,4 +381,4 @@ class RowwiseDispatcher:
         weights_M = slot_weights(route_R2K[:, :K].to(routing.weights_TK.dtype), recv.slot_TK, M)
         y_MD = experts(x_MD, offs_E, weights_M)
         y_RD = sum_from_slots(y_MD, recv.slot_TK, every_row_mapped=False)
-        return _Gather.apply(y_RD, dest_TP, keep_TP, ex)
+        return _Gather.apply(y_RD, send.slot_TK, base_P, ex)

@@ -131,6 +131,11 @@ class ShardedAdamW:
             "exp_avg_sq": state.get("exp_avg_sq", zeros),
         }
 
+    def allocate_state(self) -> None:
+        """Allocate the moments of every bucket now (before a step is captured as a graph)."""
+        for i in range(len(self.buckets)):
+            self.shards(i, allocate=True)
+
     def set_step(self, step: int) -> None:
         self.step_t.fill_(float(step))
 

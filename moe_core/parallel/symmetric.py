@@ -31,14 +31,23 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from kernels.rowwise import PeerRows
 from moe_core.config import ConfigError
 
 
 class SymmetricBuffer:
-    """One symmetric allocation: ``local`` (this rank's) and ``peer(r)`` (rank r's), flat."""
+    """One symmetric allocation: ``local`` (this rank's) and ``peer(r)`` (rank r's), flat;
+    ``rows(width)`` the view the rowwise kernels take (with every rank's base address, made
+    here once: a kernel never builds it from the host)."""
 
     def __init__(self, peers: list[torch.Tensor], rank: int) -> None:
         self._peers, self.rank = peers, rank
+        self.ptrs_P = torch.tensor(
+            [t.data_ptr() for t in peers], dtype=torch.int64, device=peers[rank].device
+        )
+
+    def rows(self, width: int) -> PeerRows:
+        return PeerRows([t.view(-1, width) for t in self._peers], self.ptrs_P)
 
     @property
     def local(self) -> torch.Tensor:

@@ -18,6 +18,7 @@ its own (data, optimizer and logging included), so TFLOP/s over steps is the run
 
 from __future__ import annotations
 
+import functools
 import gc
 import signal
 import time
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import RunConfig, check_tokenizer_fits, to_dict
+from moe_core.config import ConfigError, RunConfig, check_tokenizer_fits, to_dict
 from moe_core.convert.native import save_model_dir
 from moe_core.data.loader import TokenLoader
 from moe_core.data.prefetch import Prefetcher, pinned
@@ -56,6 +57,7 @@ from moe_core.train.metrics import (
     throughput,
 )
 from moe_core.train.schedule import lr_multiplier
+from moe_core.train.step_graph import StepGraphs
 
 EXPERT_KEYS = ("moe.experts.w_gate_up", "moe.experts.w_down")
 EVAL_BASE = 1 << 40  # held-out synthetic sequences are numbered from here
@@ -99,6 +101,14 @@ class Trainer:
         tc, pc = cfg.train, cfg.parallel
         self.mesh = mesh or init_distributed(pc)
         self.device = self.mesh.device
+        self.graphs: StepGraphs | None = None
+        if pc.cuda_graph_on(self.device.type):
+            if self.device.type != "cuda":
+                raise ConfigError(
+                    f"parallel.cuda_graph=true needs CUDA GPUs, and this run is on "
+                    f"{self.device.type}; set it to false or null."
+                )
+            self.graphs = StepGraphs(self.device)
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
         torch.manual_seed(tc.seed)
@@ -245,6 +255,14 @@ class Trainer:
             aux_sum += aux.detach()
         return ce_sum, aux_sum
 
+    def _compute(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The step's device work before its host read: forward and backward of every
+        micro-batch, gradients reduced, their global norm (``StepGraphs.compute`` captures it)."""
+        self.buckets.start_step()
+        ce_sum, aux_sum = self._forward_backward(batches)
+        self.buckets.finish()
+        return ce_sum, aux_sum, self.optimizer.grad_norm()
+
     def _dropped(self) -> torch.Tensor:
         """Rows and assignments the rowwise dispatchers found no room for since the last read
         (then reset); a device value, read with the rest."""
@@ -323,10 +341,10 @@ class Trainer:
         lr = tc.lr * lr_multiplier(self.step, tc)
         self.optimizer.set_lr(lr)
         batches = self.micro_batches()
-        self.buckets.start_step()
-        ce_sum, aux_sum = self._forward_backward(batches)
-        self.buckets.finish()
-        grad_norm = self.optimizer.grad_norm()
+        if self.graphs is None:
+            ce_sum, aux_sum, grad_norm = self._compute(batches)
+        else:
+            ce_sum, aux_sum, grad_norm = self.graphs.compute(self._compute, batches)
         if self.step + 1 < tc.steps:
             self._prefetch.prepare(self.step + 1)  # type: ignore[union-attr]
 
@@ -367,7 +385,12 @@ class Trainer:
         loss = ce / n_micro
         verdict = self.guards.check(loss, norm)
         if not verdict.skip:
-            self.optimizer.update(grad_norm, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+            if self.graphs is None:
+                self.optimizer.update(grad_norm, clip)
+            else:
+                update = functools.partial(self.optimizer.update, grad_norm, clip)
+                self.graphs.update(update, prepare=self.optimizer.allocate_state)
         health = self._router_health(table, rows, applied=not verdict.skip)
         for r in rs:
             r.reset_stats()
