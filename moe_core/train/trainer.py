@@ -350,11 +350,14 @@ class Trainer:
 
         rs = list(self.routers.values())
         zero = torch.zeros((), device=self.device)
-        mem = (
-            torch.cuda.max_memory_allocated(self.device) / 2**30
-            if self.device.type == "cuda"
-            else 0.0
-        )
+        mem = 0.0
+        if self.device.type == "cuda":
+            # Graph replays allocate from the graphs' own pool, unseen by the peak counter: count
+            # what the allocator holds instead.
+            peak = torch.cuda.max_memory_allocated(self.device)
+            if self.graphs is not None:
+                peak = max(peak, torch.cuda.max_memory_reserved(self.device))
+            mem = peak / 2**30
         # Host values join the device's through pinned memory: an asynchronous copy, no sync.
         known = torch.tensor([float(len(rs)), mem, float(self.stop_requested)])
         known = pinned(known, self.device).to(self.device, non_blocking=True)
