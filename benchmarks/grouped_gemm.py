@@ -1,4 +1,5 @@
-"""Grouped GEMMs of the MoE experts on one GPU: ``torch._grouped_mm`` against the Triton kernels.
+"""Grouped GEMMs of the MoE experts on one GPU: ``torch._grouped_mm`` against our Triton kernels
+and QuACK (``--impls triton,quack``).
 
     python benchmarks/grouped_gemm.py --commit $(git rev-parse --short HEAD) --out gg.json
 
@@ -76,8 +77,6 @@ def median_ms(step: Callable[[], object], args: argparse.Namespace) -> float:
 
 def run_case(args: argparse.Namespace, topk: int, G: int, K: int, N: int, proj: str) -> list[dict]:
     """Every op and implementation for one (M, G, K, N) and both size distributions."""
-    from kernels import grouped_gemm_triton as ggt
-
     M = args.tokens * topk
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     x_MK, dy_MN = randn(M, K, scale=1.0, gen=gen), randn(M, N, scale=1.0, gen=gen)
@@ -96,26 +95,23 @@ def run_case(args: argparse.Namespace, topk: int, G: int, K: int, N: int, proj: 
         offs_G = torch.tensor(sizes).cumsum(0).to("cuda", torch.int32)
         top4 = sum(sorted(sizes)[-4:]) / M
         impls: dict[str, dict[str, Callable[[], torch.Tensor]]] = {
-            "fwd": {
-                "torch": lambda o=offs_G: torch._grouped_mm(x_MK, w_GKN, offs=o),
-                "triton": lambda o=offs_G: ggt.grouped_mm(x_MK, w_GKN, o),
-            },
-            "dgrad": {
-                "torch": lambda o=offs_G: torch._grouped_mm(dy_MN, w_GNK, offs=o),
-                "triton": lambda o=offs_G: ggt.grouped_mm(dy_MN, w_GNK, o),
-            },
-            "wgrad": {
-                "torch": lambda o=offs_G: torch._grouped_mm(x_MK.t(), dy_MN, offs=o),
-                "triton": lambda o=offs_G: ggt.grouped_wgrad(x_MK, dy_MN, o),
-            },
-            "wgrad_nk": {
-                "torch": lambda o=offs_G: torch._grouped_mm(dy_MN.t(), x_MK, offs=o),
-                "triton": lambda o=offs_G: ggt.grouped_wgrad(x_MK, dy_MN, o, transposed=True),
-            },
+            "fwd": {"torch": lambda o=offs_G: torch._grouped_mm(x_MK, w_GKN, offs=o)},
+            "dgrad": {"torch": lambda o=offs_G: torch._grouped_mm(dy_MN, w_GNK, offs=o)},
+            "wgrad": {"torch": lambda o=offs_G: torch._grouped_mm(x_MK.t(), dy_MN, offs=o)},
+            "wgrad_nk": {"torch": lambda o=offs_G: torch._grouped_mm(dy_MN.t(), x_MK, offs=o)},
         }
+        for name, lib in libraries(args.impls).items():
+            impls["fwd"][name] = lambda o=offs_G, m=lib: m.grouped_mm(x_MK, w_GKN, o)
+            impls["dgrad"][name] = lambda o=offs_G, m=lib: m.grouped_mm(dy_MN, w_GNK, o)
+            impls["wgrad"][name] = lambda o=offs_G, m=lib: m.grouped_wgrad(x_MK, dy_MN, o)
+            impls["wgrad_nk"][name] = lambda o=offs_G, m=lib: m.grouped_wgrad(
+                x_MK, dy_MN, o, transposed=True
+            )
         for op in OPS:
             fns = impls[op]
-            check(f"{proj} E={G} top-{topk} {dist} {op}", fns["triton"](), fns["torch"]())
+            for impl, fn in fns.items():
+                if impl != "torch":
+                    check(f"{impl} {proj} E={G} top-{topk} {dist} {op}", fn(), fns["torch"]())
             for impl, fn in fns.items():
                 ms = median_ms(fn, args)
                 tflops = flops / (ms * 1e-3) / 1e12
@@ -125,21 +121,38 @@ def run_case(args: argparse.Namespace, topk: int, G: int, K: int, N: int, proj: 
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    """One line per (case, distribution, op): torch and Triton side by side."""
+def libraries(names: str) -> dict[str, object]:
+    """The implementations compared with ``torch._grouped_mm`` (``--impls``)."""
+    out: dict[str, object] = {}
+    for name in names.split(","):
+        if name == "triton":
+            from kernels import grouped_gemm_triton as lib
+        elif name == "quack":
+            from kernels import grouped_gemm_quack as lib  # type: ignore[no-redef]
+        else:
+            raise SystemExit(f"--impls: unknown implementation {name!r} (triton, quack)")
+        out[name] = lib
+    return out
+
+
+def print_table(rows: list[dict], impls: list[str]) -> None:
+    """One line per (case, distribution, op): torch and each implementation, TFLOP/s, and
+    each one's speed-up over torch."""
     dense = {(r["M"], r["experts"], r["proj"]): r for r in rows if r["op"] == "dense"}
     by_key = {(r["M"], r["experts"], r["proj"], r["dist"], r["op"], r["impl"]): r for r in rows}
-    head = f"{'M':>7} {'E':>4} {'proj':<8}{'dist':<9}{'op':<9}"
-    head += f"{'torch ms':>9}{'triton ms':>10}{'torch TF/s':>11}{'triton TF/s':>12}"
-    print(head + f"{'speedup':>8}{'dense TF/s':>11}")
+    head = f"{'M':>7} {'E':>4} {'proj':<8}{'dist':<9}{'op':<9}{'torch TF/s':>11}"
+    head += "".join(f"{i + ' TF/s':>12}{'x':>6}" for i in impls)
+    print(head + f"{'dense TF/s':>11}")
     for r in rows:
         if r["impl"] != "torch" or r["op"] == "dense":
             continue
-        t = by_key[(r["M"], r["experts"], r["proj"], r["dist"], r["op"], "triton")]
         d = dense[(r["M"], r["experts"], r["proj"])]
         line = f"{r['M']:>7} {r['experts']:>4} {r['proj']:<8}{r['dist']:<9}{r['op']:<9}"
-        line += f"{r['ms']:>9.3f}{t['ms']:>10.3f}{r['tflops']:>11.0f}{t['tflops']:>12.0f}"
-        print(line + f"{r['ms'] / t['ms']:>7.2f}x{d['tflops']:>11.0f}")
+        line += f"{r['tflops']:>11.0f}"
+        for i in impls:
+            t = by_key[(r["M"], r["experts"], r["proj"], r["dist"], r["op"], i)]
+            line += f"{t['tflops']:>12.0f}{r['ms'] / t['ms']:>5.2f}x"
+        print(line + f"{d['tflops']:>11.0f}")
 
 
 def autotuned(tuner: object) -> dict[str, str]:
@@ -156,6 +169,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=1024, help="expert hidden size")
     p.add_argument("--dists", default="uniform,skewed", help="group-size distributions")
+    p.add_argument("--impls", default="triton", help="compared with torch: triton,quack")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
@@ -166,8 +180,6 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     if args.iters < 20:
         raise SystemExit("--iters must be at least 20")
-    from kernels import grouped_gemm_triton as ggt
-
     D, F = args.d_model, args.hidden
     projections = {"gate_up": (D, 2 * F), "down": (F, D)}  # (K, N)
     rows: list[dict] = []
@@ -179,7 +191,7 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  commit {args.commit}")
     print(f"median of {args.iters} runs after {args.warmup} warm-up; TFLOP/s = 2MKN / time")
-    print_table(rows)
+    print_table(rows, args.impls.split(","))
     result = {
         "benchmark": "grouped_gemm",
         "date": str(date.today()),
@@ -188,12 +200,17 @@ def main() -> None:
         "triton": __import__("triton").__version__,
         "commit": args.commit,
         "config": vars(args),
-        "autotuned": {
-            "grouped_mm": autotuned(ggt._grouped_mm_tuned),
-            "grouped_wgrad": autotuned(ggt._grouped_wgrad_tuned),
-        },
         "rows": rows,
     }
+    if "triton" in args.impls.split(","):
+        from kernels import grouped_gemm_triton as ggt
+
+        result["autotuned"] = {
+            "grouped_mm": autotuned(ggt._grouped_mm_tuned),
+            "grouped_wgrad": autotuned(ggt._grouped_wgrad_tuned),
+        }
+    if "quack" in args.impls.split(","):
+        result["quack"] = __import__("importlib.metadata").metadata.version("quack-kernels")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:

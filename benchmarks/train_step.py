@@ -29,6 +29,7 @@ from datetime import date
 import torch
 from timing import cuda_times_ms
 
+from kernels import grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
 from moe_core.model.flops import count
@@ -243,6 +244,12 @@ def parser() -> argparse.ArgumentParser:
         default="bf16",
         help="with --optimizer moe_core: bf16 moments, or fp32 master weights and moments",
     )
+    p.add_argument(
+        "--expert-gemm",
+        choices=["auto", "torch", "quack"],
+        default="auto",
+        help="the experts' grouped GEMMs (parallel.expert_gemm)",
+    )
     p.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")
@@ -253,6 +260,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    grouped_gemm.set_backend(args.expert_gemm)
     if args.layer_vs_dense:
         result = layer_vs_dense(args)
     elif args.experts_sweep:
@@ -260,6 +268,8 @@ def main() -> None:
     else:
         result = train_step(args)
     result |= {
+        "expert_gemm": args.expert_gemm,
+        "expert_gemm_chosen": grouped_gemm.chosen(),
         "date": str(date.today()),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

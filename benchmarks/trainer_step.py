@@ -68,6 +68,7 @@ def bare_step(args: argparse.Namespace) -> dict:
             f"--mbs={args.mbs}",
             f"--warmup={args.warmup}",
             f"--iters={args.steps}",
+            f"--expert-gemm={args.expert_gemm}",
             f"--out={out}",
         ]
         child(cmd, "the bare step")
@@ -89,6 +90,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         f"parallel.ep={args.ep}",
         f"parallel.dispatcher={args.dispatcher}",
         *([] if args.cuda_graph is None else [f"parallel.cuda_graph={args.cuda_graph}"]),
+        f"parallel.expert_gemm={args.expert_gemm}",
         f"train.steps={args.warmup + args.steps}",
         "train.log_every=1",
         "train.checkpoint_at_end=false",
@@ -170,6 +172,12 @@ def main() -> None:
         default=None,
         help="parallel.cuda_graph for moe train (default: the config's null)",
     )
+    p.add_argument(
+        "--expert-gemm",
+        choices=["auto", "torch", "quack"],
+        default="auto",
+        help="the experts' grouped GEMMs, in both (parallel.expert_gemm)",
+    )
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
@@ -191,6 +199,7 @@ def main() -> None:
         "ep": args.ep,
         "dispatcher": args.dispatcher,
         "cuda_graph": args.cuda_graph,
+        "expert_gemm": args.expert_gemm,
         "seq": 4096,
     }
     if args.accumulate:

@@ -148,3 +148,18 @@ def test_precision_presets_set_weights_compute_and_optimizer_state():
         "bf16": ("bf16", "bf16", "fp32"),
         "pure-bf16": ("bf16", "bf16", "bf16"),
     }
+
+
+def test_quack_expert_gemms_asked_for_without_the_package_or_a_gpu_are_refused(tmp_path):
+    from kernels.grouped_gemm import quack_installed
+
+    if torch.cuda.is_available() and quack_installed():
+        pytest.skip("this machine can run QuACK's GEMMs")
+    with pytest.raises(ConfigError) as err:
+        Trainer(compose_run(["model=tiny", "parallel.expert_gemm=quack", f"out_dir={tmp_path}"]))
+    assert str(err.value) == (
+        "parallel.expert_gemm='quack' needs quack-kernels (pip install -e '.[gpu]') and a CUDA "
+        "GPU, which this cpu run lacks; use 'auto' or 'torch'."
+    )
+    with pytest.raises(ConfigError, match=r"parallel\.expert_gemm='fast' is not allowed"):
+        compose_run(["parallel.expert_gemm=fast"])

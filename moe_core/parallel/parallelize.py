@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_core.config import ModelConfig, ParallelConfig
+from kernels.grouped_gemm import quack_installed, set_backend
+from moe_core.config import ConfigError, ModelConfig, ParallelConfig
 from moe_core.model import Transformer
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.compile import apply_compile
@@ -80,6 +81,12 @@ def parallelize(
 ) -> dict[int, Transformer]:
     """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized
     (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
+    if pcfg.expert_gemm == "quack" and not (mesh.device.type == "cuda" and quack_installed()):
+        raise ConfigError(
+            "parallel.expert_gemm='quack' needs quack-kernels (pip install -e '.[gpu]') and a "
+            f"CUDA GPU, which this {mesh.device.type} run lacks; use 'auto' or 'torch'."
+        )
+    set_backend(pcfg.expert_gemm)
     exchange = None
     if pcfg.ep > 1 and pcfg.dispatcher == "nvshmem_rowwise":
         exchange = rowwise_exchange(cfg, pcfg, mesh, tokens)
