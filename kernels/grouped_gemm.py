@@ -77,7 +77,8 @@ def _fastest(
     product: str, operands: tuple[torch.Tensor, ...], paths: dict[str, Callable[[], torch.Tensor]]
 ) -> torch.Tensor:
     """Run the path for this product: the one ``set_backend`` names, or under ``auto`` the one
-    measured faster for these shapes and strides (timed at first use)."""
+    measured faster for these operands' shapes and strides (the group count among them: the
+    offsets are an operand), timed at first use."""
     if len(paths) == 1:
         return next(iter(paths.values()))()
     if _backend != "auto":
@@ -149,7 +150,7 @@ def _forward(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> t
         from kernels import grouped_gemm_quack as quack
 
         paths["quack"] = lambda: quack.grouped_mm(x_MK, w_GKN, offs_G)
-    return _fastest("mm", (x_MK, w_GKN), paths)
+    return _fastest("mm", (x_MK, w_GKN, offs_G), paths)
 
 
 def _wgrad(
@@ -171,13 +172,13 @@ def _wgrad(
             paths = {"torch": lambda: _GROUPED_MM(dy_NM, x_MK, offs=offs_G)}
             if quack is not None:
                 paths["quack"] = lambda: quack.grouped_wgrad(x_MK, dy_MN, offs_G, transposed=True)
-            return _fastest("wgrad_nk", (x_MK, dy_MN), paths).transpose(-2, -1)
+            return _fastest("wgrad_nk", (x_MK, dy_MN, offs_G), paths).transpose(-2, -1)
     x_KM = x_MK.t()
     if grouped_mm_supported(x_KM, dy_MN):
         paths = {"torch": lambda: _GROUPED_MM(x_KM, dy_MN, offs=offs_G)}
         if quack is not None:
             paths["quack"] = lambda: quack.grouped_wgrad(x_MK, dy_MN, offs_G)
-        return _fastest("wgrad", (x_MK, dy_MN), paths)
+        return _fastest("wgrad", (x_MK, dy_MN, offs_G), paths)
     return grouped_mm_wgrad_reference(x_MK, dy_MN, offs_G)
 
 
