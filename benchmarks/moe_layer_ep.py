@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from timing import cuda_times_ms
 
+from kernels import grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.dispatch import (
@@ -108,7 +109,9 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown", help="the commit measured")
     parser.add_argument("--dispatchers", default="all_to_all", help="comma-separated")
     parser.add_argument("--capacity-factor", type=float, default=None, help="rowwise buffers")
+    parser.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="torch")
     args = parser.parse_args()
+    grouped_gemm.set_backend(args.expert_gemm)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -163,6 +166,7 @@ def main() -> None:
             "routing": "learned (random router init)",
             "precision": "bf16",
             "capacity_factor": args.capacity_factor,
+            "expert_gemm": args.expert_gemm,
             "results": results,
         }
         ep1 = statistics.mean(r["tokens_per_s_per_gpu"] for r in results["ep1"])

@@ -1,0 +1,136 @@
+"""Causal attention on one GPU: PyTorch SDPA (the model's call, and each of its backends) against
+FlashAttention 4's CuTe kernels (``flash-attn-4``), forward and forward + backward.
+
+    python benchmarks/attention.py --commit $(git rev-parse --short HEAD) --out attn.json
+
+OLMoE-1B-7B's shape by default: batch 4, sequence 4096, 16 heads of 128, bf16, causal. Inputs
+are random normal, the same tensors for every implementation; each output (and its gradients)
+is compared with SDPA's first. CUDA events after warm-up, the median of ``--iters`` runs.
+TFLOP/s counts the causal half: forward 2 * 2 * B * H * S^2 * d / 2, backward 2.5x that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cuda_times_ms
+
+
+def sdpa(backend: SDPBackend | None) -> Callable[..., torch.Tensor]:
+    """SDPA on [B, S, H, d] tensors (transposed to its [B, H, S, d]), as the model calls it."""
+
+    def run(q, k, v):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        if backend is None:
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+
+    return run
+
+
+def flash4() -> Callable[..., torch.Tensor]:
+    from flash_attn.cute import flash_attn_func
+
+    def run(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    B, S, H, d = args.batch, args.seq, args.heads, args.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(B, S, H, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for _ in range(4)
+    )
+    fwd_flops = 2 * 2 * B * H * S * S * d / 2
+    impls = {
+        "sdpa_default": sdpa(None),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_flash2": sdpa(SDPBackend.FLASH_ATTENTION),
+    }
+    try:
+        impls["flash_attn_4"] = flash4()
+    except ImportError as err:
+        print(f"flash-attn-4 not importable ({err}); measuring SDPA only")
+
+    def grads(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    ref = grads(impls["sdpa_default"])
+    rows = []
+    for name, fn in impls.items():
+        got = grads(fn)
+        err = max(
+            ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for a, b in zip(got, ref, strict=True)
+        )
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn(q, k, v)
+
+        def forward_backward(fn=fn, leaves=leaves):
+            out = fn(*leaves)
+            torch.autograd.grad(out, leaves, do)
+
+        fwd_ms = statistics.median(cuda_times_ms(forward, args.warmup, args.iters))
+        both_ms = statistics.median(cuda_times_ms(forward_backward, args.warmup, args.iters))
+        rows.append(
+            dict(
+                impl=name,
+                fwd_ms=fwd_ms,
+                fwd_tflops=fwd_flops / fwd_ms / 1e9,
+                fwd_bwd_ms=both_ms,
+                fwd_bwd_tflops=3.5 * fwd_flops / both_ms / 1e9,
+                bwd_tflops=2.5 * fwd_flops / max(both_ms - fwd_ms, 1e-9) / 1e9,
+                max_rel_err_vs_sdpa=err,
+            )
+        )
+        print(
+            f"{name:<14} fwd {fwd_ms:7.3f} ms {rows[-1]['fwd_tflops']:6.0f} TF/s   "
+            f"fwd+bwd {both_ms:7.3f} ms {rows[-1]['fwd_bwd_tflops']:6.0f} TF/s   err {err:.1e}"
+        )
+    result = {
+        "benchmark": "attention",
+        "date": str(date.today()),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "shape": dict(batch=B, seq=S, heads=H, head_dim=d, causal=True, dtype="bf16"),
+        "rows": rows,
+    }
+    print("RESULT " + json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
