@@ -32,6 +32,7 @@ from timing import cuda_times_ms
 from kernels import grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
+from moe_core.model.attention import Attention
 from moe_core.model.flops import count
 from moe_core.model.moe import MoE, Router, Routing
 from moe_core.parallel.compile import apply_compile, loss_function
@@ -85,6 +86,9 @@ def train_step_parts(args: argparse.Namespace) -> Phases:
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     force_routing(model, args.routing)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.impl = args.attention
     if args.compile:
         apply_compile(model)
     loss_fn = loss_function(args.compile)
@@ -250,6 +254,12 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="the experts' grouped GEMMs (parallel.expert_gemm)",
     )
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "flash4"],
+        default="sdpa",
+        help="the attention core (parallel.attention)",
+    )
     p.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")
@@ -269,7 +279,7 @@ def main() -> None:
         result = train_step(args)
     result |= {
         "expert_gemm": args.expert_gemm,
-        "expert_gemm_chosen": grouped_gemm.chosen(),
+        "attention": args.attention,
         "date": str(date.today()),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

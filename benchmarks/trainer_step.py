@@ -69,6 +69,7 @@ def bare_step(args: argparse.Namespace) -> dict:
             f"--warmup={args.warmup}",
             f"--iters={args.steps}",
             f"--expert-gemm={args.expert_gemm}",
+            f"--attention={args.attention}",
             f"--out={out}",
         ]
         child(cmd, "the bare step")
@@ -91,6 +92,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         f"parallel.dispatcher={args.dispatcher}",
         *([] if args.cuda_graph is None else [f"parallel.cuda_graph={args.cuda_graph}"]),
         f"parallel.expert_gemm={args.expert_gemm}",
+        f"parallel.attention={args.attention}",
         f"train.steps={args.warmup + args.steps}",
         "train.log_every=1",
         "train.checkpoint_at_end=false",
@@ -178,6 +180,12 @@ def main() -> None:
         default="auto",
         help="the experts' grouped GEMMs, in both (parallel.expert_gemm)",
     )
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "flash4"],
+        default="sdpa",
+        help="the attention core, in both (parallel.attention)",
+    )
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
@@ -200,6 +208,7 @@ def main() -> None:
         "dispatcher": args.dispatcher,
         "cuda_graph": args.cuda_graph,
         "expert_gemm": args.expert_gemm,
+        "attention": args.attention,
         "seq": 4096,
     }
     if args.accumulate:

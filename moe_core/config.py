@@ -273,9 +273,12 @@ class ParallelConfig:
     # Replay each step's device work as CUDA graphs (``train.step_graph``); None: on for CUDA
     # with expert parallelism over nvshmem_rowwise (many small kernels, no host read).
     cuda_graph: bool | None = None
-    # The experts' grouped GEMMs on CUDA: torch._grouped_mm, QuACK's (the [gpu] extra), or per
-    # product and shape the faster of the two, timed at first use (``kernels.grouped_gemm``).
+    # The experts' grouped GEMMs on CUDA: torch._grouped_mm, QuACK's (the [gpu] extra), or auto:
+    # QuACK where installed (sm90+), else torch (``kernels.grouped_gemm``, measured there).
     expert_gemm: Literal["auto", "torch", "quack"] = "auto"
+    # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
+    # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA.
+    attention: Literal["auto", "sdpa", "flash4"] = "auto"
 
     def compile_on(self, device_type: str) -> bool:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""

@@ -150,16 +150,21 @@ def test_precision_presets_set_weights_compute_and_optimizer_state():
     }
 
 
-def test_quack_expert_gemms_asked_for_without_the_package_or_a_gpu_are_refused(tmp_path):
-    from kernels.grouped_gemm import quack_installed
-
-    if torch.cuda.is_available() and quack_installed():
-        pytest.skip("this machine can run QuACK's GEMMs")
+def test_gpu_kernel_libraries_asked_for_without_the_package_or_a_gpu_are_refused(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the refusals are for machines without a GPU")
     with pytest.raises(ConfigError) as err:
         Trainer(compose_run(["model=tiny", "parallel.expert_gemm=quack", f"out_dir={tmp_path}"]))
     assert str(err.value) == (
-        "parallel.expert_gemm='quack' needs quack-kernels (pip install -e '.[gpu]') and a CUDA "
-        "GPU, which this cpu run lacks; use 'auto' or 'torch'."
+        "parallel.expert_gemm='quack' needs quack-kernels (pip install -e '.[gpu]') and a "
+        "Hopper or newer GPU, which this cpu run lacks; use 'auto' or 'torch'."
     )
+    with pytest.raises(ConfigError) as err:
+        Trainer(compose_run(["model=tiny", "parallel.attention=flash4", f"out_dir={tmp_path}"]))
+    assert str(err.value) == (
+        "parallel.attention='flash4' needs flash-attn-4 (pip install -e '.[gpu]') and a "
+        "Hopper or newer GPU, which this cpu run lacks; use 'auto' or 'sdpa'."
+    )
+    assert not (tmp_path / "checkpoints").exists()
     with pytest.raises(ConfigError, match=r"parallel\.expert_gemm='fast' is not allowed"):
         compose_run(["parallel.expert_gemm=fast"])

@@ -14,6 +14,7 @@ import torch
 from kernels.grouped_gemm import quack_installed, set_backend
 from moe_core.config import ConfigError, ModelConfig, ParallelConfig
 from moe_core.model import Transformer
+from moe_core.model.attention import Attention, flash4_installed
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.compile import apply_compile
 from moe_core.parallel.dispatch import (
@@ -28,6 +29,27 @@ from moe_core.parallel.recompute import apply_recompute
 from moe_core.parallel.symmetric import symmetric_heap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
+    """Set the experts' grouped GEMM backend and return the attention core for this run's
+    device (``parallel.expert_gemm``, ``parallel.attention``); a library asked for by name that
+    cannot run here is refused in one sentence."""
+    gpu = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if pcfg.expert_gemm == "quack" and not (gpu and quack_installed()):
+        raise ConfigError(
+            "parallel.expert_gemm='quack' needs quack-kernels (pip install -e '.[gpu]') and a "
+            f"Hopper or newer GPU, which this {device.type} run lacks; use 'auto' or 'torch'."
+        )
+    if pcfg.attention == "flash4" and not (gpu and flash4_installed()):
+        raise ConfigError(
+            "parallel.attention='flash4' needs flash-attn-4 (pip install -e '.[gpu]') and a "
+            f"Hopper or newer GPU, which this {device.type} run lacks; use 'auto' or 'sdpa'."
+        )
+    set_backend(pcfg.expert_gemm)
+    if pcfg.attention == "auto":
+        return "flash4" if gpu and flash4_installed() else "sdpa"
+    return pcfg.attention
 
 
 def rowwise_exchange(
@@ -81,12 +103,7 @@ def parallelize(
 ) -> dict[int, Transformer]:
     """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized
     (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
-    if pcfg.expert_gemm == "quack" and not (mesh.device.type == "cuda" and quack_installed()):
-        raise ConfigError(
-            "parallel.expert_gemm='quack' needs quack-kernels (pip install -e '.[gpu]') and a "
-            f"CUDA GPU, which this {mesh.device.type} run lacks; use 'auto' or 'torch'."
-        )
-    set_backend(pcfg.expert_gemm)
+    attention = choose_kernels(pcfg, mesh.device)
     exchange = None
     if pcfg.ep > 1 and pcfg.dispatcher == "nvshmem_rowwise":
         exchange = rowwise_exchange(cfg, pcfg, mesh, tokens)
@@ -98,6 +115,9 @@ def parallelize(
         dtype = DTYPES[pcfg.param_dtype]
         for p in model.parameters():
             p.data = p.data.to(dtype)
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.impl = attention
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)
