@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--dispatchers", default="all_to_all", help="comma-separated")
     parser.add_argument("--capacity-factor", type=float, default=None, help="rowwise buffers")
     parser.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="torch")
+    parser.add_argument("--fp8", action="store_true", help="also each layer with FP8 experts")
     args = parser.parse_args()
     grouped_gemm.set_backend(args.expert_gemm)
 
@@ -128,14 +129,18 @@ def main() -> None:
         if world > 1 or name == "nvshmem_rowwise":
             variants.append((f"ep{world}-{name}", world, name))
     results = {}
-    for key, ep, dispatcher in variants:
+    if args.fp8:  # the same layers again with FP8 experts, same inputs
+        variants += [(f"{key}-fp8", ep, name, True) for key, ep, name in variants]
+    for key, ep, dispatcher, *fp8 in variants:
         moe = build(ep, dist.group.WORLD, rank, dispatcher, args.capacity_factor)
+        moe.experts.fp8 = bool(fp8)
         times = time_steps(moe, x, grad, args.warmup, args.iters)
         med = statistics.median(times)
         share, top = profile_steps(moe, x, grad)
         row = {
             "ep": ep,
             "dispatcher": dispatcher,
+            "fp8_experts": bool(fp8),
             "median_ms": med,
             "tokens_per_s_per_gpu": TOKENS / (med / 1e3),
             "model_tflops_per_gpu": TOKENS * flops_per_token / (med / 1e3) / 1e12,

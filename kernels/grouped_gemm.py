@@ -112,7 +112,7 @@ def _forward(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> t
     return _GROUPED_MM(x_MK, w_GKN, offs=offs_G)
 
 
-def _wgrad(
+def grouped_mm_wgrad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GKN: torch.Tensor
 ) -> torch.Tensor:
     """The weight gradient in the memory layout of ``w_GKN``.
@@ -155,7 +155,7 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _forward(dy_MN, w_GKN.transpose(-2, -1), offs_G)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(x_MK, dy_MN, offs_G, w_GKN).to(w_GKN.dtype)
+            dw = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).to(w_GKN.dtype)
         return dx, dw, None
 
 

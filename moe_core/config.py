@@ -279,6 +279,10 @@ class ParallelConfig:
     # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
     # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA.
     attention: Literal["auto", "sdpa", "flash4"] = "auto"
+    # Parts run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``): "experts" (forward and
+    # input gradient; sm90+ on GPU). Dense and attention projections and the EP dispatch
+    # payload are not built yet and are refused.
+    fp8_parts: list[str] = field(default_factory=list)
 
     def compile_on(self, device_type: str) -> bool:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
@@ -306,6 +310,16 @@ class ParallelConfig:
             )
         if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
             _fail(p + "pp", self.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b")
+        for part in self.fp8_parts:
+            if part != "experts":
+                _fail(
+                    p + "fp8_parts",
+                    list(self.fp8_parts),
+                    "a list of 'experts' only (FP8 dense projections, attention projections and "
+                    "EP dispatch payloads are not built yet)",
+                )
+        if self.fp8_parts and self.param_dtype != "bf16":
+            _fail(p + "fp8_parts", list(self.fp8_parts), "[] unless parallel.param_dtype=bf16")
         if self.cuda_graph and self.pp > 1:
             _fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
         if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":

@@ -221,6 +221,14 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
             "all_to_all, which reads split sizes on the host",
         ),
         (
+            ["precision=fp8", "parallel.fp8_parts=[experts,dispatch]"],
+            "parallel.fp8_parts=['experts', 'dispatch'] is not allowed: a list of 'experts' only",
+        ),
+        (
+            ["parallel.fp8_parts=[experts]"],
+            "parallel.fp8_parts=['experts'] is not allowed: [] unless parallel.param_dtype=bf16",
+        ),
+        (
             ["parallel.pp=2", "parallel.cuda_graph=true"],
             "parallel.cuda_graph=True is not allowed: false or null with parallel.pp > 1",
         ),

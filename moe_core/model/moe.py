@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8 import fp8_grouped_mm
 from kernels.grouped_gemm import grouped_mm
 from kernels.permute import expert_counts
 from kernels.routing import expert_slots
@@ -177,6 +178,7 @@ class Experts(nn.Module):
         self.expert_offset = 0
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.fp8 = False  # forward and input gradient in FP8 (``kernels.fp8``; set from outside)
 
     def forward(
         self, x_MD: torch.Tensor, offs_E: torch.Tensor, weights_M: torch.Tensor | None = None
@@ -184,8 +186,7 @@ class Experts(nn.Module):
         """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends;
         ``weights_M`` an optional per-row output scale (the router weights, applied to the
         down projection's input)."""
-        w_gate_up = self.w_gate_up.to(x_MD.dtype).transpose(-2, -1)
-        gate_up_M2F = grouped_mm(x_MD, w_gate_up, offs_E)
+        gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
     def activation_and_down(
@@ -195,8 +196,14 @@ class Experts(nn.Module):
         weights_M: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(Weighted) SwiGLU then the down projection (the region selective recompute re-runs)."""
-        w_down = self.w_down.to(gate_up_M2F.dtype).transpose(-2, -1)
-        return grouped_mm(swiglu(gate_up_M2F, weights_M), w_down, offs_E)
+        return self._project(swiglu(gate_up_M2F, weights_M), self.w_down, offs_E)
+
+    def _project(self, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_E: torch.Tensor):
+        """Each expert's rows times its weight (stored [E, N, K], used transposed)."""
+        w_GNK = w_GNK.to(x_MK.dtype)
+        if self.fp8:
+            return fp8_grouped_mm(x_MK, w_GNK, offs_E)
+        return grouped_mm(x_MK, w_GNK.transpose(-2, -1), offs_E)
 
 
 class TokenDispatcher(Protocol):

@@ -33,8 +33,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
     """Set the experts' grouped GEMM backend and return the attention core for this run's
-    device (``parallel.expert_gemm``, ``parallel.attention``); a library asked for by name that
-    cannot run here is refused in one sentence."""
+    device (``parallel.expert_gemm``, ``parallel.attention``); a library asked for by name, or
+    FP8 (``parallel.fp8_parts``), that cannot run here is refused in one sentence. (FP8 on the
+    CPU runs its emulation: the dequantized product.)"""
     gpu = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     if pcfg.expert_gemm == "quack" and not (gpu and quack_installed()):
         raise ConfigError(
@@ -45,6 +46,11 @@ def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
         raise ConfigError(
             "parallel.attention='flash4' needs flash-attn-4 (pip install -e '.[gpu]') and a "
             f"Hopper or newer GPU, which this {device.type} run lacks; use 'auto' or 'sdpa'."
+        )
+    if pcfg.fp8_parts and device.type == "cuda" and not gpu:
+        raise ConfigError(
+            f"parallel.fp8_parts={list(pcfg.fp8_parts)} needs FP8 tensor cores (Hopper or "
+            "newer), which this GPU lacks; use precision=pure-bf16."
         )
     set_backend(pcfg.expert_gemm)
     if pcfg.attention == "auto":
@@ -118,6 +124,8 @@ def parallelize(
         for m in model.modules():
             if isinstance(m, Attention):
                 m.impl = attention
+            if isinstance(m, Experts):
+                m.fp8 = "experts" in pcfg.fp8_parts
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)

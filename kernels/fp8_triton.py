@@ -1,0 +1,68 @@
+"""Triton kernel for ``kernels.fp8.quantize_rowwise``: a program owns BLOCK_M rows, finds each
+row's absolute maximum over K in chunks, then reads the row again (from cache) and writes the
+scaled, saturated E4M3 values (rounded to nearest even in fp32 first, then cast exactly) and
+the fp32 scale: one launch, the row read twice, written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import cdiv, next_pow2
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """``y`` (fp32, |y| <= 448) rounded to the nearest E4M3 value, ties to even, in fp32: the
+    spacing at y's binade (2^(e-3); subnormals share 2^-6's), then the add-and-subtract of
+    1.5 * 2^23 that rounds to an integer in round-to-nearest-even. The cast after it is exact
+    (Triton's interpreter mis-rounds casts that round up into the next binade)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(y) / ulp + 12582912.0) - 12582912.0) * ulp
+    return tl.where(y < 0, -r, r)  # the sign kept, also of values that round to zero
+
+
+@triton.jit
+def _quantize_rows(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_q,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        m = rmask[:, None] & (c < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    tl.store(scale_ptr + rows, scale, mask=rmask)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        m = rmask[:, None] & (c < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
+        y = tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
+        q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
+
+
+def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x_MK.shape
+    x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
+    q_MK = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_M = torch.empty(M, dtype=torch.float32, device=x.device)
+    block_k = min(1024, next_pow2(K))
+    block_m = max(1, min(4096 // block_k, next_pow2(M)))
+    _quantize_rows[(cdiv(M, block_m),)](
+        x, q_MK, scale_M, M, K, x.stride(0), q_MK.stride(0),
+        BLOCK_M=block_m, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,
+    )  # fmt: skip
+    return q_MK, scale_M
