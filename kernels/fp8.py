@@ -3,7 +3,8 @@ FP8 on Hopper tensor cores, the weight gradient in bf16.
 
 Scaling: each row of an operand, along the dimension the product contracts, gets its own fp32
 scale ``amax / 448`` (448 is E4M3's largest finite value; an all-zero row takes scale 1), and
-its values ``x / scale`` are rounded to nearest E4M3 (ties to even), saturating at +-448. The
+its values ``x / scale`` are rounded to nearest E4M3 (ties to even), saturating at +-448; a
+value that rounds to zero is stored +0 (never -0, so every path gives the same bytes). The
 product is then ``(q_a @ q_b) * scale_a[row] * scale_b[col]``, which ``torch._scaled_grouped_mm``
 computes with fp32 accumulation and a bf16 output.
 
@@ -36,8 +37,11 @@ def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.
     """(E4M3 values [M, K], fp32 scales [M]) with ``x ~= q * scale[:, None]`` (module doc)."""
     x32 = x_MK.float()
     amax_M = x32.abs().amax(dim=1)
-    scale_M = torch.where(amax_M > 0, amax_M / E4M3_MAX, torch.ones_like(amax_M))
-    q_MK = (x32 / scale_M[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    # Tensor by tensor: correctly rounded on the GPU too (torch divides by a Python number
+    # through its reciprocal there, an ulp off).
+    scale_M = torch.where(amax_M > 0, amax_M / torch.full_like(amax_M, E4M3_MAX), 1.0)
+    y_MK = (x32 / scale_M[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q_MK = (y_MK.to(E4M3).float() + 0.0).to(E4M3)  # + 0.0: a zero is +0, also from -1e-9
     return q_MK, scale_M
 
 

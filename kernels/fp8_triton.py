@@ -24,8 +24,8 @@ def _round_to_e4m3(y):
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((tl.abs(y) / ulp + 12582912.0) - 12582912.0) * ulp
-    return tl.where(y < 0, -r, r)  # the sign kept, also of values that round to zero
+    r = ((tl.div_rn(tl.abs(y), ulp) + 12582912.0) - 12582912.0) * ulp
+    return tl.where(r == 0, 0.0, tl.where(y < 0, -r, r))  # a zero is +0 (module doc of fp8)
 
 
 @triton.jit
@@ -43,13 +43,14 @@ def _quantize_rows(
         m = rmask[:, None] & (c < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    # IEEE divisions (the GPU's default fp32 division is approximate): the reference's values
+    scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)
     tl.store(scale_ptr + rows, scale, mask=rmask)
     for k0 in range(0, K, BLOCK_K):
         c = k0 + cols
         m = rmask[:, None] & (c < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
-        y = tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
+        y = tl.clamp(tl.div_rn(x.to(tl.float32), scale[:, None]), -FP8_MAX, FP8_MAX)
         q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
 
