@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import time
 
@@ -15,6 +16,7 @@ from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.convert.native import load_model_dir
 from moe_core.model.flops import count
+from moe_core.model.moe import Experts
 from moe_core.train.schedule import lr_multiplier
 from moe_core.train.trainer import Trainer
 
@@ -118,3 +120,16 @@ def test_dropped_expert_rows_stop_the_step_before_anything_is_applied(tmp_path):
         assert torch.equal(v, before[k]), f"{k} changed"
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000001", "step_00000002", "step_00000003"]
+
+
+def test_fp8_preset_trains_through_the_emulated_fp8_experts_on_cpu(tmp_path):
+    """precision=fp8 on the CPU runs the FP8 experts' emulation (quantized operands, the
+    dequantized product): losses track the bf16 run's closely, and are not its numbers."""
+    args = [*BASE, "train.steps=3", "train.checkpoint_every=100"]
+    fp8 = Trainer(compose_run([*args, "precision=fp8", f"out_dir={tmp_path / 'fp8'}"]))
+    assert all(m.fp8 for m in fp8.chunks[0].modules() if isinstance(m, Experts))
+    got = [m.loss for m in fp8.fit(show_progress=False)]
+    bf16 = Trainer(compose_run([*args, "precision=pure-bf16", f"out_dir={tmp_path / 'bf16'}"]))
+    ref = [m.loss for m in bf16.fit(show_progress=False)]
+    assert all(math.isfinite(v) for v in got) and got != ref
+    assert all(abs(a - b) < 0.01 * b for a, b in zip(got, ref, strict=True)), (got, ref)
