@@ -151,7 +151,8 @@ def _train(run) -> None:
         if run.train.save_model:
             done += (
                 f"; model saved to {run.out_dir}/model "
-                f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT)"
+                f"(to Hugging Face: moe convert to-hf {run.out_dir}/model OUT"
+                f"{'' if run.data.kind == 'tokens' else ' --no-tokenizer'})"
             )
         console.print(done)
 
@@ -160,6 +161,11 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from moe_core.convert.hf import check_exportable, load_hf, save_hf
     from moe_core.convert.native import load_model_dir, save_model_dir
 
+    tokenizer = args.tokenizer
+    if args.direction == "to-hf" and tokenizer is None and not args.no_tokenizer:
+        from moe_core.convert.checkpoint import run_tokenizer_dir
+
+        tokenizer = run_tokenizer_dir(args.src)
     if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
         import torch
 
@@ -167,7 +173,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
         out = checkpoint_to_hf(
-            args.src, args.out, dtype, tokenizer_dir=args.tokenizer, overwrite=args.overwrite
+            args.src, args.out, dtype, tokenizer_dir=tokenizer, overwrite=args.overwrite
         )
     elif args.direction == "to-hf":
         cfg, state = load_model_dir(args.src)
@@ -176,7 +182,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
             state,
             cfg,
             args.out,
-            tokenizer_dir=args.tokenizer,
+            tokenizer_dir=tokenizer,
             max_shard_bytes=_size(args.max_shard_size),
             overwrite=args.overwrite,
         )
@@ -221,9 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
         "OLMoE directory",
     )
     p.add_argument("out", help="the directory to write")
-    p.add_argument(
-        "--tokenizer", default=None, help="to-hf: a folder whose tokenizer files to copy"
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument(
+        "--tokenizer",
+        default=None,
+        help="to-hf: a folder whose tokenizer files to copy (default: the run's own, found "
+        "through its checkpoint and data manifest)",
     )
+    tok.add_argument("--no-tokenizer", action="store_true", help="to-hf: the weights alone")
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
     p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing OUT")
     p.add_argument(

@@ -78,7 +78,21 @@ def compose_dict(
             ) from None
         raise ConfigError(f"the overrides {overrides} do not compose: {first}") from None
     assert isinstance(data, dict)
+    _check_data_source(data.get("data") or {})
     return data  # type: ignore[return-value]
+
+
+def _check_data_source(data: dict[str, Any]) -> None:
+    """A token source given to the synthetic data section would be ignored: refuse it."""
+    if data.get("kind", "synthetic") != "synthetic":
+        return
+    for key in ("dir", "path", "hub"):
+        if data.get(key) is not None:
+            raise ConfigError(
+                f"data.{key}={data[key]!r} is not allowed with the synthetic data section, "
+                "which reads no files: choose token data (data=kjv, data=files or data=hub) "
+                "to train on them."
+            )
 
 
 def compose_run(

@@ -168,3 +168,14 @@ def test_gpu_kernel_libraries_asked_for_without_the_package_or_a_gpu_are_refused
     assert not (tmp_path / "checkpoints").exists()
     with pytest.raises(ConfigError, match=r"parallel\.expert_gemm='fast' is not allowed"):
         compose_run(["parallel.expert_gemm=fast"])
+
+
+def test_a_token_source_given_to_the_synthetic_data_section_is_refused():
+    for key in ("dir", "path", "hub"):
+        with pytest.raises(ConfigError) as err:
+            compose_run(["model=tiny", f"data.{key}=EMPTY"])
+        assert str(err.value) == (
+            f"data.{key}='EMPTY' is not allowed with the synthetic data section, which reads no "
+            "files: choose token data (data=kjv, data=files or data=hub) to train on them."
+        )
+    assert compose_run(["data=kjv", "data.dir=somewhere"]).data.dir == "somewhere"

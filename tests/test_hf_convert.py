@@ -133,6 +133,7 @@ def test_cli_converts_both_ways(tmp_path):
                 str(tmp_path / "hf"),
                 "--max-shard-size",
                 "100KB",
+                "--no-tokenizer",
             ]
         )
         == 0
@@ -141,4 +142,65 @@ def test_cli_converts_both_ways(tmp_path):
     assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     cfg_back, state_back = load_model_dir(tmp_path / "back")
     assert cfg_back == cfg and all(torch.equal(state_back[k], v) for k, v in state.items())
-    assert main(["convert", "to-hf", str(tmp_path / "ours"), str(tmp_path / "hf")]) == 2
+    hf = str(tmp_path / "hf")
+    assert main(["convert", "to-hf", str(tmp_path / "ours"), hf, "--no-tokenizer"]) == 2
+
+
+def _train_one_step(out, extra):
+    from helpers import BASE
+
+    from moe_core.compose import compose_run
+    from moe_core.train.trainer import Trainer
+
+    args = [*BASE, "train.steps=1", "train.checkpoint_every=1", f"out_dir={out}", *extra]
+    Trainer(compose_run(args)).fit(show_progress=False)
+    return out / "checkpoints" / "step_00000001"
+
+
+def test_to_hf_takes_the_runs_own_tokenizer_and_refuses_where_there_is_none(tmp_path, capsys):
+    """Without --tokenizer, the tokenizer files come from the data folder the run trained on
+    (found through its checkpoint, from the checkpoint or the model folder beside it); a run on
+    synthetic tokens has none, which is said in one sentence (and --no-tokenizer writes the
+    weights alone)."""
+    import numpy as np
+    from helpers import write_token_dir
+
+    from moe_core.cli import main
+
+    data = write_token_dir(
+        tmp_path / "data",
+        {"train": np.arange(4000) % 4000, "validation": np.arange(600) % 4000},
+        shard_tokens=1 << 12,
+        vocab_size=4096,
+    )
+    ckpt = _train_one_step(tmp_path / "run", ["data.kind=tokens", f"data.dir={data}"])
+    for src in (ckpt, tmp_path / "run" / "model"):
+        out = tmp_path / f"hf-{src.name}"
+        assert main(["convert", "to-hf", str(src), str(out)]) == 0
+        assert (out / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
+
+    synthetic = _train_one_step(tmp_path / "synthetic", [])
+    capsys.readouterr()
+    assert main(["convert", "to-hf", str(synthetic), str(tmp_path / "none")]) == 2
+    said = capsys.readouterr().out
+    assert "trained on synthetic tokens, which have no tokenizer: give --tokenizer DIR" in said
+    assert not (tmp_path / "none").exists()
+    assert main(["convert", "to-hf", str(synthetic), str(tmp_path / "w"), "--no-tokenizer"]) == 0
+    assert not (tmp_path / "w" / "tokenizer.json").exists()
+
+
+def test_exported_folders_and_weights_follow_the_users_umask(tmp_path):
+    import os
+    import stat
+
+    cfg = small_config()
+    state = build_model(cfg).state_dict()
+    previous = os.umask(0o022)
+    try:
+        hf = save_hf(state, cfg, tmp_path / "hf")
+        ours = save_model_dir(state, cfg, tmp_path / "ours")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(hf.stat().st_mode) == 0o755
+    for f in [*hf.iterdir(), ours / "model.safetensors"]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f

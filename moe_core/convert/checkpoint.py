@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moe_core.config import ModelConfig, RunConfig, from_dict
+from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict
 from moe_core.convert.hf import expected_names, save_hf
+from moe_core.data.manifest import verify_data_dir
 from moe_core.model import Transformer
 
 _PARAM = re.compile(r"opt/(.+)/param/(\d+)")
@@ -91,6 +92,41 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(request, checkpoint_id=str(path), no_dist=True)
     return from_dict(RunConfig, json.loads(request["trainer"])["config"])
+
+
+def run_tokenizer_dir(src: str | os.PathLike) -> Path:
+    """The data folder whose tokenizer files belong with ``src`` (a training checkpoint, or
+    the model folder a run saved beside its checkpoints): the one the run trained on, from the
+    config its checkpoint records, checked against the folder's manifest. One sentence where
+    there is none (synthetic tokens, no checkpoint to ask, the folder moved)."""
+    src = Path(src)
+    ask = "give --tokenizer DIR, or --no-tokenizer to write the weights alone"
+    checkpoint = src if (src / ".metadata").is_file() else None
+    if checkpoint is None:
+        found = sorted((src.parent / "checkpoints").glob("step_*/.metadata"))
+        checkpoint = found[-1].parent if found else None
+    if checkpoint is None:
+        raise ConfigError(
+            f"{src} has no training checkpoint beside it to say which tokenizer the model "
+            f"was trained with: {ask}."
+        )
+    run = checkpoint_config(checkpoint)
+    if run.data.kind != "tokens" or run.data.dir is None:
+        raise ConfigError(
+            f"the run that wrote {src} trained on synthetic tokens, which have no tokenizer: {ask}."
+        )
+    data_dir = Path(run.data.dir)
+    if not data_dir.is_dir():  # a relative path from another working folder: from the run's
+        out_dir = checkpoint.resolve().parent.parent
+        if Path(run.data.dir).is_relative_to(run.out_dir):
+            data_dir = out_dir / Path(run.data.dir).relative_to(run.out_dir)
+    if not (data_dir / "manifest.json").is_file():
+        raise ConfigError(
+            f"the data folder {run.data.dir} that the run behind {src} trained on is not there "
+            f"any more: {ask}."
+        )
+    verify_data_dir(data_dir, checksums=False)  # its tokenizer is the one the shards were cut by
+    return data_dir
 
 
 def checkpoint_to_hf(

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, to_dict
+from moe_core.data.files import user_mode
 
 OUR_CONFIG = "moe_core_config.json"
 INDEX = "model.safetensors.index.json"
@@ -211,6 +212,7 @@ def save_hf(
         size += nbytes
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(user_mode(directory=True))  # mkdtemp makes it private; the output is the user's
     try:
         weight_map: dict[str, str] = {}
         total = 0
@@ -236,6 +238,8 @@ def save_hf(
             for f in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / f).is_file():
                     shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        for f in tmp.iterdir():  # safetensors writes its files private
+            f.chmod(user_mode(directory=False))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_core.config import ModelConfig, from_dict, to_dict
 from moe_core.convert.hf import OUR_CONFIG
+from moe_core.data.files import user_mode
 
 WEIGHTS = "model.safetensors"
 
@@ -30,6 +31,7 @@ def save_model_dir(
     with tempfile.NamedTemporaryFile(dir=out, suffix=".tmp", delete=False) as f:
         tmp_weights = Path(f.name)
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    tmp_weights.chmod(user_mode(directory=False))  # the temporary file was made private
     tmp_weights.replace(out / WEIGHTS)
     tmp_cfg = out / (OUR_CONFIG + ".tmp")
     tmp_cfg.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

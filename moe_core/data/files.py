@@ -22,6 +22,14 @@ def atomic_write(path: Path, data: bytes, sync: bool = True) -> None:
     os.replace(tmp, path)
 
 
+def user_mode(directory: bool) -> int:
+    """The permissions a new file (or folder) gets under the user's umask: what a file made
+    through a temporary name (created private) is given before it is renamed into place."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
 def remove_temporaries(data_dir: Path) -> None:
     """Drop what an interrupted writer left under a temporary name (never a finished file)."""
     for p in data_dir.glob(f".*{TMP_MARK}*"):
