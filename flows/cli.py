@@ -56,11 +56,16 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
     console = Console()
     run_dir, overrides = split_run_dir(args.overrides, f"runs/{args.config_name}")
     runs = sweep(overrides) if args.multirun else [overrides]
+    outcomes = []
     for i, combo in enumerate(runs):
         config = compose_dict(combo, args.config_dir, args.config_name)
         target = str(Path(run_dir) / str(i)) if args.multirun else run_dir
-        outcome = pretrain(config=config, run_dir=target)
-        console.print(
-            f"[bold]{target}[/]: Hugging Face checkpoint {outcome['hf_dir']}; held-out "
-            f"perplexity {outcome['perplexity']:.3f}\n  browse the run: {outcome['mlflow_ui']}"
-        )
+        outcomes.append((target, pretrain(config=config, run_dir=target)))
+    # One run's summary is the flow's last log line already; a sweep gets one line per run
+    # (never wrapped: the commands in it are copied).
+    if len(outcomes) > 1:
+        for target, outcome in outcomes:
+            console.print(
+                f"{target}: perplexity {outcome['perplexity']:.3f}, {outcome['hf_dir']}",
+                soft_wrap=True,
+            )

@@ -21,3 +21,17 @@ def test_run_dir_is_the_pipelines_own_argument():
 def test_pipeline_command_is_registered_through_the_entry_point():
     args = build_parser().parse_args(["pipeline", "--multirun", "train.lr=1e-3,3e-3"])
     assert args.command == "pipeline" and args.multirun and args.config_name == "pretrain-tiny"
+
+
+def test_prefect_telemetry_is_off_in_every_process_that_imports_the_flows():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    code = "import flows, os; print(os.environ['PREFECT_SERVER_ANALYTICS_ENABLED'])"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "false", done.stderr
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "true"  # the user's own choice stands
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "true", done.stderr
