@@ -2,8 +2,8 @@
 
     python -m flows.deployments > infra/prefect.yaml
 
-One deployment of the ``pretrain`` flow per top-level ``conf/pretrain-*.yaml``; its parameters
-are that config resolved to a plain dict and a run directory. A test keeps the committed file
+One deployment of the ``pretrain`` flow per top-level ``conf/pretrain-*.yaml``; its parameter
+is that config resolved to a plain dict (each flow run then gets a run folder of its own). A test keeps the committed file
 equal to what this prints.
 """
 
@@ -31,10 +31,9 @@ def render() -> str:
                 "name": name,
                 "description": f"Pretraining pipeline for conf/pretrain-{name}.yaml",
                 "entrypoint": "flows/pretrain.py:pretrain",
-                "parameters": {
-                    "config": compose_dict([], config_name=f"pretrain-{name}"),
-                    "run_dir": f"runs/pretrain-{name}",
-                },
+                # No run_dir: each flow run gets its own (flows.pretrain.default_run_dir);
+                # `--param run_dir=...` resumes a given one.
+                "parameters": {"config": compose_dict([], config_name=f"pretrain-{name}")},
                 "work_pool": {"name": WORK_POOL},
             }
         )

@@ -406,11 +406,21 @@ TASKS = {
 }
 
 
+def default_run_dir() -> str:
+    """A flow run's own folder when none is given: ``runs/<deployment>/<flow run name>`` (for
+    a deployment run; ``runs/pretrain/<flow run name>`` for a direct call), so a second run of
+    a deployment never finds the first one's outputs and skips every stage."""
+    from prefect.runtime import deployment, flow_run
+
+    return f"runs/{deployment.name or 'pretrain'}/{flow_run.name}"
+
+
 @flow(name="pretrain")
-def pretrain(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    """Run (or resume) the pipeline for a resolved config in ``run_dir``."""
+def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the pipeline for a resolved config in ``run_dir`` (default: a folder of
+    this flow run's own, see ``default_run_dir``; give one to resume it)."""
     logger = get_run_logger()
-    root = Path(run_dir).resolve()
+    root = Path(run_dir or default_run_dir()).resolve()
     root.mkdir(parents=True, exist_ok=True)
     run = resolve(config, root)
     check_launchable(run)

@@ -35,3 +35,22 @@ def test_prefect_telemetry_is_off_in_every_process_that_imports_the_flows():
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "true"  # the user's own choice stands
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.stdout.strip() == "true", done.stderr
+
+
+def test_a_deployment_run_without_run_dir_gets_a_folder_of_its_own(monkeypatch):
+    from flows.pretrain import default_run_dir
+
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__NAME", "tiny")
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__NAME", "brave-otter")
+    assert default_run_dir() == "runs/tiny/brave-otter"
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__NAME", "calm-heron")
+    assert default_run_dir() == "runs/tiny/calm-heron"
+
+
+def test_generated_deployments_leave_the_run_folder_to_each_flow_run():
+    import yaml
+
+    from flows.deployments import render
+
+    for d in yaml.safe_load(render())["deployments"]:
+        assert set(d["parameters"]) == {"config"}, d["name"]
