@@ -3,8 +3,8 @@
     python -m flows.deployments > infra/prefect.yaml
 
 One deployment of the ``pretrain`` flow per top-level ``conf/pretrain-*.yaml``; its parameter
-is that config resolved to a plain dict (each flow run then gets a run folder of its own). A test keeps the committed file
-equal to what this prints.
+is that config resolved to a plain dict (each flow run then gets a run folder of its own). A
+test keeps the committed file equal to what this prints.
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,6 +323,9 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     evals = [x["eval_loss"] for x in lines if "eval_loss" in x]
     if evals:
         summary["final_eval_loss"] = evals[-1]
+    timed = lines[1:] or lines  # the first step compiles and warms up
+    for key in ("tokens_per_s_per_gpu", "model_tflops_per_gpu"):
+        summary[f"median_{key}"] = statistics.median(x[key] for x in timed)
     ctx.tracker.metrics(
         run_id, {k: float(v) for k, v in summary.items() if isinstance(v, int | float)}
     )
@@ -443,8 +448,22 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     except BaseException:
         tracker.finish(tracker.parent, "FAILED")
         raise
-    tracker.finish(tracker.parent)
     evaluation = outcome.get("evaluate", {})
+    if all(state == "Skipped" for state in outcome["stages"].values()):
+        # Nothing ran: the parent run keeps its own timings; the rerun is a line on its page.
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        tracker.note(tracker.parent, f"{when}: rerun; every stage's outputs verified, none redone.")
+    else:
+        train = outcome.get("train", {})
+        headline = {
+            "final_loss": train.get("final_loss"),
+            "final_eval_loss": train.get("final_eval_loss"),
+            "tokens_per_s_per_gpu": train.get("median_tokens_per_s_per_gpu"),
+            "model_tflops_per_gpu": train.get("median_model_tflops_per_gpu"),
+            "perplexity": evaluation.get("perplexity"),
+        }
+        tracker.metrics(tracker.parent, {k: float(v) for k, v in headline.items() if v is not None})
+        tracker.finish(tracker.parent)
     outcome["hf_dir"] = str(root / "hf")
     outcome["perplexity"] = evaluation.get("perplexity")
     outcome["mlflow_ui"] = f"mlflow ui --backend-store-uri {tracker.uri}"

@@ -36,6 +36,11 @@ SCALARS = (
 ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_max")
 
 
+# MLflow's UI opens an experiment in the view its kind names (model training, not GenAI).
+KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in d.items():
@@ -66,6 +71,8 @@ class Tracker:
         self.state: dict[str, Any] = {"parent": None, "stages": {}, "sent": {}}
         if self.state_path.is_file():
             self.state |= json.loads(self.state_path.read_text())
+        # The config's server, else the deployment's environment, else the run folder's own.
+        uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self.uri = uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         self.online = True
         self.client = None
@@ -100,9 +107,13 @@ class Tracker:
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:
             self.experiment_id = found.experiment_id
+            if found.tags.get(KIND_TAG) is None:
+                self.client.set_experiment_tag(self.experiment_id, KIND_TAG, MODEL_TRAINING)
         else:
             location = (self.run_dir / "mlartifacts").resolve().as_uri() if local else None
-            self.experiment_id = self.client.create_experiment(experiment, location)
+            self.experiment_id = self.client.create_experiment(
+                experiment, location, tags={KIND_TAG: MODEL_TRAINING}
+            )
 
     def _create(self, name: str, parent: str | None) -> str:
         tags = {"mlflow.runName": name}
@@ -188,6 +199,13 @@ class Tracker:
             self._guard(self.client.log_artifacts, run_id, str(path), artifact_path)
         else:
             self._guard(self.client.log_artifact, run_id, str(path), artifact_path)
+
+    def note(self, run_id: str | None, text: str) -> None:
+        """Add a line to the run's description (shown on its page), keeping what was there."""
+        if run_id is None:
+            return
+        before = self._guard(lambda: self.client.get_run(run_id).data.tags.get(NOTE_TAG)) or ""
+        self._guard(self.client.set_tag, run_id, NOTE_TAG, (before + "\n\n" + text).strip())
 
     def finish(self, run_id: str | None, status: str = "FINISHED") -> None:
         if run_id is not None:

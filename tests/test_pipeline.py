@@ -113,6 +113,22 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished):
     assert all(p.stat().st_mtime_ns == t for p, t in data_mtimes.items())
 
 
+@pytest.mark.slow
+def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, _ = finished
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    parent_id = json.loads((run_dir / "mlflow.json").read_text())["parent"]
+    before = client.get_run(parent_id)
+    assert {"final_loss", "perplexity", "tokens_per_s_per_gpu"} <= set(before.data.metrics)
+    again = run_pipeline(run_dir, [])
+    assert set(again["stages"].values()) == {"Skipped"}
+    after = client.get_run(parent_id)
+    assert after.info.end_time == before.info.end_time
+    assert "every stage's outputs verified, none redone" in after.data.tags["mlflow.note.content"]
+
+
 def kill_training_after(run_dir: Path, steps: int, proc: subprocess.Popen) -> None:
     metrics = run_dir / "train" / "metrics.jsonl"
     deadline = time.time() + 300

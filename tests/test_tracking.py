@@ -54,3 +54,24 @@ def test_metric_rows_take_scalars_and_router_health():
         "router": {"layer_0": {"load_imbalance": 1.5, "load_share": [0.5, 0.5]}},
     }
     assert metric_rows(line) == {"loss": 2.5, "router.layer_0.load_imbalance": 1.5}
+
+
+def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_training(
+    tmp_path, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared)
+    for d in ("run", "other"):
+        (tmp_path / d).mkdir()
+    tracker = Tracker(tmp_path / "run", None, "exp", "run")
+    assert tracker.uri == shared and not (tmp_path / "run" / "mlflow.db").exists()
+    exp = MlflowClient(shared).get_experiment_by_name("exp")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    tracker.note(tracker.parent, "first line")
+    tracker.note(tracker.parent, "second line")
+    tags = MlflowClient(shared).get_run(tracker.parent).data.tags
+    assert tags["mlflow.note.content"] == "first line\n\nsecond line"
+    explicit = Tracker(tmp_path / "other", f"sqlite:///{tmp_path / 'own.db'}", "exp", "run")
+    assert explicit.uri.endswith("own.db")  # the config's own server wins over the environment
