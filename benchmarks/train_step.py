@@ -228,6 +228,13 @@ def pool_sweep(args: argparse.Namespace) -> dict:
     return {"benchmark": "expert_pool_scaling", "top_k": 4, "tokens": T, "rows": rows}
 
 
+def add_kernel_options(p: argparse.ArgumentParser) -> None:
+    """The kernel libraries a step runs on: the experts' grouped GEMMs and the attention core
+    (``parallel.expert_gemm``, ``parallel.attention``)."""
+    p.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="auto")
+    p.add_argument("--attention", choices=["sdpa", "flash4"], default="sdpa")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--routing", choices=["learned", "skewed", "uniform"], default="learned")
@@ -248,18 +255,7 @@ def parser() -> argparse.ArgumentParser:
         default="bf16",
         help="with --optimizer moe_core: bf16 moments, or fp32 master weights and moments",
     )
-    p.add_argument(
-        "--expert-gemm",
-        choices=["auto", "torch", "quack"],
-        default="auto",
-        help="the experts' grouped GEMMs (parallel.expert_gemm)",
-    )
-    p.add_argument(
-        "--attention",
-        choices=["sdpa", "flash4"],
-        default="sdpa",
-        help="the attention core (parallel.attention)",
-    )
+    add_kernel_options(p)
     p.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 from timing import cuda_times_ms
+from train_step import add_kernel_options
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -174,18 +175,7 @@ def main() -> None:
         default=None,
         help="parallel.cuda_graph for moe train (default: the config's null)",
     )
-    p.add_argument(
-        "--expert-gemm",
-        choices=["auto", "torch", "quack"],
-        default="auto",
-        help="the experts' grouped GEMMs, in both (parallel.expert_gemm)",
-    )
-    p.add_argument(
-        "--attention",
-        choices=["sdpa", "flash4"],
-        default="sdpa",
-        help="the attention core, in both (parallel.attention)",
-    )
+    add_kernel_options(p)  # for both the bare step and moe train
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")

@@ -132,3 +132,25 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
     info = {"sha256": sha256_hex(tokenizer), "vocab_size": vocab_size, "eos_id": 0, "dtype": dtype}
     atomic_write(out / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
     return out
+
+
+@contextlib.contextmanager
+def one_rank_nccl_group() -> Iterator[None]:
+    """A one-rank NCCL process group on this GPU (the rowwise dispatcher's heap needs a group),
+    left as found: destroyed on exit only if it was made here."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group(
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", torch.cuda.current_device()),
+        )
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()

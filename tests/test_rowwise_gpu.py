@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import no_host_sync
+from helpers import no_host_sync, one_rank_nccl_group
 
 from kernels.permute import expert_counts
 from moe_core.model.moe import Experts, LocalDispatcher, Routing
@@ -21,19 +21,9 @@ E, K, D, F, T = 16, 4, 256, 128, 512
 @pytest.fixture(scope="module")
 def dispatcher():
     """A one-rank NCCL group and a rowwise dispatcher over it (dropless buffers)."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group(
-            "nccl",
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            device_id=torch.device("cuda", torch.cuda.current_device()),
-        )
-    heap = CudaSymmetricHeap(dist.group.WORLD, torch.device("cuda"))
-    yield RowwiseDispatcher(RowwiseExchange(heap, T, T * K, D, K, torch.bfloat16), E)
-    if started:
-        dist.destroy_process_group()
+    with one_rank_nccl_group():
+        heap = CudaSymmetricHeap(dist.group.WORLD, torch.device("cuda"))
+        yield RowwiseDispatcher(RowwiseExchange(heap, T, T * K, D, K, torch.bfloat16), E)
 
 
 def _inputs(seed: int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import BASE
+from helpers import BASE, one_rank_nccl_group
 
 from moe_core.compose import compose_run
 from moe_core.model.moe import MoE
@@ -30,19 +30,8 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    """A one-rank NCCL group: the rowwise dispatcher's heap needs a process group."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group(
-            "nccl",
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            device_id=torch.device("cuda", torch.cuda.current_device()),
-        )
-    yield dist.group.WORLD
-    if started:
-        dist.destroy_process_group()
+    with one_rank_nccl_group():
+        yield dist.group.WORLD
 
 
 def rowwise_at_one_pe(trainer: Trainer, group) -> None:
