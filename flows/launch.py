@@ -12,7 +12,6 @@ Nothing here submits anything: the renderers return text for ``sbatch`` or ``kub
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 from pathlib import PurePosixPath
@@ -20,10 +19,9 @@ from typing import Any
 
 import yaml
 
-from moe_core.config import ConfigError, RunConfig
+from moe_core.config import ConfigError, RunConfig, check_path
 from moe_core.plan import check_cluster
 
-SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
 TORCHRUN_ENTRY = ["-m", "moe_core.cli", "train", "--config"]
 
 
@@ -84,17 +82,6 @@ def torchrun_command(
     return [*cmd, *TORCHRUN_ENTRY, config_path]
 
 
-def _safe_path(name: str, path: str) -> str:
-    """An absolute path that batch directives and manifests can hold unquoted."""
-    absolute = os.path.abspath(path)
-    if not SAFE_PATH.fullmatch(absolute):
-        raise ConfigError(
-            f"{name}={path!r} is not allowed: use letters, digits and . _ / + = @ : , - only "
-            "(no spaces, quotes or %), so Slurm and Kubernetes take it as written."
-        )
-    return absolute
-
-
 def _shell(args: list[str]) -> str:
     """Shell words; an argument holding ``${`` (our own variables) is expanded by the shell."""
     return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
@@ -107,8 +94,8 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
     if c.kind != "slurm":
         raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
     check_cluster(run)
-    run_dir = _safe_path("run_dir", run_dir)
-    config_path = _safe_path("config_path", config_path)
+    run_dir = check_path("run_dir", run_dir)
+    config_path = check_path("config_path", config_path)
     directives = [
         f"--job-name={run_id(run)}",
         f"--nodes={c.nodes}",
@@ -158,8 +145,8 @@ def render_kubernetes(run: RunConfig, run_dir: str, config_path: str) -> str:
             f"cluster.kind={c.kind!r} is not allowed here: 'kubernetes' (cluster=kubernetes)."
         )
     check_cluster(run)
-    run_dir = _safe_path("run_dir", run_dir)
-    config_path = _safe_path("config_path", config_path)
+    run_dir = check_path("run_dir", run_dir)
+    config_path = check_path("config_path", config_path)
     volume = PurePosixPath(c.volume_path)
     for key, path in (("run_dir", run_dir), ("config_path", config_path)):
         if not PurePosixPath(path).is_relative_to(volume):

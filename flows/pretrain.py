@@ -34,7 +34,7 @@ from flows import manifests
 from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
-from moe_core.config import RunConfig, from_dict, to_dict
+from moe_core.config import RunConfig, check_path, from_dict, to_dict
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
 
@@ -76,6 +76,8 @@ def stage_keys(run: RunConfig) -> dict[str, str]:
 
 def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
     """The run's config with every path inside ``run_dir`` (validated on the way)."""
+    if config.get("cluster", {}).get("kind", "local") != "local":
+        check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
     data = dict(config.get("data", {}))
     data["dir"] = str(run_dir / "data")
     if data.get("kind") != "tokens":
@@ -411,9 +413,9 @@ def pretrain(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """Run (or resume) the pipeline for a resolved config in ``run_dir``."""
     logger = get_run_logger()
     root = Path(run_dir).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    run = resolve(config, root)
+    run = resolve(config, root)  # refusals come before anything is written
     check_launchable(run)
+    root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     tracker.params(tracker.parent, to_dict(run))

@@ -262,3 +262,148 @@ def test_train_config_refusals(tmp_path: Path, capsys):
     assert main(["train", "--config", str(path)]) == 2
     assert "train.stepz is not a known option" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+# ---- what a script or manifest holds is checked first ------------------------------------
+
+
+def _with(section: str, key: str, value: object, name: str = "pretrain-47b") -> dict:
+    """A deployment's config (what Prefect passes as a parameter) with one value changed."""
+    from moe_core.compose import compose_dict
+
+    config = compose_dict([], config_name=name)
+    config[section][key] = value
+    return config
+
+
+# Every string of the config that flows.launch writes into a script or manifest.
+WRITTEN = [
+    ("cluster", "name"),
+    ("cluster", "partition"),
+    ("cluster", "account"),
+    ("cluster", "time_limit"),
+    ("cluster", "image"),
+    ("cluster", "namespace"),
+    ("cluster", "volume_claim"),
+    ("cluster", "volume_path"),
+    ("model", "name"),
+]
+
+
+@pytest.mark.parametrize("section,key", WRITTEN)
+@pytest.mark.parametrize("bad", ["gpu\nrm -rf ~", "gpu'; reboot; '", "$(reboot)", "a b", "`id`"])
+def test_a_line_break_quote_or_shell_syntax_is_refused(section: str, key: str, bad: str):
+    from moe_core.config import RunConfig, from_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(RunConfig, _with(section, key, bad))
+    text = str(err.value)
+    assert text.startswith(f"{section}.{key}={bad!r} is not allowed: ") and one_sentence(text)
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "section,key,value,message",
+    [
+        (
+            "cluster",
+            "partition",
+            "gpu\n#SBATCH --wrap=id",
+            "cluster.partition='gpu\\n#SBATCH --wrap=id' is not allowed: letters, digits and "
+            ". _ - (starting with a letter or digit, at most 100), comma-separated.",
+        ),
+        (
+            "cluster",
+            "time_limit",
+            "12:00:00; id",
+            "cluster.time_limit='12:00:00; id' is not allowed: a Slurm time such as 90, "
+            "12:00:00 or 2-00:00:00 (minutes, [days-]hours:minutes:seconds) or UNLIMITED.",
+        ),
+        (
+            "model",
+            "name",
+            "../../home",
+            "model.name='../../home' is not allowed: letters, digits and . _ - (starting with a "
+            "letter or digit, at most 100), so it names one folder in runs/.",
+        ),
+        (
+            "cluster",
+            "namespace",
+            "Prod",
+            "cluster.namespace='Prod' is not allowed: a Kubernetes namespace: lower-case "
+            "letters, digits and -, at most 63.",
+        ),
+        (
+            "cluster",
+            "volume_path",
+            "/runs/a b",
+            "cluster.volume_path='/runs/a b' is not allowed: letters, digits and . _ / + = @ : , "
+            "- only (no spaces, quotes, newlines or shell metacharacters), so a batch script or "
+            "manifest holds it as written.",
+        ),
+        (
+            "",
+            "out_dir",
+            "/runs/my run",
+            "out_dir='/runs/my run' is not allowed: letters, digits and . _ / + = @ : , - only "
+            "(no spaces, quotes, newlines or shell metacharacters), so a batch script or "
+            "manifest holds it as written.",
+        ),
+    ],
+)
+def test_refusal_messages(section: str, key: str, value: str, message: str):
+    from moe_core.compose import compose_dict
+    from moe_core.config import RunConfig, from_dict
+
+    if section:
+        config = _with(section, key, value)
+    else:
+        config = {**compose_dict([], config_name="pretrain-47b"), key: value}
+    with pytest.raises(ConfigError) as err:
+        from_dict(RunConfig, config)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("partition", "gpu,gpu-large"),
+        ("account", "proj_42.a"),
+        ("time_limit", "2-12:30:00"),
+        ("time_limit", "90"),
+        ("time_limit", "unlimited"),
+        ("image", "reg.example:5000/team/moe-core:1.0@sha256:0abc"),
+        ("namespace", "ml-team"),
+        ("volume_claim", "runs.shared"),
+    ],
+)
+def test_ordinary_values_pass_and_reach_the_script_as_written(tmp_path: Path, key, value):
+    from moe_core.config import RunConfig, from_dict
+
+    run = from_dict(RunConfig, _with("cluster", key, value))
+    assert getattr(run.cluster, key) == value
+    script = render_slurm(run, str(tmp_path), str(tmp_path / "c.json"))
+    if key in ("partition", "account", "time_limit"):
+        flag = {"time_limit": "--time"}.get(key, f"--{key}")
+        assert sbatch_directives(script)[flag] == value
+
+
+def test_model_name_keeps_out_dir_in_runs():
+    """The default out_dir is runs/<model.name>: a name with a path in it is refused."""
+    for name in ("..", "../x", "a/../../b", "/etc", ".hidden"):
+        with pytest.raises(ConfigError, match=r"^model\.name=.* so it names one folder in runs/"):
+            compose_run([f"model.name={name}"])
+    run = compose_run(["model.name=tiny-v2.1"])
+    assert Path(run.out_dir) == Path("runs") / "tiny-v2.1"
+
+
+def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
+    from flows.pretrain import resolve
+
+    config = _with("cluster", "nodes", 8)
+    with pytest.raises(ConfigError) as err:
+        resolve(config, tmp_path / "a;b")
+    assert str(err.value).startswith(f"run_dir={str(tmp_path / 'a;b')!r} is not allowed: ")
+    assert one_sentence(str(err.value)) and not (tmp_path / "a;b").exists()
+    local = compose_run([f"out_dir={tmp_path / 'my run'}"])  # local runs take any folder
+    assert local.out_dir.endswith("my run")
