@@ -6,7 +6,8 @@ every node trains exactly the config the pipeline resolved (no Hydra on the node
 directory must be on storage every node shares (a parallel file system under Slurm, a
 ReadWriteMany volume under Kubernetes).
 
-Nothing here submits anything: the renderers return text for ``sbatch`` or ``kubectl apply``.
+Nothing here submits anything: the renderers return text for ``sbatch`` or ``kubectl apply``
+(``flows.launchers`` submits the Slurm script from the pipeline's train stage).
 """
 
 from __future__ import annotations

@@ -376,6 +376,9 @@ class ClusterConfig:
     volume_claim: str = "moe-runs"  # kubernetes: a ReadWriteMany claim holding run directories
     volume_path: str = "/runs"  # kubernetes: where pods mount it; run directories lie below
     launch_retries: int = 2  # the pipeline relaunches failed training this often (it resumes)
+    poll_s: float = 10.0  # slurm: seconds between two looks at the job's state and log
+    start_timeout_s: float = 86400.0  # slurm: a job queued this long is cancelled; 0: wait
+    train_timeout_s: float = 0.0  # the train stage (all attempts) is stopped after this; 0: never
 
     def __post_init__(self) -> None:
         p = "cluster."
@@ -383,6 +386,9 @@ class ClusterConfig:
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
         _non_negative(p + "launch_retries", self.launch_retries)
+        _positive(p + "poll_s", self.poll_s)
+        _non_negative(p + "start_timeout_s", self.start_timeout_s)
+        _non_negative(p + "train_timeout_s", self.train_timeout_s)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
         if self.rdzv_port > 65535:
             _fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")

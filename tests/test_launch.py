@@ -407,3 +407,44 @@ def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
     assert one_sentence(str(err.value)) and not (tmp_path / "a;b").exists()
     local = compose_run([f"out_dir={tmp_path / 'my run'}"])  # local runs take any folder
     assert local.out_dir.endswith("my run")
+
+
+# ---- which launcher the train stage uses ------------------------------------------------
+
+
+def test_each_cluster_kind_has_its_launcher_or_is_refused_in_one_sentence(tmp_path: Path):
+    from flows.launchers import LocalLauncher, SlurmLauncher, launcher_class
+    from moe_core.config import OptionNotImplementedError
+
+    assert launcher_class(compose_run([])) is LocalLauncher
+    assert launcher_class(compose_run([], config_name="pretrain-47b")) is SlurmLauncher
+    k8s = compose_run(["cluster=kubernetes", "cluster.nodes=8"], config_name="pretrain-47b")
+    with pytest.raises(OptionNotImplementedError) as err:
+        launcher_class(k8s)
+    text = str(err.value)
+    assert text.startswith("cluster.kind='kubernetes' is not launched by the pipeline yet: ")
+    assert one_sentence(text)
+    two = compose_run(["cluster.nodes=2", "cluster.procs_per_node=1"])
+    with pytest.raises(ConfigError) as err:
+        LocalLauncher.check(two)
+    assert str(err.value).startswith("cluster.nodes=2 is not allowed with cluster.kind='local'")
+    assert one_sentence(str(err.value))
+
+
+def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
+    from flows.launchers import SlurmLauncher
+
+    run = compose_run([], config_name="pretrain-47b")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "squeue"):  # a machine with only some of them
+        (bin_dir / tool).write_text("#!/bin/sh\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(ConfigError) as err:
+        SlurmLauncher.check(run)
+    assert str(err.value) == (
+        "cluster.kind='slurm' is not allowed on this machine: it submits with sbatch and follows "
+        "with squeue, sacct and scancel, and sacct and scancel are not on PATH (run the pipeline "
+        "on a Slurm login node, infra/README.md)."
+    )

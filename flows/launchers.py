@@ -1,0 +1,344 @@
+"""How the train stage starts training and follows it: one launcher per ``cluster.kind``.
+
+Every launcher does the same four things for one attempt: start the training of the resolved
+config (``train/config.json``), stream its rank-0 log line by line, wait for its end, and stop it
+when the attempt is left early (the flow run cancelled, the stage timed out, the job never
+started). ``local`` runs ``torchrun`` as a child of the flow; ``slurm`` submits the batch script
+``flows.launch`` renders with ``sbatch`` and follows it through ``squeue``/``sacct``, ending it
+with ``scancel``. Retries (``cluster.launch_retries``) are the train stage's: it calls ``run``
+again and the trainer resumes from the newest valid checkpoint in its ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from flows.launch import render_slurm
+from moe_core.config import ConfigError, OptionNotImplementedError, RunConfig
+
+Log = Callable[[str], None]
+
+# Slurm job states (squeue %T, sacct State): still queued, and ended.
+SLURM_QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
+SLURM_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+    "SPECIAL_EXIT",
+}
+LOST_AFTER_POLLS = 10  # a job neither squeue nor sacct knows for this many polls is lost
+
+
+@dataclass
+class Attempt:
+    """How one launch ended: its number, its id (a pid or a job id), the file that was
+    submitted (None for a local child), its final state and whether training finished."""
+
+    number: int
+    job_id: str
+    script: str | None
+    state: str
+    ok: bool
+    detail: str  # one clause for the log and the stage's error, e.g. "slurm job 7 ended FAILED"
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LaunchTimeoutError(RuntimeError):
+    """The job did not start within ``cluster.start_timeout_s``; it was cancelled."""
+
+
+class Launcher(ABC):
+    """Starts one attempt of the training in ``train_dir`` and follows it to its end."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, run: RunConfig, train_dir: Path, log: Log) -> None:
+        self.run, self.train_dir, self.log = run, train_dir, log
+        self.config_path = train_dir / "config.json"
+
+    @classmethod
+    @abstractmethod
+    def check(cls, run: RunConfig) -> None:
+        """Refuse, in one sentence, a launch this machine cannot make (before any stage)."""
+
+    @abstractmethod
+    def attempt(self, number: int) -> Attempt:
+        """Start attempt ``number``, stream its log, return when it has ended; stop it first
+        when left by an exception (cancel, timeout)."""
+
+
+def _printable(line: str) -> str | None:
+    """A log line worth forwarding (progress bars are dropped)."""
+    line = line.rstrip()
+    return line if line and "━" not in line else None
+
+
+def _environment() -> dict[str, str]:
+    """The trainer's environment: this one, unbuffered, one OpenMP thread unless set."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+
+
+# ---- local: torchrun as a child ---------------------------------------------------------
+
+
+def train_command(config_path: Path, nproc: int) -> list[str]:
+    """One node's ``torchrun --standalone`` of ``moe train --config``."""
+    runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [
+        *runner,
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "moe_core.cli",
+        "train",
+        "--config",
+        str(config_path),
+    ]
+
+
+def _stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to torchrun (it ends its ranks), SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LocalLauncher(Launcher):
+    """``torchrun --standalone`` on this machine, its output read from a pipe."""
+
+    kind = "local"
+
+    @classmethod
+    def check(cls, run: RunConfig) -> None:
+        if run.cluster.nodes != 1:
+            raise ConfigError(
+                f"cluster.nodes={run.cluster.nodes} is not allowed with cluster.kind='local': "
+                "1, since a local cluster is this machine (more nodes: cluster=slurm)."
+            )
+
+    def attempt(self, number: int) -> Attempt:
+        cmd = train_command(self.config_path, self.run.cluster.procs_per_node)
+        self.log("launching: " + " ".join(cmd))
+        proc = subprocess.Popen(
+            cmd,
+            env=_environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = _printable(raw)
+                if line:
+                    self.log(line)
+            proc.wait()
+        finally:
+            _stop_child(proc)
+        code = proc.returncode
+        return Attempt(
+            number,
+            str(proc.pid),
+            None,
+            f"exit {code}",
+            code == 0,
+            f"training exited with code {code}",
+        )
+
+
+# ---- slurm: sbatch, squeue/sacct, scancel --------------------------------------------------
+
+
+class _Tail:
+    """New complete lines of a growing file (from the start again if it was truncated)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def lines(self, final: bool = False) -> list[str]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:  # a requeued job starts its log again
+            self.offset, self.partial = 0, ""
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        text = self.partial + data.decode(errors="replace")
+        *complete, self.partial = text.split("\n")
+        if final and self.partial:
+            complete.append(self.partial)
+            self.partial = ""
+        return complete
+
+
+def _slurm(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+class SlurmLauncher(Launcher):
+    """``sbatch`` of ``train/slurm.sbatch`` (rendered by ``flows.launch.render_slurm``), state
+    from ``squeue`` while the job is queued or running and from ``sacct`` once it has left,
+    the job's log (``train/slurm-<id>.out``: the trainer prints on rank 0) streamed, and
+    ``scancel`` when the attempt is left before the job ended."""
+
+    kind = "slurm"
+
+    @classmethod
+    def check(cls, run: RunConfig) -> None:
+        missing = [t for t in ("sbatch", "squeue", "sacct", "scancel") if not shutil.which(t)]
+        if missing:
+            raise ConfigError(
+                f"cluster.kind='slurm' is not allowed on this machine: it submits with sbatch and "
+                f"follows with squeue, sacct and scancel, and {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not on PATH (run the pipeline on a "
+                "Slurm login node, infra/README.md)."
+            )
+
+    @property
+    def script_path(self) -> Path:
+        return self.train_dir / "slurm.sbatch"
+
+    def submit(self) -> str:
+        """Write the rendered script and ``sbatch`` it; returns the job id."""
+        script = render_slurm(self.run, str(self.train_dir), str(self.config_path))
+        self.script_path.write_text(script)
+        done = subprocess.run(
+            ["sbatch", "--parsable", str(self.script_path)],
+            env=_environment(),  # sbatch hands the job this environment (--export=ALL)
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        job_id = done.stdout.strip().split(";")[0]
+        if done.returncode != 0 or not job_id.isdigit():
+            why = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError(
+                f"sbatch {self.script_path} failed (exit {done.returncode}): "
+                f"{why[-1] if why else 'no output'}."
+            )
+        return job_id
+
+    def state(self, job_id: str) -> str | None:
+        """The job's state: squeue's while it is known there, then sacct's; None if neither
+        knows it (yet, or any more)."""
+        queue = _slurm(["squeue", "--noheader", "--jobs", job_id, "--format=%T"])
+        state = (
+            queue.stdout.strip().split()[0]
+            if queue.returncode == 0 and queue.stdout.strip()
+            else ""
+        )
+        if state:
+            return state
+        acct = _slurm(
+            [
+                "sacct",
+                "--noheader",
+                "--allocations",
+                "--parsable2",
+                "--jobs",
+                job_id,
+                "--format=State",
+            ]
+        )
+        words = acct.stdout.split() if acct.returncode == 0 else []
+        return words[0] if words else None  # "CANCELLED by 0" -> CANCELLED
+
+    def cancel(self, job_id: str) -> None:
+        self.log(f"slurm job {job_id}: cancelling (scancel {job_id})")
+        done = _slurm(["scancel", job_id])
+        if done.returncode != 0:
+            self.log(f"scancel {job_id} failed: {(done.stderr or done.stdout).strip()}")
+
+    def attempt(self, number: int) -> Attempt:
+        c = self.run.cluster
+        job_id = self.submit()
+        self.log(f"slurm job {job_id} submitted: {self.script_path}")
+        tail = _Tail(self.train_dir / f"slurm-{job_id}.out")
+        submitted = time.monotonic()
+        started, unknown, ended = False, 0, False
+        state: str | None = None
+        try:
+            while True:
+                previous, state = state, self.state(job_id)
+                for line in tail.lines():
+                    if _printable(line):
+                        self.log(line.rstrip())
+                if state != previous and state is not None:
+                    self.log(f"slurm job {job_id}: {state}")
+                unknown = unknown + 1 if state is None else 0
+                if state in SLURM_ENDED or unknown >= LOST_AFTER_POLLS:
+                    ended = state in SLURM_ENDED
+                    break
+                if state is not None and state not in SLURM_QUEUED:
+                    started = True
+                waited = time.monotonic() - submitted
+                if not started and c.start_timeout_s and waited > c.start_timeout_s:
+                    raise LaunchTimeoutError(
+                        f"slurm job {job_id} did not start within cluster.start_timeout_s="
+                        f"{c.start_timeout_s:g} s (still {state or 'unknown to squeue'}), so it "
+                        "was cancelled: check the partition and queue (squeue), or raise "
+                        "cluster.start_timeout_s."
+                    )
+                time.sleep(c.poll_s)
+        finally:
+            if not ended:
+                self.cancel(job_id)
+        for line in tail.lines(final=True):
+            if _printable(line):
+                self.log(line.rstrip())
+        final = state if ended else "LOST"
+        detail = f"slurm job {job_id} ended {final}"
+        if not ended:
+            detail = f"slurm job {job_id} left the queue without an accounting record (sacct)"
+        if final == "CANCELLED":
+            raise RuntimeError(
+                f"slurm job {job_id} was cancelled outside the pipeline (scancel), so it is not "
+                "resubmitted: run the pipeline again to resume from the newest checkpoint."
+            )
+        return Attempt(number, job_id, str(self.script_path), final, final == "COMPLETED", detail)
+
+
+# ---- choosing one --------------------------------------------------------------------------
+
+LAUNCHERS: dict[str, type[Launcher]] = {"local": LocalLauncher, "slurm": SlurmLauncher}
+
+
+def launcher_class(run: RunConfig) -> type[Launcher]:
+    """The launcher of ``cluster.kind``; a kind not built yet is refused in one sentence."""
+    kind = run.cluster.kind
+    if kind not in LAUNCHERS:
+        raise OptionNotImplementedError(
+            f"cluster.kind={kind!r} is not launched by the pipeline yet: render its Job with "
+            "flows.launch.render_kubernetes and apply it yourself (infra/README.md), or use "
+            "cluster=slurm or a local cluster."
+        )
+    return LAUNCHERS[kind]
