@@ -4,9 +4,11 @@ Every launcher does the same four things for one attempt: start the training of 
 config (``train/config.json``), stream its rank-0 log line by line, wait for its end, and stop it
 when the attempt is left early (the flow run cancelled, the stage timed out, the job never
 started). ``local`` runs ``torchrun`` as a child of the flow; ``slurm`` submits the batch script
-``flows.launch`` renders with ``sbatch`` and follows it through ``squeue``/``sacct``, ending it
-with ``scancel``. Retries (``cluster.launch_retries``) are the train stage's: it calls ``run``
-again and the trainer resumes from the newest valid checkpoint in its ``out_dir``.
+``flows.launch`` renders with ``sbatch``, follows it through ``squeue``/``sacct`` and ends it with
+``scancel``; ``kubernetes`` creates the Indexed Job and headless Service ``flows.launch`` builds
+through the ``kubernetes`` client, follows the Job and its pods, and deletes the Job. Retries
+(``cluster.launch_retries``) are the train stage's: it calls ``attempt`` again and the trainer
+resumes from the newest valid checkpoint in its ``out_dir``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flows.launch import render_slurm
-from moe_core.config import ConfigError, OptionNotImplementedError, RunConfig
+from flows.launch import kubernetes_objects, render_kubernetes, render_slurm
+from moe_core.config import ConfigError, RunConfig
 
 Log = Callable[[str], None]
 
@@ -327,18 +329,154 @@ class SlurmLauncher(Launcher):
         return Attempt(number, job_id, str(self.script_path), final, final == "COMPLETED", detail)
 
 
+# ---- kubernetes: an Indexed Job and a headless Service through the client -------------------
+
+
+class KubernetesLauncher(Launcher):
+    """A headless Service (created once) and, per attempt, an Indexed Job ``<run id>-<attempt>``
+    built by ``flows.launch.kubernetes_objects`` (its YAML kept as
+    ``train/kubernetes-<attempt>.yaml``), created through the ``kubernetes`` client; the Job's
+    status and its pods' phases followed, pod 0's log streamed, the Job deleted when the
+    attempt is left before it ended. ``apis`` (core, batch) replaces the client's APIs."""
+
+    kind = "kubernetes"
+
+    def __init__(self, run: RunConfig, train_dir: Path, log: Log, apis: tuple | None = None):
+        super().__init__(run, train_dir, log)
+        self._apis = apis
+
+    @classmethod
+    def check(cls, run: RunConfig) -> None:
+        kubernetes_objects(run, run.out_dir, f"{run.out_dir}/config.json")  # paths, package
+        _load_kube_config()
+
+    @property
+    def apis(self) -> tuple:
+        if self._apis is None:
+            from kubernetes import client
+
+            _load_kube_config()
+            self._apis = (client.CoreV1Api(), client.BatchV1Api())
+        return self._apis
+
+    def state(self, name: str) -> tuple[str, Any]:
+        """COMPLETED, FAILED, RUNNING (a pod has started) or PENDING, and pod 0 (or None)."""
+        core, batch = self.apis
+        ns = self.run.cluster.namespace
+        status = batch.read_namespaced_job_status(name, ns).status
+        conditions = {c.type: c.status for c in (status.conditions or [])}
+        pods = core.list_namespaced_pod(ns, label_selector=f"job-name={name}").items
+        first = next((p for p in pods if _completion_index(p) == "0"), None)
+        if (
+            conditions.get("Complete") == "True"
+            or (status.succeeded or 0) >= self.run.cluster.nodes
+        ):
+            return "COMPLETED", first
+        if conditions.get("Failed") == "True" or (status.failed or 0) > 0:
+            return "FAILED", first
+        started = any(p.status.phase in ("Running", "Succeeded", "Failed") for p in pods)
+        return ("RUNNING" if started else "PENDING"), first
+
+    def cancel(self, name: str) -> None:
+        self.log(f"kubernetes job {name}: deleting it (cancel)")
+        _, batch = self.apis
+        batch.delete_namespaced_job(
+            name, self.run.cluster.namespace, propagation_policy="Foreground"
+        )
+
+    def attempt(self, number: int) -> Attempt:
+        from kubernetes.client.exceptions import ApiException
+
+        c = self.run.cluster
+        core, batch = self.apis
+        service, job = kubernetes_objects(
+            self.run, str(self.train_dir), str(self.config_path), number
+        )
+        name = job.metadata.name
+        manifest = self.train_dir / f"kubernetes-{number}.yaml"
+        manifest.write_text(
+            render_kubernetes(self.run, str(self.train_dir), str(self.config_path), number)
+        )
+        try:
+            core.create_namespaced_service(c.namespace, service)
+        except ApiException as err:
+            if err.status != 409:  # 409: the Service of an earlier attempt is there already
+                raise
+        batch.create_namespaced_job(c.namespace, job)
+        self.log(f"kubernetes job {name} created in namespace {c.namespace}: {manifest}")
+        created, printed, started, ended = time.monotonic(), 0, False, False
+        state, previous, first = "PENDING", "", None
+        try:
+            while True:
+                state, first = self.state(name)
+                printed = self._stream(first, printed)
+                if state != previous:
+                    self.log(f"kubernetes job {name}: {state}")
+                    previous = state
+                if state in ("COMPLETED", "FAILED"):
+                    ended = True
+                    break
+                started = started or state == "RUNNING"
+                waited = time.monotonic() - created
+                if not started and c.start_timeout_s and waited > c.start_timeout_s:
+                    raise LaunchTimeoutError(
+                        f"kubernetes job {name} did not start within cluster.start_timeout_s="
+                        f"{c.start_timeout_s:g} s (no pod running), so it was deleted: check "
+                        "the pods' events (kubectl describe pods), or raise "
+                        "cluster.start_timeout_s."
+                    )
+                time.sleep(c.poll_s)
+        finally:
+            if not ended:
+                self.cancel(name)
+        detail = f"kubernetes job {name} ended {state}"
+        return Attempt(number, name, str(manifest), state, state == "COMPLETED", detail)
+
+    def _stream(self, pod: Any, printed: int) -> int:
+        """Log the lines of pod 0 past the first ``printed``; returns how many are logged."""
+        if pod is None or pod.status.phase == "Pending":
+            return printed
+        core, _ = self.apis
+        text = core.read_namespaced_pod_log(pod.metadata.name, self.run.cluster.namespace)
+        lines = (text or "").splitlines()
+        for line in lines[printed:]:
+            if _printable(line):
+                self.log(line.rstrip())
+        return max(printed, len(lines))
+
+
+def _completion_index(pod: Any) -> str | None:
+    key = "batch.kubernetes.io/job-completion-index"
+    meta = pod.metadata
+    return (meta.labels or {}).get(key) or (meta.annotations or {}).get(key)
+
+
+def _load_kube_config() -> None:
+    """The cluster's credentials: the pod's service account, else the kubeconfig."""
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError):
+            raise ConfigError(
+                "cluster.kind='kubernetes' is not allowed on this machine: it has no in-cluster "
+                "service account and no usable kubeconfig (run the pipeline where kubectl "
+                "reaches the cluster, e.g. a worker of a Kubernetes work pool)."
+            ) from None
+
+
 # ---- choosing one --------------------------------------------------------------------------
 
-LAUNCHERS: dict[str, type[Launcher]] = {"local": LocalLauncher, "slurm": SlurmLauncher}
+LAUNCHERS: dict[str, type[Launcher]] = {
+    "local": LocalLauncher,
+    "slurm": SlurmLauncher,
+    "kubernetes": KubernetesLauncher,
+}
 
 
 def launcher_class(run: RunConfig) -> type[Launcher]:
-    """The launcher of ``cluster.kind``; a kind not built yet is refused in one sentence."""
-    kind = run.cluster.kind
-    if kind not in LAUNCHERS:
-        raise OptionNotImplementedError(
-            f"cluster.kind={kind!r} is not launched by the pipeline yet: render its Job with "
-            "flows.launch.render_kubernetes and apply it yourself (infra/README.md), or use "
-            "cluster=slurm or a local cluster."
-        )
-    return LAUNCHERS[kind]
+    """The launcher of ``cluster.kind``."""
+    return LAUNCHERS[run.cluster.kind]

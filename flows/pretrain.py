@@ -7,9 +7,9 @@ it) and the checksums of what it produced. A rerun (a new flow run, or ``prefect
 retry``) reports a stage whose manifest verifies as ``Skipped`` and leaves its files untouched;
 a stage whose outputs are missing or corrupt, or whose inputs changed, runs again, and so does
 everything after it. Outputs of an older configuration are moved aside, never deleted. ``train``
-hands the resolved config to the launcher of ``cluster.kind`` (``flows.launchers``: torchrun here,
-or a Slurm job); a failed attempt is launched again (``cluster.launch_retries``) and every
-attempt resumes from the newest valid checkpoint.
+hands the resolved config to the launcher of ``cluster.kind`` (``flows.launchers``: torchrun
+here, a Slurm job or a Kubernetes Job); a failed attempt is launched again
+(``cluster.launch_retries``) and every attempt resumes from the newest valid checkpoint.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
     assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
     (container,) = pod["containers"]
     assert container["image"] == c.image
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}  # a quantity
     assert container["command"] == torchrun_command(
         run, f"{run_dir}/config.json", nodes, None, f"{job_name}-0.{job_name}:{c.rdzv_port}"
     )
@@ -205,6 +205,56 @@ def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
     assert mounts == {"runs": c.volume_path, "shm": "/dev/shm"}
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": c.volume_claim}
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory"}
+
+
+def test_kubernetes_objects_are_the_clients_typed_models_field_by_field():
+    from kubernetes import client
+
+    from flows.launch import kubernetes_objects
+
+    run = compose_run(
+        [
+            "cluster=kubernetes",
+            "cluster.nodes=8",
+            "cluster.namespace=ml",
+            "cluster.rdzv_port=29400",
+        ],
+        config_name="pretrain-47b",
+    )
+    service, job = kubernetes_objects(run, "/runs/47b/train", "/runs/47b/train/config.json", 3)
+    name = run_id(run)
+    assert isinstance(service, client.V1Service) and isinstance(job, client.V1Job)
+    labels = {"app.kubernetes.io/name": "moe-core", "moe-core/run": name}
+    assert (service.metadata.name, service.metadata.namespace) == (name, "ml")
+    assert service.metadata.labels == labels
+    assert service.spec.cluster_ip == "None" and service.spec.publish_not_ready_addresses
+    assert service.spec.selector == {"moe-core/run": name}
+    (port,) = service.spec.ports
+    assert (port.name, port.port, port.target_port) == ("rdzv", 29400, 29400)
+
+    assert (job.metadata.name, job.metadata.namespace) == (f"{name}-3", "ml")
+    spec = job.spec
+    assert spec.completion_mode == "Indexed" and spec.completions == spec.parallelism == 8
+    assert spec.backoff_limit == 0
+    assert spec.template.metadata.labels == labels
+    pod = spec.template.spec
+    assert pod.restart_policy == "Never" and pod.subdomain == name
+    (container,) = pod.containers
+    assert container.image == run.cluster.image and container.working_dir == "/runs/47b/train"
+    # Pod 0 of this attempt's Job hosts the rendezvous, reached through the headless Service.
+    assert container.command == torchrun_command(
+        run, "/runs/47b/train/config.json", 8, None, f"{name}-3-0.{name}:29400"
+    )
+    assert [(e.name, e.value) for e in container.env] == [("PYTHONUNBUFFERED", "1")]
+    assert [(p.name, p.container_port) for p in container.ports] == [("rdzv", 29400)]
+    assert container.resources.limits == {"nvidia.com/gpu": "8"}
+    assert [(m.name, m.mount_path) for m in container.volume_mounts] == [
+        ("runs", "/runs"),
+        ("shm", "/dev/shm"),
+    ]
+    runs, shm = pod.volumes
+    assert runs.name == "runs" and runs.persistent_volume_claim.claim_name == "moe-runs"
+    assert shm.name == "shm" and shm.empty_dir.medium == "Memory"
 
 
 def test_kubernetes_refuses_a_run_dir_off_the_volume():
@@ -412,18 +462,13 @@ def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
 # ---- which launcher the train stage uses ------------------------------------------------
 
 
-def test_each_cluster_kind_has_its_launcher_or_is_refused_in_one_sentence(tmp_path: Path):
-    from flows.launchers import LocalLauncher, SlurmLauncher, launcher_class
-    from moe_core.config import OptionNotImplementedError
+def test_each_cluster_kind_has_its_launcher(tmp_path: Path):
+    from flows.launchers import KubernetesLauncher, LocalLauncher, SlurmLauncher, launcher_class
 
     assert launcher_class(compose_run([])) is LocalLauncher
     assert launcher_class(compose_run([], config_name="pretrain-47b")) is SlurmLauncher
     k8s = compose_run(["cluster=kubernetes", "cluster.nodes=8"], config_name="pretrain-47b")
-    with pytest.raises(OptionNotImplementedError) as err:
-        launcher_class(k8s)
-    text = str(err.value)
-    assert text.startswith("cluster.kind='kubernetes' is not launched by the pipeline yet: ")
-    assert one_sentence(text)
+    assert launcher_class(k8s) is KubernetesLauncher
     two = compose_run(["cluster.nodes=2", "cluster.procs_per_node=1"])
     with pytest.raises(ConfigError) as err:
         LocalLauncher.check(two)

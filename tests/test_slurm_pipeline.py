@@ -235,11 +235,21 @@ def test_a_stage_timeout_scancels_the_job(slurm, never_started, tmp_path):
     assert slurm_standin.job(slurm, job_id)["state"] == "CANCELLED"
 
 
-def test_kubernetes_is_refused_before_any_stage(prefect_home, tmp_path):
-    from moe_core.config import OptionNotImplementedError
+def test_kubernetes_without_cluster_access_is_refused_before_any_stage(
+    prefect_home, tmp_path, monkeypatch
+):
+    from moe_core.config import ConfigError
 
-    with pytest.raises(OptionNotImplementedError, match=r"^cluster\.kind='kubernetes' is not"):
-        run_pipeline(tmp_path / "run", [*cluster()[1:], "cluster=kubernetes"])
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    overrides = [*cluster()[1:], "cluster=kubernetes", f"cluster.volume_path={tmp_path}"]
+    with pytest.raises(ConfigError) as err:
+        run_pipeline(tmp_path / "run", overrides)
+    assert str(err.value) == (
+        "cluster.kind='kubernetes' is not allowed on this machine: it has no in-cluster service "
+        "account and no usable kubeconfig (run the pipeline where kubectl reaches the cluster, "
+        "e.g. a worker of a Kubernetes work pool)."
+    )
     assert not (tmp_path / "run").exists(), "nothing may start"
 
 
