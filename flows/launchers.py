@@ -81,16 +81,17 @@ class Launcher(ABC):
     def check(cls, run: RunConfig) -> None:
         """Refuse, in one sentence, a launch this machine cannot make (before any stage)."""
 
+    def forward(self, lines: list[str]) -> None:
+        """Log the lines of the training's output worth reading (progress bars are dropped)."""
+        for raw in lines:
+            line = raw.rstrip()
+            if line and "━" not in line:
+                self.log(line)
+
     @abstractmethod
     def attempt(self, number: int) -> Attempt:
         """Start attempt ``number``, stream its log, return when it has ended; stop it first
         when left by an exception (cancel, timeout)."""
-
-
-def _printable(line: str) -> str | None:
-    """A log line worth forwarding (progress bars are dropped)."""
-    line = line.rstrip()
-    return line if line and "━" not in line else None
 
 
 def _environment() -> dict[str, str]:
@@ -157,9 +158,7 @@ class LocalLauncher(Launcher):
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                line = _printable(raw)
-                if line:
-                    self.log(line)
+                self.forward([raw])
             proc.wait()
         finally:
             _stop_child(proc)
@@ -291,9 +290,7 @@ class SlurmLauncher(Launcher):
         try:
             while True:
                 previous, state = state, self.state(job_id)
-                for line in tail.lines():
-                    if _printable(line):
-                        self.log(line.rstrip())
+                self.forward(tail.lines())
                 if state != previous and state is not None:
                     self.log(f"slurm job {job_id}: {state}")
                 unknown = unknown + 1 if state is None else 0
@@ -314,9 +311,7 @@ class SlurmLauncher(Launcher):
         finally:
             if not ended:
                 self.cancel(job_id)
-        for line in tail.lines(final=True):
-            if _printable(line):
-                self.log(line.rstrip())
+        self.forward(tail.lines(final=True))
         final = state if ended else "LOST"
         detail = f"slurm job {job_id} ended {final}"
         if not ended:
@@ -439,9 +434,7 @@ class KubernetesLauncher(Launcher):
         core, _ = self.apis
         text = core.read_namespaced_pod_log(pod.metadata.name, self.run.cluster.namespace)
         lines = (text or "").splitlines()
-        for line in lines[printed:]:
-            if _printable(line):
-                self.log(line.rstrip())
+        self.forward(lines[printed:])
         return max(printed, len(lines))
 
 
