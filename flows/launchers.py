@@ -201,8 +201,13 @@ class _Tail:
         return complete
 
 
-def _slurm(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+def _slurm(args: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    """A Slurm query or command; one that hangs (a busy controller) reads as a failed call,
+    so the follow loop asks again instead of giving the job up."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, 124, "", f"no answer within {timeout_s:g} s")
 
 
 class SlurmLauncher(Launcher):

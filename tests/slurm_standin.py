@@ -59,6 +59,12 @@ def job(state: Path, job_id: str) -> dict:
     return json.loads((state / f"job-{job_id}.json").read_text())
 
 
+def set_state(state: Path, job_id: str, value: str) -> None:
+    """Put a job in ``value`` as the controller would (for jobs that do not run)."""
+    path = state / f"job-{job_id}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "state": value}))
+
+
 def _call(args: list[str]) -> None:
     with (STATE / "calls.log").open("a") as f:
         f.write(json.dumps(args) + "\n")
@@ -166,6 +172,9 @@ def sacct(args: list[str]) -> int:
 
 def scancel(args: list[str]) -> int:
     _call(["scancel", *args])
+    if not job_path(args[0]).is_file():
+        print(f"scancel: error: Kill job error on job id {args[0]}: Invalid job id specified")
+        return 1
     job = load(args[0])
     if job["state"] in ENDED:
         return 0
