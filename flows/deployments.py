@@ -3,8 +3,10 @@
     python -m flows.deployments > infra/prefect.yaml
 
 One deployment of the ``pretrain`` flow per top-level ``conf/pretrain-*.yaml``; its parameters
-are that config resolved to a plain dict and a run directory. A test keeps the committed file
-equal to what this prints.
+are that config resolved to a plain dict and a run directory. Its work pool follows the config's
+``cluster.kind``: the train stage launches the training itself, so a flow run must execute where
+that launch works (``local``: this machine; ``slurm``: a login node with sbatch; ``kubernetes``:
+where the cluster is reachable). A test keeps the committed file equal to what this prints.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import yaml
 
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_dict
 
-WORK_POOL = "local"
+# A process work pool per cluster kind; start its worker where that kind launches
+# (infra/start-worker.sh POOL).
+WORK_POOLS = {"local": "local", "slurm": "slurm", "kubernetes": "kubernetes"}
 
 
 def deployment_names() -> list[str]:
@@ -26,16 +30,14 @@ def deployment_names() -> list[str]:
 def render() -> str:
     deployments = []
     for name in deployment_names():
+        config = compose_dict([], config_name=f"pretrain-{name}")
         deployments.append(
             {
                 "name": name,
                 "description": f"Pretraining pipeline for conf/pretrain-{name}.yaml",
                 "entrypoint": "flows/pretrain.py:pretrain",
-                "parameters": {
-                    "config": compose_dict([], config_name=f"pretrain-{name}"),
-                    "run_dir": f"runs/pretrain-{name}",
-                },
-                "work_pool": {"name": WORK_POOL},
+                "parameters": {"config": config, "run_dir": f"runs/pretrain-{name}"},
+                "work_pool": {"name": WORK_POOLS[config["cluster"]["kind"]]},
             }
         )
     doc = {"name": "moe-core", "prefect-version": "3.9.1", "deployments": deployments}
