@@ -3,8 +3,11 @@
     python -m flows.deployments > infra/prefect.yaml
 
 One deployment of the ``pretrain`` flow per top-level ``conf/pretrain-*.yaml``; its parameter
-is that config resolved to a plain dict (each flow run then gets a run folder of its own). A
-test keeps the committed file equal to what this prints.
+is that config resolved to a plain dict (each flow run then gets a run folder of its own). Its
+work pool follows the config's ``cluster.kind``: the train stage launches the training itself,
+so a flow run must execute where that launch works (``local``: this machine; ``slurm``: a login
+node with sbatch; ``kubernetes``: where the cluster is reachable). A test keeps the committed
+file equal to what this prints.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import yaml
 
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_dict
 
-WORK_POOL = "local"
+# A process work pool per cluster kind; start its worker where that kind launches
+# (infra/start-worker.sh POOL).
+WORK_POOLS = {"local": "local", "slurm": "slurm", "kubernetes": "kubernetes"}
 
 
 def deployment_names() -> list[str]:
@@ -26,6 +31,7 @@ def deployment_names() -> list[str]:
 def render() -> str:
     deployments = []
     for name in deployment_names():
+        config = compose_dict([], config_name=f"pretrain-{name}")
         deployments.append(
             {
                 "name": name,
@@ -33,8 +39,8 @@ def render() -> str:
                 "entrypoint": "flows/pretrain.py:pretrain",
                 # No run_dir: each flow run gets its own (flows.pretrain.default_run_dir);
                 # `--param run_dir=...` resumes a given one.
-                "parameters": {"config": compose_dict([], config_name=f"pretrain-{name}")},
-                "work_pool": {"name": WORK_POOL},
+                "parameters": {"config": config},
+                "work_pool": {"name": WORK_POOLS[config["cluster"]["kind"]]},
             }
         )
     doc = {"name": "moe-core", "prefect-version": "3.9.1", "deployments": deployments}

@@ -6,13 +6,13 @@ every node trains exactly the config the pipeline resolved (no Hydra on the node
 directory must be on storage every node shares (a parallel file system under Slurm, a
 ReadWriteMany volume under Kubernetes).
 
-Nothing here submits anything: the renderers return text for ``sbatch`` or ``kubectl apply``.
+Nothing here submits anything: the renderers return text for ``sbatch`` or ``kubectl apply``
+(``flows.launchers`` submits the Slurm script from the pipeline's train stage).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 from pathlib import PurePosixPath
@@ -20,10 +20,9 @@ from typing import Any
 
 import yaml
 
-from moe_core.config import ConfigError, RunConfig
+from moe_core.config import ConfigError, RunConfig, check_path
 from moe_core.plan import check_cluster
 
-SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
 TORCHRUN_ENTRY = ["-m", "moe_core.cli", "train", "--config"]
 
 
@@ -84,17 +83,6 @@ def torchrun_command(
     return [*cmd, *TORCHRUN_ENTRY, config_path]
 
 
-def _safe_path(name: str, path: str) -> str:
-    """An absolute path that batch directives and manifests can hold unquoted."""
-    absolute = os.path.abspath(path)
-    if not SAFE_PATH.fullmatch(absolute):
-        raise ConfigError(
-            f"{name}={path!r} is not allowed: use letters, digits and . _ / + = @ : , - only "
-            "(no spaces, quotes or %), so Slurm and Kubernetes take it as written."
-        )
-    return absolute
-
-
 def _shell(args: list[str]) -> str:
     """Shell words; an argument holding ``${`` (our own variables) is expanded by the shell."""
     return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
@@ -107,8 +95,8 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
     if c.kind != "slurm":
         raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
     check_cluster(run)
-    run_dir = _safe_path("run_dir", run_dir)
-    config_path = _safe_path("config_path", config_path)
+    run_dir = check_path("run_dir", run_dir)
+    config_path = check_path("config_path", config_path)
     directives = [
         f"--job-name={run_id(run)}",
         f"--nodes={c.nodes}",
@@ -147,19 +135,34 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
     return "\n".join(lines)
 
 
-def render_kubernetes(run: RunConfig, run_dir: str, config_path: str) -> str:
-    """Two manifests: a headless Service (stable DNS for the rendezvous host, pod 0) and an
-    Indexed Job of ``cluster.nodes`` pods, each a torchrun on ``gpus_per_node`` GPUs. The
-    PersistentVolumeClaim ``cluster.volume_claim`` is mounted at ``cluster.volume_path`` in every
-    pod, as on the machine that wrote the run directory, which must lie below it."""
+def _kubernetes_client() -> Any:
+    try:
+        from kubernetes import client
+    except ImportError:
+        raise ConfigError(
+            "cluster.kind='kubernetes' is not allowed without the kubernetes package: install it "
+            "with pip install 'moe-core[kubernetes]'."
+        ) from None
+    return client
+
+
+def kubernetes_objects(
+    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+) -> tuple[Any, Any]:
+    """A headless Service (stable DNS for the rendezvous host, pod 0) and an Indexed Job of
+    ``cluster.nodes`` pods, each a torchrun on ``gpus_per_node`` GPUs, as the ``kubernetes``
+    client's typed models. The PersistentVolumeClaim ``cluster.volume_claim`` is mounted at
+    ``cluster.volume_path`` in every pod, as on the machine that wrote the run directory, which
+    must lie below it. ``attempt`` N names the Job ``<run id>-N`` (a Job cannot be rerun, so
+    each launch of the pipeline is a Job of its own); None names it ``<run id>``."""
     c = run.cluster
     if c.kind != "kubernetes":
         raise ConfigError(
             f"cluster.kind={c.kind!r} is not allowed here: 'kubernetes' (cluster=kubernetes)."
         )
     check_cluster(run)
-    run_dir = _safe_path("run_dir", run_dir)
-    config_path = _safe_path("config_path", config_path)
+    run_dir = check_path("run_dir", run_dir)
+    config_path = check_path("config_path", config_path)
     volume = PurePosixPath(c.volume_path)
     for key, path in (("run_dir", run_dir), ("config_path", config_path)):
         if not PurePosixPath(path).is_relative_to(volume):
@@ -167,65 +170,86 @@ def render_kubernetes(run: RunConfig, run_dir: str, config_path: str) -> str:
                 f"{key}={path!r} is not allowed: it must lie below cluster.volume_path "
                 f"({c.volume_path}), where the pods mount cluster.volume_claim."
             )
-    name = run_id(run)
+    k8s = _kubernetes_client()
+    service_name = run_id(run)
+    job_name = service_name if attempt is None else f"{service_name}-{attempt}"
+    labels = {"app.kubernetes.io/name": "moe-core", "moe-core/run": service_name}
 
-    def labels() -> dict[str, str]:
-        return {"app.kubernetes.io/name": "moe-core", "moe-core/run": name}
+    def meta(name: str) -> Any:
+        return k8s.V1ObjectMeta(name=name, namespace=c.namespace, labels=dict(labels))
 
-    rdzv_host = f"{name}-0.{name}"  # pod 0 of the Indexed Job, through the headless Service
+    rdzv_host = f"{job_name}-0.{service_name}"  # pod 0 of the Indexed Job, through the Service
     cmd = torchrun_command(run, config_path, c.nodes, None, f"{rdzv_host}:{c.rdzv_port}")
-    container: dict[str, Any] = {
-        "name": "trainer",
-        "image": c.image,
-        "workingDir": run_dir,
-        "command": cmd,
-        "ports": [{"name": "rdzv", "containerPort": c.rdzv_port}],
-        "volumeMounts": [
-            {"name": "runs", "mountPath": c.volume_path},
-            {"name": "shm", "mountPath": "/dev/shm"},
+    container = k8s.V1Container(
+        name="trainer",
+        image=c.image,
+        working_dir=run_dir,
+        command=cmd,
+        env=[k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")],
+        ports=[k8s.V1ContainerPort(name="rdzv", container_port=c.rdzv_port)],
+        volume_mounts=[
+            k8s.V1VolumeMount(name="runs", mount_path=c.volume_path),
+            k8s.V1VolumeMount(name="shm", mount_path="/dev/shm"),
         ],
-    }
-    if c.gpus_per_node:
-        container["resources"] = {"limits": {"nvidia.com/gpu": c.gpus_per_node}}
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": c.namespace, "labels": labels()},
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": {"moe-core/run": name},
-            "ports": [{"name": "rdzv", "port": c.rdzv_port, "targetPort": c.rdzv_port}],
-        },
-    }
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": c.namespace, "labels": labels()},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": c.nodes,
-            "parallelism": c.nodes,
-            "backoffLimit": 0,
-            "template": {
-                "metadata": {"labels": labels()},
-                "spec": {
-                    "subdomain": name,
-                    "restartPolicy": "Never",
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "runs",
-                            "persistentVolumeClaim": {"claimName": c.volume_claim},
-                        },
-                        {"name": "shm", "emptyDir": {"medium": "Memory"}},
-                    ],
-                },
-            },
-        },
-    }
-    header = (
-        f"# moe_core: model {run.model.name} on {c.nodes} pods x {c.procs_per_node} processes "
-        "(rendered by flows/launch.py); kubectl apply -f this file.\n"
+        resources=(
+            k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": str(c.gpus_per_node)})
+            if c.gpus_per_node
+            else None
+        ),
     )
-    return header + yaml.safe_dump_all([service, job], sort_keys=False)
+    service = k8s.V1Service(
+        api_version="v1",
+        kind="Service",
+        metadata=meta(service_name),
+        spec=k8s.V1ServiceSpec(
+            cluster_ip="None",
+            publish_not_ready_addresses=True,
+            selector={"moe-core/run": service_name},
+            ports=[k8s.V1ServicePort(name="rdzv", port=c.rdzv_port, target_port=c.rdzv_port)],
+        ),
+    )
+    pod = k8s.V1PodSpec(
+        subdomain=service_name,
+        restart_policy="Never",
+        containers=[container],
+        volumes=[
+            k8s.V1Volume(
+                name="runs",
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=c.volume_claim
+                ),
+            ),
+            k8s.V1Volume(name="shm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
+        ],
+    )
+    job = k8s.V1Job(
+        api_version="batch/v1",
+        kind="Job",
+        metadata=meta(job_name),
+        spec=k8s.V1JobSpec(
+            completion_mode="Indexed",
+            completions=c.nodes,
+            parallelism=c.nodes,
+            backoff_limit=0,  # a failed pod fails the Job; the pipeline launches a new one
+            template=k8s.V1PodTemplateSpec(
+                metadata=k8s.V1ObjectMeta(labels=dict(labels)), spec=pod
+            ),
+        ),
+    )
+    return service, job
+
+
+def render_kubernetes(
+    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+) -> str:
+    """The manifests of ``kubernetes_objects`` as YAML, for ``kubectl apply -f``."""
+    objects = kubernetes_objects(run, run_dir, config_path, attempt)
+    api = _kubernetes_client().ApiClient()
+    header = (
+        f"# moe_core: model {run.model.name} on {run.cluster.nodes} pods x "
+        f"{run.cluster.procs_per_node} processes (rendered by flows/launch.py); kubectl apply -f "
+        "this file.\n"
+    )
+    return header + yaml.safe_dump_all(
+        [api.sanitize_for_serialization(o) for o in objects], sort_keys=False
+    )

@@ -7,8 +7,9 @@ it) and the checksums of what it produced. A rerun (a new flow run, or ``prefect
 retry``) reports a stage whose manifest verifies as ``Skipped`` and leaves its files untouched;
 a stage whose outputs are missing or corrupt, or whose inputs changed, runs again, and so does
 everything after it. Outputs of an older configuration are moved aside, never deleted. ``train``
-launches torchrun; a failed attempt is retried (``cluster.launch_retries``) and every attempt
-resumes from the newest valid checkpoint.
+hands the resolved config to the launcher of ``cluster.kind`` (``flows.launchers``: torchrun
+here, a Slurm job or a Kubernetes Job); a failed attempt is launched again
+(``cluster.launch_retries``) and every attempt resumes from the newest valid checkpoint.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,10 +32,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from flows import manifests
+from flows.launchers import Attempt, launcher_class
 from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
-from moe_core.config import RunConfig, from_dict, to_dict
+from moe_core.config import RunConfig, check_path, from_dict, to_dict
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
 
@@ -78,6 +78,8 @@ def stage_keys(run: RunConfig) -> dict[str, str]:
 
 def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
     """The run's config with every path inside ``run_dir`` (validated on the way)."""
+    if config.get("cluster", {}).get("kind", "local") != "local":
+        check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
     data = dict(config.get("data", {}))
     data["dir"] = str(run_dir / "data")
     if data.get("kind") != "tokens":
@@ -89,19 +91,24 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
 
 
 def check_launchable(run: RunConfig) -> None:
-    """Refuse, before any stage, a layout this machine cannot run: one sentence, plus the plan
-    in the log (parameters, GPUs, memory per GPU)."""
+    """Refuse, before any stage, a layout the cluster cannot run or a launch this machine cannot
+    make: one sentence, plus the plan in the log (parameters, GPUs, memory per GPU)."""
     from moe_core.plan import check_cluster, check_resources, plan
 
     logger = get_run_logger()
     check_cluster(run)
     report = plan(run)
     logger.info("plan for %s:\n%s", run.model.name, report.text())
-    gpus = torch.cuda.device_count() * int(os.environ.get("SLURM_NNODES", "1"))
-    memory = None
-    if torch.cuda.is_available():
-        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+    c = run.cluster
+    if c.kind == "local":  # this machine's GPUs
+        gpus = torch.cuda.device_count()
+        memory = None
+        if torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:  # the nodes the cluster config describes
+        gpus, memory = c.nodes * c.gpus_per_node, c.gpu_memory_gib or None
     check_resources(run, gpus, memory)
+    launcher_class(run).check(run)
 
 
 def _supersede(ctx: Context, stage: str, folder: Path) -> None:
@@ -117,6 +124,12 @@ def _supersede(ctx: Context, stage: str, folder: Path) -> None:
         folder.rename(folder.with_name(f"{folder.name}.superseded-{n}"))
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(key)
+
+
+def _status(err: BaseException) -> str:
+    """MLflow's end status for a stage left by ``err``: a cancelled flow run (SIGTERM from its
+    worker, Ctrl-C) arrives as a BaseException that is no Exception."""
+    return "FAILED" if isinstance(err, Exception) else "KILLED"
 
 
 def _stage(
@@ -139,8 +152,8 @@ def _stage(
     run_id = ctx.tracker.stage(name)
     try:
         summary, outputs = body(ctx, run_id)
-    except BaseException:
-        ctx.tracker.finish(run_id, "FAILED")
+    except BaseException as err:
+        ctx.tracker.finish(run_id, _status(err))
         raise
     files = manifests.checksums(ctx.run_dir, outputs)
     manifests.write(ctx.run_dir, name, key, files, summary)
@@ -233,40 +246,77 @@ def _link_tree(src: Path, dst: Path) -> None:
     tmp.rename(dst)
 
 
-def train_command(config_path: Path, nproc: int) -> list[str]:
-    runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [
-        *runner,
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "moe_core.cli",
-        "train",
-        "--config",
-        str(config_path),
-    ]
+def _newest_checkpoint(ctx: Context) -> str:
+    from moe_core.train.checkpoint import newest_verified
+
+    found = newest_verified(ctx.train_dir / "checkpoints")
+    return found.name if found is not None else "no checkpoint"
 
 
-def _follow(proc: subprocess.Popen, ctx: Context, run_id: str | None) -> None:
-    """Stream the trainer's output to the Prefect log and its metrics to MLflow."""
+class _MetricsSender:
+    """While training runs, ``metrics.jsonl`` goes to MLflow every few seconds (and once more
+    at the end)."""
+
+    def __init__(self, ctx: Context, run_id: str | None, every_s: float = 5.0) -> None:
+        self.ctx, self.run_id, self.every_s = ctx, run_id, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _send(self) -> None:
+        self.ctx.tracker.send_metrics_file(self.run_id, self.ctx.train_dir / "metrics.jsonl")
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self._send()
+
+    def __enter__(self) -> _MetricsSender:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._send()
+
+
+def _launch(ctx: Context, run_id: str | None) -> list[Attempt]:
+    """Launch training until an attempt finishes, at most ``1 + cluster.launch_retries`` times;
+    every attempt resumes from the newest valid checkpoint. Each attempt (job id, submitted
+    script, state) is added to ``train/launches.json`` and the stage's MLflow params."""
     logger = get_run_logger()
-    metrics = ctx.train_dir / "metrics.jsonl"
-    stop = threading.Event()
-
-    def send() -> None:
-        while not stop.wait(5.0):
-            ctx.tracker.send_metrics_file(run_id, metrics)
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip()
-        if line and "━" not in line:
-            logger.info(line)
-    proc.wait()
-    stop.set()
-    sender.join()
-    ctx.tracker.send_metrics_file(run_id, metrics)
+    run = ctx.run
+    launcher = launcher_class(run)(run, ctx.train_dir, logger.info)
+    record = ctx.train_dir / "launches.json"
+    history = json.loads(record.read_text()) if record.is_file() else []
+    before = len(history)  # attempts of earlier flow runs keep their numbers
+    tries = 1 + run.cluster.launch_retries
+    attempts: list[Attempt] = []
+    for i in range(tries):
+        number = before + i + 1
+        if i:
+            logger.warning(
+                "%s; launching again (%d of %d), resuming from %s",
+                attempts[-1].detail,
+                i + 1,
+                tries,
+                _newest_checkpoint(ctx),
+            )
+        with _MetricsSender(ctx, run_id):
+            attempt = launcher.attempt(number)
+        attempts.append(attempt)
+        history.append(attempt.record())
+        record.write_text(json.dumps(history, indent=1))
+        params = {"kind": run.cluster.kind, "job_id": attempt.job_id, "state": attempt.state}
+        if attempt.script is not None:
+            params["script"] = attempt.script
+        ctx.tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
+        if attempt.ok:
+            return attempts
+    raise RuntimeError(
+        f"{attempts[-1].detail} (see the log above) on attempt {tries} of {tries} "
+        f"(cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "
+        f"{_newest_checkpoint(ctx)}."
+    )
 
 
 def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
@@ -283,27 +333,7 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     resolved = dataclasses.replace(run, train=train)
     config_path.write_text(json.dumps(to_dict(resolved), indent=1))
     ctx.tracker.params(run_id, to_dict(resolved))
-    if run.cluster.kind != "local" or run.cluster.nodes != 1:
-        from moe_core.config import OptionNotImplementedError
-
-        raise OptionNotImplementedError(
-            f"cluster.kind={run.cluster.kind!r} with {run.cluster.nodes} nodes is launched by the "
-            "batch script or job that flows.launch renders (infra/README.md); the pipeline's "
-            "train stage runs one node itself."
-        )
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    cmd = train_command(config_path, run.cluster.procs_per_node)
-    get_run_logger().info("launching: %s", " ".join(cmd))
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    _follow(proc, ctx, run_id)
-    if proc.returncode != 0:
-        raise RuntimeError(f"training exited with code {proc.returncode} (see the log above)")
+    attempts = _launch(ctx, run_id)
     from moe_core.train.checkpoint import verify
 
     problem = verify(ctx.final_checkpoint)
@@ -319,6 +349,7 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
         "steps": len(lines),
         "skipped_steps": sum(bool(x.get("skipped")) for x in lines),
         "checkpoint": str(ctx.final_checkpoint),
+        "launches": [a.record() for a in attempts],
     }
     evals = [x["eval_loss"] for x in lines if "eval_loss" in x]
     if evals:
@@ -329,7 +360,8 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     ctx.tracker.metrics(
         run_id, {k: float(v) for k, v in summary.items() if isinstance(v, int | float)}
     )
-    return summary, [ctx.final_checkpoint / "manifest.json", out / "metrics.jsonl"]
+    outputs = [ctx.final_checkpoint / "manifest.json", out / "metrics.jsonl", out / "launches.json"]
+    return summary, outputs + [Path(a.script) for a in attempts[-1:] if a.script]
 
 
 def _train_intact(ctx: Context) -> str | None:
@@ -426,9 +458,9 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     this flow run's own, see ``default_run_dir``; give one to resume it)."""
     logger = get_run_logger()
     root = Path(run_dir or default_run_dir()).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    run = resolve(config, root)
+    run = resolve(config, root)  # refusals come before anything is written
     check_launchable(run)
+    root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     tracker.params(tracker.parent, to_dict(run))
@@ -438,15 +470,15 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     try:
         for name in STAGES:
             fn = TASKS[name]
-            if name == "train":
-                fn = fn.with_options(retries=run.cluster.launch_retries, retry_delay_seconds=2)
+            if name == "train":  # retries are the stage's own (flows.launchers)
+                fn = fn.with_options(timeout_seconds=run.cluster.train_timeout_s or None)
             state = fn(ctx, return_state=True)
             outcome["stages"][name] = state.name
             summary = state.result()
             if isinstance(summary, dict):
                 outcome[name] = summary
-    except BaseException:
-        tracker.finish(tracker.parent, "FAILED")
+    except BaseException as err:
+        tracker.finish(tracker.parent, _status(err))
         raise
     evaluation = outcome.get("evaluate", {})
     if all(state == "Skipped" for state in outcome["stages"].values()):

@@ -8,6 +8,8 @@ naming the field, the bad value and what is allowed, before any model, GPU or pr
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +28,41 @@ class OptionNotImplementedError(ConfigError, NotImplementedError):
 
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{name}={value!r} is not allowed: {allowed}.")
+
+
+# Values written into a batch script or a Kubernetes manifest (flows/launch.py) are held to these
+# shapes, so none of them can end a line, close a quote or reach the shell.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+NAME_ALLOWED = "letters, digits and . _ - (starting with a letter or digit, at most 100)"
+SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
+SAFE_PATH_ALLOWED = (
+    "letters, digits and . _ / + = @ : , - only (no spaces, quotes, newlines or shell "
+    "metacharacters), so a batch script or manifest holds it as written"
+)
+PARTITION = re.compile(rf"{NAME.pattern}(,{NAME.pattern})*")  # Slurm takes a list
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")
+DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
+
+
+def _matches(name: str, value: str | None, pattern: re.Pattern[str], allowed: str) -> None:
+    if value is not None and not pattern.fullmatch(value):
+        _fail(name, value, allowed)
+
+
+def check_path(name: str, path: str) -> str:
+    """``path`` made absolute, refused in one sentence unless a script can hold it unquoted."""
+    absolute = os.path.abspath(path)
+    if not SAFE_PATH.fullmatch(absolute):
+        _fail(name, path, SAFE_PATH_ALLOWED)
+    return absolute
+
+
+def safe_name(text: str) -> str:
+    """``text`` turned into a name ``NAME`` accepts (runs of other characters become ``-``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).lstrip("._-")[:100]
+    return name or "model"
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -65,6 +102,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         p = "model."
+        # The default out_dir is runs/<model.name>: one folder name, never a path out of runs/.
+        _matches(p + "name", self.name, NAME, NAME_ALLOWED + ", so it names one folder in runs/")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k"):
             _positive(p + name, getattr(self, name))
         for name in ("expert_hidden", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
@@ -377,6 +416,9 @@ class ClusterConfig:
     volume_claim: str = "moe-runs"  # kubernetes: a ReadWriteMany claim holding run directories
     volume_path: str = "/runs"  # kubernetes: where pods mount it; run directories lie below
     launch_retries: int = 2  # the pipeline relaunches failed training this often (it resumes)
+    poll_s: float = 10.0  # slurm: seconds between two looks at the job's state and log
+    start_timeout_s: float = 86400.0  # slurm: a job queued this long is cancelled; 0: wait
+    train_timeout_s: float = 0.0  # the train stage (all attempts) is stopped after this; 0: never
 
     def __post_init__(self) -> None:
         p = "cluster."
@@ -384,14 +426,43 @@ class ClusterConfig:
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
         _non_negative(p + "launch_retries", self.launch_retries)
+        _positive(p + "poll_s", self.poll_s)
+        _non_negative(p + "start_timeout_s", self.start_timeout_s)
+        _non_negative(p + "train_timeout_s", self.train_timeout_s)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
         if self.rdzv_port > 65535:
             _fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")
         for name in ("image", "namespace", "volume_claim", "time_limit"):
             if not getattr(self, name):
                 _fail(p + name, getattr(self, name), "a non-empty string")
+        _matches(p + "name", self.name, NAME, NAME_ALLOWED)
+        _matches(p + "partition", self.partition, PARTITION, NAME_ALLOWED + ", comma-separated")
+        _matches(p + "account", self.account, NAME, NAME_ALLOWED)
+        _matches(
+            p + "time_limit",
+            self.time_limit,
+            SLURM_TIME,
+            "a Slurm time such as 90, 12:00:00 or 2-00:00:00 (minutes, [days-]hours:minutes:"
+            "seconds) or UNLIMITED",
+        )
+        _matches(
+            p + "image", self.image, IMAGE, "an image reference: letters, digits and . _ / : @ + -"
+        )
+        _matches(
+            p + "namespace",
+            self.namespace,
+            DNS_LABEL,
+            "a Kubernetes namespace: lower-case letters, digits and -, at most 63",
+        )
+        _matches(
+            p + "volume_claim",
+            self.volume_claim,
+            DNS_SUBDOMAIN,
+            "a Kubernetes claim name: lower-case letters, digits, . and -",
+        )
         if not self.volume_path.startswith("/"):
             _fail(p + "volume_path", self.volume_path, "an absolute path")
+        _matches(p + "volume_path", self.volume_path, SAFE_PATH, SAFE_PATH_ALLOWED)
         if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
             _fail(
                 p + "procs_per_node",
@@ -426,6 +497,8 @@ class RunConfig:
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
+        if self.cluster.kind != "local":  # the batch script or manifest holds it
+            check_path("out_dir", self.out_dir)
         if self.data.dir is None:
             self.data.dir = f"{self.out_dir}/data"
         vocab = self.data.tokenizer_vocab_size

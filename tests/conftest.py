@@ -37,6 +37,18 @@ def _interpret_kernel_tests(request: pytest.FixtureRequest):
         yield
 
 
+@pytest.fixture(scope="module")
+def prefect_home(tmp_path_factory):
+    """One Prefect API for the module (a temporary local server), in a private home."""
+    home = tmp_path_factory.mktemp("prefect")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield home
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

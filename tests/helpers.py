@@ -154,3 +154,31 @@ def one_rank_nccl_group() -> Iterator[None]:
     finally:
         if started:
             dist.destroy_process_group()
+
+
+# ---- the pretrain flow --------------------------------------------------------------------
+
+SMALL = [  # pretrain-tiny cut to seconds
+    "train.steps=8",
+    "train.checkpoint_every=2",
+    "train.eval_every=4",
+    "data.max_documents=400",
+    "data.validation_fraction=0.05",
+    "data.workers=1",
+]
+
+
+def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
+    from flows.pretrain import pretrain
+    from moe_core.compose import compose_dict
+
+    config = compose_dict([*SMALL, *overrides], config_name="pretrain-tiny")
+    return pretrain(config=config, run_dir=str(run_dir))
+
+
+def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the train stage's checkpoint at ``steps``."""
+    from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+
+    ckpt = run_dir / "train" / "checkpoints" / f"step_{steps:08d}"
+    return CheckpointSource(ckpt, checkpoint_config(ckpt).model, torch.float32).state_dict()

@@ -195,7 +195,7 @@ def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
     assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
     (container,) = pod["containers"]
     assert container["image"] == c.image
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}  # a quantity
     assert container["command"] == torchrun_command(
         run, f"{run_dir}/config.json", nodes, None, f"{job_name}-0.{job_name}:{c.rdzv_port}"
     )
@@ -205,6 +205,56 @@ def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
     assert mounts == {"runs": c.volume_path, "shm": "/dev/shm"}
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": c.volume_claim}
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory"}
+
+
+def test_kubernetes_objects_are_the_clients_typed_models_field_by_field():
+    from kubernetes import client
+
+    from flows.launch import kubernetes_objects
+
+    run = compose_run(
+        [
+            "cluster=kubernetes",
+            "cluster.nodes=8",
+            "cluster.namespace=ml",
+            "cluster.rdzv_port=29400",
+        ],
+        config_name="pretrain-47b",
+    )
+    service, job = kubernetes_objects(run, "/runs/47b/train", "/runs/47b/train/config.json", 3)
+    name = run_id(run)
+    assert isinstance(service, client.V1Service) and isinstance(job, client.V1Job)
+    labels = {"app.kubernetes.io/name": "moe-core", "moe-core/run": name}
+    assert (service.metadata.name, service.metadata.namespace) == (name, "ml")
+    assert service.metadata.labels == labels
+    assert service.spec.cluster_ip == "None" and service.spec.publish_not_ready_addresses
+    assert service.spec.selector == {"moe-core/run": name}
+    (port,) = service.spec.ports
+    assert (port.name, port.port, port.target_port) == ("rdzv", 29400, 29400)
+
+    assert (job.metadata.name, job.metadata.namespace) == (f"{name}-3", "ml")
+    spec = job.spec
+    assert spec.completion_mode == "Indexed" and spec.completions == spec.parallelism == 8
+    assert spec.backoff_limit == 0
+    assert spec.template.metadata.labels == labels
+    pod = spec.template.spec
+    assert pod.restart_policy == "Never" and pod.subdomain == name
+    (container,) = pod.containers
+    assert container.image == run.cluster.image and container.working_dir == "/runs/47b/train"
+    # Pod 0 of this attempt's Job hosts the rendezvous, reached through the headless Service.
+    assert container.command == torchrun_command(
+        run, "/runs/47b/train/config.json", 8, None, f"{name}-3-0.{name}:29400"
+    )
+    assert [(e.name, e.value) for e in container.env] == [("PYTHONUNBUFFERED", "1")]
+    assert [(p.name, p.container_port) for p in container.ports] == [("rdzv", 29400)]
+    assert container.resources.limits == {"nvidia.com/gpu": "8"}
+    assert [(m.name, m.mount_path) for m in container.volume_mounts] == [
+        ("runs", "/runs"),
+        ("shm", "/dev/shm"),
+    ]
+    runs, shm = pod.volumes
+    assert runs.name == "runs" and runs.persistent_volume_claim.claim_name == "moe-runs"
+    assert shm.name == "shm" and shm.empty_dir.medium == "Memory"
 
 
 def test_kubernetes_refuses_a_run_dir_off_the_volume():
@@ -262,3 +312,184 @@ def test_train_config_refusals(tmp_path: Path, capsys):
     assert main(["train", "--config", str(path)]) == 2
     assert "train.stepz is not a known option" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+# ---- what a script or manifest holds is checked first ------------------------------------
+
+
+def _with(section: str, key: str, value: object, name: str = "pretrain-47b") -> dict:
+    """A deployment's config (what Prefect passes as a parameter) with one value changed."""
+    from moe_core.compose import compose_dict
+
+    config = compose_dict([], config_name=name)
+    config[section][key] = value
+    return config
+
+
+# Every string of the config that flows.launch writes into a script or manifest.
+WRITTEN = [
+    ("cluster", "name"),
+    ("cluster", "partition"),
+    ("cluster", "account"),
+    ("cluster", "time_limit"),
+    ("cluster", "image"),
+    ("cluster", "namespace"),
+    ("cluster", "volume_claim"),
+    ("cluster", "volume_path"),
+    ("model", "name"),
+]
+
+
+@pytest.mark.parametrize("section,key", WRITTEN)
+@pytest.mark.parametrize("bad", ["gpu\nrm -rf ~", "gpu'; reboot; '", "$(reboot)", "a b", "`id`"])
+def test_a_line_break_quote_or_shell_syntax_is_refused(section: str, key: str, bad: str):
+    from moe_core.config import RunConfig, from_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(RunConfig, _with(section, key, bad))
+    text = str(err.value)
+    assert text.startswith(f"{section}.{key}={bad!r} is not allowed: ") and one_sentence(text)
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "section,key,value,message",
+    [
+        (
+            "cluster",
+            "partition",
+            "gpu\n#SBATCH --wrap=id",
+            "cluster.partition='gpu\\n#SBATCH --wrap=id' is not allowed: letters, digits and "
+            ". _ - (starting with a letter or digit, at most 100), comma-separated.",
+        ),
+        (
+            "cluster",
+            "time_limit",
+            "12:00:00; id",
+            "cluster.time_limit='12:00:00; id' is not allowed: a Slurm time such as 90, "
+            "12:00:00 or 2-00:00:00 (minutes, [days-]hours:minutes:seconds) or UNLIMITED.",
+        ),
+        (
+            "model",
+            "name",
+            "../../home",
+            "model.name='../../home' is not allowed: letters, digits and . _ - (starting with a "
+            "letter or digit, at most 100), so it names one folder in runs/.",
+        ),
+        (
+            "cluster",
+            "namespace",
+            "Prod",
+            "cluster.namespace='Prod' is not allowed: a Kubernetes namespace: lower-case "
+            "letters, digits and -, at most 63.",
+        ),
+        (
+            "cluster",
+            "volume_path",
+            "/runs/a b",
+            "cluster.volume_path='/runs/a b' is not allowed: letters, digits and . _ / + = @ : , "
+            "- only (no spaces, quotes, newlines or shell metacharacters), so a batch script or "
+            "manifest holds it as written.",
+        ),
+        (
+            "",
+            "out_dir",
+            "/runs/my run",
+            "out_dir='/runs/my run' is not allowed: letters, digits and . _ / + = @ : , - only "
+            "(no spaces, quotes, newlines or shell metacharacters), so a batch script or "
+            "manifest holds it as written.",
+        ),
+    ],
+)
+def test_refusal_messages(section: str, key: str, value: str, message: str):
+    from moe_core.compose import compose_dict
+    from moe_core.config import RunConfig, from_dict
+
+    if section:
+        config = _with(section, key, value)
+    else:
+        config = {**compose_dict([], config_name="pretrain-47b"), key: value}
+    with pytest.raises(ConfigError) as err:
+        from_dict(RunConfig, config)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("partition", "gpu,gpu-large"),
+        ("account", "proj_42.a"),
+        ("time_limit", "2-12:30:00"),
+        ("time_limit", "90"),
+        ("time_limit", "unlimited"),
+        ("image", "reg.example:5000/team/moe-core:1.0@sha256:0abc"),
+        ("namespace", "ml-team"),
+        ("volume_claim", "runs.shared"),
+    ],
+)
+def test_ordinary_values_pass_and_reach_the_script_as_written(tmp_path: Path, key, value):
+    from moe_core.config import RunConfig, from_dict
+
+    run = from_dict(RunConfig, _with("cluster", key, value))
+    assert getattr(run.cluster, key) == value
+    script = render_slurm(run, str(tmp_path), str(tmp_path / "c.json"))
+    if key in ("partition", "account", "time_limit"):
+        flag = {"time_limit": "--time"}.get(key, f"--{key}")
+        assert sbatch_directives(script)[flag] == value
+
+
+def test_model_name_keeps_out_dir_in_runs():
+    """The default out_dir is runs/<model.name>: a name with a path in it is refused."""
+    for name in ("..", "../x", "a/../../b", "/etc", ".hidden"):
+        with pytest.raises(ConfigError, match=r"^model\.name=.* so it names one folder in runs/"):
+            compose_run([f"model.name={name}"])
+    run = compose_run(["model.name=tiny-v2.1"])
+    assert Path(run.out_dir) == Path("runs") / "tiny-v2.1"
+
+
+def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
+    from flows.pretrain import resolve
+
+    config = _with("cluster", "nodes", 8)
+    with pytest.raises(ConfigError) as err:
+        resolve(config, tmp_path / "a;b")
+    assert str(err.value).startswith(f"run_dir={str(tmp_path / 'a;b')!r} is not allowed: ")
+    assert one_sentence(str(err.value)) and not (tmp_path / "a;b").exists()
+    local = compose_run([f"out_dir={tmp_path / 'my run'}"])  # local runs take any folder
+    assert local.out_dir.endswith("my run")
+
+
+# ---- which launcher the train stage uses ------------------------------------------------
+
+
+def test_each_cluster_kind_has_its_launcher(tmp_path: Path):
+    from flows.launchers import KubernetesLauncher, LocalLauncher, SlurmLauncher, launcher_class
+
+    assert launcher_class(compose_run([])) is LocalLauncher
+    assert launcher_class(compose_run([], config_name="pretrain-47b")) is SlurmLauncher
+    k8s = compose_run(["cluster=kubernetes", "cluster.nodes=8"], config_name="pretrain-47b")
+    assert launcher_class(k8s) is KubernetesLauncher
+    two = compose_run(["cluster.nodes=2", "cluster.procs_per_node=1"])
+    with pytest.raises(ConfigError) as err:
+        LocalLauncher.check(two)
+    assert str(err.value).startswith("cluster.nodes=2 is not allowed with cluster.kind='local'")
+    assert one_sentence(str(err.value))
+
+
+def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
+    from flows.launchers import SlurmLauncher
+
+    run = compose_run([], config_name="pretrain-47b")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "squeue"):  # a machine with only some of them
+        (bin_dir / tool).write_text("#!/bin/sh\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(ConfigError) as err:
+        SlurmLauncher.check(run)
+    assert str(err.value) == (
+        "cluster.kind='slurm' is not allowed on this machine: it submits with sbatch and follows "
+        "with squeue, sacct and scancel, and sacct and scancel are not on PATH (run the pipeline "
+        "on a Slurm login node, infra/README.md)."
+    )

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_core.config import ConfigError, ModelConfig, from_dict, to_dict
+from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
 from moe_core.data.files import user_mode
 
 OUR_CONFIG = "moe_core_config.json"
@@ -272,7 +272,7 @@ def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     if hf.get("head_dim") not in (None, hf["hidden_size"] // n_heads):
         raise ConfigError(f"head_dim={hf['head_dim']} in {d} is not supported: only hidden/heads.")
     return ModelConfig(
-        name=Path(hf_dir).name,
+        name=safe_name(Path(hf_dir).name),
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],

@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,13 +216,8 @@ class Checkpointer:
         """The newest checkpoint whose manifest verifies (checked on rank 0, agreed by all)."""
         choice: list[str | None] = [None]
         if self.is_main:
-            for step in sorted(self.published(), reverse=True):
-                path = self.root / f"step_{step:08d}"
-                problem = verify(path)
-                if problem is None:
-                    choice[0] = str(path)
-                    break
-                report(f"skipping checkpoint {path.name}: {problem}")
+            found = newest_verified(self.root, report)
+            choice[0] = str(found) if found is not None else None
         if self.mesh.distributed:
             dist.broadcast_object_list(choice, src=0)
         return Path(choice[0]) if choice[0] else None
@@ -272,6 +267,20 @@ class Checkpointer:
         for name, t in buffers.items():
             t.copy_(request[f"buf/{name}"])
         return json.loads(request["trainer"])
+
+
+def newest_verified(root: Path, report: Callable[[str], None] | None = None) -> Path | None:
+    """The newest ``step_*`` folder under ``root`` whose manifest verifies; each newer one that
+    does not is reported."""
+    steps = [int(m.group(1)) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name))]
+    for step in sorted(steps, reverse=True):
+        path = root / f"step_{step:08d}"
+        problem = verify(path)
+        if problem is None:
+            return path
+        if report is not None:
+            report(f"skipping checkpoint {path.name}: {problem}")
+    return None
 
 
 def router_buffers(modules: list[nn.Module]) -> dict[str, torch.Tensor]:

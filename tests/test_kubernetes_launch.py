@@ -1,0 +1,192 @@
+"""The Kubernetes launcher against a fake API that replays recorded Job and pod states, one
+snapshot per look: what it creates, the log it streams, when it deletes the Job, how it ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from flows.launch import kubernetes_objects, render_kubernetes, run_id
+from flows.launchers import KubernetesLauncher, LaunchTimeoutError
+from moe_core.compose import compose_run
+from moe_core.config import ConfigError
+
+INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def snapshot(*phases: str, log: str = "", succeeded: int = 0, failed: int = 0) -> dict:
+    """One look at the Job: its pods' phases (pod i has completion index i), pod 0's whole
+    log so far, and the Job's counts of succeeded and failed pods."""
+    return {"phases": phases, "log": log, "succeeded": succeeded, "failed": failed}
+
+
+STARTS_AND_FINISHES = [
+    snapshot("Pending", "Pending"),
+    snapshot("Running", "Pending", log="moe_core: rendezvous\n"),
+    snapshot("Running", "Running", log="moe_core: rendezvous\nstep 0 loss 8.3\n"),
+    snapshot(
+        "Succeeded",
+        "Succeeded",
+        log="moe_core: rendezvous\nstep 0 loss 8.3\nstep 1 loss 8.1\ndone\n",
+        succeeded=2,
+    ),
+]
+LOSES_A_POD = [
+    snapshot("Running", "Running", log="step 0 loss 8.3\n"),
+    snapshot("Running", "Failed", log="step 0 loss 8.3\n", failed=1),
+]
+
+
+class FakeKube:
+    """CoreV1Api and BatchV1Api in one: each Job created replays the next recorded sequence,
+    advancing one snapshot per status read and staying on the last."""
+
+    def __init__(self, *sequences: list[dict], interrupt_at: int | None = None) -> None:
+        self.sequences = list(sequences)
+        self.interrupt_at = interrupt_at  # status read that raises, as a cancelled run would
+        self.services: list[client.V1Service] = []
+        self.jobs: list[client.V1Job] = []
+        self.deleted: list[tuple[str, str, str]] = []
+        self.reads = 0
+        self.current: list[dict] = []
+        self.step = -1
+
+    def create_namespaced_service(self, namespace: str, body: client.V1Service) -> None:
+        if any(s.metadata.name == body.metadata.name for s in self.services):
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.services.append(body)
+
+    def create_namespaced_job(self, namespace: str, body: client.V1Job) -> None:
+        self.jobs.append(body)
+        self.current, self.step = self.sequences.pop(0), -1
+
+    def read_namespaced_job_status(self, name: str, namespace: str) -> client.V1Job:
+        assert name == self.jobs[-1].metadata.name
+        self.reads += 1
+        if self.reads == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.step = min(self.step + 1, len(self.current) - 1)
+        s = self.current[self.step]
+        status = client.V1JobStatus(succeeded=s["succeeded"] or None, failed=s["failed"] or None)
+        return client.V1Job(status=status)
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str) -> client.V1PodList:
+        job = label_selector.removeprefix("job-name=")
+        pods = [
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name=f"{job}-{i}-x", labels={INDEX: str(i)}),
+                status=client.V1PodStatus(phase=phase),
+            )
+            for i, phase in enumerate(self.current[self.step]["phases"])
+        ]
+        return client.V1PodList(items=pods)
+
+    def read_namespaced_pod_log(self, name: str, namespace: str) -> str:
+        assert name.endswith("-0-x"), "only pod 0's log is streamed"
+        return self.current[self.step]["log"]
+
+    def delete_namespaced_job(self, name: str, namespace: str, propagation_policy: str) -> None:
+        self.deleted.append((name, namespace, propagation_policy))
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    return compose_run(
+        [
+            "cluster=kubernetes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=4",
+            "cluster.gpus_per_node=4",
+            f"cluster.volume_path={tmp_path}",
+            "cluster.namespace=ml",
+            "cluster.poll_s=0.001",
+            "cluster.start_timeout_s=0.2",
+            "parallel=ep8",
+            f"out_dir={tmp_path}/train",
+        ],
+        config_name="pretrain-47b",
+    )
+
+
+def launcher(run, tmp_path: Path, fake: FakeKube) -> tuple[KubernetesLauncher, list[str]]:
+    logged: list[str] = []
+    train = tmp_path / "train"
+    train.mkdir(exist_ok=True)
+    return KubernetesLauncher(run, train, logged.append, apis=(fake, fake)), logged
+
+
+def test_a_job_that_finishes_is_created_from_the_typed_objects_and_followed(run, tmp_path):
+    fake = FakeKube(STARTS_AND_FINISHES)
+    k8s, logged = launcher(run, tmp_path, fake)
+    attempt = k8s.attempt(1)
+    name = f"{run_id(run)}-1"
+    train = tmp_path / "train"
+    assert attempt.ok and attempt.state == "COMPLETED" and attempt.job_id == name
+    service, job = kubernetes_objects(run, str(train), str(train / "config.json"), 1)
+    assert fake.services == [service] and fake.jobs == [job]
+    manifest = train / "kubernetes-1.yaml"
+    assert attempt.script == str(manifest)
+    assert manifest.read_text() == render_kubernetes(run, str(train), str(train / "config.json"), 1)
+    assert [x for x in logged if not x.startswith("kubernetes job")] == [
+        "moe_core: rendezvous",
+        "step 0 loss 8.3",
+        "step 1 loss 8.1",
+        "done",
+    ], "pod 0's log, each line once"
+    states = [x.rsplit(": ", 1)[1] for x in logged if x.startswith(f"kubernetes job {name}: ")]
+    assert states == ["PENDING", "RUNNING", "COMPLETED"]
+    assert fake.deleted == []
+
+
+def test_a_failed_pod_fails_the_attempt_and_the_next_one_is_a_new_job(run, tmp_path):
+    fake = FakeKube(LOSES_A_POD, STARTS_AND_FINISHES)
+    k8s, _ = launcher(run, tmp_path, fake)
+    first = k8s.attempt(1)
+    assert not first.ok and first.state == "FAILED"
+    assert first.detail == f"kubernetes job {run_id(run)}-1 ended FAILED"
+    second = k8s.attempt(2)
+    assert second.ok and second.job_id == f"{run_id(run)}-2"
+    assert [j.metadata.name for j in fake.jobs] == [f"{run_id(run)}-1", f"{run_id(run)}-2"]
+    assert len(fake.services) == 1, "the Service is kept across attempts"
+    (container,) = fake.jobs[1].spec.template.spec.containers
+    assert f"--rdzv-endpoint={run_id(run)}-2-0.{run_id(run)}:29500" in container.command
+    assert fake.deleted == [], "a Job that ended needs no delete"
+
+
+def test_cancelling_deletes_the_job(run, tmp_path):
+    fake = FakeKube(STARTS_AND_FINISHES, interrupt_at=3)
+    k8s, logged = launcher(run, tmp_path, fake)
+    with pytest.raises(KeyboardInterrupt):
+        k8s.attempt(1)
+    name = f"{run_id(run)}-1"
+    assert fake.deleted == [(name, "ml", "Foreground")]
+    assert f"kubernetes job {name}: deleting it (cancel)" in logged
+
+
+def test_a_job_that_never_starts_times_out_and_is_deleted(run, tmp_path):
+    fake = FakeKube([snapshot("Pending", "Pending")])
+    k8s, _ = launcher(run, tmp_path, fake)
+    with pytest.raises(LaunchTimeoutError) as err:
+        k8s.attempt(1)
+    name = f"{run_id(run)}-1"
+    assert str(err.value) == (
+        f"kubernetes job {name} did not start within cluster.start_timeout_s=0.2 s (no pod "
+        "running), so it was deleted: check the pods' events (kubectl describe pods), or raise "
+        "cluster.start_timeout_s."
+    )
+    assert fake.deleted == [(name, "ml", "Foreground")]
+
+
+def test_check_refuses_without_cluster_access_or_off_the_volume(run, tmp_path, monkeypatch):
+    import dataclasses
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"^cluster\.kind='kubernetes' is not allowed on this"):
+        KubernetesLauncher.check(run)
+    elsewhere = dataclasses.replace(run, out_dir="/scratch/train")
+    with pytest.raises(ConfigError, match=r"^run_dir='/scratch/train' is not allowed: it must lie"):
+        KubernetesLauncher.check(elsewhere)
