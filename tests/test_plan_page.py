@@ -1,0 +1,287 @@
+"""``moe plan --html``: the page's numbers against the planner's on a grid of models x GPU types
+x layouts (the page's own script and data, run under Node), the calibration, and the refusals
+of a bad output path."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import moe_core.cli as cli
+from moe_core.compose import compose_run
+from moe_core.hardware import GPUS, MEASURED
+from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
+from moe_core.planpage import evaluate
+
+ROOT = Path(__file__).resolve().parent.parent
+CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
+CUSTOM += ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
+
+
+def one_sentence(message: str) -> bool:
+    return message.endswith(".") and not re.search(r"[.!?]\s+[A-Z]", message)
+
+
+def page_scripts(page: str) -> tuple[dict, str]:
+    """The data and the planner script the page runs, cut out of the written HTML."""
+    data = re.search(r'<script id="plan-data" type="application/json">(.*?)</script>', page, re.S)
+    scripts = re.findall(r"<script>(.*?)</script>", page, re.S)
+    assert data is not None and len(scripts) == 2
+    return json.loads(data.group(1)), scripts[0]
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> str:
+    """The page ``moe plan --html`` writes for a custom-sized model (it joins conf/model's)."""
+    out = tmp_path_factory.mktemp("page") / "plan.html"
+    assert cli.main(["plan", *CUSTOM, "--html", str(out)]) == 0
+    return out.read_text()
+
+
+def run_planner(page: str, layouts: list[dict], tmp_path: Path) -> list[dict]:
+    """``planLayout`` of the page on each layout, under Node."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's script cannot run here")
+    data, planner = page_scripts(page)
+    (tmp_path / "planner.js").write_text(planner)
+    (tmp_path / "run.js").write_text(
+        'const { planLayout } = require("./planner.js");\n'
+        'const input = JSON.parse(require("fs").readFileSync(0, "utf8"));\n'
+        "console.log(JSON.stringify(input.layouts.map((L) => planLayout(input.data, L))));\n"
+    )
+    out = subprocess.run(
+        [node, "run.js"],
+        input=json.dumps({"data": data, "layouts": layouts}),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def layout(**kw) -> dict:
+    base = dict(
+        gpu="H200",
+        nodes=1,
+        gpus_per_node=1,
+        pp=1,
+        dp=1,
+        ep=1,
+        virtual_stages=1,
+        recompute="none",
+        dispatcher="all_to_all",
+        precision="fp32",
+        micro_batch_size=1,
+        global_batch_size=2,
+        seq_len=128,
+    )
+    return {**base, **kw}
+
+
+# Valid for some models and refused for others (layers, experts, sequence length), plus
+# refusals of their own: a cluster of the wrong size, batches that do not divide.
+LAYOUTS = [
+    layout(),
+    layout(gpus_per_node=8, dp=4, ep=2, precision="bf16", recompute="selective",
+           micro_batch_size=2, global_batch_size=32, seq_len=256),
+    layout(gpus_per_node=8, ep=8, dispatcher="nvshmem_rowwise", precision="pure-bf16",
+           global_batch_size=16, seq_len=256),
+    layout(nodes=2, gpus_per_node=8, pp=2, dp=2, ep=4, recompute="block", precision="bf16",
+           global_batch_size=64),
+    layout(gpus_per_node=8, pp=4, virtual_stages=2, ep=2, precision="bf16", global_batch_size=16),
+    layout(nodes=64, gpus_per_node=8, pp=8, dp=4, ep=16, recompute="block", precision="bf16",
+           global_batch_size=128, seq_len=512),
+    layout(nodes=2, gpus_per_node=1, ep=2, dispatcher="nvshmem_rowwise", recompute="selective",
+           precision="bf16", micro_batch_size=2, global_batch_size=8, seq_len=1024),
+    layout(nodes=2, gpus_per_node=8, dp=8),  # the cluster starts 16, the layout needs 8
+    layout(nodes=2, gpus_per_node=1, pp=2, virtual_stages=2, global_batch_size=3),
+    layout(micro_batch_size=3, global_batch_size=8),
+    layout(virtual_stages=2),  # interleaving needs two stages
+]  # fmt: skip
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1.0)
+
+
+def test_page_numbers_are_the_planners_on_a_grid(page: str, tmp_path: Path):
+    """Models (conf/model and the custom size) x GPU types x layouts: the same refusal sentence,
+    or the same memory by part, communication, step time, tokens/s and MFU."""
+    data, _ = page_scripts(page)
+    assert "small-64e (custom)" in data["models"]
+    grid = [
+        {**lay, "model": model, "gpu": gpu}
+        for model, gpu, lay in itertools.product(data["models"], GPUS, LAYOUTS)
+    ]
+    page_results = run_planner(page, grid, tmp_path)
+    numbers = refusals = 0
+    for lay, mine in zip(grid, page_results, strict=True):
+        ref = evaluate(lay, data)
+        assert mine["refusal"] == ref["refusal"], lay
+        if "memory" not in ref:
+            assert "memory" not in mine, lay
+            refusals += 1
+            continue
+        numbers += 1
+        assert mine["memory"].keys() == ref["memory"].keys()
+        for part, value in ref["memory"].items():
+            assert close(mine["memory"][part], value), (lay, part)
+        assert close(mine["total"], ref["total"]) and mine["busiest_stage"] == ref["busiest_stage"]
+        assert all(close(a, b) for a, b in zip(mine["stages"], ref["stages"], strict=True))
+        for kind, value in ref["comm"].items():
+            assert close(mine["comm"][kind], value), (lay, kind)
+        for name, value in ref["time"].items():
+            assert math.isclose(mine["time"][name], value, rel_tol=1e-9, abs_tol=1e-15), name
+        assert mine["micro_batches"] == ref["micro_batches"]
+    # the grid holds both: layouts the planner sizes, and layouts the config refuses
+    assert numbers >= 60 and refusals >= 60, (numbers, refusals)
+
+
+def test_page_in_flight_is_the_schedules(page: str, tmp_path: Path):
+    """The pipeline's in-flight micro-batches: the page's closed form against the schedule the
+    runner executes, for 1F1B and interleaved 1F1B."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's script cannot run here")
+    _, planner = page_scripts(page)
+    cases = [
+        (pp, v, s, n)
+        for pp in (1, 2, 3, 4, 8)
+        for v in ((1, 2, 3) if pp > 1 else (1,))
+        for s in range(pp)
+        for n in (1, 2, 3, 4, 8, 16)
+        if v == 1 or n % pp == 0
+    ]
+    (tmp_path / "planner.js").write_text(planner)
+    script = (
+        'const { inFlight } = require("./planner.js");\n'
+        f"console.log(JSON.stringify({json.dumps(cases)}.map((c) => inFlight(...c))));\n"
+    )
+    (tmp_path / "run.js").write_text(script)
+    out = subprocess.run([node, "run.js"], capture_output=True, text=True, cwd=tmp_path, check=True)
+    from moe_core.config import ParallelConfig
+
+    expected = [
+        max_in_flight(
+            ParallelConfig(
+                pp=pp, virtual_stages=v, pp_schedule="interleaved_1f1b" if v > 1 else "1f1b"
+            ),
+            s,
+            n,
+        )
+        for pp, v, s, n in cases
+    ]
+    assert json.loads(out.stdout) == expected
+
+
+def test_page_is_self_contained_and_starts_at_the_run(page: str):
+    data, _ = page_scripts(page)
+    assert not re.search(r"""(src|href)\s*=|https?://|@import|url\(""", page)
+    run = compose_run(CUSTOM)
+    start = data["initial"]
+    assert start["model"] == "small-64e (custom)"
+    assert data["models"][start["model"]]["config"]["d_model"] == 768
+    assert evaluate(start, data)["total"] == plan(run).memory.total
+    # the tour: one GPU -> data -> expert -> pipeline -> 1t on 512 GPUs
+    world = [t["layout"]["pp"] * t["layout"]["dp"] * t["layout"]["ep"] for t in data["tour"]]
+    assert world == [1, 8, 8, 64, 512]
+    assert [t["layout"]["model"] for t in data["tour"]][-1] == "1t"
+    assert all(evaluate(t["layout"], data)["refusal"] is None for t in data["tour"])
+
+
+def test_calibration_is_the_measured_h200_run():
+    """The compute rate is the JSON's figure, and a one-GPU layout predicts exactly it."""
+    result = json.loads((ROOT / MEASURED.source).read_text())
+    assert result["gpu"] == f"NVIDIA {MEASURED.gpu}"
+    assert MEASURED.model_tflops == pytest.approx(result["trainer_tflops"], abs=0.005)
+    run = compose_run(
+        ["model=olmoe-1b-7b", "train=default", "precision=pure-bf16", "cluster=local-gpu",
+         "cluster.procs_per_node=1", "cluster.gpus_per_node=1", "train.micro_batch_size=4",
+         "train.global_batch_size=4"]
+    )  # fmt: skip
+    t = step_time(plan(run))
+    assert t.bubble == 0 and t.all_to_all == t.reduce_scatter == t.pipeline == 0
+    assert t.tokens_per_s_per_gpu * plan(run).flops_per_token / 1e12 == pytest.approx(
+        MEASURED.model_tflops
+    )
+
+
+def test_gpu_memory_decides_the_refusal():
+    """pp8-dp8-ep8 for 1t: refused on a 141 GiB H200 in one sentence, fits a 288 GiB B300."""
+    run = compose_run(["parallel=pp8-dp8-ep8"], config_name="pretrain-1t")
+    p = plan(run)
+    message = fit_refusal(p)
+    assert message is not None and one_sentence(message)
+    assert f"needs {p.per_gpu_gib:.1f} GiB per GPU but a H200 has 141 GiB" in message
+    run.cluster.gpu_type, run.cluster.gpu_memory_gib = "B300", GPUS["B300"].memory_gib
+    assert fit_refusal(plan(run)) is None
+
+
+def test_more_gpus_of_a_layout_on_the_network_take_longer():
+    """ep 16 across two nodes sends half its all-to-all over the NIC: slower than ep 8."""
+    inside = compose_run(["parallel=pp8-dp8-ep8"], config_name="pretrain-1t")
+    across = compose_run([], config_name="pretrain-1t")
+    a, b = plan(inside), plan(across)
+    t_in, t_across = step_time(a), step_time(b)
+    gpu = GPUS["H200"]
+    assert t_in.all_to_all == pytest.approx(a.comm.all_to_all / (gpu.nvlink_gb_s * 1e9))
+    share = 8 / 15  # ranks of the 16 on the other node
+    assert t_across.all_to_all == pytest.approx(
+        b.comm.all_to_all * share / (gpu.network_gb_s * 1e9)
+    )
+
+
+def test_html_refuses_an_existing_file_and_overwrites_on_request(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "console", Console(width=300))
+    out = tmp_path / "mine.html"
+    out.write_text("my notes")
+    assert cli.main(["plan", "--html", str(out)]) == 2
+    message = capsys.readouterr().out.strip().splitlines()[-1]
+    assert message.startswith("error: --html") and "exists already" in message
+    assert "--overwrite" in message and one_sentence(message)
+    assert out.read_text() == "my notes"
+    assert cli.main(["plan", "--html", str(out), "--overwrite"]) == 0
+    assert "plan-data" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("no-such-dir/p.html", "does not exist"), ("p.txt", "ending in .html"), ("d.html", "is a")],
+)
+def test_html_refuses_a_bad_path_in_one_sentence(name, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "console", Console(width=300))
+    (tmp_path / "d.html").mkdir()
+    assert cli.main(["plan", "--html", str(tmp_path / name)]) == 2
+    message = capsys.readouterr().out.strip().splitlines()[-1]
+    assert message.startswith("error: --html") and expected in message and one_sentence(message)
+    assert name in message
+
+
+def test_html_refuses_an_unwritable_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "console", Console(width=300))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert cli.main(["plan", "--html", str(tmp_path / "p.html")]) == 2
+    message = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "cannot be written (Permission denied)" in message and one_sentence(message)
+
+
+def test_html_refuses_an_unknown_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "console", Console(width=300))
+    assert cli.main(["plan", "model=2t", "--html", str(tmp_path / "p.html")]) == 2
+    message = capsys.readouterr().out.strip()
+    assert message.startswith("error: model='2t' is not allowed: one of 1t, 47b")
+    assert not (tmp_path / "p.html").exists()
