@@ -82,6 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from moe_core.plan import plan
 
     run = compose_run(args.overrides, args.config_dir, args.config_name)
+    if args.html is not None:
+        from moe_core.planpage import check_target
+
+        check_target(args.html, args.overwrite)  # before any output: a bad path says so alone
     console.print(plan(run).table())
     if args.html is not None:
         from moe_core.planpage import write_page

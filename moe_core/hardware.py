@@ -47,6 +47,7 @@ class Measurement:
 
     gpu: str
     model_tflops: float  # model TFLOP/s per GPU, the design's FLOP convention
+    peak_gib: float  # the most memory PyTorch allocated in that run
     what: str
     source: str  # the JSON under benchmarks/results/ the figure comes from
 
@@ -60,6 +61,7 @@ class Measurement:
 MEASURED = Measurement(
     gpu="H200",
     model_tflops=454.96,
+    peak_gib=72.36,
     what=(
         "moe train, OLMoE-1B-7B (16 layers), pure-bf16, sequence 4096, micro-batch 4, "
         "one H200, median of 8 timed steps (commit 7ffef3f)"

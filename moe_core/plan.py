@@ -94,7 +94,7 @@ class InsufficientResourcesError(ConfigError):
 
 
 @dataclass(frozen=True)
-class _Shapes:
+class ParameterShapes:
     """Parameter counts by place, read off a one-layer meta-device model."""
 
     layer_dense: int  # attention, norms, router, shared expert of one block
@@ -106,7 +106,7 @@ class _Shapes:
     final_norm: int
 
 
-def _shapes(m: ModelConfig) -> _Shapes:
+def parameter_shapes(m: ModelConfig) -> ParameterShapes:
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(m, n_layers=1))
     block = model.layers["0"]
@@ -114,7 +114,7 @@ def _shapes(m: ModelConfig) -> _Shapes:
     expert_ids = {id(p) for p in experts}
     dense = [p for p in block.parameters() if id(p) not in expert_ids]
     assert model.embed is not None and model.lm_head is not None and model.norm is not None
-    return _Shapes(
+    return ParameterShapes(
         layer_dense=sum(p.numel() for p in dense),
         layer_expert=sum(p.numel() for p in experts),
         largest_dense=max(p.numel() for p in dense),
@@ -376,7 +376,7 @@ def plan(run: RunConfig) -> Plan:
     """Plan ``run``'s layout; see the module docstring for every formula."""
     m, t, par = run.model, run.train, run.parallel
     counts = count(m, t.seq_len)
-    sh = _shapes(m)
+    sh = parameter_shapes(m)
     bp = DTYPE_BYTES[par.param_dtype]
     bc = DTYPE_BYTES[t.dtype]
     bo = DTYPE_BYTES[t.optimizer_dtype]

@@ -19,11 +19,13 @@ import moe_core.cli as cli
 from moe_core.compose import compose_run
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
-from moe_core.planpage import evaluate
+from moe_core.planpage import TOUR, evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
 CUSTOM += ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
+CUSTOM += ["train.dtype=bf16"]  # bf16 autocast over fp32 weights: no preset, the page adds it
+AUTOCAST = "fp32 weights, bf16 compute, fp32 state"
 
 
 def one_sentence(message: str) -> bool:
@@ -107,6 +109,7 @@ LAYOUTS = [
     layout(nodes=2, gpus_per_node=1, pp=2, virtual_stages=2, global_batch_size=3),
     layout(micro_batch_size=3, global_batch_size=8),
     layout(virtual_stages=2),  # interleaving needs two stages
+    layout(gpus_per_node=4, dp=2, ep=2, precision=AUTOCAST, global_batch_size=8, seq_len=256),
 ]  # fmt: skip
 
 
@@ -189,7 +192,7 @@ def test_page_is_self_contained_and_starts_at_the_run(page: str):
     assert not re.search(r"""(src|href)\s*=|https?://|@import|url\(""", page)
     run = compose_run(CUSTOM)
     start = data["initial"]
-    assert start["model"] == "small-64e (custom)"
+    assert start["model"] == "small-64e (custom)" and start["precision"] == AUTOCAST
     assert data["models"][start["model"]]["config"]["d_model"] == 768
     assert evaluate(start, data)["total"] == plan(run).memory.total
     # the tour: one GPU -> data -> expert -> pipeline -> 1t on 512 GPUs
@@ -204,11 +207,10 @@ def test_calibration_is_the_measured_h200_run():
     result = json.loads((ROOT / MEASURED.source).read_text())
     assert result["gpu"] == f"NVIDIA {MEASURED.gpu}"
     assert MEASURED.model_tflops == pytest.approx(result["trainer_tflops"], abs=0.005)
-    run = compose_run(
-        ["model=olmoe-1b-7b", "train=default", "precision=pure-bf16", "cluster=local-gpu",
-         "cluster.procs_per_node=1", "cluster.gpus_per_node=1", "train.micro_batch_size=4",
-         "train.global_batch_size=4"]
-    )  # fmt: skip
+    assert MEASURED.peak_gib == pytest.approx(result["trainer"]["peak_mem_gib"], abs=0.005)
+    assert (result["layers"], result["seq"], result["mbs"]) == (16, 4096, 4)
+    assert result["precision"] == "pure-bf16"  # the tour's first step, below
+    run = compose_run(TOUR[0][3])  # the tour's first step: the measured layout
     t = step_time(plan(run))
     assert t.bubble == 0 and t.all_to_all == t.reduce_scatter == t.pipeline == 0
     assert t.tokens_per_s_per_gpu * plan(run).flops_per_token / 1e12 == pytest.approx(
@@ -227,7 +229,7 @@ def test_gpu_memory_decides_the_refusal():
     assert fit_refusal(plan(run)) is None
 
 
-def test_more_gpus_of_a_layout_on_the_network_take_longer():
+def test_all_to_all_time_follows_the_links():
     """ep 16 across two nodes sends half its all-to-all over the NIC: slower than ep 8."""
     inside = compose_run(["parallel=pp8-dp8-ep8"], config_name="pretrain-1t")
     across = compose_run([], config_name="pretrain-1t")
@@ -246,7 +248,7 @@ def test_html_refuses_an_existing_file_and_overwrites_on_request(tmp_path, monke
     out = tmp_path / "mine.html"
     out.write_text("my notes")
     assert cli.main(["plan", "--html", str(out)]) == 2
-    message = capsys.readouterr().out.strip().splitlines()[-1]
+    message = capsys.readouterr().out.strip()  # the sentence alone: refused before the table
     assert message.startswith("error: --html") and "exists already" in message
     assert "--overwrite" in message and one_sentence(message)
     assert out.read_text() == "my notes"
@@ -262,7 +264,7 @@ def test_html_refuses_a_bad_path_in_one_sentence(name, expected, tmp_path, monke
     monkeypatch.setattr(cli, "console", Console(width=300))
     (tmp_path / "d.html").mkdir()
     assert cli.main(["plan", "--html", str(tmp_path / name)]) == 2
-    message = capsys.readouterr().out.strip().splitlines()[-1]
+    message = capsys.readouterr().out.strip()
     assert message.startswith("error: --html") and expected in message and one_sentence(message)
     assert name in message
 

@@ -38,11 +38,11 @@ from moe_core.plan import (
     DTYPE_BYTES,
     GIB,
     RUNTIME_RESERVE_GIB,
-    _shapes,
     all_to_all_rows_per_token,
     check_cluster,
     fit_refusal,
     layer_activation_bytes,
+    parameter_shapes,
     plan,
     step_time,
 )
@@ -138,19 +138,28 @@ def _precisions(conf: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def _precision_of(run: RunConfig, presets: dict[str, dict[str, str]]) -> str:
-    mine = {
+def _dtypes(run: RunConfig) -> dict[str, str]:
+    return {
         "param_dtype": run.parallel.param_dtype,
         "dtype": run.train.dtype,
         "optimizer_dtype": run.train.optimizer_dtype,
     }
+
+
+def _precision_of(run: RunConfig, presets: dict[str, dict[str, str]]) -> str:
+    """The preset ``run``'s dtypes are, else the name ``_with_run_precision`` gives them."""
+    mine = _dtypes(run)
     for name, preset in presets.items():
         if preset == mine:
             return name
-    raise ConfigError(
-        f"the dtypes {mine} are not one of the precision presets the page offers: use "
-        f"precision={' or precision='.join(presets)}."
-    )
+    return "{param_dtype} weights, {dtype} compute, {optimizer_dtype} state".format(**mine)
+
+
+def _with_run_precision(
+    run: RunConfig, presets: dict[str, dict[str, str]]
+) -> dict[str, dict[str, str]]:
+    """The presets, plus ``run``'s own dtypes where they are none of them."""
+    return {**presets, _precision_of(run, presets): _dtypes(run)}
 
 
 def model_data(
@@ -160,7 +169,7 @@ def model_data(
     counts = count(m)
     return {
         "config": to_dict(m),
-        "shapes": dataclasses.asdict(_shapes(m)),
+        "shapes": dataclasses.asdict(parameter_shapes(m)),
         "total_params": counts.total_params,
         "active_params": counts.active_params,
         "flops_per_token": {s: count(m, s).flops_per_token for s in seq_lens if s <= m.max_seq_len},
@@ -278,12 +287,11 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
     """Everything the page computes from: the planner's numbers for every model of
     ``conf/model`` (and ``run``'s own when its sizes differ), GPU types, presets, the tour."""
     conf = config_dir(path)
-    precisions = _precisions(conf)
+    precisions = _with_run_precision(run, _precisions(conf))
     named = {
         p.stem: from_dict(ModelConfig, yaml.safe_load(p.read_text()))
         for p in sorted((conf / "model").glob("*.yaml"))
     }
-    named = dict(sorted(named.items(), key=lambda kv: count(kv[1]).total_params))
     tour = []
     for title, text, config_name, overrides in TOUR:
         r = compose_run(overrides, path, config_name or "config")
@@ -292,6 +300,7 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
         )
     seq_lens = sorted({*SEQ_LENS, run.train.seq_len, *(t["layout"]["seq_len"] for t in tour)})
     models = {name: model_data(m, precisions, seq_lens) for name, m in named.items()}
+    models = dict(sorted(models.items(), key=lambda kv: kv[1]["total_params"]))
     key = _model_key(run, named)
     if key not in models:
         models[key] = model_data(run.model, precisions, seq_lens)
@@ -334,15 +343,9 @@ def render(data: dict[str, Any]) -> str:
     )
 
 
-def write_page(
-    run: RunConfig,
-    out: str | os.PathLike,
-    path: str | os.PathLike | None = None,
-    *,
-    overwrite: bool = False,
-) -> Path:
-    """Write the page for ``run`` to ``out``; an existing file is replaced only with
-    ``overwrite`` (``moe plan --html OUT --overwrite``)."""
+def check_target(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse, in one sentence, an output the page cannot go to: not ``.html``, a directory,
+    a missing folder, or an existing file without ``overwrite`` (never replaced silently)."""
     target = Path(out)
     if target.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(f"--html {str(out)!r} is not allowed: give a file name ending in .html.")
@@ -356,6 +359,19 @@ def write_page(
         raise ConfigError(
             f"--html {str(out)!r} is not allowed: its folder {str(target.parent)!r} does not exist."
         )
+    return target
+
+
+def write_page(
+    run: RunConfig,
+    out: str | os.PathLike,
+    path: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write the page for ``run`` to ``out`` (``check_target`` first); ``path``: the conf/
+    folder whose models and presets the page offers."""
+    target = check_target(out, overwrite)
     text = render(page_data(run, path))
     try:
         target.write_text(text, encoding="utf-8")

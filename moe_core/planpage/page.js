@@ -46,7 +46,7 @@ function fill(tbody, rows) {
 function setup() {
   const add = (select, value, text) => select.add(new Option(text ?? value, value));
   for (const [key, m] of Object.entries(DATA.models))
-    add($("model"), key, `${key} (${count(m.total_params)}, ${count(m.active_params)} active)`);
+    add($("model"), key, `${key} (${count(m.total_params)})`);
   for (const [key, g] of Object.entries(DATA.gpus))
     add($("gpu"), key, `${key} (${g.memory_gib} GiB)`);
   for (const key of Object.keys(DATA.precisions)) add($("precision"), key);
@@ -89,8 +89,10 @@ function update() {
   const L = readLayout();
   const r = planLayout(DATA, L);
   const world = L.pp * L.dp * L.ep;
-  $("world").textContent = `pp ${L.pp} x dp ${L.dp} x ep ${L.ep} = ${world} GPUs; ` +
-    `cluster: ${L.nodes} x ${L.gpus_per_node} = ${L.nodes * L.gpus_per_node}`;
+  const m = DATA.models[L.model];
+  $("world").textContent = `${L.model}: ${count(m.total_params)} parameters, ` +
+    `${count(m.active_params)} active. Layout pp ${L.pp} x dp ${L.dp} x ep ${L.ep} = ` +
+    `${world} GPUs; cluster ${L.nodes} x ${L.gpus_per_node} = ${L.nodes * L.gpus_per_node}.`;
   $("refusal").hidden = !r.refusal;
   $("refusal").textContent = r.refusal ? `Refused: ${r.refusal}` : "";
   if (!r.memory) {
@@ -176,9 +178,14 @@ function calibration() {
     li(`Compute rate: ${fixed(m.model_tflops, 1)} model TFLOP/s per GPU on one ${m.gpu}, ` +
       `${fixed(100 * m.fraction_of_peak, 1)} % of its ${peak} TFLOP/s peak: ${m.what} ` +
       `(${m.source}; benchmarks/RESULTS.md).`),
+    li(`Memory: that run allocated at most ${fixed(m.peak_gib, 1)} GiB; the planner gives ` +
+      `${gib(planLayout(DATA, DATA.tour[0].layout).total)} GiB for the same layout (tour step ` +
+      `1), of which ${DATA.constants.reserve_gib} GiB runtime reserve: it counts the tensors ` +
+      "eager autograd saves, and the measured run compiled its blocks, so read the page's " +
+      "activations as an upper bound."),
     li("Memory formulas: weights, gradients and optimizer state equal what the trainer " +
       "allocates for each precision preset, activations are within a few percent of what " +
-      "autograd keeps (tests/test_plan.py, on CPU tensors)."),
+      "eager autograd keeps (tests/test_plan.py, on CPU tensors)."),
   );
   const assumed = document.createElement("ul");
   assumed.append(
