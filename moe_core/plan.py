@@ -246,7 +246,7 @@ class Plan:
     micro_batches: int
     stages: tuple[StageMemory, ...]
     comm: Communication
-    flops_per_token: int = 0  # model FLOPs, forward + backward, at train.seq_len
+    flops_per_token: int  # model FLOPs, forward + backward, at train.seq_len
 
     @property
     def gpus(self) -> int:
@@ -541,6 +541,11 @@ def _ring_seconds(nbytes: float, span: int, gpus_per_node: int, gpu: GPU) -> flo
 def step_time(p: Plan, gpu: GPU | None = None, measured: Measurement = MEASURED) -> StepTime:
     """Predict ``p``'s step on ``gpu`` (default: the cluster's ``gpu_type``), one rank per GPU,
     ``cluster.gpus_per_node`` to a node, calibrated on ``measured``."""
+    if gpu is None and p.cluster.gpu_type not in GPUS:
+        raise ConfigError(
+            f"cluster.gpu_type={p.cluster.gpu_type!r} is not allowed for a step time: one of "
+            f"{', '.join(GPUS)}."
+        )
     g = gpu or GPUS[p.cluster.gpu_type]
     par, c, n_mb = p.parallel, p.comm, p.micro_batches
     per_node = max(p.cluster.gpus_per_node, 1)

@@ -17,9 +17,10 @@ from rich.console import Console
 
 import moe_core.cli as cli
 from moe_core.compose import compose_run
+from moe_core.config import ConfigError
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
-from moe_core.planpage import TOUR, evaluate
+from moe_core.planpage import TOUR, evaluate, render
 
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
@@ -229,6 +230,16 @@ def test_gpu_memory_decides_the_refusal():
     assert fit_refusal(plan(run)) is None
 
 
+def test_step_time_needs_a_known_gpu():
+    p = plan(compose_run([]))  # local CPU processes: no GPU type
+    with pytest.raises(ConfigError) as err:
+        step_time(p)
+    message = str(err.value)
+    assert message.startswith("cluster.gpu_type='none' is not allowed") and one_sentence(message)
+    assert "H100, H200, B200, B300" in message
+    assert step_time(p, GPUS["H100"]).step > step_time(p, GPUS["B200"]).step  # faster peak
+
+
 def test_all_to_all_time_follows_the_links():
     """ep 16 across two nodes sends half its all-to-all over the NIC: slower than ep 8."""
     inside = compose_run(["parallel=pp8-dp8-ep8"], config_name="pretrain-1t")
@@ -287,3 +298,12 @@ def test_html_refuses_an_unknown_model(tmp_path, capsys, monkeypatch):
     message = capsys.readouterr().out.strip()
     assert message.startswith("error: model='2t' is not allowed: one of 1t, 47b")
     assert not (tmp_path / "p.html").exists()
+
+
+def test_page_data_cannot_close_its_script(page: str):
+    """Text in the data (a model name, the tour) never ends the script element holding it."""
+    data, _ = page_scripts(page)
+    data["tour"][0]["text"] = "</script><script>alert(1)</script><!--"
+    written = render(data)
+    again, _ = page_scripts(written)
+    assert again == data and written.count("</script>") == 3

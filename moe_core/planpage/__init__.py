@@ -189,8 +189,8 @@ def model_data(
 
 
 def layout_of(run: RunConfig, model_key: str, precisions: dict[str, dict[str, str]]) -> Layout:
-    """The page's controls for ``run``; a CPU cluster becomes the layout's GPUs on H200s, as
-    many to a node as divide them (of 1, 2, 4, 8)."""
+    """The page's controls for ``run``. A GPU type the page does not know starts as H200; a
+    CPU cluster becomes the layout's GPUs, as many to a node (1, 2, 4 or 8) as divide them."""
     par, c, t = run.parallel, run.cluster, run.train
     per_node, nodes = c.gpus_per_node, c.nodes
     if not per_node:
@@ -332,7 +332,8 @@ def _asset(name: str) -> str:
 
 def render(data: dict[str, Any]) -> str:
     """The page: one HTML file with its style, script and numbers inlined (no network)."""
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    # "<" only occurs inside JSON strings: escaped, no text can close the script element
+    payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
     return (
         _asset("page.html")
         .replace("/*STYLE*/", _asset("page.css"))
