@@ -1,6 +1,6 @@
 """``moe plan --html``: the page's numbers against the planner's on a grid of models x GPU types
-x layouts (the page's own script and data, run under Node), the calibration, and the refusals
-of a bad output path."""
+x layouts (the page's own script and data, run by QuickJS), the calibration, and the
+refusals of a bad output path."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import itertools
 import json
 import math
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from rich.console import Console
 
 import moe_core.cli as cli
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError
+from moe_core.config import ConfigError, ParallelConfig
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
 from moe_core.planpage import TOUR, evaluate, render
@@ -49,27 +47,21 @@ def page(tmp_path_factory) -> str:
     return out.read_text()
 
 
-def run_planner(page: str, layouts: list[dict], tmp_path: Path) -> list[dict]:
-    """``planLayout`` of the page on each layout, under Node."""
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's script cannot run here")
+def page_engine(page: str):
+    """A JavaScript engine (QuickJS, the ``test`` extra) holding the page's data and planner."""
+    quickjs = pytest.importorskip("quickjs", reason="quickjs is not installed (the test extra)")
     data, planner = page_scripts(page)
-    (tmp_path / "planner.js").write_text(planner)
-    (tmp_path / "run.js").write_text(
-        'const { planLayout } = require("./planner.js");\n'
-        'const input = JSON.parse(require("fs").readFileSync(0, "utf8"));\n'
-        "console.log(JSON.stringify(input.layouts.map((L) => planLayout(input.data, L))));\n"
-    )
-    out = subprocess.run(
-        [node, "run.js"],
-        input=json.dumps({"data": data, "layouts": layouts}),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        check=True,
-    )
-    return json.loads(out.stdout)
+    js = quickjs.Context()
+    js.eval(planner)
+    js.eval(f"var DATA = {json.dumps(data)};")
+    return js
+
+
+def run_planner(page: str, layouts: list[dict]) -> list[dict]:
+    """``planLayout`` of the page on each layout, as the browser runs it."""
+    js = page_engine(page)
+    script = f"JSON.stringify({json.dumps(layouts)}.map((L) => planLayout(DATA, L)))"
+    return json.loads(js.eval(script))
 
 
 def layout(**kw) -> dict:
@@ -118,7 +110,7 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1.0)
 
 
-def test_page_numbers_are_the_planners_on_a_grid(page: str, tmp_path: Path):
+def test_page_numbers_are_the_planners_on_a_grid(page: str):
     """Models (conf/model and the custom size) x GPU types x layouts: the same refusal sentence,
     or the same memory by part, communication, step time, tokens/s and MFU."""
     data, _ = page_scripts(page)
@@ -127,7 +119,7 @@ def test_page_numbers_are_the_planners_on_a_grid(page: str, tmp_path: Path):
         {**lay, "model": model, "gpu": gpu}
         for model, gpu, lay in itertools.product(data["models"], GPUS, LAYOUTS)
     ]
-    page_results = run_planner(page, grid, tmp_path)
+    page_results = run_planner(page, grid)
     numbers = refusals = 0
     for lay, mine in zip(grid, page_results, strict=True):
         ref = evaluate(lay, data)
@@ -151,13 +143,10 @@ def test_page_numbers_are_the_planners_on_a_grid(page: str, tmp_path: Path):
     assert numbers >= 60 and refusals >= 60, (numbers, refusals)
 
 
-def test_page_in_flight_is_the_schedules(page: str, tmp_path: Path):
+def test_page_in_flight_is_the_schedules(page: str):
     """The pipeline's in-flight micro-batches: the page's closed form against the schedule the
     runner executes, for 1F1B and interleaved 1F1B."""
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's script cannot run here")
-    _, planner = page_scripts(page)
+    js = page_engine(page)
     cases = [
         (pp, v, s, n)
         for pp in (1, 2, 3, 4, 8)
@@ -166,15 +155,7 @@ def test_page_in_flight_is_the_schedules(page: str, tmp_path: Path):
         for n in (1, 2, 3, 4, 8, 16)
         if v == 1 or n % pp == 0
     ]
-    (tmp_path / "planner.js").write_text(planner)
-    script = (
-        'const { inFlight } = require("./planner.js");\n'
-        f"console.log(JSON.stringify({json.dumps(cases)}.map((c) => inFlight(...c))));\n"
-    )
-    (tmp_path / "run.js").write_text(script)
-    out = subprocess.run([node, "run.js"], capture_output=True, text=True, cwd=tmp_path, check=True)
-    from moe_core.config import ParallelConfig
-
+    got = json.loads(js.eval(f"JSON.stringify({json.dumps(cases)}.map((c) => inFlight(...c)))"))
     expected = [
         max_in_flight(
             ParallelConfig(
@@ -185,7 +166,7 @@ def test_page_in_flight_is_the_schedules(page: str, tmp_path: Path):
         )
         for pp, v, s, n in cases
     ]
-    assert json.loads(out.stdout) == expected
+    assert got == expected
 
 
 def test_page_is_self_contained_and_starts_at_the_run(page: str):

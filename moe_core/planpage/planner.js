@@ -1,7 +1,7 @@
 // The planner's arithmetic (moe_core/plan.py: plan, step_time, fit_refusal and the config
 // checks a layout can trip) over the numbers Python exports into the page: parameter shapes,
 // activation bytes per token, FLOPs per token, all-to-all rows and every constant. It mirrors
-// plan.py statement by statement; tests/test_plan_page.py runs it under Node against plan()
+// plan.py statement by statement; tests/test_plan_page.py runs it (QuickJS) against plan()
 // on a grid of models x GPU types x layouts.
 "use strict";
 
