@@ -18,7 +18,7 @@ from moe_core.compose import compose_run
 from moe_core.config import ConfigError, ParallelConfig
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
-from moe_core.planpage import TOUR, evaluate, render
+from moe_core.planpage import TOUR, evaluate, render, write_run_page
 
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
@@ -288,3 +288,19 @@ def test_page_data_cannot_close_its_script(page: str):
     written = render(data)
     again, _ = page_scripts(written)
     assert again == data and written.count("</script>") == 3
+
+
+def test_run_page_is_replaced_and_never_stops_a_run(tmp_path, monkeypatch, caplog):
+    """The pipeline's plan.html: written (and rewritten) in the run directory; without a conf/
+    folder to read models from, a warning and no page instead of an error."""
+    import moe_core.compose
+
+    run = compose_run([])
+    (tmp_path / "plan.html").write_text("an older run's page")
+    assert write_run_page(run, tmp_path) == tmp_path / "plan.html"
+    assert "plan-data" in (tmp_path / "plan.html").read_text()
+    monkeypatch.setattr(moe_core.compose, "DEFAULT_CONFIG_DIR", tmp_path / "no-conf")
+    (tmp_path / "other").mkdir()
+    assert write_run_page(run, tmp_path / "other") is None
+    assert not (tmp_path / "other" / "plan.html").exists()
+    assert "no plan.html for this run: config directory" in caplog.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import logging
 import os
 from importlib.resources import files
 from pathlib import Path
@@ -381,3 +382,13 @@ def write_page(
             f"--html {str(out)!r} cannot be written ({err.strerror}): choose a writable folder."
         ) from None
     return target
+
+
+def write_run_page(run: RunConfig, run_dir: str | os.PathLike) -> Path | None:
+    """The pipeline's copy, ``run_dir/plan.html`` (its own file, replaced on every run); a page
+    that cannot be built is logged and skipped (None): it never stops a run."""
+    try:
+        return write_page(run, Path(run_dir) / "plan.html", overwrite=True)
+    except (ConfigError, OSError) as err:
+        logging.getLogger(__name__).warning("no plan.html for this run: %s", err)
+        return None

@@ -140,7 +140,9 @@ function update() {
     : "";
 
   const t = r.time;
-  const a2aLink = L.ep <= L.gpus_per_node ? "NVLink" : "NVLink + network";
+  const a2aLink = L.ep <= L.gpus_per_node
+    ? "NVLink"
+    : L.gpus_per_node > 1 ? "NVLink + network" : "network";
   const comm = [
     ["EP dispatch + combine (all-to-all)", r.comm.all_to_all, L.ep > 1 ? a2aLink : "-", t.all_to_all],
     ["DP gradient reduce-scatter", r.comm.reduce_scatter, linkOf(L.dp * L.ep, L), t.reduce_scatter],
