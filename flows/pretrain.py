@@ -465,6 +465,10 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     tracker.params(tracker.parent, to_dict(run))
     tracker.artifacts(tracker.parent, root / "config.json")
+    from moe_core.planpage import write_run_page  # the run's build-a-run page (moe plan --html)
+
+    if (page := write_run_page(run, root)) is not None:
+        tracker.artifacts(tracker.parent, page)
     ctx = Context(run, root, tracker, stage_keys(run))
     outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}
     try:

@@ -82,7 +82,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from moe_core.plan import plan
 
     run = compose_run(args.overrides, args.config_dir, args.config_name)
+    if args.html is not None:
+        from moe_core.planpage import check_target
+
+        check_target(args.html, args.overwrite)  # before any output: a bad path says so alone
     console.print(plan(run).table())
+    if args.html is not None:
+        from moe_core.planpage import write_page
+
+        out = write_page(run, args.html, args.config_dir, overwrite=args.overwrite)
+        console.print(f"wrote {out}", highlight=False, soft_wrap=True)
 
 
 def load_run_config(path: str) -> RunConfig:
@@ -211,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
             default=DEFAULT_CONFIG_NAME,
             help="the top-level config in conf/, e.g. pretrain-1t (default: config)",
         )
+        if name == "plan":
+            p.add_argument(
+                "--html",
+                default=None,
+                metavar="OUT.html",
+                help="also write the interactive build-a-run page (self-contained) to OUT.html",
+            )
+            p.add_argument(
+                "--overwrite", action="store_true", help="replace an existing --html file"
+            )
         if name == "train":
             p.add_argument(
                 "--config",

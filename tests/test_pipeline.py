@@ -46,6 +46,8 @@ def test_tiny_pipeline_end_to_end(finished):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
     assert len(parent) == 1 and sorted(r.info.run_name for r in children) == sorted(STAGES)
     assert parent[0].data.params["model.name"] == "tiny"
+    assert "plan.html" in {a.path for a in client.list_artifacts(parent[0].info.run_id)}
+    assert "plan-data" in (run_dir / "plan.html").read_text()
     train = next(r for r in children if r.info.run_name == "train")
     history = client.get_metric_history(train.info.run_id, "loss")
     assert [m.step for m in history] == list(range(8))

@@ -1,0 +1,215 @@
+// The page: controls in, planLayout (planner.js) out, drawn as tables and one bar. No numbers
+// are computed here beyond unit conversions.
+"use strict";
+
+const DATA = JSON.parse(document.getElementById("plan-data").textContent);
+const $ = (id) => document.getElementById(id);
+const INTS = ["nodes", "gpus_per_node", "pp", "dp", "ep", "virtual_stages", "micro_batch_size",
+  "global_batch_size", "seq_len"];
+const TEXTS = ["model", "gpu", "recompute", "dispatcher", "precision"];
+const PARTS = [
+  ["weights", "weights", "#3b6fb6"],
+  ["grad_buffers", "gradients", "#6a9fd8"],
+  ["optimizer", "optimizer state", "#e0a030"],
+  ["activations", "activations", "#4c9a6a"],
+  ["ep_buffers", "EP receive buffers", "#a05cc0"],
+  ["p2p_buffers", "pipeline send buffers", "#c0607a"],
+  ["transient", "transient gradient", "#9aa3ad"],
+  ["reserve", "runtime reserve", "#c8ced6"],
+];
+
+const fixed = (x, digits) =>
+  x.toLocaleString("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits });
+const gib = (bytes) => fixed(bytes / DATA.constants.gib, 2);
+const count = (n) => {
+  for (const [unit, scale] of [["T", 1e12], ["B", 1e9], ["M", 1e6], ["K", 1e3]])
+    if (n >= scale) return (n / scale).toFixed(2) + unit;
+  return String(n);
+};
+
+function cell(text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+
+function fill(tbody, rows) {
+  tbody.replaceChildren(...rows.map(([cells, cls]) => {
+    const tr = document.createElement("tr");
+    if (cls) tr.className = cls;
+    tr.append(...cells);
+    return tr;
+  }));
+}
+
+function setup() {
+  const add = (select, value, text) => select.add(new Option(text ?? value, value));
+  for (const [key, m] of Object.entries(DATA.models))
+    add($("model"), key, `${key} (${count(m.total_params)})`);
+  for (const [key, g] of Object.entries(DATA.gpus))
+    add($("gpu"), key, `${key} (${g.memory_gib} GiB)`);
+  for (const key of Object.keys(DATA.precisions)) add($("precision"), key);
+  for (const s of DATA.seq_lens) add($("seq_len"), String(s));
+  for (const n of DATA.gpus_per_node) add($("gpus_per_node"), String(n));
+  DATA.tour.forEach((step, i) => {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.textContent = `${i + 1}. ${step.title}`;
+    b.addEventListener("click", () => {
+      document.querySelectorAll("#tour button").forEach((x) => x.classList.remove("on"));
+      b.classList.add("on");
+      $("tour-text").textContent = step.text;
+      apply(step.layout);
+    });
+    $("tour").append(b);
+  });
+  for (const key of [...INTS, ...TEXTS]) $(key).addEventListener("input", update);
+  calibration();
+  apply(DATA.initial);
+}
+
+function apply(layout) {
+  for (const key of [...INTS, ...TEXTS]) $(key).value = String(layout[key]);
+  update();
+}
+
+function readLayout() {
+  const L = {};
+  for (const key of INTS) L[key] = Number($(key).value);
+  for (const key of TEXTS) L[key] = $(key).value;
+  return L;
+}
+
+function linkOf(span, L) {
+  return span <= L.gpus_per_node ? "NVLink" : "network";
+}
+
+function update() {
+  const L = readLayout();
+  const r = planLayout(DATA, L);
+  const world = L.pp * L.dp * L.ep;
+  const m = DATA.models[L.model];
+  $("world").textContent = `${L.model}: ${count(m.total_params)} parameters, ` +
+    `${count(m.active_params)} active. Layout pp ${L.pp} x dp ${L.dp} x ep ${L.ep} = ` +
+    `${world} GPUs; cluster ${L.nodes} x ${L.gpus_per_node} = ${L.nodes * L.gpus_per_node}.`;
+  $("refusal").hidden = !r.refusal;
+  $("refusal").textContent = r.refusal ? `Refused: ${r.refusal}` : "";
+  if (!r.memory) {
+    $("mem-bar").replaceChildren();
+    for (const id of ["mem-table", "comm-table", "step-table"])
+      fill(document.querySelector(`#${id} tbody`), []);
+    $("mem-where").textContent = $("mem-stages").textContent = "";
+    return;
+  }
+  const gpu = DATA.gpus[L.gpu];
+  const cap = gpu.memory_gib * DATA.constants.gib;
+  const scale = Math.max(cap, r.total);
+  const bar = PARTS.filter(([k]) => r.memory[k] > 0).map(([k, name, color]) => {
+    const s = document.createElement("span");
+    s.style.width = `${(100 * r.memory[k]) / scale}%`;
+    s.style.background = color;
+    s.title = `${name}: ${gib(r.memory[k])} GiB`;
+    return s;
+  });
+  const line = document.createElement("span");
+  line.className = "cap";
+  line.style.left = `${(100 * cap) / scale}%`;
+  line.title = `${L.gpu}: ${gpu.memory_gib} GiB`;
+  $("mem-bar").replaceChildren(...bar, line);
+  $("mem-where").textContent = `(the busiest rank: pipeline stage ${r.busiest_stage})`;
+  const fits = r.total <= cap;
+  const rows = PARTS.map(([k, name, color]) => {
+    const sw = cell("");
+    const dot = document.createElement("span");
+    dot.className = "swatch";
+    dot.style.background = color;
+    sw.replaceChildren(dot, name);
+    return [[sw, cell(`${gib(r.memory[k])} GiB`, "num")]];
+  });
+  const total = cell(`${gib(r.total)} GiB`, "num");
+  total.id = "mem-total";
+  rows.push([[cell("total per GPU"), total], "total"]);
+  const verdict = cell(`${fits ? "fits" : "does not fit"}: ${L.gpu} has ${gpu.memory_gib} GiB`,
+    fits ? "num fits" : "num over");
+  verdict.id = "mem-verdict";
+  rows.push([[cell(""), verdict]]);
+  fill(document.querySelector("#mem-table tbody"), rows);
+  $("mem-stages").textContent = L.pp > 1
+    ? `per stage (GiB): ${r.stages.map((s) => fixed(s / DATA.constants.gib, 1)).join(", ")}`
+    : "";
+
+  const t = r.time;
+  const a2aLink = L.ep <= L.gpus_per_node
+    ? "NVLink"
+    : L.gpus_per_node > 1 ? "NVLink + network" : "network";
+  const comm = [
+    ["EP dispatch + combine (all-to-all)", r.comm.all_to_all, L.ep > 1 ? a2aLink : "-", t.all_to_all],
+    ["DP gradient reduce-scatter", r.comm.reduce_scatter, linkOf(L.dp * L.ep, L), t.reduce_scatter],
+    ["DP weight all-gather", r.comm.all_gather, linkOf(L.dp * L.ep, L), t.all_gather],
+    ["PP activation and gradient sends", r.comm.pipeline, linkOf(world, L), t.pipeline],
+  ];
+  fill(document.querySelector("#comm-table tbody"), comm.map(([name, bytes, link, s]) => [[
+    cell(name), cell(gib(bytes), "num"), cell(bytes ? link : "-"), cell(fixed(s * 1e3, 1), "num"),
+  ]]));
+  const step = [
+    ["micro-batches per GPU and step", String(r.micro_batches)],
+    ["compute (busiest rank, calibrated rate)", `${fixed(t.compute * 1e3, 1)} ms`],
+    ["pipeline bubble", `${fixed(100 * t.bubble, 1)} % of the step`],
+    ["step time", `${fixed(t.step * 1e3, 1)} ms`],
+    ["tokens/s per GPU", fixed(t.tokens_per_s_per_gpu, 0)],
+    ["MFU", `${fixed(100 * t.mfu, 1)} %`],
+  ];
+  fill(document.querySelector("#step-table tbody"), step.map(([name, value]) => {
+    const v = cell(value, "num");
+    v.id = `step-${name.split(" ")[0].replace(/\W/g, "")}`;
+    return [[cell(name), v]];
+  }));
+}
+
+function calibration() {
+  const m = DATA.measured;
+  const peak = DATA.gpus[m.gpu].peak_tflops;
+  const li = (text) => {
+    const e = document.createElement("li");
+    e.textContent = text;
+    return e;
+  };
+  const measured = document.createElement("ul");
+  measured.append(
+    li(`Compute rate: ${fixed(m.model_tflops, 1)} model TFLOP/s per GPU on one ${m.gpu}, ` +
+      `${fixed(100 * m.fraction_of_peak, 1)} % of its ${peak} TFLOP/s peak: ${m.what} ` +
+      `(${m.source}; benchmarks/RESULTS.md).`),
+    li(`Memory: that run allocated at most ${fixed(m.peak_gib, 1)} GiB; the planner gives ` +
+      `${gib(planLayout(DATA, DATA.tour[0].layout).total)} GiB for the same layout (tour step ` +
+      `1), of which ${DATA.constants.reserve_gib} GiB runtime reserve: it counts the tensors ` +
+      "eager autograd saves, and the measured run compiled its blocks, so read the page's " +
+      "activations as an upper bound."),
+    li("Memory formulas: weights, gradients and optimizer state equal what the trainer " +
+      "allocates for each precision preset, activations are within a few percent of what " +
+      "eager autograd keeps (tests/test_plan.py, on CPU tensors)."),
+  );
+  const assumed = document.createElement("ul");
+  assumed.append(
+    li("Other GPUs and models run at the same fraction of their peak as the measured H200 " +
+      "step; peaks are dense bf16 datasheet figures: " +
+      Object.entries(DATA.gpus).map(([k, g]) => `${k} ${g.peak_tflops}`).join(", ") + " TFLOP/s."),
+    li("Memory and links are datasheet figures, per GPU and direction: " +
+      Object.entries(DATA.gpus).map(([k, g]) =>
+        `${k} ${g.memory_gib} GiB, NVLink ${g.nvlink_gb_s} GB/s, network ${g.network_gb_s} GB/s`)
+        .join("; ") + ". No multi-GPU rate has been measured for these layouts yet."),
+    li("Nothing overlaps: compute, all-to-all and pipeline sends add up and the bubble " +
+      "stretches them; reduce-scatter and all-gather follow. Routing is uniform; block " +
+      `recompute costs ${fixed(DATA.constants.block_recompute_flops, 2)}x the FLOPs; ` +
+      `${DATA.constants.reserve_gib} GiB per GPU are kept for the CUDA context, NCCL and ` +
+      "workspaces."),
+  );
+  const h = (text) => {
+    const e = document.createElement("h3");
+    e.textContent = text;
+    return e;
+  };
+  $("calibration-body").replaceChildren(h("Measured"), measured, h("Assumed"), assumed);
+}
+
+setup();
