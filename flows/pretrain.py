@@ -35,6 +35,7 @@ from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
 from moe_core.config import RunConfig, from_dict, to_dict
+from moe_core.rundir import set_aside
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
 
@@ -109,10 +110,7 @@ def _supersede(ctx: Context, stage: str, folder: Path) -> None:
     key = ctx.keys[stage]
     stale = folder.exists() and (not marker.is_file() or marker.read_text() != key)
     if stale and any(folder.iterdir()):
-        n = 1
-        while folder.with_name(f"{folder.name}.superseded-{n}").exists():
-            n += 1
-        folder.rename(folder.with_name(f"{folder.name}.superseded-{n}"))
+        set_aside([folder])
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(key)
 

@@ -13,6 +13,12 @@ Publishing: DCP writes into ``.tmp-step_N``; once every rank has written, rank 0
 ``manifest.json`` (step, layout, every file's size and sha256) and renames the folder to
 ``step_N``. A folder without a verifying manifest is never resumed from: resume picks the
 newest ``step_N`` whose manifest verifies and reports the ones that do not.
+
+Every manifest names the run that wrote it (``run_id``: new for a run that starts fresh, taken
+over from the checkpoint a run resumes from). Retention deletes only checkpoints of this run
+that verify and are older than its newest valid one: never another run's, never one that does
+not verify (it is reported instead), never a newer one. A folder already at ``step_N``'s name is
+moved aside (``step_N.replaced-K``), not deleted.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,36 +82,79 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint's manifest verifies, else why not (one sentence)."""
+def new_run_id() -> str:
+    """A fresh run id (random: two runs never share one)."""
+    return secrets.token_hex(8)
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's manifest as a dict, or None when it is missing or unreadable."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def run_id_of(path: Path) -> str | None:
+    """The id of the run that wrote checkpoint ``path`` (None: unreadable, or written before
+    checkpoints carried run ids)."""
+    manifest = read_manifest(path)
+    run = None if manifest is None else manifest.get("run_id")
+    return run if isinstance(run, str) else None
+
+
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """None if the checkpoint's manifest verifies, else why not (one sentence).
+
+    ``checksums=False`` checks the files' presence and sizes only (for checkpoints this process
+    wrote and hashed itself)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         return f"{path.name} has no {MANIFEST}"
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError):
+        if not isinstance(files, dict):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
         return f"{path.name}/{MANIFEST} is unreadable"
     for rel, info in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(info, dict):
+            return f"{path.name}/{MANIFEST} is unreadable"
         f = path / rel
         if not f.is_file():
             return f"{path.name}/{rel} is missing"
-        if f.stat().st_size != info["bytes"]:
+        if f.stat().st_size != info.get("bytes"):
             return (
-                f"{path.name}/{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+                f"{path.name}/{rel} has {f.stat().st_size} bytes, "
+                f"the manifest says {info.get('bytes')}"
             )
-        if file_sha256(f) != info["sha256"]:
+        if checksums and file_sha256(f) != info.get("sha256"):
             return f"{path.name}/{rel} does not match its sha256"
     return None
 
 
 class Checkpointer:
-    """Saves, publishes, prunes and finds checkpoints under ``root``."""
+    """Saves, publishes, prunes and finds checkpoints under ``root``.
+
+    ``run_id`` names the run in every manifest it writes (a new one when None); a run that
+    resumes takes over the id of its checkpoint (``adopt``). ``report`` receives warnings."""
 
     def __init__(
-        self, root: Path, mesh: Mesh, keep_last: int, keep_every: int, use_async: bool
+        self,
+        root: Path,
+        mesh: Mesh,
+        keep_last: int,
+        keep_every: int,
+        use_async: bool,
+        run_id: str | None = None,
+        report: Callable[[str], None] = print,
     ) -> None:
         self.root, self.mesh = root, mesh
         self.keep_last, self.keep_every, self.use_async = keep_last, keep_every, use_async
+        self.run_id = run_id or new_run_id()
+        self.report = report
+        self._hashed: set[str] = set()  # checkpoints whose every file's sha256 was checked here
         self.is_main = mesh.rank == 0
         self.no_dist = not mesh.distributed
         # Background saves talk over their own gloo group, never the training group.
@@ -187,23 +237,59 @@ class Checkpointer:
                 for f in sorted(tmp.rglob("*"))
                 if f.is_file()
             }
-            manifest = {**meta, "created": time.time(), "files": files, "format": 1}
+            manifest = {
+                **meta,
+                "run_id": self.run_id,
+                "created": time.time(),
+                "files": files,
+                "format": 1,
+            }
             (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
             (tmp / (MANIFEST + ".tmp")).rename(tmp / MANIFEST)
             final = self.root / f"step_{step:08d}"
             if final.exists():
-                shutil.rmtree(final)
+                n = 1
+                while final.with_name(f"{final.name}.replaced-{n}").exists():
+                    n += 1
+                final.rename(final.with_name(f"{final.name}.replaced-{n}"))
+                self.report(f"{final} already existed: moved to {final.name}.replaced-{n}")
             tmp.rename(final)
+            self._hashed.add(final.name)
             self._prune()
 
+    def adopt(self, path: Path) -> None:
+        """Continue the run that wrote ``path`` (its checkpoints become this run's to prune)."""
+        self.run_id = run_id_of(path) or self.run_id
+
+    def _valid(self, path: Path) -> bool:
+        """Whether ``path`` verifies: sizes for checkpoints hashed by this process already,
+        every sha256 (once per process) for the others."""
+        if path.name in self._hashed:
+            return verify(path, checksums=False) is None
+        if verify(path) is None:
+            self._hashed.add(path.name)
+            return True
+        return False
+
     def _prune(self) -> None:
-        steps = sorted(self.published())
-        keep = set(steps[-self.keep_last :]) if self.keep_last > 0 else set(steps)
+        """Delete this run's valid checkpoints older than its newest valid one that retention
+        does not keep (the ``keep_last`` newest valid ones, every ``keep_every``-th step).
+        Another run's checkpoints and ones that do not verify are never touched."""
+        mine = [
+            s
+            for s in sorted(self.published(), reverse=True)
+            if run_id_of(self.root / f"step_{s:08d}") == self.run_id
+        ]
+        valid = [s for s in mine if self._valid(self.root / f"step_{s:08d}")]
+        if not valid:
+            return
+        keep = set(valid[: self.keep_last]) if self.keep_last > 0 else set(valid)
         if self.keep_every > 0:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        for s in steps:
-            if s not in keep:
+            keep |= {s for s in valid if s % self.keep_every == 0}
+        for s in valid:
+            if s not in keep and s < valid[0]:
                 shutil.rmtree(self.root / f"step_{s:08d}", ignore_errors=True)
+                self._hashed.discard(f"step_{s:08d}")
 
     # ---- finding and loading --------------------------------------------------------------
 
@@ -220,6 +306,7 @@ class Checkpointer:
                 path = self.root / f"step_{step:08d}"
                 problem = verify(path)
                 if problem is None:
+                    self._hashed.add(path.name)
                     choice[0] = str(path)
                     break
                 report(f"skipping checkpoint {path.name}: {problem}")

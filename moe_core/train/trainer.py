@@ -45,6 +45,7 @@ from moe_core.parallel.mesh import Mesh, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.parallel.parallelize import DTYPES, parallelize
 from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
+from moe_core.rundir import set_aside
 from moe_core.train.checkpoint import Checkpointer, router_buffers
 from moe_core.train.guards import Guards, TrainingHaltedError
 from moe_core.train.metrics import (
@@ -174,13 +175,20 @@ class Trainer:
         self.peak = peak_tflops(self.device)
         self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
         self.checkpointer = Checkpointer(
-            self.out / "checkpoints", self.mesh, tc.keep_last, tc.keep_every, tc.async_checkpoint
+            self.out / "checkpoints",
+            self.mesh,
+            tc.keep_last,
+            tc.keep_every,
+            tc.async_checkpoint,
+            report=self._warn,
         )
         self.step = 0
         self.stop_requested = False
         self.resumed_from: Path | None = None
         if tc.resume:
             self._resume()
+        if self.resumed_from is None:
+            self._start_fresh()
 
     @property
     def is_main(self) -> bool:
@@ -457,9 +465,33 @@ class Trainer:
             self.loader.load_state_dict(state["loader"])
             self._train_iter = iter(self.loader)
             self._loader_state = self.loader.state_dict()
+        self.checkpointer.adopt(path)
         self.resumed_from = path
         if self.is_main:
             self.console.print(f"resumed from {path} (step {self.step})")
+
+    def _start_fresh(self) -> None:
+        """A run that resumes nothing is a new run: what an earlier run left in ``out_dir``
+        (checkpoints, metrics, model) is moved to ``*.superseded-N``, never pruned or
+        overwritten by this one."""
+        if self.is_main:
+            ckpts = self.checkpointer.root
+            earlier = [
+                p
+                for p in (ckpts, self.out / "metrics.jsonl", self.out / "model")
+                if p.exists() and not (p == ckpts and not any(p.iterdir()))
+            ]
+            n = set_aside(earlier)
+            ckpts.mkdir(parents=True, exist_ok=True)
+            if n is not None:
+                names = ", ".join(p.name for p in earlier)
+                why = "train.resume=false" if not self.cfg.train.resume else "nothing to resume"
+                self._warn(
+                    f"starting a new run in {self.out} ({why}): the earlier run's {names} "
+                    f"moved to *.superseded-{n} there"
+                )
+        if self.mesh.distributed:
+            dist.barrier()
 
     def _warn(self, message: str) -> None:
         if self.is_main:

@@ -1,0 +1,104 @@
+"""Nothing lost, nothing silently wrong: each test gives a hostile or unlucky input (a foreign or
+corrupt checkpoint, another model, a non-finite setting, flipped bytes, a second run, a full
+disk) and checks both the one-sentence refusal and that nothing already written changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from helpers import BASE
+from rich.console import Console
+
+from moe_core.compose import compose_run
+from moe_core.config import ParallelConfig
+from moe_core.parallel.mesh import Mesh
+from moe_core.train.checkpoint import MANIFEST, Checkpointer, run_id_of, verify
+from moe_core.train.trainer import Trainer
+
+TINY = [*BASE, "model.n_layers=2"]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` by relative path, with its bytes."""
+    return {
+        str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+    }
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---- checkpoint retention ------------------------------------------------------------------
+
+
+def test_retention_never_deletes_another_runs_or_unverified_checkpoints(tmp_path):
+    """Pruning after each save keeps ``keep_last`` of this run's valid checkpoints; a newer
+    foreign checkpoint, an older run's and a corrupt one of this run are all left alone."""
+    root, mesh = tmp_path / "checkpoints", Mesh(ParallelConfig())
+    state = {"x": torch.arange(1000, dtype=torch.float32)}
+    earlier = Checkpointer(root, mesh, keep_last=0, keep_every=0, use_async=False, run_id="a")
+    for step in (1, 2, 3):
+        earlier.save(step, state, {})
+    shutil.copytree(root / "step_00000003", root / "step_00000090")  # a newer entry, run "a"
+    before = snapshot(root)
+
+    ours = Checkpointer(root, mesh, keep_last=1, keep_every=0, use_async=False, run_id="b")
+    for step in (4, 5, 6):
+        ours.save(step, state, {})
+    victim = max((root / "step_00000006").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-8])  # this run's newest is now corrupt
+    for step in (7, 8):
+        ours.save(step, state, {})
+
+    assert names(root) == [f"step_{s:08d}" for s in (1, 2, 3, 6, 8, 90)]
+    assert {k: v for k, v in snapshot(root).items() if k in before} == before, "run a unchanged"
+    assert verify(root / "step_00000006") is not None, "the corrupt one is kept, not deleted"
+    assert run_id_of(root / "step_00000008") == "b" and run_id_of(root / "step_00000090") == "a"
+
+
+def test_a_new_run_sets_the_earlier_runs_outputs_aside_and_prunes_only_its_own(tmp_path):
+    """``train.resume=false`` in a folder with an earlier run: that run's checkpoints, metrics
+    and model move to ``*.superseded-1`` unchanged; the new run prunes only its own."""
+    first = [*TINY, "train.steps=3", "train.checkpoint_every=1", "train.keep_last=0"]
+    Trainer(compose_run([*first, f"out_dir={tmp_path}"])).fit(show_progress=False)
+    before = {
+        p: snapshot(tmp_path / p) if (tmp_path / p).is_dir() else (tmp_path / p).read_bytes()
+        for p in ("checkpoints", "model", "metrics.jsonl")
+    }
+    old_id = run_id_of(tmp_path / "checkpoints" / "step_00000003")
+
+    console = Console(record=True, width=300)
+    second = [*TINY, "train.steps=2", "train.checkpoint_every=1", "train.keep_last=1"]
+    trainer = Trainer(
+        compose_run([*second, "train.resume=false", f"out_dir={tmp_path}"]), console=console
+    )
+    assert trainer.step == 0 and trainer.resumed_from is None
+    trainer.fit(show_progress=False)
+
+    text = console.export_text()
+    assert f"starting a new run in {tmp_path} (train.resume=false)" in text
+    assert "checkpoints, metrics.jsonl, model moved to *.superseded-1" in text
+    assert snapshot(tmp_path / "checkpoints.superseded-1") == before["checkpoints"]
+    assert snapshot(tmp_path / "model.superseded-1") == before["model"]
+    assert (tmp_path / "metrics.jsonl.superseded-1").read_bytes() == before["metrics.jsonl"]
+    ckpts = tmp_path / "checkpoints"
+    assert names(ckpts) == ["step_00000002"]  # keep_last=1 of the new run
+    assert verify(ckpts / "step_00000002") is None
+    assert run_id_of(ckpts / "step_00000002") not in (None, old_id)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_resumed_run_continues_its_checkpoints_run_id(tmp_path):
+    args = [*TINY, "train.checkpoint_every=1", "train.keep_last=2", f"out_dir={tmp_path}"]
+    Trainer(compose_run([*args, "train.steps=2"])).fit(show_progress=False)
+    ckpts = tmp_path / "checkpoints"
+    run = run_id_of(ckpts / "step_00000002")
+    manifest = json.loads((ckpts / "step_00000002" / MANIFEST).read_text())
+    assert manifest["run_id"] == run and run
+    Trainer(compose_run([*args, "train.steps=4"])).fit(show_progress=False)
+    assert names(ckpts) == ["step_00000003", "step_00000004"]  # its own older ones pruned
+    assert {run_id_of(ckpts / n) for n in names(ckpts)} == {run}
