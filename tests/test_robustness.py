@@ -8,12 +8,18 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
-from helpers import BASE
+from helpers import BASE, small_config
 from rich.console import Console
 
+from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.config import ParallelConfig
+from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
+from moe_core.convert.native import save_model_dir
+from moe_core.errors import CheckpointError
+from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.checkpoint import MANIFEST, Checkpointer, run_id_of, verify
 from moe_core.train.trainer import Trainer
@@ -102,3 +108,70 @@ def test_a_resumed_run_continues_its_checkpoints_run_id(tmp_path):
     Trainer(compose_run([*args, "train.steps=4"])).fit(show_progress=False)
     assert names(ckpts) == ["step_00000003", "step_00000004"]  # its own older ones pruned
     assert {run_id_of(ckpts / n) for n in names(ckpts)} == {run}
+
+
+# ---- another model -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, mismatch",
+    [
+        ("model.d_model=64", "embed.weight is (4096, 128) there, (4096, 64) here"),
+        ("model.n_layers=4", "layers.2.attn_norm.weight (128,) is missing there"),
+        (
+            "model.expert_hidden=512",
+            "layers.0.moe.experts.w_gate_up is (8, 512, 128) there, (8, 1024, 128) here",
+        ),
+    ],
+)
+def test_resume_into_another_model_is_refused_naming_the_first_mismatch(
+    override, mismatch, tmp_path
+):
+    args = [*TINY, "train.steps=1", f"out_dir={tmp_path}"]
+    Trainer(compose_run(args)).fit(show_progress=False)
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        Trainer(compose_run([*args, "train.steps=2", override]))
+    text = str(err.value)
+    assert f"checkpoint {tmp_path / 'checkpoints' / 'step_00000001'} was written for" in text
+    assert f"another model ({mismatch}): resume it with the model settings" in text
+    assert "\n" not in text
+    assert snapshot(tmp_path) == before, "nothing changed"
+
+
+def hf_dir(tmp_path: Path) -> Path:
+    cfg = small_config()
+    return save_hf(build_model(cfg, seed=3).state_dict(), cfg, tmp_path / "hf")
+
+
+def test_hf_index_pointing_outside_its_folder_is_refused(tmp_path, capsys):
+    src = hf_dir(tmp_path)
+    secret = tmp_path / "elsewhere.safetensors"
+    shutil.copy(next(src.glob("model-*.safetensors")), secret)
+    index = json.loads((src / INDEX).read_text())
+    for target in ("../elsewhere.safetensors", str(secret)):
+        index["weight_map"] = dict.fromkeys(index["weight_map"], target)
+        (src / INDEX).write_text(json.dumps(index))
+        assert main(["convert", "from-hf", str(src), str(tmp_path / "out")]) == 2
+        out = capsys.readouterr().out.replace("\n", "")
+        assert f"maps tensors to '{target}', which is not a file in" in out
+        assert not (tmp_path / "out").exists()
+
+
+def test_conversion_of_weights_that_do_not_fit_their_config_is_refused(tmp_path, capsys):
+    src = hf_dir(tmp_path)
+    ours = json.loads((src / OUR_CONFIG).read_text())
+    (src / OUR_CONFIG).write_text(json.dumps({**ours, "expert_hidden": 64}))
+    assert main(["convert", "from-hf", str(src), str(tmp_path / "back")]) == 2
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "does not hold the model its config.json describes" in out
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight is (32, 64) there, (64, 64) here" in out
+    assert not (tmp_path / "back").exists()
+
+    cfg = small_config()
+    state = build_model(cfg).state_dict()
+    save_model_dir(state, small_config(d_model=32), tmp_path / "ours")
+    assert main(["convert", "to-hf", str(tmp_path / "ours"), str(tmp_path / "hf2")]) == 2
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "the weights do not fit their model config (embed.weight is (256, 64) there" in out
+    assert not (tmp_path / "hf2").exists()

@@ -9,7 +9,6 @@ ever holding the whole model.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -20,7 +19,9 @@ import torch.distributed.checkpoint as dcp
 
 from moe_core.config import ModelConfig, RunConfig, from_dict
 from moe_core.convert.hf import expected_names, save_hf
-from moe_core.model import Transformer
+from moe_core.errors import CheckpointError
+from moe_core.model.transformer import parameter_shapes, shape_mismatch
+from moe_core.train.checkpoint import trainer_state
 
 _PARAM = re.compile(r"opt/(.+)/param/(\d+)")
 _BUFFER = re.compile(r"buf/(.+)")
@@ -39,8 +40,14 @@ class CheckpointSource:
                 self.chunks.setdefault(m.group(1), []).append((int(m.group(2)), md.size[0], key))
             elif m := _BUFFER.fullmatch(key):
                 self.buffers[m.group(1)] = md.size
-        with torch.device("meta"):
-            self.shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters()}
+        self.shapes = {n: torch.Size(s) for n, s in parameter_shapes(cfg).items()}
+        held = {n: (sum(size for _, size, _ in c),) for n, c in self.chunks.items()}
+        problem = shape_mismatch(held, {n: (s.numel(),) for n, s in self.shapes.items()})
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not hold the model its config describes "
+                f"(flattened sizes: {problem}): it cannot be converted."
+            )
 
     def names(self) -> set[str]:
         return set(self.chunks)
@@ -86,11 +93,7 @@ class CheckpointSource:
 
 def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     """The run configuration a checkpoint was written with."""
-    request = {"trainer": ""}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
-    return from_dict(RunConfig, json.loads(request["trainer"])["config"])
+    return from_dict(RunConfig, trainer_state(path)["config"])
 
 
 def checkpoint_to_hf(

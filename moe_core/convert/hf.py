@@ -23,6 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, to_dict
+from moe_core.errors import CheckpointError
+from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 OUR_CONFIG = "moe_core_config.json"
 INDEX = "model.safetensors.index.json"
@@ -188,6 +190,13 @@ def save_hf(
     check_exportable(cfg)
     source = StateDictSource(weights) if isinstance(weights, dict) else weights
     _check_names(source.names(), cfg)
+    if isinstance(weights, dict):
+        found = {name: tuple(t.shape) for name, t in weights.items()}
+        problem = shape_mismatch(found, parameter_shapes(cfg))
+        if problem is not None:
+            raise CheckpointError(
+                f"the weights do not fit their model config ({problem}): nothing was written."
+            )
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(
@@ -289,15 +298,40 @@ def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def _weight_files(d: Path) -> list[str]:
+    """The safetensors files of an HF directory: those its index names (plain file names in
+    ``d``; an index naming a path anywhere else is refused), else ``model.safetensors``."""
+    if not (d / INDEX).is_file():
+        return ["model.safetensors"]
+    try:
+        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        files = sorted({*weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"{d / INDEX} is not a valid index: it needs a weight_map of tensor names to files."
+        ) from None
+    for f in files:
+        if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or "\\" in f:
+            raise CheckpointError(
+                f"{d / INDEX} maps tensors to {f!r}, which is not a file in {d}: only files of "
+                "the directory itself are read."
+            )
+    return files
+
+
 def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read an HF OLMoE directory back into our config and state dict (bit-exact)."""
     d = Path(hf_dir)
     cfg = config_from_hf(d)
-    files = (
-        sorted({*json.loads((d / INDEX).read_text())["weight_map"].values()})
-        if (d / INDEX).is_file()
-        else ["model.safetensors"]
-    )
+    files = _weight_files(d)
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(d / f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                found[k] = tuple(fh.get_slice(k).get_shape())
+    problem = shape_mismatch(found, {key: shape for key, shape, *_ in _hf_items(cfg)})
+    if problem is not None:
+        raise CheckpointError(f"{d} does not hold the model its config.json describes ({problem}).")
     theirs: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(d / f), framework="pt") as fh:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import secrets
 import shutil
@@ -41,7 +42,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from moe_core.config import ModelConfig, from_dict
 from moe_core.data.files import file_sha256
+from moe_core.errors import CheckpointError
+from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
 
@@ -102,6 +106,38 @@ def run_id_of(path: Path) -> str | None:
     manifest = read_manifest(path)
     run = None if manifest is None else manifest.get("run_id")
     return run if isinstance(run, str) else None
+
+
+def trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer state a checkpoint holds (step, guards, config, loader), read alone."""
+    request = {"trainer": ""}
+    with _quiet():
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    return json.loads(request["trainer"])
+
+
+def check_fits(
+    path: Path,
+    saved: dict[tuple[str, str], list[tuple[int, int, str]]],
+    shapes: dict[str, tuple[int, ...]],
+) -> None:
+    """Refuse, in one sentence, a checkpoint written for another model: the model its config
+    describes must have ``shapes``, and its saved ranges (``saved``: (name, kind) -> ranges)
+    must cover each parameter and each moment kept exactly once over."""
+    config = trainer_state(path).get("config", {}).get("model", {})
+    problem = shape_mismatch(parameter_shapes(from_dict(ModelConfig, config, "model.")), shapes)
+    if problem is None:
+        for (name, kind), ranges in saved.items():
+            held = sum(length for _, length, _ in ranges)
+            numel = math.prod(shapes.get(name, (0,)))
+            if name in shapes and held != numel:
+                problem = f"opt/{name}/{kind} holds {held} values there, {numel} here"
+                break
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model ({problem}): resume it with "
+            "the model settings it was written with, or train into a new out_dir."
+        )
 
 
 def verify(path: Path, checksums: bool = True) -> str | None:
@@ -314,9 +350,16 @@ class Checkpointer:
             dist.broadcast_object_list(choice, src=0)
         return Path(choice[0]) if choice[0] else None
 
-    def load(self, path: Path, opt: ShardedAdamW, buffers: dict[str, torch.Tensor]) -> dict:
+    def load(
+        self,
+        path: Path,
+        opt: ShardedAdamW,
+        buffers: dict[str, torch.Tensor],
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ) -> dict:
         """Fill ``opt`` (and the model, through it) and ``buffers`` from ``path``; return the
-        trainer state. Works whatever layout wrote the checkpoint."""
+        trainer state. Works whatever layout wrote the checkpoint. ``shapes`` (the model's full
+        parameter shapes) refuses a checkpoint of another model before anything is loaded."""
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
         dtypes: dict[str, torch.dtype] = {}  # as saved: fp32, or bf16 from the pure-bf16 preset
@@ -326,6 +369,8 @@ class Checkpointer:
                     (int(m.group(3)), md.size[0], key)
                 )
                 dtypes[key] = md.properties.dtype
+        if shapes is not None:
+            check_fits(path, saved, shapes)
         owned = owned_ranges(opt)
         request: dict[str, Any] = {"trainer": "", "adam_step": 0}
         for o in owned:

@@ -38,6 +38,7 @@ from moe_core.data.synthetic import SyntheticTokens
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.model.moe import Router, router_stats_paused
+from moe_core.model.transformer import parameter_shapes
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.ddp import GradBuckets
 from moe_core.parallel.dispatch import ReceiveBufferOverflowError, RowwiseDispatcher
@@ -458,7 +459,8 @@ class Trainer:
         path = self.checkpointer.newest_valid(report=self._warn)
         if path is None:
             return
-        state = self.checkpointer.load(path, self.optimizer, self.buffers)
+        shapes = parameter_shapes(self.cfg.model)
+        state = self.checkpointer.load(path, self.optimizer, self.buffers, shapes)
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
         if self.loader is not None and state.get("loader") is not None:

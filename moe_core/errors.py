@@ -1,0 +1,9 @@
+"""Refusals that ``moe`` prints as one sentence, without a traceback (beside ``ConfigError`` and
+``DataError``). Kept free of heavy imports: the CLI imports it at start."""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model directory that cannot be used as asked (another model's shapes,
+    files pointing outside their folder), explained in one sentence."""
