@@ -8,6 +8,7 @@ naming the field, the bad value and what is allowed, before any model, GPU or pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,15 @@ class OptionNotImplementedError(ConfigError, NotImplementedError):
 
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{name}={value!r} is not allowed: {allowed}.")
+
+
+def _finite(section: Any, prefix: str) -> None:
+    """Refuse NaN and infinity in every float field of a config section (they would pass the
+    range checks below, since every comparison with NaN is false)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(prefix + f.name, value, "a finite number")
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -65,6 +75,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         p = "model."
+        _finite(self, p)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k"):
             _positive(p + name, getattr(self, name))
         for name in ("expert_hidden", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
@@ -137,6 +148,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         p = "train."
+        _finite(self, p)
         for name in (
             "steps",
             "seq_len",
@@ -201,6 +213,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         p = "data."
+        _finite(self, p)
         _positive(p + "branching", self.branching)
         if self.path is not None and self.hub is not None:
             _fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
@@ -277,6 +290,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         p = "parallel."
+        _finite(self, p)
         for name in ("pp", "dp", "ep", "virtual_stages", "bucket_mb"):
             _positive(p + name, getattr(self, name))
         if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
@@ -340,6 +354,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         p = "cluster."
+        _finite(self, p)
         for name in ("nodes", "procs_per_node", "rdzv_port"):
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
@@ -371,6 +386,10 @@ class TrackingConfig:
     uri: str | None = None
     experiment: str = "moe_core"
     hf_artifact_max_gib: float = 2.0  # larger Hugging Face checkpoints are linked, not copied
+
+    def __post_init__(self) -> None:
+        _finite(self, "tracking.")
+        _non_negative("tracking.hf_artifact_max_gib", self.hf_artifact_max_gib)
 
 
 @dataclass

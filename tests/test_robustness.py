@@ -4,8 +4,11 @@ disk) and checks both the one-sentence refusal and that nothing already written 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import shutil
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,13 +18,14 @@ from rich.console import Console
 
 from moe_core.cli import main
 from moe_core.compose import compose_run
-from moe_core.config import ParallelConfig
+from moe_core.config import ConfigError, ParallelConfig, RunConfig, from_dict
 from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
 from moe_core.convert.native import save_model_dir
 from moe_core.errors import CheckpointError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.checkpoint import MANIFEST, Checkpointer, run_id_of, verify
+from moe_core.train.guards import TrainingHaltedError
 from moe_core.train.trainer import Trainer
 
 TINY = [*BASE, "model.n_layers=2"]
@@ -175,3 +179,80 @@ def test_conversion_of_weights_that_do_not_fit_their_config_is_refused(tmp_path,
     out = capsys.readouterr().out.replace("\n", "")
     assert "the weights do not fit their model config (embed.weight is (256, 64) there" in out
     assert not (tmp_path / "hf2").exists()
+
+
+# ---- non-finite values ---------------------------------------------------------------------
+
+
+def float_fields() -> list[tuple[str, str]]:
+    """(section, field) of every float option of the run config."""
+    hints = typing.get_type_hints(RunConfig)
+    out = []
+    for section in dataclasses.fields(RunConfig):
+        cls = hints[section.name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for name, tp in typing.get_type_hints(cls).items():
+            if tp is float or float in typing.get_args(tp):
+                out.append((section.name, name))
+    return out
+
+
+def test_every_float_option_refuses_nan_and_infinity():
+    fields = float_fields()
+    assert ("train", "lr") in fields and ("model", "rope_theta") in fields and len(fields) >= 20
+    for section, name in fields:
+        for value in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ConfigError) as err:
+                from_dict(RunConfig, {section: {name: value}})
+            assert str(err.value) == (
+                f"{section}.{name}={value!r} is not allowed: a finite number."
+            ), (section, name, value)
+
+
+@pytest.mark.parametrize("override", ["train.lr=nan", "model.rope_theta=nan", "model.norm_eps=inf"])
+def test_non_finite_overrides_fail_before_anything_runs(override, tmp_path, capsys):
+    assert main(["train", *TINY, override, f"out_dir={tmp_path}"]) == 2
+    key, value = override.split("=")
+    out = capsys.readouterr().out
+    assert f"{key}={value} is not allowed: a finite number." in out
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def poisoned(args: list[str]) -> Trainer:
+    """A trainer resumed from ``args``' out_dir whose weights then turn NaN in part (as an
+    update with a bad setting, such as train.eps=0 on a never-used expert, would make them)."""
+    trainer = Trainer(compose_run(args))
+    trainer.optimizer.masters[0][:10] = float("nan")
+    trainer.optimizer.publish_weights()
+    return trainer
+
+
+def test_non_finite_weights_are_never_checkpointed_and_the_last_checkpoint_is_named(tmp_path):
+    args = [*TINY, "train.checkpoint_every=1", "train.keep_last=0", f"out_dir={tmp_path}"]
+    Trainer(compose_run([*args, "train.steps=2"])).fit(show_progress=False)
+    ckpts = tmp_path / "checkpoints"
+    before = snapshot(ckpts)
+    newest = f"the newest valid checkpoint is {ckpts / 'step_00000002'}: resume from it after "
+    cause = "fixing the cause (such as a lower train.lr or a larger train.eps)."
+    state = "weights, Adam moments or router buffers hold NaN or infinity, so that state was not"
+
+    periodic = poisoned([*args, "train.steps=8"])  # the step-3 checkpoint is refused
+    with pytest.raises(TrainingHaltedError) as err:
+        periodic.fit(show_progress=False)
+    assert str(err.value) == f"at step 3 the {state} checkpointed; {newest}{cause}"
+    assert snapshot(ckpts) == before
+
+    halted = poisoned(
+        [*args, "train.steps=8", "train.checkpoint_every=0", "train.max_consecutive_skips=2"]
+    )
+    with pytest.raises(TrainingHaltedError) as err:
+        halted.fit(show_progress=False)
+    assert str(err.value) == (
+        "2 steps in a row had a non-finite loss or gradient norm (steps 2 to 3); at step 4 the "
+        f"{state} checkpointed; {newest}{cause}"
+    )
+    assert snapshot(ckpts) == before, "no poisoned checkpoint, nothing lost"
+    resumed = Trainer(compose_run([*args, "train.steps=3"]))
+    assert resumed.step == 2
+    assert all(torch.isfinite(p).all() for p in resumed.chunks[0].parameters())

@@ -443,7 +443,39 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
 
+    def _state_is_finite(self) -> bool:
+        """Whether every master weight, Adam moment and router buffer is finite on every rank
+        (collective)."""
+        opt = self.optimizer
+        tensors = [*opt.masters, *(t for m in opt.moments for t in m.values())]
+        tensors += list(self.buffers.values())
+        ok = torch.ones((), device=self.device)
+        for t in tensors:
+            ok = ok * torch.isfinite(t).all()
+        if self.mesh.distributed:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _newest_checkpoint(self) -> str:
+        """Which checkpoint a resume would start from, in words (collective)."""
+        self.checkpointer.wait()
+        path = self.checkpointer.newest_valid(report=lambda _: None)
+        if path is None:
+            return f"there is no valid checkpoint in {self.checkpointer.root}"
+        return f"the newest valid checkpoint is {path}"
+
+    def _not_finite(self) -> TrainingHaltedError:
+        return TrainingHaltedError(
+            f"at step {self.step} the weights, Adam moments or router buffers hold NaN or "
+            f"infinity, so that state was not checkpointed; {self._newest_checkpoint()}: resume "
+            "from it after fixing the cause (such as a lower train.lr or a larger train.eps)."
+        )
+
     def save_checkpoint(self) -> None:
+        """Checkpoint the current state. A state holding NaN or infinity is never written (resume
+        would pick it): the run stops instead, naming the checkpoint to resume from."""
+        if not self._state_is_finite():
+            raise self._not_finite()
         trainer_state = {
             "step": self.step,
             "guards": self.guards.state_dict(),
@@ -454,6 +486,27 @@ class Trainer:
         pc = self.cfg.parallel
         layout = {"pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
         self.checkpointer.save(self.step, state, layout)
+
+    def _halt(self, last: int) -> None:
+        """Stop after too many non-finite steps in a row (the last one ``last``). Skipped steps
+        change nothing, so the state now is the one all of them started from: checkpointed
+        when it is finite, and named as such (never as a known-good state)."""
+        n = self.guards.consecutive_skips
+        first = last - n + 1
+        what = (
+            f"{n} steps in a row had a non-finite loss or gradient norm (steps {first} to {last})"
+        )
+        if not self._state_is_finite():
+            cause = self._not_finite()
+            raise TrainingHaltedError(f"{what}; {cause}") from None
+        self.save_checkpoint()
+        self.checkpointer.wait()
+        start = f"step {first - 1}'s update" if first > 0 else "initialization"
+        raise TrainingHaltedError(
+            f"{what}; skipped steps change nothing, so the state checkpointed at step {self.step} "
+            f"in {self.checkpointer.root} is the one they all started from (after {start}): "
+            "lower train.lr or check the data before resuming from it."
+        )
 
     def _resume(self) -> None:
         path = self.checkpointer.newest_valid(report=self._warn)
@@ -574,13 +627,7 @@ class Trainer:
                         self._clock = None
                     bar.update(task, completed=self.step, status=f"loss {m.loss:.3f}")
                     if self.guards.exhausted:
-                        self.save_checkpoint()
-                        self.checkpointer.wait()
-                        raise TrainingHaltedError(
-                            f"{self.guards.consecutive_skips} steps in a row had a non-finite loss "
-                            f"or gradient norm (last at step {m.step}); the last good state is "
-                            f"checkpointed at step {self.step} in {self.out / 'checkpoints'}."
-                        )
+                        self._halt(m.step)
                     if self.stop_requested:
                         break
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
