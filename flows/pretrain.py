@@ -150,7 +150,7 @@ def _stage(
 
 def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.data.manifest import read_manifest
-    from moe_core.data.tokenize import tokenize_corpus
+    from moe_core.data.tokenize import tokenize_corpus, without_text_sentence
 
     out = ctx.run_dir / "data"
     _supersede(ctx, "tokenize", out)
@@ -160,6 +160,9 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     content = read_manifest(out).content
     summary = {k: content[k] for k in ("total_tokens", "dtype") if k in content}
     summary["tokenizer"] = content.get("tokenizer", {}).get("name")
+    if "documents_without_text" in content:
+        summary["documents_without_text"] = content["documents_without_text"]["count"]
+        get_run_logger().warning(without_text_sentence(content, ctx.run.data.text_field))
     ctx.tracker.params(run_id, {"data": summary})
     for f in sorted(out.glob("tokenizer*.json")) + sorted(out.glob("special_tokens_map.json")):
         ctx.tracker.artifacts(run_id, f, "tokenizer")

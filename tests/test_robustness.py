@@ -11,16 +11,19 @@ import shutil
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import BASE, small_config
+from helpers import BASE, small_config, write_token_dir
 from rich.console import Console
 
 from moe_core.cli import main
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, ParallelConfig, RunConfig, from_dict
+from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig, from_dict
 from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
 from moe_core.convert.native import save_model_dir
+from moe_core.data.errors import DataError
+from moe_core.data.tokenize import tokenize_corpus
 from moe_core.errors import CheckpointError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
@@ -256,3 +259,71 @@ def test_non_finite_weights_are_never_checkpointed_and_the_last_checkpoint_is_na
     resumed = Trainer(compose_run([*args, "train.steps=3"]))
     assert resumed.step == 2
     assert all(torch.isfinite(p).all() for p in resumed.chunks[0].parameters())
+
+
+# ---- corrupt data --------------------------------------------------------------------------
+
+
+def token_data(tmp_path: Path) -> Path:
+    """A data directory of in-vocabulary tokens (ids below 256) for a tiny token run."""
+    rng = np.random.default_rng(0)
+    splits = {s: rng.integers(0, 256, n) for s, n in (("train", 4000), ("validation", 700))}
+    return write_token_dir(tmp_path / "data", splits, 1000, dtype="uint16", vocab_size=256)
+
+
+def flip_bytes(shard: Path, value: int) -> None:
+    """Overwrite the shard's tokens with ``value`` (size and header unchanged)."""
+    array = np.load(shard, mmap_mode="r+")
+    array[:] = value
+    array.flush()
+
+
+def token_run(data: Path, out: Path, *extra: str) -> list[str]:
+    return [*TINY, "data.kind=tokens", f"data.dir={data}", f"out_dir={out}", *extra]
+
+
+def test_flipped_shard_bytes_are_caught_at_train_start(tmp_path):
+    data = token_data(tmp_path)
+    console = Console(record=True, width=300)
+    Trainer(compose_run(token_run(data, tmp_path / "ok")), console=console)
+    text = console.export_text()
+    assert "verified the sha256 of 5 shards (" in text
+    assert "(data.verify_checksums=false skips this)" in text
+
+    flip_bytes(data / "train-00002.npy", 7)  # ids still in the vocabulary: only a hash sees it
+    before = snapshot(data)
+    with pytest.raises(DataError) as err:
+        Trainer(compose_run(token_run(data, tmp_path / "run")))
+    text = str(err.value)
+    assert f"shard train-00002.npy in {data} has sha256 " in text and "(corrupted)" in text
+    assert "\n" not in text and snapshot(data) == before
+    assert not (tmp_path / "run").exists(), "nothing was written"
+
+
+def test_out_of_vocabulary_token_ids_stop_the_run_in_one_sentence(tmp_path, capsys):
+    data = token_data(tmp_path)
+    for shard in data.glob("train-*.npy"):
+        flip_bytes(shard, 4000)  # below the model's 4096 rows: an embedding would take it
+    out = tmp_path / "run"
+    args = ["train", *token_run(data, out, "data.verify_checksums=false", "train.steps=2")]
+    assert main(args) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert "data.verify_checksums=false: shard sha256 not checked" in printed
+    assert "token id 4000 in shard train-0000" in printed
+    assert "is not allowed: the tokenizer has ids 0 to 255, so the shard is corrupt" in printed
+    assert "IndexError" not in printed and not list((out / "checkpoints").glob("step_*"))
+
+
+def test_rows_without_the_text_field_are_reported_not_dropped_silently(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"text": "in the beginning"}, {"body": "no text"}, {"text": None}, {"text": "end"}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(kind="tokens", path=str(corpus), bpe_vocab_size=300, workers=1)
+    console = Console(record=True, width=300)
+    out = tokenize_corpus(cfg, tmp_path / "data", console=console)
+    assert (
+        "2 of 4 documents have no data.text_field='text' (missing or null; the first is document "
+        "1) and were left out of the shards" in console.export_text()
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["documents_without_text"] == {"count": 2, "first": 1}

@@ -32,8 +32,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moe_core.config import RunConfig, check_tokenizer_fits, to_dict
 from moe_core.convert.native import save_model_dir
+from moe_core.data.errors import DataError
 from moe_core.data.loader import TokenLoader
+from moe_core.data.manifest import verify_data_dir
 from moe_core.data.prefetch import Prefetcher, pinned
+from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
 from moe_core.model import Transformer
 from moe_core.model.flops import count
@@ -155,6 +158,7 @@ class Trainer:
         self.loader: TokenLoader | None = None
         if cfg.data.kind == "tokens":
             assert cfg.data.dir is not None
+            self._verify_data()
             self.loader = TokenLoader(
                 cfg.data.dir,
                 "train",
@@ -196,6 +200,35 @@ class Trainer:
         return self.mesh.rank == 0
 
     # ---- data -----------------------------------------------------------------------------
+
+    def _verify_data(self) -> None:
+        """Hash every shard against the data manifest before the first step (rank 0, streamed,
+        timed); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
+        dc = self.cfg.data
+        problem: list[str | None] = [None]
+        if self.is_main and dc.verify_checksums:
+            tick = time.perf_counter()
+            try:
+                manifest = verify_data_dir(str(dc.dir), checksums=True)
+            except DataError as err:
+                problem[0] = str(err)
+            else:
+                shards = [s for split in SPLITS for s in manifest.shards(split)]
+                size = sum((manifest.data_dir / s["file"]).stat().st_size for s in shards)
+                self.console.print(
+                    f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB) in "
+                    f"{time.perf_counter() - tick:.1f} s (data.verify_checksums=false skips this)",
+                    highlight=False,
+                )
+        elif self.is_main:
+            self._warn(
+                "data.verify_checksums=false: shard sha256 not checked (sizes, headers and token "
+                "ids still are), so bytes flipped within the vocabulary would train unnoticed"
+            )
+        if self.mesh.distributed:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise DataError(problem[0])
 
     def micro_batches(self) -> list[torch.Tensor]:
         """This rank's micro-batches of the current step, on the device (made one step ahead on
