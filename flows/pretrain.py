@@ -35,7 +35,7 @@ from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
 from moe_core.config import RunConfig, from_dict, to_dict
-from moe_core.rundir import set_aside
+from moe_core.rundir import RunLock, set_aside
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
 
@@ -409,12 +409,27 @@ TASKS = {
 
 @flow(name="pretrain")
 def pretrain(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    """Run (or resume) the pipeline for a resolved config in ``run_dir``."""
+    """Run (or resume) the pipeline for a resolved config in ``run_dir``, which it locks: a
+    second pipeline there is refused in one sentence naming this one's process and host."""
     logger = get_run_logger()
     root = Path(run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     run = resolve(config, root)
     check_launchable(run)
+    lock = RunLock(root, "pretrain pipeline")
+    if lock.previous is not None:
+        logger.warning("took over the lock of %s: it no longer runs", lock.previous)
+    if lock.unsupported is not None:
+        logger.warning("%s: a second pipeline here would not be stopped", lock.unsupported)
+    try:
+        return _stages(run, root)
+    finally:
+        lock.release()
+
+
+def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
+    """Every stage in order, tracked; the flow's outcome."""
+    logger = get_run_logger()
     (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     tracker.params(tracker.parent, to_dict(run))

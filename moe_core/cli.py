@@ -20,7 +20,7 @@ from rich.table import Table
 
 from moe_core.config import ConfigError, RunConfig, from_dict
 from moe_core.data.errors import DataError
-from moe_core.errors import CheckpointError
+from moe_core.errors import CheckpointError, RunDirLockedError
 
 DEFAULT_CONFIG_NAME = "config"
 
@@ -241,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError) as err:
+    except (
+        ConfigError,
+        DataError,
+        CheckpointError,
+        RunDirLockedError,
+        FileNotFoundError,
+        FileExistsError,
+    ) as err:
         console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return 2
     return 0

@@ -7,3 +7,7 @@ from __future__ import annotations
 class CheckpointError(ValueError):
     """A checkpoint or model directory that cannot be used as asked (another model's shapes,
     files pointing outside their folder), explained in one sentence."""
+
+
+class RunDirLockedError(RuntimeError):
+    """Another live process holds the run directory's lock (its pid and host are named)."""

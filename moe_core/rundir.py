@@ -1,14 +1,107 @@
-"""Run directories: what an earlier run left is moved aside, never deleted.
+"""Run directories: one run at a time in each, and what an earlier run left is moved aside,
+never deleted.
 
-Shared by the trainer (its ``out_dir``) and the pipeline (its stage folders); kept to the
+Shared by the trainer (its ``out_dir``) and the pipeline (its run directory); kept to the
 standard library so that the CLI and the pipeline import it cheaply.
+
+The lock is ``flock`` on ``.moe.lock`` in the directory: the kernel drops it when its process
+ends, however it ends, so a lock left by a dead process is simply taken over (and reported),
+while a live holder is named (pid, host, command, start) in the refusal. The file itself stays.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
 from pathlib import Path
 
+from moe_core.errors import RunDirLockedError
+
 SUPERSEDED = "superseded"
+LOCK = ".moe.lock"
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def _describe(holder: dict) -> str:
+    """A lock holder in words: process, host, command, start time."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("since", 0)))
+    return (
+        f"process {holder.get('pid')} on host {holder.get('host')} "
+        f"({holder.get('command')}, since {when})"
+    )
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held until ``release`` (or the process ends).
+
+    ``previous``: the holder recorded by a lock that was taken over (its process had ended),
+    in words; None when the lock was free. ``unsupported``: why the file system could not lock
+    (then nothing is held and a second run would not be stopped)."""
+
+    def __init__(self, folder: str | os.PathLike, command: str) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK
+        self.previous: str | None = None
+        self.unsupported: str | None = None
+        self._created = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+")  # noqa: SIM115 (held open while locked)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(self._file)
+            self._file.close()
+            raise RunDirLockedError(
+                f"{self.folder} is in use by another run: {_describe(holder)} holds "
+                f"{self.path}; wait for it to end (or stop it), or choose another directory."
+            ) from None
+        except OSError as err:
+            if err.errno not in _UNSUPPORTED:
+                self._file.close()
+                raise
+            self.unsupported = f"{self.path} cannot be locked on this file system ({err.strerror})"
+            return
+        left = _read(self._file)
+        if left:
+            self.previous = _describe(left)
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": command,
+            "since": time.time(),
+        }
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps(me) + "\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Let the next run in (the file stays, emptied). A folder this lock created and
+        nothing else used is removed again, so a refused start leaves no trace."""
+        if self._file.closed:
+            return
+        if self.unsupported is None:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.flush()
+        if self._created and [p.name for p in self.folder.iterdir()] == [LOCK]:
+            self.path.unlink()
+            self.folder.rmdir()
+        self._file.close()  # closing drops the flock
+
+
+def _read(f) -> dict:
+    """The holder a lock file records ({} when empty or unreadable)."""
+    f.seek(0)
+    try:
+        holder = json.loads(f.read() or "{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
 
 
 def set_aside(paths: list[Path]) -> int | None:

@@ -7,7 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from moe_core.data.tokenize import tokenize_corpus
 from moe_core.errors import CheckpointError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
+from moe_core.rundir import LOCK
 from moe_core.train.checkpoint import MANIFEST, Checkpointer, run_id_of, verify
 from moe_core.train.guards import TrainingHaltedError
 from moe_core.train.trainer import Trainer
@@ -327,3 +332,53 @@ def test_rows_without_the_text_field_are_reported_not_dropped_silently(tmp_path)
     )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["documents_without_text"] == {"count": 2, "first": 1}
+
+
+# ---- one run per directory -----------------------------------------------------------------
+
+HOLD = (
+    "import sys\n"
+    "from moe_core.rundir import RunLock\n"
+    "lock = RunLock(sys.argv[1], 'a test holder')\n"
+    "print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
+    tmp_path, capsys
+):
+    out = tmp_path / "run"
+    args = [*TINY, "train.checkpoint_every=1", f"out_dir={out}"]
+    assert main(["train", *args, "train.steps=1"]) == 0
+    capsys.readouterr()
+    before = snapshot(out)
+    del before[LOCK]  # the holder writes its name there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        assert main(["train", *args, "train.steps=2"]) == 2
+        printed = capsys.readouterr().out.replace("\n", "")
+        assert (
+            f"{out} is in use by another run: process {holder.pid} on host "
+            f"{socket.gethostname()} (a test holder, since " in printed
+        )
+        assert "wait for it to end (or stop it), or choose another directory." in printed
+        assert {k: v for k, v in snapshot(out).items() if k != LOCK} == before, "nothing changed"
+    finally:
+        holder.kill()
+        holder.wait()
+
+    console = Console(record=True, width=300)
+    trainer = Trainer(compose_run([*args, "train.steps=2"]), console=console)
+    assert f"took over the lock of process {holder.pid} on host" in console.export_text()
+    assert trainer.step == 1
+    trainer.fit(show_progress=False)
+    assert trainer.step == 2 and (out / "checkpoints" / "step_00000002").is_dir()

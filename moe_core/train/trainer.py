@@ -38,6 +38,7 @@ from moe_core.data.manifest import verify_data_dir
 from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
+from moe_core.errors import RunDirLockedError
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.model.moe import Router, router_stats_paused
@@ -49,7 +50,7 @@ from moe_core.parallel.mesh import Mesh, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.parallel.parallelize import DTYPES, parallelize
 from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
-from moe_core.rundir import set_aside
+from moe_core.rundir import RunLock, set_aside
 from moe_core.train.checkpoint import Checkpointer, router_buffers
 from moe_core.train.guards import Guards, TrainingHaltedError
 from moe_core.train.metrics import (
@@ -99,13 +100,50 @@ def routers_by_layer(modules: list[torch.nn.Module]) -> dict[str, Router]:
 
 
 class Trainer:
+    """Trains ``cfg`` in ``cfg.out_dir``, which it locks (rank 0) from construction to the end
+    of ``fit`` (or ``release``): a second run there is refused before anything is built."""
+
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None, console: Console | None = None):
         self.cfg = cfg
-        tc, pc = cfg.train, cfg.parallel
-        self.mesh = mesh or init_distributed(pc)
+        self.mesh = mesh or init_distributed(cfg.parallel)
         self.device = self.mesh.device
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
+        self._lock: RunLock | None = None
+        self._lock_out_dir()
+        try:
+            self._build()
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock_out_dir(self) -> None:
+        """Take ``out_dir``'s lock on rank 0; every rank raises the same refusal (collective)."""
+        problem: list[str | None] = [None]
+        if self.is_main and self._lock is None:
+            try:
+                self._lock = RunLock(self.out, "training")
+            except RunDirLockedError as err:
+                problem[0] = str(err)
+            else:
+                if self._lock.previous is not None:
+                    self._warn(f"took over the lock of {self._lock.previous}: it no longer runs")
+                if self._lock.unsupported is not None:
+                    self._warn(f"{self._lock.unsupported}: a second run here would not be stopped")
+        if self.mesh.distributed:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise RunDirLockedError(problem[0])
+
+    def release(self) -> None:
+        """Let another run use ``out_dir`` (``fit`` takes the lock again if it runs later)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        tc, pc = cfg.train, cfg.parallel
         torch.manual_seed(tc.seed)
         tokens = tc.micro_batch_size * tc.seq_len
         self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed, tokens)
@@ -619,7 +657,15 @@ class Trainer:
         self, show_progress: bool = True, sinks: list[MetricsSink] | None = None
     ) -> list[StepMetrics]:
         """Train to ``train.steps`` (from wherever resume left off); checkpoint as configured;
-        stop gracefully on SIGTERM / SIGINT with a checkpoint."""
+        stop gracefully on SIGTERM / SIGINT with a checkpoint. ``out_dir`` stays locked until
+        this returns or raises."""
+        self._lock_out_dir()
+        try:
+            return self._fit(show_progress, sinks)
+        finally:
+            self.release()
+
+    def _fit(self, show_progress: bool, sinks: list[MetricsSink] | None) -> list[StepMetrics]:
         tc = self.cfg.train
         show = show_progress and self.is_main
         if self.is_main:
