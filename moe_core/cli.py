@@ -20,7 +20,7 @@ from rich.table import Table
 
 from moe_core.config import ConfigError, RunConfig, from_dict
 from moe_core.data.errors import DataError
-from moe_core.errors import CheckpointError, RunDirLockedError
+from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 
 DEFAULT_CONFIG_NAME = "config"
 
@@ -237,19 +237,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_sentence(err: OSError) -> str:
+    """An OSError as one sentence: our own messages as they are, the system's with the path."""
+    if err.strerror is None or err.filename is None:
+        return str(err)
+    return f"{err.filename}: {err.strerror}."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (
-        ConfigError,
-        DataError,
-        CheckpointError,
-        RunDirLockedError,
-        FileNotFoundError,
-        FileExistsError,
-    ) as err:
+    except (ConfigError, DataError, CheckpointError, RunDirLockedError, RunFileError) as err:
         console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        return 2
+    except OSError as err:  # a missing file, a full disk, a symlink loop: one line, no traceback
+        console.print(
+            f"[red]error:[/] {escape(_os_sentence(err))}", highlight=False, soft_wrap=True
+        )
         return 2
     return 0
 

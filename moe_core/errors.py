@@ -11,3 +11,8 @@ class CheckpointError(ValueError):
 
 class RunDirLockedError(RuntimeError):
     """Another live process holds the run directory's lock (its pid and host are named)."""
+
+
+class RunFileError(ValueError):
+    """A run directory's file that could not be written (disk full, no permission) or read
+    (a corrupt metrics log), named in one sentence with what was kept."""

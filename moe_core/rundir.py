@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from moe_core.errors import RunDirLockedError
+from moe_core.errors import RunDirLockedError, RunFileError
 
 SUPERSEDED = "superseded"
 LOCK = ".moe.lock"
@@ -48,7 +48,14 @@ class RunLock:
         self.previous: str | None = None
         self.unsupported: str | None = None
         self._created = not self.folder.exists()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise RunFileError(
+                f"{self.folder} cannot be a run directory: it (or a folder above it) exists but "
+                "is not a folder (a file, or a symlink that loops or leads nowhere); choose "
+                "another directory."
+            ) from None
         self._file = open(self.path, "a+")  # noqa: SIM115 (held open while locked)
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -28,7 +28,7 @@ from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
 from moe_core.convert.native import save_model_dir
 from moe_core.data.errors import DataError
 from moe_core.data.tokenize import tokenize_corpus
-from moe_core.errors import CheckpointError
+from moe_core.errors import CheckpointError, RunFileError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
 from moe_core.rundir import LOCK
@@ -382,3 +382,52 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
     assert trainer.step == 1
     trainer.fit(show_progress=False)
     assert trainer.step == 2 and (out / "checkpoints" / "step_00000002").is_dir()
+
+
+# ---- a full disk, a cut-short log, an unusable out_dir -------------------------------------
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_while_checkpointing_then_a_resume_over_a_cut_short_metrics_line(tmp_path):
+    args = [*TINY, "train.checkpoint_every=1", f"out_dir={tmp_path}"]
+    trainer = Trainer(compose_run([*args, "train.steps=2"]))
+    ckpts = tmp_path / "checkpoints"
+    tmp = ckpts / ".tmp-step_00000002"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").symlink_to("/dev/full")  # step 2's data file: no space left there
+    with pytest.raises(RunFileError) as err:
+        trainer.fit(show_progress=False)
+    assert str(err.value) == (
+        f"checkpoint step 2 could not be written (No space left on device: {tmp}); its "
+        f"unfinished folder .tmp-step_00000002 was removed and the checkpoints already in "
+        f"{ckpts} are untouched: free space (or fix the permission) and resume."
+    )
+    assert names(ckpts) == ["step_00000001"] and verify(ckpts / "step_00000001") is None
+
+    metrics = tmp_path / "metrics.jsonl"
+    first = metrics.read_text().splitlines()[0]
+    with metrics.open("a") as f:
+        f.write('{"step": 2, "loss": 8.1')  # a line the crash cut short
+    resumed = Trainer(compose_run([*args, "train.steps=3"]))
+    assert resumed.step == 1
+    resumed.fit(show_progress=False)
+    lines = metrics.read_text().splitlines()
+    assert lines[0] == first and [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+
+    metrics.write_text(lines[0] + "\n" + "garbage\n" + lines[2] + "\n")
+    before = metrics.read_bytes()
+    with pytest.raises(RunFileError, match=r"metrics.jsonl line 2 is not a JSON object"):
+        Trainer(compose_run([*args, "train.steps=4"])).fit(show_progress=False)
+    assert metrics.read_bytes() == before, "a damaged log is refused, not rewritten"
+
+
+def test_an_out_dir_that_cannot_be_a_folder_is_one_sentence(tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out in (loop, afile, afile / "below"):
+        assert main(["train", *TINY, f"out_dir={out}"]) == 2
+        printed = capsys.readouterr().out.replace("\n", "")
+        assert f"{out} cannot be a run directory: it (or a folder above it) exists but" in printed
+    assert afile.read_text() == "keep" and loop.is_symlink()

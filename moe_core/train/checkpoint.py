@@ -44,7 +44,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig, from_dict
 from moe_core.data.files import file_sha256
-from moe_core.errors import CheckpointError
+from moe_core.errors import CheckpointError, RunFileError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
@@ -84,6 +84,18 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
         yield
+
+
+def inner_error(err: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``err`` itself when it is a ``kind``, else the first failure of that kind that DCP
+    wrapped inside it (its ``CheckpointException`` collects each rank's exception)."""
+    if isinstance(err, kind):
+        return err
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, kind):
+            return inner
+    return None
 
 
 def new_run_id() -> str:
@@ -229,7 +241,7 @@ class Checkpointer:
         tmp = self.root / f".tmp-step_{step:08d}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
-            with _quiet():
+            with _quiet(), self._writing(step, tmp):
                 fut = dcp.async_save(
                     state,
                     checkpoint_id=str(tmp),
@@ -242,7 +254,7 @@ class Checkpointer:
             writer = None
             if file_per_entry:
                 writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
-            with _quiet():
+            with _quiet(), self._writing(step, tmp):
                 dcp.save(
                     state,
                     checkpoint_id=str(tmp),
@@ -251,7 +263,26 @@ class Checkpointer:
                     planner=planner,
                     storage_writer=writer,
                 )
-            self._publish(step, tmp, meta)
+                self._publish(step, tmp, meta)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+        """A write that fails with an OSError (disk full, no permission) becomes one sentence
+        naming the path, once the unfinished folder is removed (it would hold the space)."""
+        try:
+            yield
+        except BaseException as err:
+            failure = inner_error(err, OSError)
+            if not isinstance(failure, OSError):
+                raise
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RunFileError(
+                f"checkpoint step {step} could not be written ({failure.strerror or failure}: "
+                f"{failure.filename or tmp}); its unfinished folder {tmp.name} was removed and "
+                f"the checkpoints already in {self.root} are untouched: free space (or fix the "
+                "permission) and resume."
+            ) from None
 
     def poll(self) -> None:
         """Publish a finished background save without waiting for an unfinished one."""
@@ -263,8 +294,9 @@ class Checkpointer:
             return
         fut, step, tmp, meta = self._pending
         self._pending = None
-        fut.result()
-        self._publish(step, tmp, meta)
+        with self._writing(step, tmp):
+            fut.result()
+            self._publish(step, tmp, meta)
 
     def _publish(self, step: int, tmp: Path, meta: dict) -> None:
         if self.is_main:

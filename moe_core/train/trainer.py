@@ -38,7 +38,7 @@ from moe_core.data.manifest import verify_data_dir
 from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
-from moe_core.errors import RunDirLockedError
+from moe_core.errors import RunDirLockedError, RunFileError
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.model.moe import Router, router_stats_paused
@@ -118,13 +118,14 @@ class Trainer:
             raise
 
     def _lock_out_dir(self) -> None:
-        """Take ``out_dir``'s lock on rank 0; every rank raises the same refusal (collective)."""
-        problem: list[str | None] = [None]
+        """Take ``out_dir``'s lock on rank 0; every rank raises the same refusal (collective),
+        also when ``out_dir`` cannot be made (a file, a symlink loop, no permission)."""
+        problem: list[BaseException | None] = [None]
         if self.is_main and self._lock is None:
             try:
                 self._lock = RunLock(self.out, "training")
-            except RunDirLockedError as err:
-                problem[0] = str(err)
+            except (RunDirLockedError, RunFileError, OSError) as err:
+                problem[0] = err
             else:
                 if self._lock.previous is not None:
                     self._warn(f"took over the lock of {self._lock.previous}: it no longer runs")
@@ -133,7 +134,7 @@ class Trainer:
         if self.mesh.distributed:
             dist.broadcast_object_list(problem, src=0)
         if problem[0] is not None:
-            raise RunDirLockedError(problem[0])
+            raise problem[0]
 
     def release(self) -> None:
         """Let another run use ``out_dir`` (``fit`` takes the lock again if it runs later)."""
