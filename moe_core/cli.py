@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -28,12 +29,24 @@ console = Console()
 
 
 def _size(text: str) -> int:
+    """Bytes from ``5GB``, ``500MiB``, ``1000`` and the like; anything else in one sentence."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     t = text.strip().upper()
-    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+    scale = 1
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * scale)
-    return int(t)
+            t, scale = t[: -len(unit)], factor
+            break
+    try:
+        size = float(t) * scale
+    except ValueError:
+        size = 0.0
+    if not (math.isfinite(size) and size >= 1):
+        raise ConfigError(
+            f"--max-shard-size {text!r} is not allowed: a positive number of bytes, optionally "
+            "with a unit KB, MB, GB, KiB, MiB or GiB (such as 5GB)."
+        )
+    return int(size)
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -147,7 +160,14 @@ def _train(run) -> None:
             f"{par.world_size} x {trainer.device.type} (pp {par.pp}, dp {par.dp}, ep {par.ep})"
         )
     history = trainer.fit()
-    if trainer.is_main:
+    if trainer.is_main and not history:
+        console.print(
+            f"nothing to train: {run.out_dir} already holds step {trainer.step} of "
+            f"train.steps={run.train.steps}; raise train.steps to train on.",
+            highlight=False,
+            soft_wrap=True,
+        )
+    elif trainer.is_main:
         done = f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}"
         if run.train.save_model:
             done += (
@@ -158,9 +178,11 @@ def _train(run) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from moe_core.convert.hf import check_exportable, load_hf, save_hf
+    from moe_core.convert.hf import check_exportable, load_hf, refuse_existing, save_hf
     from moe_core.convert.native import load_model_dir, save_model_dir
 
+    max_shard_bytes = _size(args.max_shard_size)
+    refuse_existing(Path(args.out), args.overwrite)  # before anything is read
     if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
         import torch
 
@@ -178,12 +200,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
             cfg,
             args.out,
             tokenizer_dir=args.tokenizer,
-            max_shard_bytes=_size(args.max_shard_size),
+            max_shard_bytes=max_shard_bytes,
             overwrite=args.overwrite,
         )
     else:
         cfg, state = load_hf(args.src)
-        out = save_model_dir(state, cfg, args.out)
+        out = save_model_dir(state, cfg, args.out, overwrite=args.overwrite)
     console.print(f"wrote {out}")
 
 
@@ -218,15 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("direction", choices=["to-hf", "from-hf"])
     p.add_argument(
         "src",
-        help="to-hf: a training checkpoint (step_N) or our model directory; from-hf: an HF "
-        "OLMoE directory",
+        help="to-hf: a training checkpoint (step_N; read without unpickling code, so one from "
+        "elsewhere cannot run any) or our model directory; from-hf: an HF OLMoE directory",
     )
     p.add_argument("out", help="the directory to write")
     p.add_argument(
         "--tokenizer", default=None, help="to-hf: a folder whose tokenizer files to copy"
     )
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
-    p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing OUT")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
     p.add_argument(
         "--dtype", choices=["fp32", "bf16"], default="fp32", help="to-hf from a checkpoint"
     )

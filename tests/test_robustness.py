@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import BASE, small_config, write_token_dir
 from rich.console import Console
 
@@ -25,7 +27,7 @@ from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig, from_dict
 from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
-from moe_core.convert.native import save_model_dir
+from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.errors import DataError
 from moe_core.data.tokenize import tokenize_corpus
 from moe_core.errors import CheckpointError, RunFileError
@@ -431,3 +433,68 @@ def test_an_out_dir_that_cannot_be_a_folder_is_one_sentence(tmp_path, capsys):
         printed = capsys.readouterr().out.replace("\n", "")
         assert f"{out} cannot be a run directory: it (or a folder above it) exists but" in printed
     assert afile.read_text() == "keep" and loop.is_symlink()
+
+
+# ---- outputs and checkpoints from elsewhere ------------------------------------------------
+
+
+def test_convert_from_hf_into_a_non_empty_folder_is_refused_unless_overwrite(tmp_path, capsys):
+    src = hf_dir(tmp_path)
+    out = tmp_path / "ours"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["convert", "from-hf", str(src), str(out)]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"{out} already exists and is not empty: pass --overwrite (overwrite=True)" in printed
+    assert names(out) == ["notes.txt"]
+    assert main(["convert", "from-hf", str(src), str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / WEIGHTS).is_file()
+
+
+class Payload:
+    """What a hostile ``.metadata`` could hold: unpickling it writes a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def test_a_checkpoint_from_elsewhere_cannot_run_code_when_converted(tmp_path, capsys):
+    Trainer(compose_run([*TINY, "train.steps=1", f"out_dir={tmp_path / 'run'}"])).fit(
+        show_progress=False
+    )
+    bad = tmp_path / "downloaded"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_00000001", bad)
+    (bad / MANIFEST).unlink()  # from elsewhere: no manifest of ours
+    marker = tmp_path / "marker"
+    (bad / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(AttributeError):  # what plain DCP does: it runs the payload
+        dcp.FileSystemReader(str(bad)).read_metadata()
+    assert marker.read_text() == "ran"
+    marker.unlink()
+
+    assert main(["convert", "to-hf", str(bad), str(tmp_path / "hf")]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"{bad / '.metadata'} asks to load pathlib.Path.write_text, which checkpoint " in printed
+    assert "refused, since unpickling it could run code; load only checkpoints you trust" in printed
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_finished_run_rerun_and_a_bad_shard_size_are_one_sentence(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", *TINY, "train.steps=1", f"out_dir={out}"]
+    assert main(args) == 0
+    before = snapshot(out / "checkpoints")
+    capsys.readouterr()
+    assert main(args) == 0
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"nothing to train: {out} already holds step 1 of train.steps=1; raise" in printed
+    assert snapshot(out / "checkpoints") == before
+    for bad in ("5XB", "0", "nan", "-1GB"):
+        convert = ["convert", "to-hf", str(out / "model"), str(tmp_path / "hf")]
+        assert main([*convert, f"--max-shard-size={bad}"]) == 2
+        printed = capsys.readouterr().out.replace("\n", "")
+        assert f"--max-shard-size '{bad}' is not allowed: a positive number of bytes" in printed
+    assert not (tmp_path / "hf").exists()

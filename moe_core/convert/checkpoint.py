@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from moe_core.config import ModelConfig, RunConfig, from_dict
 from moe_core.convert.hf import expected_names, save_hf
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
-from moe_core.train.checkpoint import trainer_state
+from moe_core.train import dcp_read
+from moe_core.train.checkpoint import MANIFEST, trainer_state, verify
 
 _PARAM = re.compile(r"opt/(.+)/param/(\d+)")
 _BUFFER = re.compile(r"buf/(.+)")
@@ -32,7 +31,7 @@ class CheckpointSource:
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> None:
         self.path, self.cfg, self.dtype = Path(path), cfg, dtype
-        metadata = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        metadata = dcp_read.read_metadata(self.path).state_dict_metadata
         self.chunks: dict[str, list[tuple[int, int, str]]] = {}
         self.buffers: dict[str, torch.Size] = {}
         for key, md in metadata.items():
@@ -58,9 +57,7 @@ class CheckpointSource:
             for first, size, key in self.chunks[name]
             if first < start + length and start < first + size
         }
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(request, checkpoint_id=str(self.path), no_dist=True)
+        dcp_read.load(request, self.path, no_dist=True)
         out = torch.empty(length)
         covered = 0
         for first, size, key in self.chunks[name]:
@@ -84,9 +81,7 @@ class CheckpointSource:
         state = {name: self.get(name) for name in sorted(expected_names(self.cfg))}
         request = {f"buf/{n}": torch.empty(size) for n, size in self.buffers.items()}
         if request:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(request, checkpoint_id=str(self.path), no_dist=True)
+            dcp_read.load(request, self.path, no_dist=True)
             state |= {k.removeprefix("buf/"): v for k, v in request.items()}
         return state
 
@@ -104,7 +99,11 @@ def checkpoint_to_hf(
     eos_token_id: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor."""
+    """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
+    One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
+    without running code from it (``train.dcp_read``)."""
+    if (Path(path) / MANIFEST).is_file() and (problem := verify(Path(path))) is not None:
+        raise CheckpointError(f"checkpoint {path} does not verify ({problem}): not converted.")
     cfg = checkpoint_config(path).model
     source = CheckpointSource(path, cfg, dtype)
     return save_hf(

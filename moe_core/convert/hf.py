@@ -74,6 +74,17 @@ def check_exportable(cfg: ModelConfig) -> None:
         )
 
 
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    """Refuse to write into ``out`` when it holds anything, unless ``overwrite``."""
+    if overwrite or not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir() or any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} already exists and is not empty: pass --overwrite (overwrite=True) to "
+            "replace it, or choose another folder."
+        )
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
     """The ``transformers.OlmoeConfig`` that computes what ``cfg`` computes."""
     from transformers import OlmoeConfig
@@ -198,10 +209,7 @@ def save_hf(
                 f"the weights do not fit their model config ({problem}): nothing was written."
             )
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out} already exists and is not empty; pass overwrite to replace it."
-        )
+    refuse_existing(out, overwrite)
     if tokenizer_dir is not None and not any(
         (Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES
     ):

@@ -30,7 +30,6 @@ import re
 import secrets
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -48,6 +47,9 @@ from moe_core.errors import CheckpointError, RunFileError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
+from moe_core.train import dcp_read
+from moe_core.train.dcp_read import inner_error
+from moe_core.train.dcp_read import quiet as _quiet
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
@@ -78,26 +80,6 @@ def owned_ranges(opt: ShardedAdamW) -> list[Owned]:
     return out
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Single-process runs save and load without a process group on purpose: no warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        yield
-
-
-def inner_error(err: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """``err`` itself when it is a ``kind``, else the first failure of that kind that DCP
-    wrapped inside it (its ``CheckpointException`` collects each rank's exception)."""
-    if isinstance(err, kind):
-        return err
-    for failure in (getattr(err, "failures", None) or {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, kind):
-            return inner
-    return None
-
-
 def new_run_id() -> str:
     """A fresh run id (random: two runs never share one)."""
     return secrets.token_hex(8)
@@ -123,8 +105,7 @@ def run_id_of(path: Path) -> str | None:
 def trainer_state(path: str | Path) -> dict[str, Any]:
     """The trainer state a checkpoint holds (step, guards, config, loader), read alone."""
     request = {"trainer": ""}
-    with _quiet():
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    dcp_read.load(request, path, no_dist=True)
     return json.loads(request["trainer"])
 
 
@@ -392,7 +373,7 @@ class Checkpointer:
         """Fill ``opt`` (and the model, through it) and ``buffers`` from ``path``; return the
         trainer state. Works whatever layout wrote the checkpoint. ``shapes`` (the model's full
         parameter shapes) refuses a checkpoint of another model before anything is loaded."""
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = dcp_read.read_metadata(path).state_dict_metadata
         saved: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
         dtypes: dict[str, torch.dtype] = {}  # as saved: fp32, or bf16 from the pure-bf16 preset
         for key, md in metadata.items():
@@ -417,10 +398,7 @@ class Checkpointer:
             )
         for name, t in buffers.items():
             request[f"buf/{name}"] = torch.empty_like(t, device="cpu")
-        with _quiet():
-            dcp.load(
-                request, checkpoint_id=str(path), process_group=self.group, no_dist=self.no_dist
-            )
+        dcp_read.load(request, path, process_group=self.group, no_dist=self.no_dist)
 
         shards = [opt.shards(i, allocate=True) for i in range(len(opt.buckets))]
         for o in owned:

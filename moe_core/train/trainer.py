@@ -687,7 +687,7 @@ class Trainer:
             TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(),
         )
-        saved_at = -1
+        saved_at = self.step if self.resumed_from is not None else -1  # that state is saved
         try:
             with Progress(*columns, console=self.console, disable=not show) as bar:
                 task = bar.add_task("train", total=tc.steps, completed=self.step, status="")
@@ -731,7 +731,7 @@ class Trainer:
         if tc.save_model and not self.stop_requested:
             state = self.full_model_state()
             if state is not None:
-                save_model_dir(state, self.cfg.model, self.out / "model")
+                save_model_dir(state, self.cfg.model, self.out / "model", overwrite=True)
         return history
 
 
