@@ -6,7 +6,8 @@ standard library so that the CLI and the pipeline import it cheaply.
 
 The lock is ``flock`` on ``.moe.lock`` in the directory: the kernel drops it when its process
 ends, however it ends, so a lock left by a dead process is simply taken over (and reported),
-while a live holder is named (pid, host, command, start) in the refusal. The file itself stays.
+while a live holder (another process) is named (pid, host, command, start) in the refusal.
+The file itself stays.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from moe_core.errors import RunDirLockedError, RunFileError
 
@@ -35,8 +37,14 @@ def _describe(holder: dict) -> str:
     )
 
 
+# Locks this process holds: folder (resolved) -> [its open, flocked file, RunLocks sharing it].
+_HELD: dict[str, list[Any]] = {}
+
+
 class RunLock:
-    """An exclusive lock on a run directory, held until ``release`` (or the process ends).
+    """An exclusive lock on a run directory for this process, held until every ``RunLock`` of
+    the folder in this process is released (or the process ends). Another process is refused;
+    another object of the same process (a second ``Trainer`` in a notebook) shares the lock.
 
     ``previous``: the holder recorded by a lock that was taken over (its process had ended),
     in words; None when the lock was free. ``unsupported``: why the file system could not lock
@@ -56,49 +64,62 @@ class RunLock:
                 "is not a folder (a file, or a symlink that loops or leads nowhere); choose "
                 "another directory."
             ) from None
-        self._file = open(self.path, "a+")  # noqa: SIM115 (held open while locked)
+        self._key = str(self.folder.resolve())
+        self._released = False
+        if self._key in _HELD:
+            _HELD[self._key][1] += 1
+            return
+        f = open(self.path, "a+")  # noqa: SIM115 (held open while locked)
         try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read(self._file)
-            self._file.close()
+            holder = _read(f)
+            f.close()
             raise RunDirLockedError(
                 f"{self.folder} is in use by another run: {_describe(holder)} holds "
                 f"{self.path}; wait for it to end (or stop it), or choose another directory."
             ) from None
         except OSError as err:
             if err.errno not in _UNSUPPORTED:
-                self._file.close()
+                f.close()
                 raise
             self.unsupported = f"{self.path} cannot be locked on this file system ({err.strerror})"
-            return
-        left = _read(self._file)
-        if left:
-            self.previous = _describe(left)
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "command": command,
-            "since": time.time(),
-        }
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(json.dumps(me) + "\n")
-        self._file.flush()
+        else:
+            left = _read(f)
+            if left:
+                self.previous = _describe(left)
+            me = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "command": command,
+                "since": time.time(),
+            }
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(me) + "\n")
+            f.flush()
+        _HELD[self._key] = [f, 1]
 
     def release(self) -> None:
-        """Let the next run in (the file stays, emptied). A folder this lock created and
-        nothing else used is removed again, so a refused start leaves no trace."""
-        if self._file.closed:
+        """Let the next run in once no object of this process holds the folder any more (the
+        file stays, emptied). A folder this lock created and nothing else used is removed
+        again, so a refused start leaves no trace."""
+        if self._released:
             return
+        self._released = True
+        f, holders = _HELD[self._key]
+        if holders > 1:
+            _HELD[self._key][1] -= 1
+            return
+        del _HELD[self._key]
         if self.unsupported is None:
-            self._file.seek(0)
-            self._file.truncate()
-            self._file.flush()
+            f.seek(0)
+            f.truncate()
+            f.flush()
         if self._created and [p.name for p in self.folder.iterdir()] == [LOCK]:
             self.path.unlink()
             self.folder.rmdir()
-        self._file.close()  # closing drops the flock
+        f.close()  # closing drops the flock
 
 
 def _read(f) -> dict:

@@ -132,3 +132,30 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
     info = {"sha256": sha256_hex(tokenizer), "vocab_size": vocab_size, "eos_id": 0, "dtype": dtype}
     atomic_write(out / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
     return out
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(folder: Path) -> Iterator[subprocess.Popen]:
+    """``folder``'s run lock held by another process, which is killed (never releasing it) at
+    the end, leaving the lock of a dead process behind."""
+    hold = (
+        "import sys\n"
+        "from moe_core.rundir import RunLock\n"
+        "lock = RunLock(sys.argv[1], 'a test holder')\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hold, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

@@ -190,18 +190,16 @@ def test_1t_refuses_without_its_gpus_and_shows_the_plan(prefect_home, tmp_path, 
 
 
 def test_a_second_pipeline_in_a_locked_run_dir_is_refused_before_any_stage(prefect_home, tmp_path):
+    from helpers import lock_held_elsewhere
+
     from flows.pretrain import pretrain
     from moe_core.errors import RunDirLockedError
-    from moe_core.rundir import LOCK, RunLock
+    from moe_core.rundir import LOCK
 
     run_dir = tmp_path / "tiny"
-    first = RunLock(run_dir, "pretrain pipeline")  # as the first pipeline holds it
-    try:
+    with lock_held_elsewhere(run_dir) as first:  # as the first pipeline holds it
         with pytest.raises(RunDirLockedError) as err:
             pretrain(config=compose_dict(SMALL, config_name="pretrain-tiny"), run_dir=str(run_dir))
-        assert f"{run_dir} is in use by another run: process {os.getpid()} on host" in str(
-            err.value
-        )
+        message = str(err.value)
+        assert f"{run_dir} is in use by another run: process {first.pid} on host" in message
         assert [p.name for p in run_dir.iterdir()] == [LOCK], "no stage, no tracking store"
-    finally:
-        first.release()

@@ -7,12 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pickle
 import shutil
 import socket
-import subprocess
-import sys
+import string
 import typing
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import BASE, small_config, write_token_dir
+from helpers import BASE, lock_held_elsewhere, small_config, write_token_dir
 from rich.console import Console
 
 from moe_core.cli import main
@@ -29,7 +27,14 @@ from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig, 
 from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
 from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.errors import DataError
-from moe_core.data.tokenize import tokenize_corpus
+from moe_core.data.sources import open_source
+from moe_core.data.tokenize import (
+    MAX_TRAINING_RUN,
+    _training_texts,
+    tokenize_corpus,
+    validation_phase,
+)
+from moe_core.data.tokenizer import load_tokenizer
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
@@ -338,14 +343,6 @@ def test_rows_without_the_text_field_are_reported_not_dropped_silently(tmp_path)
 
 # ---- one run per directory -----------------------------------------------------------------
 
-HOLD = (
-    "import sys\n"
-    "from moe_core.rundir import RunLock\n"
-    "lock = RunLock(sys.argv[1], 'a test holder')\n"
-    "print('locked', flush=True)\n"
-    "sys.stdin.read()\n"
-)
-
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
     tmp_path, capsys
@@ -356,16 +353,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
     capsys.readouterr()
     before = snapshot(out)
     del before[LOCK]  # the holder writes its name there
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(out)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    with lock_held_elsewhere(out) as holder:
         assert main(["train", *args, "train.steps=2"]) == 2
         printed = capsys.readouterr().out.replace("\n", "")
         assert (
@@ -374,9 +362,6 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
         )
         assert "wait for it to end (or stop it), or choose another directory." in printed
         assert {k: v for k, v in snapshot(out).items() if k != LOCK} == before, "nothing changed"
-    finally:
-        holder.kill()
-        holder.wait()
 
     console = Console(record=True, width=300)
     trainer = Trainer(compose_run([*args, "train.steps=2"]), console=console)
@@ -498,3 +483,22 @@ def test_a_finished_run_rerun_and_a_bad_shard_size_are_one_sentence(tmp_path, ca
         printed = capsys.readouterr().out.replace("\n", "")
         assert f"--max-shard-size '{bad}' is not allowed: a positive number of bytes" in printed
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_long_run_without_spaces_is_cut_for_bpe_training_only(tmp_path):
+    """A multi-megabyte "word" made BPE training run for minutes (it grows with the square of
+    the run): the trainer sees such runs cut into pieces, the shards keep the text as it is."""
+    rng = np.random.default_rng(0)
+    blob = "".join(rng.choice(list(string.ascii_letters), 3 * MAX_TRAINING_RUN + 500))
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"text": "in the beginning was the word " * 20}, {"text": blob}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(
+        kind="tokens", path=str(corpus), bpe_vocab_size=300, workers=1, validation_fraction=0.0
+    )
+    seen = list(_training_texts(open_source(cfg), cfg, validation_phase(cfg.seed)))
+    assert [len(w) for w in seen[1].split()] == [MAX_TRAINING_RUN] * 3 + [500]
+    assert "".join(seen[1].split()) == blob and seen[0] == rows[0]["text"]
+    out = tokenize_corpus(cfg, tmp_path / "data", show_progress=False)
+    ids = np.concatenate([np.load(p) for p in sorted(out.glob("train-*.npy"))]).tolist()
+    assert blob in load_tokenizer(out).decode(ids), "the shards hold the whole run"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -34,6 +35,11 @@ from moe_core.data.sources import Source, WithoutText, open_source
 from moe_core.data.tokenizer import TOKENIZER_JSON, BuiltTokenizer, build_tokenizer
 
 JOB = "job.json"
+# The longest run of non-space characters the BPE trainer sees: longer runs (a multi-megabyte
+# line of base64 or DNA) are cut into pieces of this length for training only, since the trainer
+# slows down with the square of a word's length; the shards keep every text as it is.
+MAX_TRAINING_RUN = 1000
+_LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_RUN + 1},}}")
 TASK_CHARS = 1 << 18  # text per worker task: small enough to keep every worker busy
 TASK_DOCS = 512
 
@@ -320,10 +326,23 @@ def _training_texts(source: Source, cfg: DataConfig, phase: float) -> Iterator[s
     for index, text in source.documents():
         if not text or is_validation(index, cfg.validation_fraction, phase):
             continue
-        yield text[:left]
+        yield _cut_long_runs(text[:left])
         left -= min(left, len(text))
         if left == 0:
             return
+
+
+def _cut_long_runs(text: str) -> str:
+    """``text`` with each run of more than ``MAX_TRAINING_RUN`` non-space characters split by
+    spaces into pieces of that length (what the BPE trainer sees)."""
+    if len(text) <= MAX_TRAINING_RUN:
+        return text
+
+    def cut(m: re.Match[str]) -> str:
+        run = m.group()
+        return " ".join(run[i : i + MAX_TRAINING_RUN] for i in range(0, len(run), MAX_TRAINING_RUN))
+
+    return _LONG_RUN.sub(cut, text)
 
 
 # --------------------------------------------------------------------------------------------
