@@ -101,7 +101,8 @@ def routers_by_layer(modules: list[torch.nn.Module]) -> dict[str, Router]:
 
 class Trainer:
     """Trains ``cfg`` in ``cfg.out_dir``, which it locks (rank 0) from construction to the end
-    of ``fit`` (or ``release``): a second run there is refused before anything is built."""
+    of ``fit`` (or ``release``): a run of another process there is refused before anything is
+    built."""
 
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None, console: Console | None = None):
         self.cfg = cfg
@@ -143,6 +144,7 @@ class Trainer:
             self._lock = None
 
     def _build(self) -> None:
+        """Model, optimizer, data and checkpoints: everything that comes after the lock."""
         cfg = self.cfg
         tc, pc = cfg.train, cfg.parallel
         torch.manual_seed(tc.seed)
