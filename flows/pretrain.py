@@ -37,6 +37,7 @@ from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
 from moe_core.config import RunConfig, check_path, from_dict, to_dict
+from moe_core.rundir import RunLock, set_aside
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
 
@@ -118,10 +119,7 @@ def _supersede(ctx: Context, stage: str, folder: Path) -> None:
     key = ctx.keys[stage]
     stale = folder.exists() and (not marker.is_file() or marker.read_text() != key)
     if stale and any(folder.iterdir()):
-        n = 1
-        while folder.with_name(f"{folder.name}.superseded-{n}").exists():
-            n += 1
-        folder.rename(folder.with_name(f"{folder.name}.superseded-{n}"))
+        set_aside([folder])
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(key)
 
@@ -167,7 +165,7 @@ def _stage(
 
 def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.data.manifest import read_manifest
-    from moe_core.data.tokenize import tokenize_corpus
+    from moe_core.data.tokenize import tokenize_corpus, without_text_sentence
 
     out = ctx.run_dir / "data"
     _supersede(ctx, "tokenize", out)
@@ -177,6 +175,9 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     content = read_manifest(out).content
     summary = {k: content[k] for k in ("total_tokens", "dtype") if k in content}
     summary["tokenizer"] = content.get("tokenizer", {}).get("name")
+    if "documents_without_text" in content:
+        summary["documents_without_text"] = content["documents_without_text"]["count"]
+        get_run_logger().warning(without_text_sentence(content, ctx.run.data.text_field))
     ctx.tracker.params(run_id, {"data": summary})
     for f in sorted(out.glob("tokenizer*.json")) + sorted(out.glob("special_tokens_map.json")):
         ctx.tracker.artifacts(run_id, f, "tokenizer")
@@ -455,12 +456,26 @@ def default_run_dir() -> str:
 @flow(name="pretrain")
 def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, Any]:
     """Run (or resume) the pipeline for a resolved config in ``run_dir`` (default: a folder of
-    this flow run's own, see ``default_run_dir``; give one to resume it)."""
+    this flow run's own, see ``default_run_dir``; give one to resume it), which it locks: a
+    second pipeline there is refused in one sentence naming this one's process and host."""
     logger = get_run_logger()
     root = Path(run_dir or default_run_dir()).resolve()
     run = resolve(config, root)  # refusals come before anything is written
     check_launchable(run)
-    root.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(root, "pretrain pipeline")
+    if lock.previous is not None:
+        logger.warning("took over the lock of %s: it no longer runs", lock.previous)
+    if lock.unsupported is not None:
+        logger.warning("%s: a second pipeline here would not be stopped", lock.unsupported)
+    try:
+        return _stages(run, root)
+    finally:
+        lock.release()
+
+
+def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
+    """Every stage in order, tracked; the flow's outcome."""
+    logger = get_run_logger()
     (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     tracker.params(tracker.parent, to_dict(run))

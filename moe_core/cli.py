@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -20,6 +21,7 @@ from rich.table import Table
 
 from moe_core.config import ConfigError, RunConfig, from_dict
 from moe_core.data.errors import DataError
+from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 
 DEFAULT_CONFIG_NAME = "config"
 
@@ -27,12 +29,24 @@ console = Console()
 
 
 def _size(text: str) -> int:
+    """Bytes from ``5GB``, ``500MiB``, ``1000`` and the like; anything else in one sentence."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     t = text.strip().upper()
-    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+    scale = 1
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * scale)
-    return int(t)
+            t, scale = t[: -len(unit)], factor
+            break
+    try:
+        size = float(t) * scale
+    except ValueError:
+        size = 0.0
+    if not (math.isfinite(size) and size >= 1):
+        raise ConfigError(
+            f"--max-shard-size {text!r} is not allowed: a positive number of bytes, optionally "
+            "with a unit KB, MB, GB, KiB, MiB or GiB (such as 5GB)."
+        )
+    return int(size)
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -155,7 +169,14 @@ def _train(run) -> None:
             f"{par.world_size} x {trainer.device.type} (pp {par.pp}, dp {par.dp}, ep {par.ep})"
         )
     history = trainer.fit()
-    if trainer.is_main:
+    if trainer.is_main and not history:
+        console.print(
+            f"nothing to train: {run.out_dir} already holds step {trainer.step} of "
+            f"train.steps={run.train.steps}; raise train.steps to train on.",
+            highlight=False,
+            soft_wrap=True,
+        )
+    elif trainer.is_main:
         done = f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}"
         if run.train.save_model:
             done += (
@@ -167,9 +188,11 @@ def _train(run) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from moe_core.convert.hf import check_exportable, load_hf, save_hf
+    from moe_core.convert.hf import check_exportable, load_hf, refuse_existing, save_hf
     from moe_core.convert.native import load_model_dir, save_model_dir
 
+    max_shard_bytes = _size(args.max_shard_size)
+    refuse_existing(Path(args.out), args.overwrite)  # before anything is read
     tokenizer = args.tokenizer
     if args.direction == "to-hf" and tokenizer is None and not args.no_tokenizer:
         from moe_core.convert.checkpoint import run_tokenizer_dir
@@ -192,12 +215,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
             cfg,
             args.out,
             tokenizer_dir=tokenizer,
-            max_shard_bytes=_size(args.max_shard_size),
+            max_shard_bytes=max_shard_bytes,
             overwrite=args.overwrite,
         )
     else:
         cfg, state = load_hf(args.src)
-        out = save_model_dir(state, cfg, args.out)
+        out = save_model_dir(state, cfg, args.out, overwrite=args.overwrite)
     console.print(f"wrote {out}")
 
 
@@ -242,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("direction", choices=["to-hf", "from-hf"])
     p.add_argument(
         "src",
-        help="to-hf: a training checkpoint (step_N) or our model directory; from-hf: an HF "
-        "OLMoE directory",
+        help="to-hf: a training checkpoint (step_N; read without unpickling code, so one from "
+        "elsewhere cannot run any) or our model directory; from-hf: an HF OLMoE directory",
     )
     p.add_argument("out", help="the directory to write")
     tok = p.add_mutually_exclusive_group()
@@ -255,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tok.add_argument("--no-tokenizer", action="store_true", help="to-hf: the weights alone")
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
-    p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing OUT")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
     p.add_argument(
         "--dtype", choices=["fp32", "bf16"], default="fp32", help="to-hf from a checkpoint"
     )
@@ -266,12 +289,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_sentence(err: OSError) -> str:
+    """An OSError as one sentence: our own messages as they are, the system's with the path."""
+    if err.strerror is None or err.filename is None:
+        return str(err)
+    return f"{err.filename}: {err.strerror}."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, DataError, FileNotFoundError, FileExistsError) as err:
+    except (ConfigError, DataError, CheckpointError, RunDirLockedError, RunFileError) as err:
         console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        return 2
+    except OSError as err:  # a missing file, a full disk, a symlink loop: one line, no traceback
+        console.print(
+            f"[red]error:[/] {escape(_os_sentence(err))}", highlight=False, soft_wrap=True
+        )
         return 2
     return 0
 

@@ -8,6 +8,7 @@ naming the field, the bad value and what is allowed, before any model, GPU or pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -65,6 +66,15 @@ def safe_name(text: str) -> str:
     return name or "model"
 
 
+def _finite(section: Any, prefix: str) -> None:
+    """Refuse NaN and infinity in every float field of a config section (they would pass the
+    range checks below, since every comparison with NaN is false)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(prefix + f.name, value, "a finite number")
+
+
 def _positive(name: str, value: int | float) -> None:
     if value <= 0:
         _fail(name, value, "it must be positive")
@@ -104,6 +114,7 @@ class ModelConfig:
         p = "model."
         # The default out_dir is runs/<model.name>: one folder name, never a path out of runs/.
         _matches(p + "name", self.name, NAME, NAME_ALLOWED + ", so it names one folder in runs/")
+        _finite(self, p)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k"):
             _positive(p + name, getattr(self, name))
         for name in ("expert_hidden", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
@@ -176,6 +187,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         p = "train."
+        _finite(self, p)
         for name in (
             "steps",
             "seq_len",
@@ -237,9 +249,14 @@ class DataConfig:
     seed: int = 0
     workers: int = 0  # tokenizing processes; 0: one per CPU core
     dir: str | None = None  # the token shards; None: <out_dir>/data
+    # Training start hashes every shard against the manifest (read once, streamed; the time is
+    # reported). false skips only that hash: sizes and .npy headers are still checked and every
+    # token id against the vocabulary, but bytes flipped inside the vocabulary go unnoticed.
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         p = "data."
+        _finite(self, p)
         _positive(p + "branching", self.branching)
         if self.path is not None and self.hub is not None:
             _fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
@@ -337,6 +354,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         p = "parallel."
+        _finite(self, p)
         for name in ("pp", "dp", "ep", "virtual_stages", "bucket_mb"):
             _positive(p + name, getattr(self, name))
         if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
@@ -422,6 +440,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         p = "cluster."
+        _finite(self, p)
         for name in ("nodes", "procs_per_node", "rdzv_port"):
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
@@ -482,6 +501,10 @@ class TrackingConfig:
     uri: str | None = None
     experiment: str = "moe_core"
     hf_artifact_max_gib: float = 2.0  # larger Hugging Face checkpoints are linked, not copied
+
+    def __post_init__(self) -> None:
+        _finite(self, "tracking.")
+        _non_negative("tracking.hf_artifact_max_gib", self.hf_artifact_max_gib)
 
 
 @dataclass

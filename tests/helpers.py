@@ -182,3 +182,30 @@ def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
 
     ckpt = run_dir / "train" / "checkpoints" / f"step_{steps:08d}"
     return CheckpointSource(ckpt, checkpoint_config(ckpt).model, torch.float32).state_dict()
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(folder: Path) -> Iterator[subprocess.Popen]:
+    """``folder``'s run lock held by another process, which is killed (never releasing it) at
+    the end, leaving the lock of a dead process behind."""
+    hold = (
+        "import sys\n"
+        "from moe_core.rundir import RunLock\n"
+        "lock = RunLock(sys.argv[1], 'a test holder')\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hold, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

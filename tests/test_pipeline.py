@@ -174,3 +174,19 @@ def test_1t_refuses_before_any_stage_on_a_machine_without_slurm(
     with pytest.raises(ConfigError, match=r"^cluster\.kind='slurm' is not allowed on this machine"):
         pretrain(config=config, run_dir=str(tmp_path / "1t"))
     assert not (tmp_path / "1t").exists(), "nothing may start"
+
+
+def test_a_second_pipeline_in_a_locked_run_dir_is_refused_before_any_stage(prefect_home, tmp_path):
+    from helpers import lock_held_elsewhere
+
+    from flows.pretrain import pretrain
+    from moe_core.errors import RunDirLockedError
+    from moe_core.rundir import LOCK
+
+    run_dir = tmp_path / "tiny"
+    with lock_held_elsewhere(run_dir) as first:  # as the first pipeline holds it
+        with pytest.raises(RunDirLockedError) as err:
+            pretrain(config=compose_dict(SMALL, config_name="pretrain-tiny"), run_dir=str(run_dir))
+        message = str(err.value)
+        assert f"{run_dir} is in use by another run: process {first.pid} on host" in message
+        assert [p.name for p in run_dir.iterdir()] == [LOCK], "no stage, no tracking store"

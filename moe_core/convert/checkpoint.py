@@ -9,19 +9,19 @@ ever holding the whole model.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict
 from moe_core.convert.hf import expected_names, save_hf
 from moe_core.data.manifest import verify_data_dir
-from moe_core.model import Transformer
+from moe_core.errors import CheckpointError
+from moe_core.model.transformer import parameter_shapes, shape_mismatch
+from moe_core.train import dcp_read
+from moe_core.train.checkpoint import MANIFEST, trainer_state, verify
 
 _PARAM = re.compile(r"opt/(.+)/param/(\d+)")
 _BUFFER = re.compile(r"buf/(.+)")
@@ -32,7 +32,7 @@ class CheckpointSource:
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> None:
         self.path, self.cfg, self.dtype = Path(path), cfg, dtype
-        metadata = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        metadata = dcp_read.read_metadata(self.path).state_dict_metadata
         self.chunks: dict[str, list[tuple[int, int, str]]] = {}
         self.buffers: dict[str, torch.Size] = {}
         for key, md in metadata.items():
@@ -40,8 +40,14 @@ class CheckpointSource:
                 self.chunks.setdefault(m.group(1), []).append((int(m.group(2)), md.size[0], key))
             elif m := _BUFFER.fullmatch(key):
                 self.buffers[m.group(1)] = md.size
-        with torch.device("meta"):
-            self.shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters()}
+        self.shapes = {n: torch.Size(s) for n, s in parameter_shapes(cfg).items()}
+        held = {n: (sum(size for _, size, _ in c),) for n, c in self.chunks.items()}
+        problem = shape_mismatch(held, {n: (s.numel(),) for n, s in self.shapes.items()})
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not hold the model its config describes "
+                f"(flattened sizes: {problem}): it cannot be converted."
+            )
 
     def names(self) -> set[str]:
         return set(self.chunks)
@@ -52,9 +58,7 @@ class CheckpointSource:
             for first, size, key in self.chunks[name]
             if first < start + length and start < first + size
         }
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(request, checkpoint_id=str(self.path), no_dist=True)
+        dcp_read.load(request, self.path, no_dist=True)
         out = torch.empty(length)
         covered = 0
         for first, size, key in self.chunks[name]:
@@ -78,20 +82,14 @@ class CheckpointSource:
         state = {name: self.get(name) for name in sorted(expected_names(self.cfg))}
         request = {f"buf/{n}": torch.empty(size) for n, size in self.buffers.items()}
         if request:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(request, checkpoint_id=str(self.path), no_dist=True)
+            dcp_read.load(request, self.path, no_dist=True)
             state |= {k.removeprefix("buf/"): v for k, v in request.items()}
         return state
 
 
 def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     """The run configuration a checkpoint was written with."""
-    request = {"trainer": ""}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
-    return from_dict(RunConfig, json.loads(request["trainer"])["config"])
+    return from_dict(RunConfig, trainer_state(path)["config"])
 
 
 def run_tokenizer_dir(src: str | os.PathLike) -> Path:
@@ -137,7 +135,11 @@ def checkpoint_to_hf(
     eos_token_id: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor."""
+    """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
+    One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
+    without running code from it (``train.dcp_read``)."""
+    if (Path(path) / MANIFEST).is_file() and (problem := verify(Path(path))) is not None:
+        raise CheckpointError(f"checkpoint {path} does not verify ({problem}): not converted.")
     cfg = checkpoint_config(path).model
     source = CheckpointSource(path, cfg, dtype)
     return save_hf(

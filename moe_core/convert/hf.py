@@ -24,6 +24,8 @@ from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
 from moe_core.data.files import user_mode
+from moe_core.errors import CheckpointError
+from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 OUR_CONFIG = "moe_core_config.json"
 INDEX = "model.safetensors.index.json"
@@ -70,6 +72,17 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise ConfigError(
             "model.expert_bias=true cannot be exported: Hugging Face OLMoE selects experts "
             "without a bias, so routing would differ."
+        )
+
+
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    """Refuse to write into ``out`` when it holds anything, unless ``overwrite``."""
+    if overwrite or not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir() or any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} already exists and is not empty: pass --overwrite (overwrite=True) to "
+            "replace it, or choose another folder."
         )
 
 
@@ -189,11 +202,15 @@ def save_hf(
     check_exportable(cfg)
     source = StateDictSource(weights) if isinstance(weights, dict) else weights
     _check_names(source.names(), cfg)
+    if isinstance(weights, dict):
+        found = {name: tuple(t.shape) for name, t in weights.items()}
+        problem = shape_mismatch(found, parameter_shapes(cfg))
+        if problem is not None:
+            raise CheckpointError(
+                f"the weights do not fit their model config ({problem}): nothing was written."
+            )
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out} already exists and is not empty; pass overwrite to replace it."
-        )
+    refuse_existing(out, overwrite)
     if tokenizer_dir is not None and not any(
         (Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES
     ):
@@ -293,15 +310,40 @@ def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def _weight_files(d: Path) -> list[str]:
+    """The safetensors files of an HF directory: those its index names (plain file names in
+    ``d``; an index naming a path anywhere else is refused), else ``model.safetensors``."""
+    if not (d / INDEX).is_file():
+        return ["model.safetensors"]
+    try:
+        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        files = sorted({*weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"{d / INDEX} is not a valid index: it needs a weight_map of tensor names to files."
+        ) from None
+    for f in files:
+        if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or "\\" in f:
+            raise CheckpointError(
+                f"{d / INDEX} maps tensors to {f!r}, which is not a file in {d}: only files of "
+                "the directory itself are read."
+            )
+    return files
+
+
 def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read an HF OLMoE directory back into our config and state dict (bit-exact)."""
     d = Path(hf_dir)
     cfg = config_from_hf(d)
-    files = (
-        sorted({*json.loads((d / INDEX).read_text())["weight_map"].values()})
-        if (d / INDEX).is_file()
-        else ["model.safetensors"]
-    )
+    files = _weight_files(d)
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(d / f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                found[k] = tuple(fh.get_slice(k).get_shape())
+    problem = shape_mismatch(found, {key: shape for key, shape, *_ in _hf_items(cfg)})
+    if problem is not None:
+        raise CheckpointError(f"{d} does not hold the model its config.json describes ({problem}).")
     theirs: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(d / f), framework="pt") as fh:

@@ -15,17 +15,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_core.config import ModelConfig, from_dict, to_dict
-from moe_core.convert.hf import OUR_CONFIG
+from moe_core.convert.hf import OUR_CONFIG, refuse_existing
 from moe_core.data.files import user_mode
 
 WEIGHTS = "model.safetensors"
 
 
 def save_model_dir(
-    state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | os.PathLike
+    state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
 ) -> Path:
-    """Write weights then config, each to a temporary name renamed into place."""
+    """Write weights then config, each to a temporary name renamed into place; a folder that
+    holds anything already is refused unless ``overwrite``."""
     out = Path(out_dir)
+    refuse_existing(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     with tempfile.NamedTemporaryFile(dir=out, suffix=".tmp", delete=False) as f:

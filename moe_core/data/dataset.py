@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_core.data.errors import DataError
 from moe_core.data.manifest import Manifest, verify_data_dir
 from moe_core.data.shards import SPLITS
 
@@ -34,6 +35,7 @@ class TokenDataset:
             np.int64
         )
         self._arrays: list[np.ndarray | None] = [None] * len(shards)
+        self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
 
     @property
     def tokens(self) -> int:
@@ -63,7 +65,8 @@ class TokenDataset:
         return self.batch(np.array([index]))[0]
 
     def batch(self, indices: np.ndarray) -> np.ndarray:
-        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``."""
+        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``;
+        a token id outside the tokenizer's vocabulary (a corrupt shard) is refused."""
         out_BT = np.empty((len(indices), self.instance_tokens), dtype=np.int64)
         n = len(self)
         for row, index in enumerate(indices):
@@ -71,4 +74,17 @@ class TokenDataset:
             if not 0 <= i < n:
                 raise IndexError(f"instance {i} is outside the {n} of the {self.split} split.")
             self._fill(out_BT[row], i * self.instance_tokens)
+        if out_BT.size and not 0 <= out_BT.min() <= out_BT.max() < self.vocab_size:
+            self._refuse(out_BT, indices)
         return out_BT
+
+    def _refuse(self, out_BT: np.ndarray, indices: np.ndarray) -> None:
+        """Name the first out-of-vocabulary token of a batch: its value and shard."""
+        row, col = (int(x[0]) for x in np.nonzero((out_BT < 0) | (out_BT >= self.vocab_size)))
+        position = int(indices[row]) * self.instance_tokens + col
+        shard = self.paths[int(np.searchsorted(self.starts, position, side="right")) - 1]
+        raise DataError(
+            f"token id {int(out_BT[row, col])} in shard {shard.name} of {self.manifest.data_dir} "
+            f"is not allowed: the tokenizer has ids 0 to {self.vocab_size - 1}, so the shard is "
+            "corrupt; rerun moe tokenize with the same settings to rewrite it."
+        )

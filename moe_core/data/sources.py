@@ -38,6 +38,18 @@ _VERSE_MARK = re.compile(r"(?<!\S)\d+:\d+\s+")
 
 
 @dataclass
+class WithoutText:
+    """Documents whose text field is missing or null: how many, and the first one's index."""
+
+    count: int = 0
+    first: int | None = None
+
+    def add(self, index: int) -> None:
+        self.count += 1
+        self.first = index if self.first is None else self.first
+
+
+@dataclass
 class Source:
     """One corpus: a JSON-able description and a way to read its rows from the start."""
 
@@ -47,13 +59,19 @@ class Source:
     max_documents: int | None
     total: int | None  # documents, when known before reading
 
-    def documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
-        """``(index, text)`` from document ``start`` on; a document without text reads as ''."""
+    def documents(
+        self, start: int = 0, without_text: WithoutText | None = None
+    ) -> Iterator[tuple[int, str]]:
+        """``(index, text)`` from document ``start`` on; a document whose text field is missing
+        or null reads as '' and is counted in ``without_text`` (every one, also before
+        ``start``, so the count does not depend on where a resumed run starts)."""
         rows = itertools.islice(self.rows(), self.max_documents)
         for index, row in enumerate(rows):
+            text = row.get(self.text_field)
+            if text is None and without_text is not None:
+                without_text.add(index)
             if index < start:
                 continue
-            text = row.get(self.text_field)
             if text is None:
                 text = ""
             elif not isinstance(text, str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -30,10 +31,15 @@ from moe_core.data.errors import DataError
 from moe_core.data.files import TMP_MARK, atomic_write, file_sha256, json_bytes, remove_temporaries
 from moe_core.data.manifest import FORMAT, MANIFEST, build_manifest, verify_data_dir
 from moe_core.data.shards import SPLITS, SplitWriter
-from moe_core.data.sources import Source, open_source
+from moe_core.data.sources import Source, WithoutText, open_source
 from moe_core.data.tokenizer import TOKENIZER_JSON, BuiltTokenizer, build_tokenizer
 
 JOB = "job.json"
+# The longest run of non-space characters the BPE trainer sees: longer runs (a multi-megabyte
+# line of base64 or DNA) are cut into pieces of this length for training only, since the trainer
+# slows down with the square of a word's length; the shards keep every text as it is.
+MAX_TRAINING_RUN = 1000
+_LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_RUN + 1},}}")
 TASK_CHARS = 1 << 18  # text per worker task: small enough to keep every worker busy
 TASK_DOCS = 512
 
@@ -128,8 +134,10 @@ def tokenize_corpus(
 
     tick = time.perf_counter()
     end = first
+    without_text = WithoutText()
+    tasks = _tasks(source, first, needed, without_text)
     with _Progress(show_progress, console, source.total) as (bar, task):
-        for first_index, lengths, flat in _encoded(_tasks(source, first, needed), built, cfg):
+        for first_index, lengths, flat in _encoded(tasks, built, cfg):
             end = first_index + len(lengths)
             _route(first_index, lengths, flat, writers, resume, cfg.validation_fraction, phase)
             run.tokens += len(flat)
@@ -156,6 +164,16 @@ def tokenize_corpus(
         )
     splits = {s: (writers[s].documents, records[s]) for s in SPLITS}
     manifest = build_manifest(spec, built.info(), end, splits)
+    if without_text.count:
+        manifest["documents_without_text"] = {
+            "count": without_text.count,
+            "first": without_text.first,
+        }
+        console.print(
+            f"[yellow]warning:[/] {without_text_sentence(manifest, cfg.text_field)}",
+            highlight=False,
+            soft_wrap=True,
+        )
     atomic_write(out / MANIFEST, json_bytes(manifest))
     if show_progress:
         _summary(console, out, manifest, run, time.perf_counter() - start)
@@ -308,23 +326,46 @@ def _training_texts(source: Source, cfg: DataConfig, phase: float) -> Iterator[s
     for index, text in source.documents():
         if not text or is_validation(index, cfg.validation_fraction, phase):
             continue
-        yield text[:left]
+        yield _cut_long_runs(text[:left])
         left -= min(left, len(text))
         if left == 0:
             return
+
+
+def _cut_long_runs(text: str) -> str:
+    """``text`` with each run of more than ``MAX_TRAINING_RUN`` non-space characters split by
+    spaces into pieces of that length (what the BPE trainer sees)."""
+    if len(text) <= MAX_TRAINING_RUN:
+        return text
+
+    def cut(m: re.Match[str]) -> str:
+        run = m.group()
+        return " ".join(run[i : i + MAX_TRAINING_RUN] for i in range(0, len(run), MAX_TRAINING_RUN))
+
+    return _LONG_RUN.sub(cut, text)
 
 
 # --------------------------------------------------------------------------------------------
 # reading, tokenizing, routing
 
 
+def without_text_sentence(manifest: dict[str, Any], text_field: str) -> str:
+    """What the manifest records of documents left out for lack of text, in one sentence."""
+    info = manifest["documents_without_text"]
+    return (
+        f"{info['count']:,} of {manifest['documents']:,} documents have no data.text_field="
+        f"{text_field!r} (missing or null; the first is document {info['first']}) and were left "
+        "out of the shards"
+    )
+
+
 def _tasks(
-    source: Source, start: int, needed: Callable[[int], bool]
+    source: Source, start: int, needed: Callable[[int], bool], without_text: WithoutText
 ) -> Iterator[tuple[int, list[str]]]:
     """Consecutive documents from ``start`` in batches; those already on disk go as ''."""
     texts: list[str] = []
     chars, first = 0, start
-    for index, text in source.documents(start):
+    for index, text in source.documents(start, without_text):
         if not texts:
             first = index
         text = text if needed(index) else ""

@@ -7,6 +7,7 @@ the final loss through any split of the layers (pipeline stages, activation reco
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +111,28 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
         model.to_empty(device=device)
         model.init_weights(seed)
     return model
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full (unsharded) shape under ``cfg``, read off a meta-device model."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+
+
+def shape_mismatch(
+    found: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]]
+) -> str | None:
+    """The first difference between two ``name -> shape`` maps (in ``expected``'s order), as
+    "NAME is (a, b) there, (c, d) here"; None when they agree."""
+    for name, shape in expected.items():
+        if name not in found:
+            return f"{name} {tuple(shape)} is missing there"
+        if tuple(found[name]) != tuple(shape):
+            return f"{name} is {tuple(found[name])} there, {tuple(shape)} here"
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        return f"{extra[0]} {tuple(found[extra[0]])} is there but not in this model"
+    return None
 
 
 def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,23 @@ Publishing: DCP writes into ``.tmp-step_N``; once every rank has written, rank 0
 ``manifest.json`` (step, layout, every file's size and sha256) and renames the folder to
 ``step_N``. A folder without a verifying manifest is never resumed from: resume picks the
 newest ``step_N`` whose manifest verifies and reports the ones that do not.
+
+Every manifest names the run that wrote it (``run_id``: new for a run that starts fresh, taken
+over from the checkpoint a run resumes from). Retention deletes only checkpoints of this run
+that verify and are older than its newest valid one: never another run's, never one that does
+not verify (it is reported instead), never a newer one. A folder already at ``step_N``'s name is
+moved aside (``step_N.replaced-K``), not deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
+import secrets
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,9 +41,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from moe_core.config import ModelConfig, from_dict
 from moe_core.data.files import file_sha256
+from moe_core.errors import CheckpointError, RunFileError
+from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
+from moe_core.train import dcp_read
+from moe_core.train.dcp_read import inner_error
+from moe_core.train.dcp_read import quiet as _quiet
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
@@ -67,44 +80,110 @@ def owned_ranges(opt: ShardedAdamW) -> list[Owned]:
     return out
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Single-process runs save and load without a process group on purpose: no warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        yield
+def new_run_id() -> str:
+    """A fresh run id (random: two runs never share one)."""
+    return secrets.token_hex(8)
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint's manifest verifies, else why not (one sentence)."""
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's manifest as a dict, or None when it is missing or unreadable."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def run_id_of(path: Path) -> str | None:
+    """The id of the run that wrote checkpoint ``path`` (None: unreadable, or written before
+    checkpoints carried run ids)."""
+    manifest = read_manifest(path)
+    run = None if manifest is None else manifest.get("run_id")
+    return run if isinstance(run, str) else None
+
+
+def trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer state a checkpoint holds (step, guards, config, loader), read alone."""
+    request = {"trainer": ""}
+    dcp_read.load(request, path, no_dist=True)
+    return json.loads(request["trainer"])
+
+
+def check_fits(
+    path: Path,
+    saved: dict[tuple[str, str], list[tuple[int, int, str]]],
+    shapes: dict[str, tuple[int, ...]],
+) -> None:
+    """Refuse, in one sentence, a checkpoint written for another model: the model its config
+    describes must have ``shapes``, and its saved ranges (``saved``: (name, kind) -> ranges)
+    must cover each parameter and each moment kept exactly once over."""
+    config = trainer_state(path).get("config", {}).get("model", {})
+    problem = shape_mismatch(parameter_shapes(from_dict(ModelConfig, config, "model.")), shapes)
+    if problem is None:
+        for (name, kind), ranges in saved.items():
+            held = sum(length for _, length, _ in ranges)
+            numel = math.prod(shapes.get(name, (0,)))
+            if name in shapes and held != numel:
+                problem = f"opt/{name}/{kind} holds {held} values there, {numel} here"
+                break
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model ({problem}): resume it with "
+            "the model settings it was written with, or train into a new out_dir."
+        )
+
+
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """None if the checkpoint's manifest verifies, else why not (one sentence).
+
+    ``checksums=False`` checks the files' presence and sizes only (for checkpoints this process
+    wrote and hashed itself)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         return f"{path.name} has no {MANIFEST}"
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError):
+        if not isinstance(files, dict):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
         return f"{path.name}/{MANIFEST} is unreadable"
     for rel, info in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(info, dict):
+            return f"{path.name}/{MANIFEST} is unreadable"
         f = path / rel
         if not f.is_file():
             return f"{path.name}/{rel} is missing"
-        if f.stat().st_size != info["bytes"]:
+        if f.stat().st_size != info.get("bytes"):
             return (
-                f"{path.name}/{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+                f"{path.name}/{rel} has {f.stat().st_size} bytes, "
+                f"the manifest says {info.get('bytes')}"
             )
-        if file_sha256(f) != info["sha256"]:
+        if checksums and file_sha256(f) != info.get("sha256"):
             return f"{path.name}/{rel} does not match its sha256"
     return None
 
 
 class Checkpointer:
-    """Saves, publishes, prunes and finds checkpoints under ``root``."""
+    """Saves, publishes, prunes and finds checkpoints under ``root``.
+
+    ``run_id`` names the run in every manifest it writes (a new one when None); a run that
+    resumes takes over the id of its checkpoint (``adopt``). ``report`` receives warnings."""
 
     def __init__(
-        self, root: Path, mesh: Mesh, keep_last: int, keep_every: int, use_async: bool
+        self,
+        root: Path,
+        mesh: Mesh,
+        keep_last: int,
+        keep_every: int,
+        use_async: bool,
+        run_id: str | None = None,
+        report: Callable[[str], None] = print,
     ) -> None:
         self.root, self.mesh = root, mesh
         self.keep_last, self.keep_every, self.use_async = keep_last, keep_every, use_async
+        self.run_id = run_id or new_run_id()
+        self.report = report
+        self._hashed: set[str] = set()  # checkpoints whose every file's sha256 was checked here
         self.is_main = mesh.rank == 0
         self.no_dist = not mesh.distributed
         # Background saves talk over their own gloo group, never the training group.
@@ -143,7 +222,7 @@ class Checkpointer:
         tmp = self.root / f".tmp-step_{step:08d}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
-            with _quiet():
+            with _quiet(), self._writing(step, tmp):
                 fut = dcp.async_save(
                     state,
                     checkpoint_id=str(tmp),
@@ -156,7 +235,7 @@ class Checkpointer:
             writer = None
             if file_per_entry:
                 writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
-            with _quiet():
+            with _quiet(), self._writing(step, tmp):
                 dcp.save(
                     state,
                     checkpoint_id=str(tmp),
@@ -165,7 +244,26 @@ class Checkpointer:
                     planner=planner,
                     storage_writer=writer,
                 )
-            self._publish(step, tmp, meta)
+                self._publish(step, tmp, meta)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+        """A write that fails with an OSError (disk full, no permission) becomes one sentence
+        naming the path, once the unfinished folder is removed (it would hold the space)."""
+        try:
+            yield
+        except BaseException as err:
+            failure = inner_error(err, OSError)
+            if not isinstance(failure, OSError):
+                raise
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RunFileError(
+                f"checkpoint step {step} could not be written ({failure.strerror or failure}: "
+                f"{failure.filename or tmp}); its unfinished folder {tmp.name} was removed and "
+                f"the checkpoints already in {self.root} are untouched: free space (or fix the "
+                "permission) and resume."
+            ) from None
 
     def poll(self) -> None:
         """Publish a finished background save without waiting for an unfinished one."""
@@ -177,8 +275,9 @@ class Checkpointer:
             return
         fut, step, tmp, meta = self._pending
         self._pending = None
-        fut.result()
-        self._publish(step, tmp, meta)
+        with self._writing(step, tmp):
+            fut.result()
+            self._publish(step, tmp, meta)
 
     def _publish(self, step: int, tmp: Path, meta: dict) -> None:
         if self.is_main:
@@ -187,23 +286,59 @@ class Checkpointer:
                 for f in sorted(tmp.rglob("*"))
                 if f.is_file()
             }
-            manifest = {**meta, "created": time.time(), "files": files, "format": 1}
+            manifest = {
+                **meta,
+                "run_id": self.run_id,
+                "created": time.time(),
+                "files": files,
+                "format": 1,
+            }
             (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
             (tmp / (MANIFEST + ".tmp")).rename(tmp / MANIFEST)
             final = self.root / f"step_{step:08d}"
             if final.exists():
-                shutil.rmtree(final)
+                n = 1
+                while final.with_name(f"{final.name}.replaced-{n}").exists():
+                    n += 1
+                final.rename(final.with_name(f"{final.name}.replaced-{n}"))
+                self.report(f"{final} already existed: moved to {final.name}.replaced-{n}")
             tmp.rename(final)
+            self._hashed.add(final.name)
             self._prune()
 
+    def adopt(self, path: Path) -> None:
+        """Continue the run that wrote ``path`` (its checkpoints become this run's to prune)."""
+        self.run_id = run_id_of(path) or self.run_id
+
+    def _valid(self, path: Path) -> bool:
+        """Whether ``path`` verifies: sizes for checkpoints hashed by this process already,
+        every sha256 (once per process) for the others."""
+        if path.name in self._hashed:
+            return verify(path, checksums=False) is None
+        if verify(path) is None:
+            self._hashed.add(path.name)
+            return True
+        return False
+
     def _prune(self) -> None:
-        steps = sorted(self.published())
-        keep = set(steps[-self.keep_last :]) if self.keep_last > 0 else set(steps)
+        """Delete this run's valid checkpoints older than its newest valid one that retention
+        does not keep (the ``keep_last`` newest valid ones, every ``keep_every``-th step).
+        Another run's checkpoints and ones that do not verify are never touched."""
+        mine = [
+            s
+            for s in sorted(self.published(), reverse=True)
+            if run_id_of(self.root / f"step_{s:08d}") == self.run_id
+        ]
+        valid = [s for s in mine if self._valid(self.root / f"step_{s:08d}")]
+        if not valid:
+            return
+        keep = set(valid[: self.keep_last]) if self.keep_last > 0 else set(valid)
         if self.keep_every > 0:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        for s in steps:
-            if s not in keep:
+            keep |= {s for s in valid if s % self.keep_every == 0}
+        for s in valid:
+            if s not in keep and s < valid[0]:
                 shutil.rmtree(self.root / f"step_{s:08d}", ignore_errors=True)
+                self._hashed.discard(f"step_{s:08d}")
 
     # ---- finding and loading --------------------------------------------------------------
 
@@ -217,15 +352,24 @@ class Checkpointer:
         choice: list[str | None] = [None]
         if self.is_main:
             found = newest_verified(self.root, report)
+            if found is not None:
+                self._hashed.add(found.name)
             choice[0] = str(found) if found is not None else None
         if self.mesh.distributed:
             dist.broadcast_object_list(choice, src=0)
         return Path(choice[0]) if choice[0] else None
 
-    def load(self, path: Path, opt: ShardedAdamW, buffers: dict[str, torch.Tensor]) -> dict:
+    def load(
+        self,
+        path: Path,
+        opt: ShardedAdamW,
+        buffers: dict[str, torch.Tensor],
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ) -> dict:
         """Fill ``opt`` (and the model, through it) and ``buffers`` from ``path``; return the
-        trainer state. Works whatever layout wrote the checkpoint."""
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        trainer state. Works whatever layout wrote the checkpoint. ``shapes`` (the model's full
+        parameter shapes) refuses a checkpoint of another model before anything is loaded."""
+        metadata = dcp_read.read_metadata(path).state_dict_metadata
         saved: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
         dtypes: dict[str, torch.dtype] = {}  # as saved: fp32, or bf16 from the pure-bf16 preset
         for key, md in metadata.items():
@@ -234,6 +378,8 @@ class Checkpointer:
                     (int(m.group(3)), md.size[0], key)
                 )
                 dtypes[key] = md.properties.dtype
+        if shapes is not None:
+            check_fits(path, saved, shapes)
         owned = owned_ranges(opt)
         request: dict[str, Any] = {"trainer": "", "adam_step": 0}
         for o in owned:
@@ -248,10 +394,7 @@ class Checkpointer:
             )
         for name, t in buffers.items():
             request[f"buf/{name}"] = torch.empty_like(t, device="cpu")
-        with _quiet():
-            dcp.load(
-                request, checkpoint_id=str(path), process_group=self.group, no_dist=self.no_dist
-            )
+        dcp_read.load(request, path, process_group=self.group, no_dist=self.no_dist)
 
         shards = [opt.shards(i, allocate=True) for i in range(len(opt.buckets))]
         for o in owned:

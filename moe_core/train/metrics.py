@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import torch
 from rich.console import Console
 
+from moe_core.errors import RunFileError
+
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), per the vendors' datasheets.
 PEAK_BF16_TFLOPS: dict[str, float] = {
     "H100 PCIe": 756.0,
@@ -77,16 +79,27 @@ class MetricsSink(Protocol):
 
 class JsonlSink:
     """One JSON object per step. On resume, lines of steps at or after ``resume_step`` (written
-    before a crash, to be redone) are dropped so the file stays one line per step."""
+    before a crash, to be redone) are dropped so the file stays one line per step; so is a last
+    line that a crash (or a full disk) cut short: it belongs to a step being redone."""
 
     def __init__(self, path: Path, resume_step: int = 0) -> None:
         kept: list[str] = []
         if resume_step > 0 and path.is_file():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line).get("step", -1) < resume_step
-            ]
+            lines = path.read_text(errors="replace").splitlines()
+            for i, line in enumerate(lines):
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except ValueError:
+                    record = None
+                if isinstance(record, dict):
+                    if record.get("step", -1) < resume_step:
+                        kept.append(line)
+                elif line.strip() and i < len(lines) - 1:
+                    raise RunFileError(
+                        f"{path} line {i + 1} is not a JSON object ({line[:40]!r}), and only a "
+                        "last line cut short by a crash is dropped on resume: repair or remove "
+                        "that line (or move the file aside to start a new log) and resume."
+                    )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")

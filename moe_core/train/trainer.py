@@ -33,12 +33,17 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moe_core.config import ConfigError, RunConfig, check_tokenizer_fits, to_dict
 from moe_core.convert.native import save_model_dir
+from moe_core.data.errors import DataError
 from moe_core.data.loader import TokenLoader
+from moe_core.data.manifest import verify_data_dir
 from moe_core.data.prefetch import Prefetcher, pinned
+from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
+from moe_core.errors import RunDirLockedError, RunFileError
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.model.moe import Router, router_stats_paused
+from moe_core.model.transformer import parameter_shapes
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.ddp import GradBuckets
 from moe_core.parallel.dispatch import ReceiveBufferOverflowError, RowwiseDispatcher
@@ -46,6 +51,7 @@ from moe_core.parallel.mesh import Mesh, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.parallel.parallelize import DTYPES, parallelize
 from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
+from moe_core.rundir import RunLock, set_aside
 from moe_core.train.checkpoint import Checkpointer, router_buffers
 from moe_core.train.guards import Guards, TrainingHaltedError
 from moe_core.train.metrics import (
@@ -96,13 +102,16 @@ def routers_by_layer(modules: list[torch.nn.Module]) -> dict[str, Router]:
 
 
 class Trainer:
+    """Trains ``cfg`` in ``cfg.out_dir``, which it locks (rank 0) from construction to the end
+    of ``fit`` (or ``release``): a run of another process there is refused before anything is
+    built."""
+
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None, console: Console | None = None):
         self.cfg = cfg
-        tc, pc = cfg.train, cfg.parallel
-        self.mesh = mesh or init_distributed(pc)
+        self.mesh = mesh or init_distributed(cfg.parallel)
         self.device = self.mesh.device
         self.graphs: StepGraphs | None = None
-        if pc.cuda_graph_on(self.device.type):
+        if cfg.parallel.cuda_graph_on(self.device.type):
             if self.device.type != "cuda":
                 raise ConfigError(
                     f"parallel.cuda_graph=true needs CUDA GPUs, and this run is on "
@@ -111,6 +120,43 @@ class Trainer:
             self.graphs = StepGraphs(self.device)
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
+        self._lock: RunLock | None = None
+        self._lock_out_dir()
+        try:
+            self._build()
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock_out_dir(self) -> None:
+        """Take ``out_dir``'s lock on rank 0; every rank raises the same refusal (collective),
+        also when ``out_dir`` cannot be made (a file, a symlink loop, no permission)."""
+        problem: list[BaseException | None] = [None]
+        if self.is_main and self._lock is None:
+            try:
+                self._lock = RunLock(self.out, "training")
+            except (RunDirLockedError, RunFileError, OSError) as err:
+                problem[0] = err
+            else:
+                if self._lock.previous is not None:
+                    self._warn(f"took over the lock of {self._lock.previous}: it no longer runs")
+                if self._lock.unsupported is not None:
+                    self._warn(f"{self._lock.unsupported}: a second run here would not be stopped")
+        if self.mesh.distributed:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise problem[0]
+
+    def release(self) -> None:
+        """Let another run use ``out_dir`` (``fit`` takes the lock again if it runs later)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _build(self) -> None:
+        """Model, optimizer, data and checkpoints: everything that comes after the lock."""
+        cfg = self.cfg
+        tc, pc = cfg.train, cfg.parallel
         torch.manual_seed(tc.seed)
         tokens = tc.micro_batch_size * tc.seq_len
         self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed, tokens)
@@ -163,6 +209,7 @@ class Trainer:
         self.loader: TokenLoader | None = None
         if cfg.data.kind == "tokens":
             assert cfg.data.dir is not None
+            self._verify_data()
             self.loader = TokenLoader(
                 cfg.data.dir,
                 "train",
@@ -184,19 +231,55 @@ class Trainer:
         self.peak = peak_tflops(self.device)
         self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
         self.checkpointer = Checkpointer(
-            self.out / "checkpoints", self.mesh, tc.keep_last, tc.keep_every, tc.async_checkpoint
+            self.out / "checkpoints",
+            self.mesh,
+            tc.keep_last,
+            tc.keep_every,
+            tc.async_checkpoint,
+            report=self._warn,
         )
         self.step = 0
         self.stop_requested = False
         self.resumed_from: Path | None = None
         if tc.resume:
             self._resume()
+        if self.resumed_from is None:
+            self._start_fresh()
 
     @property
     def is_main(self) -> bool:
         return self.mesh.rank == 0
 
     # ---- data -----------------------------------------------------------------------------
+
+    def _verify_data(self) -> None:
+        """Hash every shard against the data manifest before the first step (rank 0, streamed,
+        timed); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
+        dc = self.cfg.data
+        problem: list[str | None] = [None]
+        if self.is_main and dc.verify_checksums:
+            tick = time.perf_counter()
+            try:
+                manifest = verify_data_dir(str(dc.dir), checksums=True)
+            except DataError as err:
+                problem[0] = str(err)
+            else:
+                shards = [s for split in SPLITS for s in manifest.shards(split)]
+                size = sum((manifest.data_dir / s["file"]).stat().st_size for s in shards)
+                self.console.print(
+                    f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB) in "
+                    f"{time.perf_counter() - tick:.1f} s (data.verify_checksums=false skips this)",
+                    highlight=False,
+                )
+        elif self.is_main:
+            self._warn(
+                "data.verify_checksums=false: shard sha256 not checked (sizes, headers and token "
+                "ids still are), so bytes flipped within the vocabulary would train unnoticed"
+            )
+        if self.mesh.distributed:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise DataError(problem[0])
 
     def micro_batches(self) -> list[torch.Tensor]:
         """This rank's micro-batches of the current step, on the device (made one step ahead on
@@ -460,7 +543,39 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
 
+    def _state_is_finite(self) -> bool:
+        """Whether every master weight, Adam moment and router buffer is finite on every rank
+        (collective)."""
+        opt = self.optimizer
+        tensors = [*opt.masters, *(t for m in opt.moments for t in m.values())]
+        tensors += list(self.buffers.values())
+        ok = torch.ones((), device=self.device)
+        for t in tensors:
+            ok = ok * torch.isfinite(t).all()
+        if self.mesh.distributed:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _newest_checkpoint(self) -> str:
+        """Which checkpoint a resume would start from, in words (collective)."""
+        self.checkpointer.wait()
+        path = self.checkpointer.newest_valid(report=lambda _: None)
+        if path is None:
+            return f"there is no valid checkpoint in {self.checkpointer.root}"
+        return f"the newest valid checkpoint is {path}"
+
+    def _not_finite(self) -> TrainingHaltedError:
+        return TrainingHaltedError(
+            f"at step {self.step} the weights, Adam moments or router buffers hold NaN or "
+            f"infinity, so that state was not checkpointed; {self._newest_checkpoint()}: resume "
+            "from it after fixing the cause (such as a lower train.lr or a larger train.eps)."
+        )
+
     def save_checkpoint(self) -> None:
+        """Checkpoint the current state. A state holding NaN or infinity is never written (resume
+        would pick it): the run stops instead, naming the checkpoint to resume from."""
+        if not self._state_is_finite():
+            raise self._not_finite()
         trainer_state = {
             "step": self.step,
             "guards": self.guards.state_dict(),
@@ -472,20 +587,66 @@ class Trainer:
         layout = {"pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
         self.checkpointer.save(self.step, state, layout)
 
+    def _halt(self, last: int) -> None:
+        """Stop after too many non-finite steps in a row (the last one ``last``). Skipped steps
+        change nothing, so the state now is the one all of them started from: checkpointed
+        when it is finite, and named as such (never as a known-good state)."""
+        n = self.guards.consecutive_skips
+        first = last - n + 1
+        what = (
+            f"{n} steps in a row had a non-finite loss or gradient norm (steps {first} to {last})"
+        )
+        if not self._state_is_finite():
+            cause = self._not_finite()
+            raise TrainingHaltedError(f"{what}; {cause}") from None
+        self.save_checkpoint()
+        self.checkpointer.wait()
+        start = f"step {first - 1}'s update" if first > 0 else "initialization"
+        raise TrainingHaltedError(
+            f"{what}; skipped steps change nothing, so the state checkpointed at step {self.step} "
+            f"in {self.checkpointer.root} is the one they all started from (after {start}): "
+            "lower train.lr or check the data before resuming from it."
+        )
+
     def _resume(self) -> None:
         path = self.checkpointer.newest_valid(report=self._warn)
         if path is None:
             return
-        state = self.checkpointer.load(path, self.optimizer, self.buffers)
+        shapes = parameter_shapes(self.cfg.model)
+        state = self.checkpointer.load(path, self.optimizer, self.buffers, shapes)
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
         if self.loader is not None and state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
             self._train_iter = iter(self.loader)
             self._loader_state = self.loader.state_dict()
+        self.checkpointer.adopt(path)
         self.resumed_from = path
         if self.is_main:
             self.console.print(f"resumed from {path} (step {self.step})")
+
+    def _start_fresh(self) -> None:
+        """A run that resumes nothing is a new run: what an earlier run left in ``out_dir``
+        (checkpoints, metrics, model) is moved to ``*.superseded-N``, never pruned or
+        overwritten by this one."""
+        if self.is_main:
+            ckpts = self.checkpointer.root
+            earlier = [
+                p
+                for p in (ckpts, self.out / "metrics.jsonl", self.out / "model")
+                if p.exists() and not (p == ckpts and not any(p.iterdir()))
+            ]
+            n = set_aside(earlier)
+            ckpts.mkdir(parents=True, exist_ok=True)
+            if n is not None:
+                names = ", ".join(p.name for p in earlier)
+                why = "train.resume=false" if not self.cfg.train.resume else "nothing to resume"
+                self._warn(
+                    f"starting a new run in {self.out} ({why}): the earlier run's {names} "
+                    f"moved to *.superseded-{n} there"
+                )
+        if self.mesh.distributed:
+            dist.barrier()
 
     def _warn(self, message: str) -> None:
         if self.is_main:
@@ -525,7 +686,15 @@ class Trainer:
         self, show_progress: bool = True, sinks: list[MetricsSink] | None = None
     ) -> list[StepMetrics]:
         """Train to ``train.steps`` (from wherever resume left off); checkpoint as configured;
-        stop gracefully on SIGTERM / SIGINT with a checkpoint."""
+        stop gracefully on SIGTERM / SIGINT with a checkpoint. ``out_dir`` stays locked until
+        this returns or raises."""
+        self._lock_out_dir()
+        try:
+            return self._fit(show_progress, sinks)
+        finally:
+            self.release()
+
+    def _fit(self, show_progress: bool, sinks: list[MetricsSink] | None) -> list[StepMetrics]:
         tc = self.cfg.train
         show = show_progress and self.is_main
         if self.is_main:
@@ -546,7 +715,7 @@ class Trainer:
             TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(),
         )
-        saved_at = -1
+        saved_at = self.step if self.resumed_from is not None else -1  # that state is saved
         try:
             with Progress(*columns, console=self.console, disable=not show) as bar:
                 task = bar.add_task("train", total=tc.steps, completed=self.step, status="")
@@ -566,13 +735,7 @@ class Trainer:
                         self._clock = None
                     bar.update(task, completed=self.step, status=f"loss {m.loss:.3f}")
                     if self.guards.exhausted:
-                        self.save_checkpoint()
-                        self.checkpointer.wait()
-                        raise TrainingHaltedError(
-                            f"{self.guards.consecutive_skips} steps in a row had a non-finite loss "
-                            f"or gradient norm (last at step {m.step}); the last good state is "
-                            f"checkpointed at step {self.step} in {self.out / 'checkpoints'}."
-                        )
+                        self._halt(m.step)
                     if self.stop_requested:
                         break
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
@@ -596,7 +759,7 @@ class Trainer:
         if tc.save_model and not self.stop_requested:
             state = self.full_model_state()
             if state is not None:
-                save_model_dir(state, self.cfg.model, self.out / "model")
+                save_model_dir(state, self.cfg.model, self.out / "model", overwrite=True)
         return history
 
 
