@@ -326,8 +326,8 @@ class ParallelConfig:
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights (masters: train.optimizer_dtype)
     compile: bool | None = None  # torch.compile each block (dispatch stays eager); None: on CUDA
-    # Replay each step's device work as CUDA graphs (``train.step_graph``); None: on for CUDA
-    # with expert parallelism over nvshmem_rowwise (many small kernels, no host read).
+    # Replay each step's device work as CUDA graphs (``moe_core.train.step_graph``); None: on
+    # for CUDA with expert parallelism over nvshmem_rowwise (many small kernels, no host read).
     cuda_graph: bool | None = None
     # The experts' grouped GEMMs on CUDA: torch._grouped_mm, QuACK's (the [gpu] extra), or auto:
     # QuACK where installed (sm90+), else torch (``kernels.grouped_gemm``, measured there).

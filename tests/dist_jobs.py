@@ -194,9 +194,9 @@ def rowwise_parity(out: str, args: list[str]) -> None:
     """RowwiseDispatcher over a symmetric heap vs AllToAllDispatcher, same ranks, same routing:
     outputs and gradients (tokens, routing weights, expert weights) to 1e-12 in fp64
     (``reference``: CPU processes, shared memory, PyTorch ops), 1e-5 in fp32 (``interpret``: the
-    Triton slot kernels in Triton's interpreter) or bf16 noise (``cuda``: GPUs, NCCL, torch's
-    symmetric memory, the GPU kernels), repeatable bit for bit; then a capacity overflow is
-    counted exactly. Rank 0 writes what each rank saw."""
+    Triton slot and rowwise kernels in Triton's interpreter) or bf16 noise (``cuda``: GPUs, NCCL,
+    torch's symmetric memory, the GPU kernels), repeatable bit for bit; then a capacity overflow
+    is counted exactly. Rank 0 writes what each rank saw."""
     mode = args[0]
     device = torch.device("cpu")
     if mode == "cuda":
