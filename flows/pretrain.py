@@ -15,6 +15,7 @@ here, a Slurm job or a Kubernetes Job); a failed attempt is launched again
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from flows.launchers import Attempt, launcher_class
 from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
-from moe_core.config import RunConfig, check_path, from_dict, to_dict
+from moe_core.config import ConfigError, RunConfig, check_path, from_dict, to_dict
 from moe_core.rundir import RunLock, set_aside
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
@@ -444,13 +445,35 @@ TASKS = {
 }
 
 
-def default_run_dir() -> str:
+def default_run_dir(cluster: dict[str, Any] | None = None) -> str:
     """A flow run's own folder when none is given: ``runs/<deployment>/<flow run name>`` (for
     a deployment run; ``runs/pretrain/<flow run name>`` for a direct call), so a second run of
-    a deployment never finds the first one's outputs and skips every stage."""
+    a deployment never finds the first one's outputs and skips every stage. On Kubernetes
+    (``cluster.kind``) it lies below ``cluster.volume_path``, the shared volume the training
+    pods mount, as the flow run's own pod does (``infra/kubernetes-pool.json``)."""
     from prefect.runtime import deployment, flow_run
 
-    return f"runs/{deployment.name or 'pretrain'}/{flow_run.name}"
+    from moe_core.config import ClusterConfig
+
+    folder = f"runs/{deployment.name or 'pretrain'}/{flow_run.name}"
+    cluster = cluster or {}
+    if cluster.get("kind") == "kubernetes":
+        volume = cluster.get("volume_path", ClusterConfig.volume_path)
+        return f"{volume.rstrip('/')}/{folder}"
+    return folder
+
+
+def _run_root(run_dir: str) -> Path:
+    """``run_dir`` made absolute; a symlink loop on the way is refused in one sentence."""
+    try:
+        return Path(run_dir).resolve()
+    except (RuntimeError, OSError) as err:  # Python 3.11/3.12 raise RuntimeError for a loop
+        if isinstance(err, OSError) and err.errno != errno.ELOOP:
+            raise
+        raise ConfigError(
+            f"run_dir={run_dir!r} is not allowed: it leads into a symlink loop; give a folder "
+            "that exists or can be made."
+        ) from None
 
 
 @flow(name="pretrain")
@@ -459,7 +482,7 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     this flow run's own, see ``default_run_dir``; give one to resume it), which it locks: a
     second pipeline there is refused in one sentence naming this one's process and host."""
     logger = get_run_logger()
-    root = Path(run_dir or default_run_dir()).resolve()
+    root = _run_root(run_dir or default_run_dir(config.get("cluster")))
     run = resolve(config, root)  # refusals come before anything is written
     check_launchable(run)
     lock = RunLock(root, "pretrain pipeline")
@@ -517,13 +540,18 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
         tracker.finish(tracker.parent)
     outcome["hf_dir"] = str(root / "hf")
     outcome["perplexity"] = evaluation.get("perplexity")
-    outcome["mlflow_ui"] = f"mlflow ui --backend-store-uri {tracker.uri}"
+    outcome["mlflow_ui"] = tracker.browse()
+    browse = (
+        f"browse with: {outcome['mlflow_ui']}"
+        if outcome["mlflow_ui"]
+        else f"MLflow at {tracker.uri} was unreachable, so there is nothing to browse yet: the "
+        "metrics are in metrics.jsonl and go to MLflow on a later run"
+    )
     logger.info(
-        "done: Hugging Face checkpoint %s; held-out perplexity %.3f (transformers: %.3f); "
-        "browse with: %s",
+        "done: Hugging Face checkpoint %s; held-out perplexity %.3f (transformers: %.3f); %s",
         outcome["hf_dir"],
         evaluation.get("perplexity", float("nan")),
         evaluation.get("hf_perplexity", float("nan")),
-        outcome["mlflow_ui"],
+        browse,
     )
     return outcome

@@ -128,6 +128,16 @@ class Tracker:
 
     # ---- what the flow calls --------------------------------------------------------------
 
+    def browse(self) -> str | None:
+        """Where to look at this run: the server's address, or the command that opens the run
+        folder's store in the MLflow UI. None when the store was unreachable during this run
+        (its metrics wait in ``metrics.jsonl`` for a later run), so none is offered."""
+        if not self.online:
+            return None
+        if self.uri.startswith(("http://", "https://")):
+            return self.uri
+        return f"mlflow ui --backend-store-uri {self.uri}"
+
     @property
     def parent(self) -> str | None:
         return self.state["parent"]

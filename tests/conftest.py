@@ -3,7 +3,11 @@ Triton kernels run by Triton's interpreter on CPU tensors where there is no GPU.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 for key, value in {
     "HF_HUB_OFFLINE": "1",
@@ -56,3 +60,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny pipeline (``helpers.SMALL``) run once for the whole session, by the flow in a
+    process of its own (with its own temporary Prefect API, so it nests in no module's):
+    tests that read it share it; tests that change it work on a copy."""
+    run_dir = tmp_path_factory.mktemp("tiny-run") / "tiny"
+    code = (
+        "import json, sys; from pathlib import Path; from helpers import run_pipeline; "
+        "outcome = run_pipeline(Path(sys.argv[1]), []); print('OUTCOME', json.dumps(outcome))"
+    )
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    env.pop("PREFECT_API_URL", None)  # the flow starts its own temporary API
+    env["PREFECT_HOME"] = str(tmp_path_factory.mktemp("tiny-run-prefect"))
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a busy machine is slow
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("OUTCOME ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, json.loads(lines[-1].removeprefix("OUTCOME "))

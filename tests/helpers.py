@@ -176,6 +176,20 @@ def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
     return pretrain(config=config, run_dir=str(run_dir))
 
 
+def seeded_run(source: Path, to: Path) -> Path:
+    """A fresh run directory holding ``source``'s tokenize and init outputs (data and initial
+    checkpoint, with their verified stage manifests): a pipeline there skips both stages."""
+    import shutil
+
+    for part in ("data", "init"):
+        shutil.copytree(source / part, to / part)
+    (to / "stages").mkdir()
+    for stage in ("tokenize", "init"):
+        for suffix in (".json", ".key"):
+            shutil.copy2(source / "stages" / f"{stage}{suffix}", to / "stages")
+    return to
+
+
 def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
     """The fp32 weights of the train stage's checkpoint at ``steps``."""
     from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config

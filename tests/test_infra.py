@@ -246,7 +246,14 @@ def test_committed_prefect_yaml_is_what_deployments_renders():
         "regenerate it: python -m flows.deployments > infra/prefect.yaml"
     )
     pools = {d["name"]: d["work_pool"]["name"] for d in yaml.safe_load(render())["deployments"]}
-    assert pools == {"tiny": "local", "olmoe-1b-7b": "local", "47b": "slurm", "1t": "slurm"}
+    assert pools == {
+        "tiny": "local",
+        "olmoe-1b-7b": "local",
+        "47b": "slurm",
+        "47b-kubernetes": "kubernetes",
+        "1t": "slurm",
+        "1t-kubernetes": "kubernetes",
+    }
 
 
 @pytest.mark.slow
@@ -261,10 +268,21 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, 
     assert services.run("start-worker.sh", "local", api).returncode == 0
     # pretrain/1t's pool is `slurm` (a login node's worker); here a machine without sbatch.
     assert services.run("start-worker.sh", "slurm", api).returncode == 0
+    # The Kubernetes pool as infra/README.md makes it (its worker runs in the cluster).
+    pool = ["work-pool", "create", "kubernetes", "--type", "kubernetes"]
+    pool += ["--base-job-template", str(INFRA / "kubernetes-pool.json")]
+    made = subprocess.run(["prefect", *pool], env={**services.env, "PREFECT_API_URL": api},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert made.returncode == 0, made.stderr + made.stdout
     deployed = services.run("deploy.sh", str(INFRA / "prefect.yaml"), api)
     assert deployed.returncode == 0, deployed.stderr + deployed.stdout
-    names = {d["name"] for d in get_json(f"{api}/deployments/filter", {})}
-    assert names == {"tiny", "olmoe-1b-7b", "47b", "1t"}
+    deployments = {d["name"]: d for d in get_json(f"{api}/deployments/filter", {})}
+    assert set(deployments) == {
+        "tiny", "olmoe-1b-7b", "47b", "47b-kubernetes", "1t", "1t-kubernetes"
+    }  # fmt: skip
+    k8s = deployments["1t-kubernetes"]
+    assert k8s["work_pool_name"] == "kubernetes"
+    assert k8s["job_variables"]["volume_path"] == "/runs"
 
     small = [
         "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",

@@ -190,3 +190,104 @@ def test_check_refuses_without_cluster_access_or_off_the_volume(run, tmp_path, m
     elsewhere = dataclasses.replace(run, out_dir="/scratch/train")
     with pytest.raises(ConfigError, match=r"^run_dir='/scratch/train' is not allowed: it must lie"):
         KubernetesLauncher.check(elsewhere)
+
+
+# The `kubernetes` work pool: the flow run itself in a pod, which then launches the training.
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+
+
+def test_the_committed_pool_template_is_what_deployments_renders():
+    import json
+
+    from flows.deployments import kubernetes_pool_template
+
+    assert json.loads((INFRA / "kubernetes-pool.json").read_text()) == kubernetes_pool_template(), (
+        "regenerate it: python -m flows.deployments kubernetes-pool > infra/kubernetes-pool.json"
+    )
+
+
+def test_a_kubernetes_deployments_flow_run_pod_mounts_the_runs_volume_as_its_launcher():
+    """The pod prefect-kubernetes' worker would create for pretrain/1t-kubernetes, rendered by
+    Prefect's own templating from the committed pool template and the deployment's variables."""
+    import json
+
+    import yaml
+    from prefect.utilities.templating import apply_values
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    from flows.deployments import IMAGE_WORKDIR, render
+
+    template = json.loads((INFRA / "kubernetes-pool.json").read_text())
+    deployment = next(
+        d for d in yaml.safe_load(render())["deployments"] if d["name"] == "1t-kubernetes"
+    )
+    assert deployment["work_pool"]["name"] == "kubernetes"
+    cluster = deployment["parameters"]["config"]["cluster"]
+    assert cluster["kind"] == "kubernetes" and cluster["nodes"] * cluster["procs_per_node"] == 512
+    step = deployment["pull"][0]["prefect.deployments.steps.set_working_directory"]
+    assert step == {"directory": IMAGE_WORKDIR}
+
+    variables = template["variables"]["properties"]
+    values = {k: v["default"] for k, v in variables.items() if "default" in v}
+    values |= deployment["work_pool"]["job_variables"] | {"volume_claim": "claim-7"}
+    config = KubernetesWorkerJobConfiguration(**apply_values(template["job_configuration"], values))
+    pod = config.job_manifest["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == cluster["image"]
+    assert pod["serviceAccountName"] == "moe-core-launcher"
+    assert pod["volumes"] == [{"name": "runs", "persistentVolumeClaim": {"claimName": "claim-7"}}]
+    assert container["volumeMounts"] == [{"name": "runs", "mountPath": cluster["volume_path"]}]
+    assert config.namespace == cluster["namespace"]
+
+
+def test_the_containerfile_installs_the_project_where_kubernetes_deployments_look():
+    from flows.deployments import IMAGE_WORKDIR
+
+    workdirs = [
+        line.split()[1]
+        for line in (INFRA / "Containerfile").read_text().splitlines()
+        if line.startswith("WORKDIR ")
+    ]
+    assert workdirs[-1] == IMAGE_WORKDIR
+
+
+# Each call the launcher makes -> the (API group, resource, verb) it needs.
+PERMISSIONS = {
+    "create_namespaced_service": ("", "services", "create"),
+    "list_namespaced_pod": ("", "pods", "list"),
+    "read_namespaced_pod_log": ("", "pods/log", "get"),
+    "create_namespaced_job": ("batch", "jobs", "create"),
+    "read_namespaced_job_status": ("batch", "jobs/status", "get"),
+    "delete_namespaced_job": ("batch", "jobs", "delete"),
+}
+
+
+def test_the_launchers_role_grants_every_call_it_makes():
+    import re
+
+    import yaml
+
+    from flows.deployments import SERVICE_ACCOUNT
+
+    source = (Path(__file__).resolve().parents[1] / "flows" / "launchers.py").read_text()
+    calls = set(re.findall(r"\b(?:core|batch)\.(\w+_namespaced_\w+)\(", source))
+    assert calls, "the launcher's API calls were not found"
+    unknown = calls - set(PERMISSIONS)
+    assert not unknown, (
+        f"add the permission these calls need to PERMISSIONS and the Role: {unknown}"
+    )
+    docs = list(yaml.safe_load_all((INFRA / "kubernetes-rbac.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert kinds["ServiceAccount"]["metadata"]["name"] == SERVICE_ACCOUNT
+    binding = kinds["RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT}]
+    assert binding["roleRef"]["name"] == kinds["Role"]["metadata"]["name"]
+    granted = {
+        (group, resource, verb)
+        for rule in kinds["Role"]["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert {PERMISSIONS[c] for c in calls} == granted, "the Role grants what is used, no more"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,16 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, masters, run_pipeline
+from helpers import SMALL, masters, run_pipeline, seeded_run
 
 from flows.manifests import STAGES
 from moe_core.compose import compose_dict
 
 
 @pytest.fixture(scope="module")
-def finished(prefect_home, tmp_path_factory) -> tuple[Path, dict]:
-    run_dir = tmp_path_factory.mktemp("pipeline") / "tiny"
-    return run_dir, run_pipeline(run_dir, [])
+def finished(prefect_home, tiny_run) -> tuple[Path, dict]:
+    """The session's tiny run (read only here: tests that change a run take a copy)."""
+    return tiny_run
+
+
+def copy_of(run: tuple[Path, dict], to: Path) -> Path:
+    shutil.copytree(run[0], to)
+    return to
 
 
 @pytest.mark.slow
@@ -65,8 +71,8 @@ def test_tiny_pipeline_end_to_end(finished):
 
 
 @pytest.mark.slow
-def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished):
-    run_dir, _ = finished
+def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path):
+    run_dir = copy_of(finished, tmp_path / "run")
     shard = sorted((run_dir / "hf").glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-10])  # corrupt the export only
     data_mtimes = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
@@ -82,10 +88,10 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished):
 
 
 @pytest.mark.slow
-def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished):
+def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    run_dir, _ = finished
+    run_dir = copy_of(finished, tmp_path / "run")
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     parent_id = json.loads((run_dir / "mlflow.json").read_text())["parent"]
     before = client.get_run(parent_id)
@@ -115,7 +121,7 @@ def kill_training_after(run_dir: Path, steps: int, proc: subprocess.Popen) -> No
 @pytest.mark.slow
 def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_path):
     reference_dir, _ = finished
-    run_dir = tmp_path / "crash"
+    run_dir = seeded_run(reference_dir, tmp_path / "crash")  # its tokenize and init are done
     script = (
         "import sys, json; from flows.pretrain import pretrain; "
         "pretrain(config=json.loads(sys.argv[1]), run_dir=sys.argv[2])"
@@ -148,10 +154,7 @@ def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_p
 
 @pytest.mark.slow
 def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
-    import shutil
-
-    run_dir = tmp_path / "changed"
-    shutil.copytree(finished[0], run_dir)
+    run_dir = copy_of(finished, tmp_path / "changed")
     outcome = run_pipeline(run_dir, ["train.lr=1e-3"])
     assert outcome["stages"] == {
         "tokenize": "Skipped",
@@ -190,3 +193,19 @@ def test_a_second_pipeline_in_a_locked_run_dir_is_refused_before_any_stage(prefe
         message = str(err.value)
         assert f"{run_dir} is in use by another run: process {first.pid} on host" in message
         assert [p.name for p in run_dir.iterdir()] == [LOCK], "no stage, no tracking store"
+
+
+def test_a_run_dir_in_a_symlink_loop_is_one_sentence(prefect_home, tmp_path):
+    from flows.pretrain import pretrain
+    from moe_core.config import ConfigError
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    run_dir = str(tmp_path / "a" / "run")
+    with pytest.raises(ConfigError) as err:
+        pretrain(config=compose_dict(SMALL, config_name="pretrain-tiny"), run_dir=run_dir)
+    assert str(err.value) == (
+        f"run_dir={run_dir!r} is not allowed: it leads into a symlink loop; give a folder that "
+        "exists or can be made."
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"], "nothing was written"

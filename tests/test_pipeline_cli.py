@@ -45,6 +45,10 @@ def test_a_deployment_run_without_run_dir_gets_a_folder_of_its_own(monkeypatch):
     assert default_run_dir() == "runs/tiny/brave-otter"
     monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__NAME", "calm-heron")
     assert default_run_dir() == "runs/tiny/calm-heron"
+    # On Kubernetes the folder lies on the volume the training pods mount.
+    cluster = {"kind": "kubernetes", "volume_path": "/mnt/runs/"}
+    assert default_run_dir(cluster) == "/mnt/runs/runs/tiny/calm-heron"
+    assert default_run_dir({"kind": "kubernetes"}) == "/runs/runs/tiny/calm-heron"
 
 
 def test_generated_deployments_leave_the_run_folder_to_each_flow_run():

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import slurm_standin
-from helpers import run_pipeline
+import torch
+from helpers import masters, run_pipeline, seeded_run
 from test_multinode import free_port
 
 from flows.launch import render_slurm
@@ -63,10 +64,10 @@ def job_ids(state: Path, tool: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def never_started(slurm, tmp_path_factory):
-    """A first flow run whose job stays queued: tokenize and init finish, train times out.
-    Its run directory is where the other tests start (their tokenize and init are skipped)."""
-    run_dir = tmp_path_factory.mktemp("held") / "run"
+def never_started(slurm, tiny_run, tmp_path_factory):
+    """A first flow run whose job stays queued (tokenize and init done, from the session's
+    tiny run), train times out. Its run directory is where the other tests start."""
+    run_dir = seeded_run(tiny_run[0], tmp_path_factory.mktemp("held") / "run")
     (slurm / "hold").touch()
     try:
         with pytest.raises(LaunchTimeoutError) as err:
@@ -136,6 +137,14 @@ def test_a_killed_node_fails_the_job_which_is_resubmitted_and_resumes(resubmitte
     assert resumed_at and int(resumed_at.group(1)) >= 2, "the second job resumes mid-run"
     steps = [json.loads(x)["step"] for x in (run_dir / "train" / "metrics.jsonl").open()]
     assert steps == list(range(8)), "every step once, the redone ones replaced"
+
+
+def test_the_resumed_job_ends_with_the_weights_of_an_uninterrupted_run(resubmitted, tiny_run):
+    """The session's tiny run trained the same config in one go, on one node with two ranks."""
+    run_dir, _, _ = resubmitted
+    reference, resumed = masters(tiny_run[0]), masters(run_dir)
+    assert reference.keys() == resumed.keys()
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference), "resume must be exact"
 
 
 def test_the_flow_finishes_with_the_submitted_scripts_and_job_ids_recorded(slurm, resubmitted):

@@ -28,9 +28,11 @@ def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog)
         down = Tracker(tmp_path, f"http://127.0.0.1:{closed_port()}", "exp", "run")
     assert not down.online and "unreachable" in caplog.text
     assert down.stage("train") is None and down.send_metrics_file(None, metrics) == 0
+    assert down.browse() is None, "no UI is offered for a store that was not reached"
 
     # The store is reachable again (here: the local sqlite store): everything is sent.
     up = Tracker(tmp_path, None, "exp", "run")
+    assert up.browse() == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = up.stage("train")
     write_metrics(metrics, range(3, 5))
     assert up.send_metrics_file(run_id, metrics) == 5
