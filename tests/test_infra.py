@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import seeded_run
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -257,7 +258,9 @@ def test_committed_prefect_yaml_is_what_deployments_renders():
 
 
 @pytest.mark.slow
-def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, tmp_path: Path):
+def test_deployments_from_prefect_yaml_run_through_a_worker(
+    services: Services, tiny_run: tuple[Path, dict], tmp_path: Path
+):
     """The committed infra/prefect.yaml, deployed to a real server: `prefect deployment run
     pretrain/tiny` completes through a process worker; `pretrain/1t` refuses with the plan."""
     from moe_core.compose import compose_dict
@@ -290,7 +293,9 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, 
     ]  # fmt: skip
     params = {
         "config": compose_dict(small, config_name="pretrain-tiny"),
-        "run_dir": str(tmp_path / "tiny"),
+        # The session's tiny run tokenized and initialized this config already: the flow run
+        # skips those two stages and trains, converts and evaluates through the worker.
+        "run_dir": str(seeded_run(tiny_run[0], tmp_path / "tiny")),
     }
     env = {**services.env, "PREFECT_API_URL": api}
 
