@@ -179,3 +179,51 @@ def test_a_token_source_given_to_the_synthetic_data_section_is_refused():
             "files: choose token data (data=kjv, data=files or data=hub) to train on them."
         )
     assert compose_run(["data=kjv", "data.dir=somewhere"]).data.dir == "somewhere"
+
+
+def test_no_group_yaml_repeats_a_dataclass_default():
+    """A YAML lists only what it changes (defaults live in the dataclasses). A key may equal its
+    default only where it must be present: the option's ``name``, a key another YAML
+    interpolates (``${model.vocab_size}``), or one clearing what the file it extends sets."""
+    import re
+
+    import yaml
+
+    from moe_core.compose import DEFAULT_CONFIG_DIR
+    from moe_core.config import RunConfig, to_dict
+
+    defaults = to_dict(RunConfig())
+    conf = DEFAULT_CONFIG_DIR
+    texts = "\n".join(p.read_text() for p in conf.rglob("*.yaml"))
+    interpolated = set(re.findall(r"\$\{(\w+\.\w+)\}", texts))
+    repeated = []
+    for group in defaults:
+        if not isinstance(defaults[group], dict) or not (conf / group).is_dir():
+            continue
+        for path in sorted((conf / group).glob("*.yaml")):
+            data = yaml.safe_load(path.read_text()) or {}
+            parents = [
+                yaml.safe_load((conf / group / f"{p}.yaml").read_text()) or {}
+                for p in data.get("defaults", [])
+                if p != "_self_"
+            ]
+            for key, value in data.items():
+                if key in ("defaults", "name") or key not in defaults[group]:
+                    continue
+                if value != defaults[group][key] or f"{group}.{key}" in interpolated:
+                    continue
+                if any(key in parent and parent[key] != value for parent in parents):
+                    continue
+                repeated.append(f"{path.relative_to(conf)}: {key}")
+    assert not repeated, f"these repeat the dataclass default; delete them: {repeated}"
+
+
+def test_hub_data_without_a_dataset_name_is_refused():
+    """files.yaml once set ``hub: null``, which OmegaConf let win over hub.yaml's mandatory
+    ``???``: ``data=hub`` then composed with no dataset at all."""
+    from moe_core.compose import compose_run
+    from moe_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data\.hub has no value: give one as an override"):
+        compose_run(["data=hub"])
+    assert compose_run(["data=hub", "data.hub=org/corpus"]).data.hub == "org/corpus"
