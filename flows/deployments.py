@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_dict
-from moe_core.config import ClusterConfig
+from moe_core.config import ClusterConfig, RunConfig, from_dict, to_dict
 
 # A process work pool per cluster kind; start its worker where that kind launches
 # (infra/start-worker.sh POOL).
@@ -45,7 +45,7 @@ def deployment_names() -> list[str]:
 
 
 def _deployment(name: str, config: dict[str, Any]) -> dict[str, Any]:
-    cluster = config["cluster"]
+    cluster = to_dict(from_dict(RunConfig, config).cluster)  # with the dataclass defaults
     deployment: dict[str, Any] = {
         "name": name,
         "description": f"Pretraining pipeline for conf/pretrain-{name}.yaml",
@@ -74,7 +74,7 @@ def render() -> str:
     for name in deployment_names():
         config = compose_dict([], config_name=f"pretrain-{name}")
         deployments.append(_deployment(name, config))
-        if config["cluster"]["kind"] == "slurm":
+        if from_dict(RunConfig, config).cluster.kind == "slurm":
             twin = compose_dict(["cluster=kubernetes"], config_name=f"pretrain-{name}")
             deployments.append(_deployment(f"{name}-kubernetes", twin))
     doc = {"name": "moe-core", "prefect-version": "3.9.1", "deployments": deployments}

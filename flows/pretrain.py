@@ -37,7 +37,15 @@ from flows.launchers import Attempt, launcher_class
 from flows.manifests import STAGES, digest
 from flows.plots import training_plots
 from flows.tracking import Tracker
-from moe_core.config import ConfigError, RunConfig, check_path, from_dict, to_dict
+from moe_core.config import (
+    ClusterConfig,
+    ConfigError,
+    DataConfig,
+    RunConfig,
+    check_path,
+    from_dict,
+    to_dict,
+)
 from moe_core.rundir import RunLock, set_aside
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
@@ -80,13 +88,14 @@ def stage_keys(run: RunConfig) -> dict[str, str]:
 
 def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
     """The run's config with every path inside ``run_dir`` (validated on the way)."""
-    if config.get("cluster", {}).get("kind", "local") != "local":
+    if config.get("cluster", {}).get("kind", ClusterConfig.kind) != "local":
         check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
     data = dict(config.get("data", {}))
     data["dir"] = str(run_dir / "data")
-    if data.get("kind") != "tokens":
+    kind = data.get("kind", DataConfig.kind)
+    if kind != "tokens":
         raise ValueError(
-            f"data.kind={data.get('kind')!r} is not allowed for the pipeline: it tokenizes a "
+            f"data.kind={kind!r} is not allowed for the pipeline: it tokenizes a "
             "corpus, so use a token data option (e.g. data=kjv)."
         )
     return from_dict(RunConfig, {**config, "data": data, "out_dir": str(run_dir / "train")})
@@ -452,8 +461,6 @@ def default_run_dir(cluster: dict[str, Any] | None = None) -> str:
     (``cluster.kind``) it lies below ``cluster.volume_path``, the shared volume the training
     pods mount, as the flow run's own pod does (``infra/kubernetes-pool.json``)."""
     from prefect.runtime import deployment, flow_run
-
-    from moe_core.config import ClusterConfig
 
     folder = f"runs/{deployment.name or 'pretrain'}/{flow_run.name}"
     cluster = cluster or {}

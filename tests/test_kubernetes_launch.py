@@ -12,7 +12,7 @@ from kubernetes.client.exceptions import ApiException
 from flows.launch import kubernetes_objects, render_kubernetes, run_id
 from flows.launchers import KubernetesLauncher, LaunchTimeoutError
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError
+from moe_core.config import ConfigError, RunConfig, from_dict, to_dict
 
 INDEX = "batch.kubernetes.io/job-completion-index"
 
@@ -223,7 +223,7 @@ def test_a_kubernetes_deployments_flow_run_pod_mounts_the_runs_volume_as_its_lau
         d for d in yaml.safe_load(render())["deployments"] if d["name"] == "1t-kubernetes"
     )
     assert deployment["work_pool"]["name"] == "kubernetes"
-    cluster = deployment["parameters"]["config"]["cluster"]
+    cluster = to_dict(from_dict(RunConfig, deployment["parameters"]["config"]).cluster)
     assert cluster["kind"] == "kubernetes" and cluster["nodes"] * cluster["procs_per_node"] == 512
     step = deployment["pull"][0]["prefect.deployments.steps.set_working_directory"]
     assert step == {"directory": IMAGE_WORKDIR}
