@@ -199,11 +199,10 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
         tokenizer = run_tokenizer_dir(args.src)
     if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
-        import torch
-
         from moe_core.convert.checkpoint import checkpoint_to_hf
+        from moe_core.parallel.parallelize import DTYPES
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        dtype = DTYPES[args.dtype]
         out = checkpoint_to_hf(
             args.src, args.out, dtype, tokenizer_dir=tokenizer, overwrite=args.overwrite
         )

@@ -81,7 +81,7 @@ from moe_core.parallel.pipeline import rank_chunks, schedule
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 4.0
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 BLOCK_RECOMPUTE_FLOPS = 4 / 3  # block recompute runs each forward twice: 8 of 6 FLOPs per param
 
 
@@ -94,7 +94,7 @@ class InsufficientResourcesError(ConfigError):
 
 
 @dataclass(frozen=True)
-class ParameterShapes:
+class ParameterCounts:
     """Parameter counts by place, read off a one-layer meta-device model."""
 
     layer_dense: int  # attention, norms, router, shared expert of one block
@@ -106,7 +106,7 @@ class ParameterShapes:
     final_norm: int
 
 
-def parameter_shapes(m: ModelConfig) -> ParameterShapes:
+def parameter_counts(m: ModelConfig) -> ParameterCounts:
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(m, n_layers=1))
     block = model.layers["0"]
@@ -114,7 +114,7 @@ def parameter_shapes(m: ModelConfig) -> ParameterShapes:
     expert_ids = {id(p) for p in experts}
     dense = [p for p in block.parameters() if id(p) not in expert_ids]
     assert model.embed is not None and model.lm_head is not None and model.norm is not None
-    return ParameterShapes(
+    return ParameterCounts(
         layer_dense=sum(p.numel() for p in dense),
         layer_expert=sum(p.numel() for p in experts),
         largest_dense=max(p.numel() for p in dense),
@@ -376,7 +376,7 @@ def plan(run: RunConfig) -> Plan:
     """Plan ``run``'s layout; see the module docstring for every formula."""
     m, t, par = run.model, run.train, run.parallel
     counts = count(m, t.seq_len)
-    sh = parameter_shapes(m)
+    sh = parameter_counts(m)
     bp = DTYPE_BYTES[par.param_dtype]
     bc = DTYPE_BYTES[t.dtype]
     bo = DTYPE_BYTES[t.optimizer_dtype]

@@ -10,7 +10,6 @@ ever holding the whole model.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -21,10 +20,13 @@ from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.train import dcp_read
-from moe_core.train.checkpoint import MANIFEST, trainer_state, verify
-
-_PARAM = re.compile(r"opt/(.+)/param/(\d+)")
-_BUFFER = re.compile(r"buf/(.+)")
+from moe_core.train.checkpoint import (
+    MANIFEST,
+    buffer_key,
+    parse_key,
+    trainer_state,
+    verify,
+)
 
 
 class CheckpointSource:
@@ -36,10 +38,14 @@ class CheckpointSource:
         self.chunks: dict[str, list[tuple[int, int, str]]] = {}
         self.buffers: dict[str, torch.Size] = {}
         for key, md in metadata.items():
-            if m := _PARAM.fullmatch(key):
-                self.chunks.setdefault(m.group(1), []).append((int(m.group(2)), md.size[0], key))
-            elif m := _BUFFER.fullmatch(key):
-                self.buffers[m.group(1)] = md.size
+            parsed = parse_key(key)
+            if parsed is None:
+                continue
+            name, kind, start = parsed
+            if kind == "param":
+                self.chunks.setdefault(name, []).append((start, md.size[0], key))
+            elif kind is None:
+                self.buffers[name] = md.size
         self.shapes = {n: torch.Size(s) for n, s in parameter_shapes(cfg).items()}
         held = {n: (sum(size for _, size, _ in c),) for n, c in self.chunks.items()}
         problem = shape_mismatch(held, {n: (s.numel(),) for n, s in self.shapes.items()})
@@ -80,10 +86,10 @@ class CheckpointSource:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and saved buffer at once (small models: evaluation in one process)."""
         state = {name: self.get(name) for name in sorted(expected_names(self.cfg))}
-        request = {f"buf/{n}": torch.empty(size) for n, size in self.buffers.items()}
+        request = {buffer_key(n): torch.empty(size) for n, size in self.buffers.items()}
         if request:
             dcp_read.load(request, self.path, no_dist=True)
-            state |= {k.removeprefix("buf/"): v for k, v in request.items()}
+            state |= {n: request[buffer_key(n)] for n in self.buffers}
         return state
 
 

@@ -43,7 +43,7 @@ from moe_core.plan import (
     check_cluster,
     fit_refusal,
     layer_activation_bytes,
-    parameter_shapes,
+    parameter_counts,
     plan,
     step_time,
 )
@@ -166,7 +166,7 @@ def model_data(
     counts = count(m)
     return {
         "config": to_dict(m),
-        "shapes": dataclasses.asdict(parameter_shapes(m)),
+        "shapes": dataclasses.asdict(parameter_counts(m)),
         "total_params": counts.total_params,
         "active_params": counts.active_params,
         "flops_per_token": {s: count(m, s).flops_per_token for s in seq_lens if s <= m.max_seq_len},

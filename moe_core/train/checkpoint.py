@@ -53,7 +53,30 @@ from moe_core.train.dcp_read import quiet as _quiet
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
+# The key format of every checkpoint: a range of a parameter's optimizer state (the master
+# weights are ``param``) from flat offset ``start``, and a non-trained buffer.
 _KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
+_BUFFER_KEY = re.compile(r"buf/(.+)")
+
+
+def state_key(name: str, kind: str, start: int) -> str:
+    """The key of ``name``'s optimizer state ``kind`` (param, exp_avg, exp_avg_sq) from flat
+    offset ``start``."""
+    return f"opt/{name}/{kind}/{start}"
+
+
+def buffer_key(name: str) -> str:
+    return f"buf/{name}"
+
+
+def parse_key(key: str) -> tuple[str, str, int] | tuple[str, None, None] | None:
+    """``(name, kind, start)`` for an optimizer-state key, ``(name, None, None)`` for a buffer,
+    None for anything else."""
+    if m := _KEY.fullmatch(key):
+        return m.group(1), m.group(2), int(m.group(3))
+    if m := _BUFFER_KEY.fullmatch(key):
+        return m.group(1), None, None
+    return None
 
 
 @dataclass
@@ -124,7 +147,7 @@ def check_fits(
             held = sum(length for _, length, _ in ranges)
             numel = math.prod(shapes.get(name, (0,)))
             if name in shapes and held != numel:
-                problem = f"opt/{name}/{kind} holds {held} values there, {numel} here"
+                problem = f"{name}'s {kind} holds {held} values there, {numel} here"
                 break
     if problem is not None:
         raise CheckpointError(
@@ -205,9 +228,9 @@ class Checkpointer:
         for o in owned_ranges(opt):
             shards = opt.shards(o.index)
             for kind in STATE_KEYS:
-                state[f"opt/{o.name}/{kind}/{o.start}"] = shards[kind][o.local : o.local + o.length]
+                state[state_key(o.name, kind, o.start)] = shards[kind][o.local : o.local + o.length]
         for name, t in buffers.items():
-            state[f"buf/{name}"] = t
+            state[buffer_key(name)] = t
         return state
 
     def save(
@@ -393,7 +416,7 @@ class Checkpointer:
                 f"checkpoint {path.name} has no weights for {missing[0]} (another model?)"
             )
         for name, t in buffers.items():
-            request[f"buf/{name}"] = torch.empty_like(t, device="cpu")
+            request[buffer_key(name)] = torch.empty_like(t, device="cpu")
         dcp_read.load(request, path, process_group=self.group, no_dist=self.no_dist)
 
         shards = [opt.shards(i, allocate=True) for i in range(len(opt.buckets))]
@@ -408,7 +431,7 @@ class Checkpointer:
         opt.set_step(int(request["adam_step"]))
         opt.publish_weights()
         for name, t in buffers.items():
-            t.copy_(request[f"buf/{name}"])
+            t.copy_(request[buffer_key(name)])
         return json.loads(request["trainer"])
 
 

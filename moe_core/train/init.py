@@ -21,7 +21,7 @@ from moe_core.config import ParallelConfig, RunConfig, to_dict
 from moe_core.model.moe import Experts
 from moe_core.model.transformer import Transformer, seeded_normal_
 from moe_core.parallel.mesh import Mesh
-from moe_core.train.checkpoint import Checkpointer
+from moe_core.train.checkpoint import Checkpointer, buffer_key, state_key
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -65,11 +65,11 @@ def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Ca
             mod_name, p_name = experts[id(p)]
             per_expert = p[0].numel()
             for e in range(p.shape[0]):
-                key = f"opt/{name}/param/{e * per_expert}"
+                key = state_key(name, "param", e * per_expert)
                 placeholders[key] = torch.empty(per_expert, device="meta")
                 makers[key] = normal(p.shape[1:], f"{mod_name}.{p_name}[{e}]")
         else:
-            key = f"opt/{name}/param/0"
+            key = state_key(name, "param", 0)
             placeholders[key] = torch.empty(p.numel(), device="meta")
             if name.endswith("norm.weight"):
                 makers[key] = _ones(p.numel())
@@ -87,7 +87,7 @@ def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
     placeholders, makers = _param_makers(run)
     state: dict = dict(placeholders)
     for name in _expert_bias_names(run):
-        state[f"buf/{name}"] = torch.zeros(run.model.n_experts)
+        state[buffer_key(name)] = torch.zeros(run.model.n_experts)
     trainer = {"step": 0, "guards": {}, "config": to_dict(run), "loader": None}
     state["trainer"] = json.dumps(trainer)
     state["adam_step"] = 0
