@@ -16,6 +16,14 @@ computes with fp32 accumulation and a bf16 output.
 - weight gradient: bf16 ``kernels.grouped_gemm`` (contracting over each group's rows would need
   per-group scales along M: a measured follow-up).
 
+MX scaling (``scaling="mx"``, OCP Microscaling MXFP8): each block of 32 consecutive values along
+K gets a power-of-two scale stored as E8M0 (a biased exponent byte, ``2^(byte - 127)``). The
+exponent is ``ceil(log2(amax / 448))`` (NVIDIA's round-up recipe rather than the spec's floor, so
+no value saturates), clamped to [-127, 127]; an all-zero block takes 2^-127. Its values are
+rounded to E4M3 as above. Blackwell (sm_100) runs these GEMMs natively; that path is not built
+here yet, so MX runs as the dequantized product everywhere (on CPU: its tested emulation), and
+``moe_core.parallel.parallelize.choose_kernels`` refuses it on a GPU.
+
 ``quantize_rowwise`` is the one quantizer (Triton: amax, scale and cast in one kernel per row
 block, reading the row twice; the reference below defines it). Where ``_scaled_grouped_mm``
 cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same function from the
@@ -31,6 +39,8 @@ from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+E8M0 = torch.float8_e8m0fnu
+MX_BLOCK = 32
 
 
 def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +70,45 @@ def dequantize(q_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:
     return q_MK.float() * scale_M[:, None]
 
 
+def quantize_mx_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 values [M, K], E8M0 scales [M, K / 32]) with ``x ~= q * 2^e`` per 32-value block
+    along K (module doc)."""
+    M, K = x_MK.shape
+    x = x_MK.float().view(M, K // MX_BLOCK, MX_BLOCK)
+    amax = x.abs().amax(dim=2)
+    ratio = amax / torch.full_like(amax, E4M3_MAX)  # correctly rounded, as the kernel's
+    # ceil(log2(ratio)) read off the fp32 bits: the exponent, plus one unless a power of two;
+    # zero and subnormal ratios (below 2^-126) take the floor, -127.
+    bits = ratio.view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    exponent = biased - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    exponent = torch.where(biased == 0, -127, exponent).clamp(-127, 127)
+    scale = torch.ldexp(torch.ones_like(ratio), exponent)
+    y = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = (y.to(E4M3).float() + 0.0).to(E4M3).view(M, K)
+    return q, (exponent + 127).to(torch.uint8).view(E8M0)
+
+
+def quantize_mx(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantization of a 2D tensor whose last dimension is a multiple of 32."""
+    if x_MK.ndim != 2 or x_MK.shape[1] % MX_BLOCK:
+        raise ValueError(
+            f"quantize_mx takes [M, K] with K a multiple of 32, got {tuple(x_MK.shape)}"
+        )
+    if use_triton(x_MK):
+        from kernels import fp8_triton
+
+        return fp8_triton.quantize_mx(x_MK)
+    return quantize_mx_reference(x_MK)
+
+
+def dequantize_mx(q_MK: torch.Tensor, scale_MB: torch.Tensor) -> torch.Tensor:
+    M, K = q_MK.shape
+    exponent = scale_MB.view(torch.uint8).to(torch.int32) - 127
+    scale = torch.ldexp(torch.ones(exponent.shape, device=q_MK.device), exponent)
+    return (q_MK.float().view(M, -1, MX_BLOCK) * scale[..., None]).view(M, K)
+
+
 def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs FP8 here (CUDA, sm90 and newer)."""
     if not hasattr(torch, "_scaled_grouped_mm") or x.device.type != "cuda":
@@ -68,11 +117,20 @@ def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 def _scaled_mm(
-    a_MK: torch.Tensor, b_GNK: torch.Tensor, offs_G: torch.Tensor, out_dtype: torch.dtype
+    a_MK: torch.Tensor,
+    b_GNK: torch.Tensor,
+    offs_G: torch.Tensor,
+    out_dtype: torch.dtype,
+    scaling: str = "rowwise",
 ) -> torch.Tensor:
     """``a @ b[g]^T`` per group with both operands quantized over K (rows of ``a``, rows of
-    each ``b[g]``): FP8 on the GPU, the dequantized product elsewhere."""
+    each ``b[g]``): FP8 on the GPU, the dequantized product elsewhere (and for MX, always)."""
     G, N, K = b_GNK.shape
+    if scaling == "mx":
+        qa, sa = quantize_mx(a_MK)
+        qb, sb = quantize_mx(b_GNK.reshape(G * N, K))
+        w_GKN = dequantize_mx(qb, sb).view(G, N, K).transpose(-2, -1)
+        return grouped_mm_reference(dequantize_mx(qa, sa), w_GKN, offs_G).to(out_dtype)
     qa, sa = quantize_rowwise(a_MK)
     qb, sb = quantize_rowwise(b_GNK.reshape(G * N, K))
     if scaled_grouped_mm_supported(a_MK):
@@ -90,9 +148,10 @@ def _scaled_mm(
 
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str):  # type: ignore[override]
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
-        return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype)
+        ctx.scaling = scaling
+        return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype, scaling)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
@@ -101,16 +160,21 @@ class _FP8GroupedMM(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             w_GKN = w_GNK.transpose(-2, -1).contiguous()  # quantized over N: the transposed copy
-            dx = _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype)
+            dx = _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, ctx.scaling)
         if ctx.needs_input_grad[1]:  # bf16, in the weight's own [G, N, K] layout
             w_GKN = w_GNK.transpose(-2, -1)
             dw = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).transpose(-2, -1).to(w_GNK.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def fp8_grouped_mm(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+def fp8_grouped_mm(
+    x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str = "rowwise"
+) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ w[g]^T`` for experts stored [G, N, K], forward and input
-    gradient in FP8 (module doc); int32 cumulative ``offs_G`` as ``grouped_mm`` takes them."""
+    gradient in FP8 (module doc) with ``scaling`` "rowwise" or "mx"; int32 cumulative
+    ``offs_G`` as ``grouped_mm`` takes them."""
     if offs_G.dtype != torch.int32:
         raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
-    return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G)
+    if scaling not in ("rowwise", "mx"):
+        raise ValueError(f"scaling={scaling!r} is not allowed: 'rowwise' or 'mx'")
+    return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G, scaling)

@@ -67,3 +67,55 @@ def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         BLOCK_M=block_m, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,
     )  # fmt: skip
     return q_MK, scale_M
+
+
+MX_BLOCK = 32
+
+
+@triton.jit
+def _quantize_mx_rows(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_q, stride_s,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """MXFP8 (``kernels.fp8.quantize_mx``): a program owns BLOCK_M rows and walks K in chunks
+    of BLOCK_K (whole 32-value blocks), each chunk read once: its blocks' absolute maxima,
+    the E8M0 exponents ceil(log2(amax / 448)) read off the fp32 bits, the values divided by
+    their power of two (exact), rounded to E4M3 and stored with one exponent byte per block."""
+    NB: tl.constexpr = BLOCK_K // MX
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    blocks = tl.arange(0, NB)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        m = rmask[:, None] & (c < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
+        x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, NB, MX))
+        amax = tl.max(tl.abs(x3), axis=2)
+        bits = tl.div_rn(amax, FP8_MAX).to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        e = tl.minimum(tl.maximum(tl.where(biased == 0, -127, e), -127), 127)
+        # 2^e as fp32: a normal number's exponent field, or the subnormal 2^-127
+        scale = tl.where(e >= -126, (e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
+        y = tl.clamp(tl.div_rn(x3, scale[:, :, None]), -FP8_MAX, FP8_MAX)
+        q = tl.reshape(_round_to_e4m3(y), (BLOCK_M, BLOCK_K)).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
+        b = k0 // MX + blocks
+        bm = rmask[:, None] & (b < K // MX)[None, :]
+        tl.store(scale_ptr + rows[:, None] * stride_s + b[None, :], (e + 127).to(tl.uint8), mask=bm)
+
+
+def quantize_mx(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x_MK.shape
+    x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
+    q_MK = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_MB = torch.empty(M, K // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    block_k = min(1024, next_pow2(K))
+    block_m = max(1, min(4096 // block_k, next_pow2(M)))
+    _quantize_mx_rows[(cdiv(M, block_m),)](
+        x, q_MK, scale_MB, M, K, x.stride(0), q_MK.stride(0), scale_MB.stride(0),
+        BLOCK_M=block_m, BLOCK_K=block_k, MX=MX_BLOCK, FP8_MAX=E4M3_MAX,
+    )  # fmt: skip
+    return q_MK, scale_MB.view(torch.float8_e8m0fnu)

@@ -339,6 +339,10 @@ class ParallelConfig:
     # input gradient; sm90+ on GPU). Dense and attention projections and the EP dispatch
     # payload are not built yet and are refused.
     fp8_parts: list[str] = field(default_factory=list)
+    # How FP8 values are scaled: rowwise fp32 scales (Hopper and newer), or "mx": MXFP8, a
+    # power-of-two E8M0 scale per 32 values (precision=mxfp8; Blackwell's format, emulated on
+    # CPU, its GPU path not built yet).
+    fp8_scaling: Literal["rowwise", "mx"] = "rowwise"
 
     def compile_on(self, device_type: str) -> bool:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
@@ -377,6 +381,8 @@ class ParallelConfig:
                 )
         if self.fp8_parts and self.param_dtype != "bf16":
             _fail(p + "fp8_parts", list(self.fp8_parts), "[] unless parallel.param_dtype=bf16")
+        if self.fp8_scaling == "mx" and not self.fp8_parts:
+            _fail(p + "fp8_scaling", "mx", "'rowwise' unless parallel.fp8_parts names a part")
         if self.cuda_graph and self.pp > 1:
             _fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
         if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":

@@ -1,6 +1,7 @@
-"""FP8 (E4M3, rowwise scales): the quantizer's exact format (Triton equals the reference bit for
-bit; rounding to nearest even, subnormals, saturation, zero and all-equal rows), and the FP8
-expert GEMM against the unquantized product and the bf16 path's gradients."""
+"""FP8 (E4M3, rowwise scales and MXFP8's 32-value blocks with E8M0 scales): the quantizers'
+exact format (Triton equals the reference bit for bit; rounding to nearest even, subnormals,
+saturation, zero and all-equal rows or blocks, the E8M0 encoding), and the FP8 expert GEMM
+against the unquantized product and the bf16 path's gradients."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from kernel_cases import DEVICE, assert_triton_path
 from kernels.fp8 import (
     E4M3_MAX,
     dequantize,
+    dequantize_mx,
     fp8_grouped_mm,
+    quantize_mx,
+    quantize_mx_reference,
     quantize_rowwise,
     quantize_rowwise_reference,
 )
@@ -65,17 +69,54 @@ def test_dequantized_rows_are_within_e4m3_precision():
     assert torch.all(err[normal] <= x.abs()[normal] * 2.0**-4 + 1e-30)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [64, 2112], ids=["one-chunk", "three-chunks"])
+def test_mx_quantizer_kernel_equals_the_reference_bit_for_bit(K, dtype):
+    x = rows(3, 37, K, dtype)
+    if dtype == torch.float32:  # (Triton's interpreter flushes bf16 subnormals as it loads)
+        x[4, :32] = 2.0**-130  # a block whose scale would be below E8M0's 2^-127
+    assert_triton_path(x)
+    q, s = quantize_mx(x)
+    rq, rs = quantize_mx_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
+    assert s.shape == (37, K // 32)
+    assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.all(s[1].view(torch.uint8) == 0)  # a zero block: 2^-127, its values +0
+    assert torch.equal(q[1].view(torch.uint8), torch.zeros(K, dtype=torch.uint8, device=DEVICE))
+
+
+def test_mx_scales_are_powers_of_two_rounded_up_so_nothing_saturates():
+    # blocks whose maximum is 448 * 2^k (exactly a power of two times 448), just above it,
+    # an all-equal block, and one with a negative maximum
+    x = torch.zeros(1, 4 * 32, device=DEVICE)
+    x[0, 0], x[0, 1] = 448.0, 1.0  # ratio 1: exponent 0, byte 127, values as they are
+    x[0, 32] = 448.0 * 2.0**-3 * 1.01  # ratio just above 2^-3: exponent -2, byte 125
+    x[0, 64:96] = 0.37  # ratio 0.37 / 448 = 2^-10.24: exponent -10, byte 117
+    x[0, 96], x[0, 97] = -900.0, 3.0  # ratio 2^1.006: exponent 2, byte 129
+    for quantize in (quantize_mx, quantize_mx_reference):
+        q, s = quantize(x)
+        assert s.view(torch.uint8)[0].tolist() == [127, 125, 117, 129]
+        assert q.float()[0, 0] == 448.0 and q.float()[0, 1] == 1.0
+        assert q.float()[0, 96] == -224.0 and q.float()[0, 97] == 0.75
+        assert torch.all(q.float()[0, 64:96] == 384.0)  # 378.88 on a grid of 32 there
+        back = dequantize_mx(q, s)
+        assert torch.all(back.abs().amax(dim=1) <= 900.0)
+        assert torch.all(q.float().abs() <= E4M3_MAX)
+
+
 @pytest.mark.parametrize(
     "sizes", [[30, 0, 51, 17], [0, 98, 0, 0]], ids=["with-an-empty-expert", "all-in-one"]
 )
-def test_fp8_grouped_mm_tracks_the_bf16_product_and_keeps_its_weight_gradient(sizes):
+@pytest.mark.parametrize("scaling", ["rowwise", "mx"])
+def test_fp8_grouped_mm_tracks_the_bf16_product_and_keeps_its_weight_gradient(sizes, scaling):
     gen = torch.Generator().manual_seed(2)
-    G, K, N, M = len(sizes), 64, 48, sum(sizes)
+    G, K, N, M = len(sizes), 64, 96, sum(sizes)  # MX blocks: K and N multiples of 32
     offs = torch.tensor(sizes).cumsum(0).to(DEVICE, torch.int32)
     x = torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
     w = (torch.randn(G, N, K, generator=gen) * 0.1).to(DEVICE, torch.bfloat16).requires_grad_()
     dy = torch.randn(M, N, generator=gen).to(DEVICE, torch.bfloat16)
-    y8 = fp8_grouped_mm(x, w, offs)
+    y8 = fp8_grouped_mm(x, w, offs, scaling)
     dx8, dw8 = torch.autograd.grad(y8, (x, w), dy)
     y = grouped_mm(x, w.transpose(-2, -1), offs)
     dx, dw = torch.autograd.grad(y, (x, w), dy)

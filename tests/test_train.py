@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+import torch
 from helpers import BASE
 from rich.console import Console
 
@@ -122,14 +123,45 @@ def test_dropped_expert_rows_stop_the_step_before_anything_is_applied(tmp_path):
     assert names == ["step_00000001", "step_00000002", "step_00000003"]
 
 
-def test_fp8_preset_trains_through_the_emulated_fp8_experts_on_cpu(tmp_path):
-    """precision=fp8 on the CPU runs the FP8 experts' emulation (quantized operands, the
-    dequantized product): losses track the bf16 run's closely, and are not its numbers."""
+def test_fp8_presets_train_through_the_emulated_fp8_experts_on_cpu(tmp_path):
+    """precision=fp8 and precision=mxfp8 on the CPU run the FP8 experts' emulation (quantized
+    operands, the dequantized product): losses track the bf16 run's closely, and are neither
+    its numbers nor each other's."""
     args = [*BASE, "train.steps=3", "train.checkpoint_every=100"]
-    fp8 = Trainer(compose_run([*args, "precision=fp8", f"out_dir={tmp_path / 'fp8'}"]))
-    assert all(m.fp8 for m in fp8.chunks[0].modules() if isinstance(m, Experts))
-    got = [m.loss for m in fp8.fit(show_progress=False)]
     bf16 = Trainer(compose_run([*args, "precision=pure-bf16", f"out_dir={tmp_path / 'bf16'}"]))
     ref = [m.loss for m in bf16.fit(show_progress=False)]
-    assert all(math.isfinite(v) for v in got) and got != ref
-    assert all(abs(a - b) < 0.01 * b for a, b in zip(got, ref, strict=True)), (got, ref)
+    losses = {}
+    for preset, scaling in (("fp8", "rowwise"), ("mxfp8", "mx")):
+        run = compose_run([*args, f"precision={preset}", f"out_dir={tmp_path / preset}"])
+        trainer = Trainer(run)
+        experts = [m for m in trainer.chunks[0].modules() if isinstance(m, Experts)]
+        assert experts and all(m.fp8 and m.fp8_scaling == scaling for m in experts)
+        got = losses[preset] = [m.loss for m in trainer.fit(show_progress=False)]
+        assert all(math.isfinite(v) for v in got) and got != ref
+        assert all(abs(a - b) < 0.01 * b for a, b in zip(got, ref, strict=True)), (got, ref)
+    assert losses["fp8"] != losses["mxfp8"]
+
+
+def test_mxfp8_is_refused_on_a_gpu_in_one_sentence(monkeypatch):
+    from moe_core.config import ConfigError
+    from moe_core.parallel.parallelize import choose_kernels
+
+    pcfg = compose_run(["precision=mxfp8"]).parallel
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ConfigError) as err:
+        choose_kernels(pcfg, cuda)
+    assert str(err.value) == (
+        "parallel.fp8_scaling='mx' (precision=mxfp8) needs MX tensor cores (sm_100, Blackwell, "
+        "or newer), which this sm_90 GPU lacks; use precision=fp8 (rowwise scales)."
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel\.fp8_scaling='mx' \(precision=mxfp8\) on a GPU is not built yet",
+    ):
+        choose_kernels(pcfg, cuda)
+    with pytest.raises(
+        ConfigError, match=r"^parallel\.fp8_scaling='mx' is not allowed: 'rowwise' unless"
+    ):
+        compose_run(["parallel.fp8_scaling=mx"])

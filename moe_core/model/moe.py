@@ -179,6 +179,7 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.fp8 = False  # forward and input gradient in FP8 (``kernels.fp8``; set from outside)
+        self.fp8_scaling = "rowwise"  # or "mx" (parallel.fp8_scaling)
 
     def forward(
         self, x_MD: torch.Tensor, offs_E: torch.Tensor, weights_M: torch.Tensor | None = None
@@ -202,7 +203,7 @@ class Experts(nn.Module):
         """Each expert's rows times its weight (stored [E, N, K], used transposed)."""
         w_GNK = w_GNK.to(x_MK.dtype)
         if self.fp8:
-            return fp8_grouped_mm(x_MK, w_GNK, offs_E)
+            return fp8_grouped_mm(x_MK, w_GNK, offs_E, self.fp8_scaling)
         return grouped_mm(x_MK, w_GNK.transpose(-2, -1), offs_E)
 
 

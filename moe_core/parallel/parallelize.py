@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.grouped_gemm import quack_installed, set_backend
-from moe_core.config import ConfigError, ModelConfig, ParallelConfig
+from moe_core.config import ConfigError, ModelConfig, OptionNotImplementedError, ParallelConfig
 from moe_core.model import Transformer
 from moe_core.model.attention import Attention, flash4_installed
 from moe_core.model.moe import Experts, MoE
@@ -51,6 +51,19 @@ def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
         raise ConfigError(
             f"parallel.fp8_parts={list(pcfg.fp8_parts)} needs FP8 tensor cores (Hopper or "
             "newer), which this GPU lacks; use precision=pure-bf16."
+        )
+    if pcfg.fp8_parts and pcfg.fp8_scaling == "mx" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 10:
+            raise ConfigError(
+                f"parallel.fp8_scaling='mx' (precision=mxfp8) needs MX tensor cores (sm_100, "
+                f"Blackwell, or newer), which this sm_{major}{minor} GPU lacks; use "
+                "precision=fp8 (rowwise scales)."
+            )
+        raise OptionNotImplementedError(
+            "parallel.fp8_scaling='mx' (precision=mxfp8) on a GPU is not built yet: its "
+            "numerics run emulated on CPU, and the Blackwell GEMM path awaits a machine to "
+            "measure it on; use precision=fp8."
         )
     set_backend(pcfg.expert_gemm)
     if pcfg.attention == "auto":
@@ -126,6 +139,7 @@ def parallelize(
                 m.impl = attention
             if isinstance(m, Experts):
                 m.fp8 = "experts" in pcfg.fp8_parts
+                m.fp8_scaling = pcfg.fp8_scaling
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)
