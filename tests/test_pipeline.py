@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, masters, run_pipeline
+from helpers import SMALL, masters, run_pipeline, write_toy_tasks
 
 from flows.manifests import STAGES
 from moe_core.compose import compose_dict
@@ -161,6 +161,47 @@ def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
         "evaluate": "Completed",
     }
     assert (run_dir / "train.superseded-1" / "checkpoints").is_dir(), "old outputs are kept"
+
+
+@pytest.mark.slow
+def test_downstream_tasks_rerun_only_evaluate_and_reach_mlflow(finished, tmp_path):
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "downstream"
+    shutil.copytree(finished[0], run_dir)
+    tasks = write_toy_tasks(tmp_path / "tasks")
+    extra = ["eval.tasks=[toy:rc_0shot,toy:mc_5shot]", f"eval.tasks_from={tasks}", "eval.limit=6"]
+    started = time.monotonic()
+    outcome = run_pipeline(run_dir, extra)
+    took = time.monotonic() - started
+    assert outcome["stages"]["train"] == "Skipped" and outcome["stages"]["evaluate"] == "Completed"
+    assert took < 60, f"the evaluate stage with eval.limit=6 took {took:.0f} s"
+    table = json.loads((run_dir / "eval" / "downstream.json").read_text())
+    assert sorted(table) == ["toy:mc_5shot", "toy:rc_0shot"]
+    assert all(row["examples"] == 6 and 0 <= row["acc_per_char"] <= 1 for row in table.values())
+    examples = (run_dir / "eval" / "downstream_examples.jsonl").read_text().splitlines()
+    assert len(examples) == 12 and len(json.loads(examples[0])["choices"]) == 3
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    evaluate = [r for r in runs if r.info.run_name == "evaluate"]
+    newest = max(evaluate, key=lambda r: r.info.start_time)
+    rc = table["toy:rc_0shot"]
+    assert newest.data.metrics["toy_rc_0shot.acc_raw"] == pytest.approx(rc["acc_raw"])
+    assert parent.data.metrics["toy_mc_5shot.acc_per_char"] == pytest.approx(
+        table["toy:mc_5shot"]["acc_per_char"]
+    )
+    assert "downstream.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_a_missing_task_is_refused_before_any_stage(prefect_home, tmp_path):
+    tasks = write_toy_tasks(tmp_path / "tasks")
+    extra = ["eval.tasks=[toy:rc_5shot]", f"eval.tasks_from={tasks}"]
+    with pytest.raises(Exception, match=r"'toy:rc_5shot' is not allowed: the variants of toy"):
+        run_pipeline(tmp_path / "run", extra)
+    assert not (tmp_path / "run" / "stages").exists()
 
 
 def test_1t_refuses_before_any_stage_on_a_machine_without_slurm(

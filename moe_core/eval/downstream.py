@@ -14,16 +14,19 @@ choice scores chance.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from moe_core.config import ConfigError
-from moe_core.eval.tasks import Task
+from moe_core.config import ConfigError, EvalConfig
+from moe_core.eval.tasks import Task, load_tasks, subset
 
 Forward = Callable[[torch.Tensor], torch.Tensor]  # tokens [B, T] -> logits [B, T, V]
 
@@ -206,3 +209,48 @@ def score_tasks(
 def model_forward(model: torch.nn.Module) -> Forward:
     """Our ``Transformer`` as a ``Forward`` (its auxiliary loss dropped)."""
     return lambda tokens_BT: model(tokens_BT)[0]
+
+
+@torch.no_grad()
+def evaluate_checkpoint(
+    checkpoint: str | os.PathLike, data_dir: str | os.PathLike, cfg: EvalConfig
+) -> list[TaskScore]:
+    """Every configured task (``cfg.limit`` examples of each, 0: all) scored by the model of a
+    training checkpoint, fp32, on the GPU where there is one; batches of the run's
+    micro-batch size, sequences cut to the model's ``max_seq_len``."""
+    from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+    from moe_core.data.manifest import read_manifest
+    from moe_core.data.tokenizer import load_tokenizer
+    from moe_core.model import build_model
+
+    run = checkpoint_config(checkpoint)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(run.model, "cpu", seed=run.train.seed).eval()
+    model.load_state_dict(CheckpointSource(checkpoint, run.model, torch.float32).state_dict())
+    model.to(device)
+    tasks = [subset(t, cfg.limit, cfg.seed) for t in load_tasks(cfg)]
+    eos = read_manifest(data_dir).content.get("tokenizer", {}).get("eos_id")
+    return score_tasks(
+        tasks,
+        load_tokenizer(data_dir),
+        model_forward(model),
+        vocab_size=run.model.vocab_size,
+        max_len=run.model.max_seq_len,
+        batch_size=run.train.micro_batch_size,
+        device=device,
+        eos_id=eos,
+    )
+
+
+def write_scores(scores: list[TaskScore], out: Path) -> list[Path]:
+    """``downstream.json`` (accuracies per task) and ``downstream_examples.jsonl`` (each
+    example's gold index and per-choice log-likelihood, characters and tokens) in ``out``."""
+    table = {s.task: {"format": s.format, "examples": s.examples, **s.metrics()} for s in scores}
+    summary = out / "downstream.json"
+    summary.write_text(json.dumps(table, indent=1))
+    examples = out / "downstream_examples.jsonl"
+    with examples.open("w") as f:
+        for s in scores:
+            for d in s.details:
+                f.write(json.dumps({"task": s.task, **d}) + "\n")
+    return [summary, examples]
