@@ -457,7 +457,7 @@ def downstream_metrics(table: dict[str, dict]) -> dict[str, float]:
         f"{task}.{k}".replace(":", "_"): float(v)
         for task, row in table.items()
         for k, v in row.items()
-        if k.startswith("acc_")
+        if k.startswith("acc")
     }
 
 

@@ -59,6 +59,9 @@ def metric_rows(line: dict[str, Any]) -> dict[str, float]:
         for k in ROUTER_SCALARS:
             if k in health:
                 out[f"router.{layer}.{k}"] = float(health[k])
+    for task, accuracies in (line.get("downstream") or {}).items():
+        for k, v in accuracies.items():
+            out[f"downstream.{task}.{k}"] = float(v)
     if line.get("skipped"):
         out["skipped"] = 1.0
     return out

@@ -607,6 +607,12 @@ class RunConfig:
                 f"interleaved 1F1B needs micro-batches per step ({n_micro}) divisible by "
                 f"parallel.pp ({par.pp})",
             )
+        if self.eval.every and self.data.kind != "tokens":
+            _fail(
+                "eval.every",
+                self.eval.every,
+                "0 with data.kind=synthetic (downstream tasks need the tokenizer of token data)",
+            )
         if self.eval.every and par.pp > 1:
             raise OptionNotImplementedError(
                 f"eval.every={self.eval.every} with parallel.pp={par.pp} is not built yet: "

@@ -102,11 +102,12 @@ def losses(run_dir: Path) -> list[float]:
     ]
 
 
-def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20):
+def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20, tokenizer=None):
     """A data directory holding exactly the given token arrays (through the real shard writer).
 
     ``splits`` maps "train"/"validation" to 1-D integer arrays; each array is one document;
-    ``vocab_size`` is the stand-in tokenizer's size the manifest records.
+    ``vocab_size`` is the stand-in tokenizer's size the manifest records; ``tokenizer`` (the
+    bytes of a ``tokenizer.json``) replaces the stand-in.
     """
     from pathlib import Path
 
@@ -119,7 +120,7 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = b'{"stand-in": "tokenizer"}'
+    tokenizer = tokenizer or b'{"stand-in": "tokenizer"}'
     atomic_write(out / TOKENIZER_JSON, tokenizer, sync=False)
     records = {}
     for split in SPLITS:

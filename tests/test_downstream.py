@@ -31,7 +31,7 @@ def tokenizer():
 def test_tasks_read_from_a_folder_and_from_a_wheel_alike(task_dir, tmp_path):
     cfg = EvalConfig(tasks=["toy:rc_0shot", "toy:mc_5shot"], tasks_from=str(task_dir))
     rc, mc = load_tasks(cfg)
-    assert (rc.format, mc.format, rc.key) == ("rc", "mc", "toy_rc_0shot")
+    assert (rc.format, mc.format) == ("rc", "mc")
     assert [e.label for e in rc.examples] == [g for _, _, g in QUESTIONS]
     assert rc.examples[2].continuations == [" seven", " blue", " Tuesday"]
     assert mc.examples[0].continuations == [" A", " B", " C"]
@@ -159,3 +159,90 @@ def test_the_shipped_task_files_read_where_present():
     assert mc.examples[0].continuations[:4] == [" A", " B", " C", " D"]
     assert all(len(e.continuations) == 2 for e in piqa.examples)
     assert all(not math.isnan(e.label) for e in rc.examples)
+
+
+TASKS = ["toy:rc_0shot", "toy:mc_5shot"]
+
+
+@pytest.fixture(scope="module")
+def token_data(tmp_path_factory) -> Path:
+    """Random token shards with a real tokenizer (trained on the toy questions) beside them."""
+    import numpy as np
+    from helpers import write_token_dir
+
+    from moe_core.data.tokenizer import TOKENIZER_JSON
+
+    texts = [q + " " + " ".join(c) for q, c, _ in QUESTIONS] * 4 + ["Question: Answer: A B C"]
+    built = train_bpe(texts, 300)
+    rng = np.random.default_rng(0)
+    splits = {"train": rng.integers(0, 300, 4000), "validation": rng.integers(0, 300, 600)}
+    path = tmp_path_factory.mktemp("tokens")
+    return write_token_dir(
+        path, splits, 1000, vocab_size=300, tokenizer=built.files[TOKENIZER_JSON]
+    )
+
+
+def in_training(task_dir: Path, data: Path, out: Path) -> list[str]:
+    from helpers import BASE
+
+    return [
+        *BASE,
+        "train.steps=2",
+        "train.seq_len=64",
+        "data.kind=tokens",
+        f"data.dir={data}",
+        f"out_dir={out}",
+        "eval.every=1",
+        f"eval.tasks=[{','.join(TASKS)}]",
+        f"eval.tasks_from={task_dir}",
+        "eval.every_limit=5",
+    ]
+
+
+def check_against_the_checkpoint(task_dir: Path, data: Path, out: Path) -> None:
+    """The scores training logged after its last step equal those the evaluate stage's
+    scorer computes from the final checkpoint (one process, plain model, other padding)."""
+    import json
+
+    from moe_core.eval.downstream import evaluate_checkpoint
+
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "downstream" in x] == [0, 1]  # after steps 1 and 2
+    last = lines[-1]["downstream"]
+    assert sorted(last) == ["toy_mc_5shot", "toy_rc_0shot"]
+    final = evaluate_checkpoint(
+        out / "checkpoints" / "step_00000002",
+        data,
+        EvalConfig(tasks=TASKS, tasks_from=str(task_dir), limit=5),
+    )
+    for score in final:
+        assert score.examples == 5
+        assert last[score.key] == pytest.approx(score.metrics(), abs=1e-9)
+
+
+def test_training_scores_the_tasks_every_n_steps_as_the_evaluate_stage_scores_a_checkpoint(
+    task_dir, token_data, tmp_path
+):
+    from flows.plots import training_plots
+    from moe_core.compose import compose_run
+    from moe_core.train.trainer import Trainer
+
+    Trainer(compose_run(in_training(task_dir, token_data, tmp_path / "run"))).fit(False)
+    check_against_the_checkpoint(task_dir, token_data, tmp_path / "run")
+    plots = training_plots(tmp_path / "run" / "metrics.jsonl", tmp_path / "plots")
+    assert tmp_path / "plots" / "downstream.png" in plots
+
+
+def test_stage_keys_rerun_evaluate_for_final_tasks_and_train_for_in_training_ones():
+    from flows.pretrain import stage_keys
+    from moe_core.compose import compose_run
+
+    base = ["data=kjv"]
+    tasks = ["eval.tasks=[toy:rc_0shot]", "eval.tasks_from=somewhere"]
+    plain, final, during = (
+        stage_keys(compose_run(o))
+        for o in (base, [*base, *tasks], [*base, *tasks, "eval.every=10"])
+    )
+    changed = sorted(k for k in plain if plain[k] != final[k])
+    assert changed == ["evaluate"]
+    assert sorted(k for k in plain if final[k] != during[k]) == ["convert", "evaluate", "train"]

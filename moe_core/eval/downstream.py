@@ -152,8 +152,20 @@ class TaskScore:
     # per example: the gold index and each choice's (sum log p, characters, tokens)
     details: list[dict] = field(default_factory=list, repr=False)
 
+    @property
+    def key(self) -> str:
+        """The name in metrics: ``arc_easy:rc_5shot`` -> ``arc_easy_rc_5shot``."""
+        return self.task.replace(":", "_")
+
+    @property
+    def acc(self) -> float:
+        """The headline accuracy: length-normalized (per character) for ranked
+        classification, raw for answer letters (one short token each)."""
+        return self.acc_per_char if self.format == "rc" else self.acc_raw
+
     def metrics(self) -> dict[str, float]:
-        return {k: v for k, v in asdict(self).items() if k.startswith("acc_")}
+        out = {k: v for k, v in asdict(self).items() if k.startswith("acc_")}
+        return {"acc": self.acc, **out}
 
 
 def _accuracy(gold: int, scores: list[float]) -> float:
@@ -198,6 +210,11 @@ def score_tasks(
     """Score every task with ``forward`` (collective over ``group`` when one is running)."""
     requests = encode_tasks(tasks, tokenizer, vocab_size, eos_id)
     logp = request_logprobs(requests, forward, max_len, batch_size, device, fixed_shape, group)
+    return scores_from(tasks, requests, logp)
+
+
+def scores_from(tasks: list[Task], requests: list[Request], logp: list[float]) -> list[TaskScore]:
+    """Each task's accuracies from the log-likelihoods of its requests."""
     details: list[list[dict]] = [
         [{"doc_id": ex.doc_id, "gold": ex.label, "choices": []} for ex in t.examples] for t in tasks
     ]

@@ -47,11 +47,6 @@ class Task:
     format: str  # "rc" (ranked classification) or "mc" (answer letters)
     examples: list[Example]
 
-    @property
-    def key(self) -> str:
-        """The name in metrics: ``arc_easy:rc_5shot`` -> ``arc_easy_rc_5shot``."""
-        return self.name.replace(":", "_")
-
 
 def cache_dir() -> Path:
     """Where ``moe eval fetch-tasks`` keeps the wheel (``MOE_CORE_CACHE`` or ~/.cache)."""
