@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import zipfile
 from pathlib import Path
@@ -202,7 +203,6 @@ def in_training(task_dir: Path, data: Path, out: Path) -> list[str]:
 def check_against_the_checkpoint(task_dir: Path, data: Path, out: Path) -> None:
     """The scores training logged after its last step equal those the evaluate stage's
     scorer computes from the final checkpoint (one process, plain model, other padding)."""
-    import json
 
     from moe_core.eval.downstream import evaluate_checkpoint
 
@@ -231,6 +231,32 @@ def test_training_scores_the_tasks_every_n_steps_as_the_evaluate_stage_scores_a_
     check_against_the_checkpoint(task_dir, token_data, tmp_path / "run")
     plots = training_plots(tmp_path / "run" / "metrics.jsonl", tmp_path / "plots")
     assert tmp_path / "plots" / "downstream.png" in plots
+
+    from moe_core.cli import main
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    args = ["eval", "score", str(checkpoint), "eval.tasks=[toy:rc_0shot]", "eval.limit=5"]
+    assert main([*args, f"eval.tasks_from={task_dir}", "--out", str(tmp_path / "cli")]) == 0
+    table = json.loads((tmp_path / "cli" / "downstream.json").read_text())
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert table["toy:rc_0shot"]["acc"] == pytest.approx(last["downstream"]["toy_rc_0shot"]["acc"])
+    assert main(["eval", "score", str(checkpoint)]) == 2  # no tasks named: one sentence
+
+
+def test_the_gpt2_bpe_encodes_the_tasks(task_dir):
+    from moe_core.data.tokenizer import gpt2_tokenizer
+
+    (mc,) = load_tasks(EvalConfig(tasks=["toy:mc_5shot"], tasks_from=str(task_dir)))
+    gpt2 = gpt2_tokenizer()
+    assert len(gpt2.tokenizer.encode(" A", add_special_tokens=False).ids) == 1
+
+    def uniform(tokens_BT):
+        return torch.zeros(*tokens_BT.shape, 50304)
+
+    (score,) = score_tasks(
+        [mc], gpt2.tokenizer, uniform, vocab_size=50304, max_len=64, batch_size=8
+    )
+    assert score.acc_raw == pytest.approx(1 / 3)
 
 
 def test_stage_keys_rerun_evaluate_for_final_tasks_and_train_for_in_training_ones():
