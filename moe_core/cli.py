@@ -229,7 +229,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if args.action == "fetch-tasks":
         dest = Path(args.dest) if args.dest else None
-        console.print(f"task files: {tasks.fetch_tasks(dest)}")
+        path = tasks.fetch_tasks(dest)
+        hint = "" if dest is None else f" (outside the cache: use eval.tasks_from={path})"
+        console.print(f"task files: {path}{hint}")
         return
     from moe_core.compose import compose_run
     from moe_core.convert.checkpoint import run_tokenizer_dir

