@@ -48,8 +48,16 @@ def test_tasks_read_from_a_folder_and_from_a_wheel_alike(task_dir, tmp_path):
 
 
 def test_refusals_name_the_bad_value(task_dir, tmp_path, monkeypatch):
+    from moe_core.compose import compose_run
+    from moe_core.config import OptionNotImplementedError
+
     with pytest.raises(ConfigError, match=r"eval.tasks='arc_easy' is not allowed: TASK:VARIANT"):
         EvalConfig(tasks=["arc_easy"])
+    during = ["eval.every=5", "eval.tasks=[toy:rc_0shot]"]
+    with pytest.raises(ConfigError, match=r"eval.every=5 is not allowed: 0 with data.kind=synth"):
+        compose_run(during)
+    with pytest.raises(OptionNotImplementedError, match=r"eval.every=5 with parallel.pp=2"):
+        compose_run(["data=kjv", "parallel.pp=2", *during])
     with pytest.raises(ConfigError, match="no such file or folder"):
         task_files(EvalConfig(tasks=["toy:rc_0shot"], tasks_from=str(tmp_path / "none")))
     monkeypatch.setenv("MOE_CORE_CACHE", str(tmp_path))
