@@ -105,34 +105,39 @@ def request_logprobs(
     fixed_shape: bool = False,
     group: dist.ProcessGroup | None = None,
 ) -> list[float]:
-    """``sum log p(continuation | context)`` of each request. Requests go longest first in
-    batches of ``batch_size``, right-padded to the batch's longest (to ``[batch_size,
-    max_len]`` with ``fixed_shape``, for static buffers and compiled graphs); batch ``j`` runs
-    on data rank ``j % world`` of ``group`` (all ranks run as many forwards, the last ones on
-    padding where they have no batch left, since expert-parallel dispatch is collective) and
-    the sums are gathered on every rank."""
+    """``sum log p(continuation | context)`` of each request. Requests whose model input is
+    the same (answer letters: one context, a one-token continuation per choice) share one row.
+    Rows go longest first in batches of ``batch_size``, right-padded to the batch's longest
+    (to ``[batch_size, max_len]`` with ``fixed_shape``, for static buffers and compiled
+    graphs); batch ``j`` runs on data rank ``j % world`` of ``group`` (all ranks run as many
+    forwards, the last ones on padding where they have no batch left, since expert-parallel
+    dispatch is collective) and the sums are gathered on every rank."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
     seqs = [(r.context + r.continuation)[-(max_len + 1) :] for r in requests]
     n_cont = [min(len(r.continuation), len(s) - 1) for r, s in zip(requests, seqs, strict=True)]
-    order = sorted(range(len(requests)), key=lambda i: (-len(seqs[i]), i))
-    batches = _batches(order, batch_size)
+    sharing: dict[tuple[int, ...], list[int]] = {}
+    for i, seq in enumerate(seqs):
+        sharing.setdefault(tuple(seq[:-1]), []).append(i)
+    inputs = sorted(sharing, key=lambda x: (-len(x), sharing[x][0]))
+    batches = _batches(list(range(len(inputs))), batch_size)
     rounds = -(-len(batches) // world)
     mine: dict[int, float] = {}
     for j in range(rounds * world)[rank::world]:
-        batch = batches[j] if j < len(batches) else []
-        width = max_len if fixed_shape or not batch else max(len(seqs[i]) - 1 for i in batch)
+        batch = [inputs[k] for k in batches[j]] if j < len(batches) else []
+        width = max_len if fixed_shape or not batch else max(len(x) for x in batch)
         rows = batch_size if fixed_shape or not batch else len(batch)
         tokens_BT = torch.zeros(rows, width, dtype=torch.long)
-        for b, i in enumerate(batch):
-            tokens_BT[b, : len(seqs[i]) - 1] = torch.tensor(seqs[i][:-1])
+        for b, x in enumerate(batch):
+            tokens_BT[b, : len(x)] = torch.tensor(x)
         logits_BTV = forward(tokens_BT.to(device))
-        for b, i in enumerate(batch):
-            end = len(seqs[i]) - 1  # the logits that predict the sequence's tokens 1..end
-            start = end - n_cont[i]
-            logp_CV = logits_BTV[b, start:end].float().log_softmax(-1)
-            target_C = torch.tensor(seqs[i][start + 1 : end + 1], device=logp_CV.device)
-            mine[i] = float(logp_CV.gather(1, target_C[:, None]).sum())
+        for b, x in enumerate(batch):
+            for i in sharing[x]:
+                end = len(x)  # the logits that predict the sequence's tokens 1..end
+                start = end - n_cont[i]
+                logp_CV = logits_BTV[b, start:end].float().log_softmax(-1)
+                target_C = torch.tensor(seqs[i][start + 1 : end + 1], device=logp_CV.device)
+                mine[i] = float(logp_CV.gather(1, target_C[:, None]).sum())
     if world > 1:
         parts: list = [None] * world
         dist.all_gather_object(parts, mine, group=group)
