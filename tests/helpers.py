@@ -158,61 +158,6 @@ def one_rank_nccl_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-# ---- the pretrain flow --------------------------------------------------------------------
-
-SMALL = [  # pretrain-tiny cut to seconds
-    "train.steps=8",
-    "train.checkpoint_every=2",
-    "train.eval_every=4",
-    "data.max_documents=400",
-    "data.validation_fraction=0.05",
-    "data.workers=1",
-]
-
-
-def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
-    from flows.pretrain import pretrain
-    from moe_core.compose import compose_dict
-
-    config = compose_dict([*SMALL, *overrides], config_name="pretrain-tiny")
-    return pretrain(config=config, run_dir=str(run_dir))
-
-
-def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
-    """The fp32 weights of the train stage's checkpoint at ``steps``."""
-    from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
-
-    ckpt = run_dir / "train" / "checkpoints" / f"step_{steps:08d}"
-    return CheckpointSource(ckpt, checkpoint_config(ckpt).model, torch.float32).state_dict()
-
-
-@contextlib.contextmanager
-def lock_held_elsewhere(folder: Path) -> Iterator[subprocess.Popen]:
-    """``folder``'s run lock held by another process, which is killed (never releasing it) at
-    the end, leaving the lock of a dead process behind."""
-    hold = (
-        "import sys\n"
-        "from moe_core.rundir import RunLock\n"
-        "lock = RunLock(sys.argv[1], 'a test holder')\n"
-        "print('locked', flush=True)\n"
-        "sys.stdin.read()\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", hold, str(folder)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 # ---- downstream task fixtures -----------------------------------------------------------
 
 QUESTIONS = [
@@ -274,3 +219,91 @@ def write_toy_tasks(root: Path) -> Path:
     write_task(root, "toy", "rc_0shot", rc_rows())
     write_task(root, "toy", "mc_5shot", mc_rows())
     return root
+
+
+def toy_tasks_dir() -> Path:
+    """The toy tasks in a folder named after their content, made once per machine (the same
+    path in every test process, so a pipeline run's stage keys match across them)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    rows = json.dumps([rc_rows(), mc_rows()], sort_keys=True).encode()
+    root = (
+        Path(tempfile.gettempdir()) / f"moe-core-toy-tasks-{hashlib.sha256(rows).hexdigest()[:12]}"
+    )
+    if not (root / "toy" / "mc_5shot" / "requests.jsonl.gz").is_file():
+        made = Path(tempfile.mkdtemp(prefix="moe-core-toy-tasks-"))
+        write_toy_tasks(made)
+        try:
+            made.rename(root)
+        except OSError:  # another process made it first
+            shutil.rmtree(made)
+    return root
+
+
+# The pipeline's downstream evaluation of the toy tasks, in training (every 4 steps) and on the
+# final checkpoint, over the same 6 examples of each.
+TOY_EVAL = [
+    "eval.tasks=[toy:rc_0shot,toy:mc_5shot]",
+    f"eval.tasks_from={toy_tasks_dir()}",
+    "eval.limit=6",
+    "eval.every=4",
+    "eval.every_limit=6",
+]
+
+
+# ---- the pretrain flow --------------------------------------------------------------------
+
+SMALL = [  # pretrain-tiny cut to seconds
+    "train.steps=8",
+    "train.checkpoint_every=2",
+    "train.eval_every=4",
+    "data.max_documents=400",
+    "data.validation_fraction=0.05",
+    "data.workers=1",
+    *TOY_EVAL,
+]
+
+
+def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
+    from flows.pretrain import pretrain
+    from moe_core.compose import compose_dict
+
+    config = compose_dict([*SMALL, *overrides], config_name="pretrain-tiny")
+    return pretrain(config=config, run_dir=str(run_dir))
+
+
+def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the train stage's checkpoint at ``steps``."""
+    from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+
+    ckpt = run_dir / "train" / "checkpoints" / f"step_{steps:08d}"
+    return CheckpointSource(ckpt, checkpoint_config(ckpt).model, torch.float32).state_dict()
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(folder: Path) -> Iterator[subprocess.Popen]:
+    """``folder``'s run lock held by another process, which is killed (never releasing it) at
+    the end, leaving the lock of a dead process behind."""
+    hold = (
+        "import sys\n"
+        "from moe_core.rundir import RunLock\n"
+        "lock = RunLock(sys.argv[1], 'a test holder')\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hold, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

@@ -19,23 +19,9 @@ from moe_core.compose import compose_dict
 
 
 @pytest.fixture(scope="module")
-def toy_eval(tmp_path_factory) -> list[str]:
-    """Downstream evaluation of two made-up tasks, in training (every 4 steps) and on the final
-    checkpoint, over the same 6 examples of each."""
-    tasks = write_toy_tasks(tmp_path_factory.mktemp("tasks"))
-    return [
-        "eval.tasks=[toy:rc_0shot,toy:mc_5shot]",
-        f"eval.tasks_from={tasks}",
-        "eval.limit=6",
-        "eval.every=4",
-        "eval.every_limit=6",
-    ]
-
-
-@pytest.fixture(scope="module")
-def finished(prefect_home, toy_eval, tmp_path_factory) -> tuple[Path, dict]:
+def finished(prefect_home, tmp_path_factory) -> tuple[Path, dict]:
     run_dir = tmp_path_factory.mktemp("pipeline") / "tiny"
-    return run_dir, run_pipeline(run_dir, toy_eval)
+    return run_dir, run_pipeline(run_dir, [])
 
 
 @pytest.mark.slow
@@ -102,12 +88,12 @@ def test_tiny_pipeline_end_to_end(finished):
 
 
 @pytest.mark.slow
-def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, toy_eval):
+def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished):
     run_dir, _ = finished
     shard = sorted((run_dir / "hf").glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-10])  # corrupt the export only
     data_mtimes = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
-    outcome = run_pipeline(run_dir, toy_eval)
+    outcome = run_pipeline(run_dir, [])
     assert outcome["stages"] == {
         "tokenize": "Skipped",
         "init": "Skipped",
@@ -119,7 +105,7 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, toy_eval)
 
 
 @pytest.mark.slow
-def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished, toy_eval):
+def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished):
     from mlflow.tracking import MlflowClient
 
     run_dir, _ = finished
@@ -127,7 +113,7 @@ def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(fi
     parent_id = json.loads((run_dir / "mlflow.json").read_text())["parent"]
     before = client.get_run(parent_id)
     assert {"final_loss", "perplexity", "tokens_per_s_per_gpu"} <= set(before.data.metrics)
-    again = run_pipeline(run_dir, toy_eval)
+    again = run_pipeline(run_dir, [])
     assert set(again["stages"].values()) == {"Skipped"}
     after = client.get_run(parent_id)
     assert after.info.end_time == before.info.end_time
