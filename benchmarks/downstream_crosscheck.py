@@ -19,9 +19,8 @@ import argparse
 import json
 import subprocess
 import time
+from importlib.metadata import version
 from pathlib import Path
-
-import torch
 
 from moe_core.config import EvalConfig
 from moe_core.eval.downstream import accuracies, evaluate_checkpoint
@@ -56,7 +55,6 @@ def main() -> None:
     cfg = EvalConfig(
         tasks=[args.task], limit=args.limit, seed=args.seed, tasks_from=args.tasks_from
     )
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
     (ours,) = evaluate_checkpoint(checkpoint, run_dir / "data", cfg)
     ours_s = time.perf_counter() - start
@@ -116,9 +114,7 @@ def main() -> None:
         "lm_eval_hf": theirs.metrics(),
         "examples_choosing_differently": disagree,
         "seconds": {"ours": round(ours_s, 1), "lm_eval_hf": round(theirs_s, 1)},
-        "lm_eval_version": __import__("lm_eval").__version__
-        if hasattr(__import__("lm_eval"), "__version__")
-        else "unknown",
+        "lm_eval_version": version("lm_eval"),
     }
     print(json.dumps(report, indent=1))
     if args.out:
