@@ -1,4 +1,5 @@
-"""Pictures of a training run from its metrics.jsonl: loss, throughput, expert load per layer."""
+"""Pictures of a training run from its metrics.jsonl: loss, throughput, expert load per layer,
+downstream accuracy."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _lines(metrics: Path) -> list[dict]:
 
 
 def training_plots(metrics: Path, out_dir: Path) -> list[Path]:
-    """Write loss.png, tokens_per_s.png and expert_load.png; return their paths."""
+    """Write loss.png, tokens_per_s.png, expert_load.png and (with in-training downstream
+    evaluation) downstream.png; return their paths."""
     rows = _lines(metrics)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not rows:
@@ -78,5 +80,22 @@ def training_plots(metrics: Path, out_dir: Path) -> list[Path]:
         fig.suptitle("expert load per layer over training")
         paths.append(out_dir / "expert_load.png")
         fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
+    scored = [r for r in rows if r.get("downstream")]
+    if scored:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for task in sorted(scored[-1]["downstream"]):
+            points = [
+                (r["step"], r["downstream"][task]["acc"]) for r in scored if task in r["downstream"]
+            ]
+            ax.plot(*zip(*points, strict=True), "o-", label=task)
+        ax.set_xlabel("step")
+        ax.set_ylabel("accuracy (RC: per character, MC: raw)")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        paths.append(out_dir / "downstream.png")
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
         plt.close(fig)
     return paths

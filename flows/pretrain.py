@@ -72,17 +72,23 @@ def stage_keys(run: RunConfig) -> dict[str, str]:
     data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
     keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
     keys["init"] = digest({"model": to_dict(run.model), "seed": run.train.seed})
-    keys["train"] = digest(
-        {
-            "model": to_dict(run.model),
-            "train": to_dict(run.train),
-            "parallel": to_dict(run.parallel),
-            "tokenize": keys["tokenize"],
-            "init": keys["init"],
-        }
-    )
+    train = {
+        "model": to_dict(run.model),
+        "train": to_dict(run.train),
+        "parallel": to_dict(run.parallel),
+        "tokenize": keys["tokenize"],
+        "init": keys["init"],
+    }
+    ev = to_dict(run.eval)
+    if run.eval.every:  # in-training downstream scores are part of what train writes
+        train["eval"] = ev
+    keys["train"] = digest(train)
     keys["convert"] = digest({"train": keys["train"]})
-    keys["evaluate"] = digest({"convert": keys["convert"], "batches": EVAL_BATCHES})
+    final = {k: ev[k] for k in ("tasks", "limit", "seed", "tasks_from")}
+    evaluate = {"convert": keys["convert"], "batches": EVAL_BATCHES}
+    if run.eval.tasks:
+        evaluate["downstream"] = final
+    keys["evaluate"] = digest(evaluate)
     return keys
 
 
@@ -428,6 +434,23 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     write_samples(result, out / "samples.md")
     numbers = {k: float(v) for k, v in result.as_dict().items() if isinstance(v, int | float)}
     ctx.tracker.metrics(run_id, numbers)
+    outputs = [out / "result.json", out / "samples.md"]
+    summary = result.as_dict()
+    if ctx.run.eval.tasks:
+        from moe_core.eval.downstream import evaluate_checkpoint, write_scores
+
+        scores = evaluate_checkpoint(ctx.final_checkpoint, ctx.run_dir / "data", ctx.run.eval)
+        outputs += write_scores(scores, out)
+        summary["downstream"] = {s.task: {"examples": s.examples, **s.metrics()} for s in scores}
+        ctx.tracker.metrics(run_id, downstream_metrics(summary["downstream"]))
+        for s in scores:
+            get_run_logger().info(
+                "%s: %d examples, acc_raw %.4f, acc_per_char %.4f",
+                s.task,
+                s.examples,
+                s.acc_raw,
+                s.acc_per_char,
+            )
     ctx.tracker.artifacts(run_id, out)
     if result.relative_difference > tolerance:
         raise RuntimeError(
@@ -435,7 +458,17 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
             f"{result.hf_loss:.6f} differ by {result.relative_difference:.2e} relative, more than "
             f"{tolerance:g}: the export does not compute our model."
         )
-    return result.as_dict(), [out / "result.json", out / "samples.md"]
+    return summary, outputs
+
+
+def downstream_metrics(table: dict[str, dict]) -> dict[str, float]:
+    """MLflow metric names per task and format: ``arc_easy_rc_5shot.acc_per_char``."""
+    return {
+        f"{task}.{k}".replace(":", "_"): float(v)
+        for task, row in table.items()
+        for k, v in row.items()
+        if k.startswith("acc")
+    }
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -492,6 +525,10 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     root = _run_root(run_dir or default_run_dir(config.get("cluster")))
     run = resolve(config, root)  # refusals come before anything is written
     check_launchable(run)
+    if run.eval.tasks:  # the task files are there and hold every configured task
+        from moe_core.eval.tasks import load_tasks
+
+        load_tasks(run.eval)
     lock = RunLock(root, "pretrain pipeline")
     if lock.previous is not None:
         logger.warning("took over the lock of %s: it no longer runs", lock.previous)
@@ -544,6 +581,10 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
             "perplexity": evaluation.get("perplexity"),
         }
         tracker.metrics(tracker.parent, {k: float(v) for k, v in headline.items() if v is not None})
+        if downstream := evaluation.get("downstream"):
+            tracker.metrics(tracker.parent, downstream_metrics(downstream))
+            rows = [{"task": task, **row} for task, row in downstream.items()]
+            tracker.table(tracker.parent, rows, "downstream.json")
         tracker.finish(tracker.parent)
     outcome["hf_dir"] = str(root / "hf")
     outcome["perplexity"] = evaluation.get("perplexity")

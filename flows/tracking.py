@@ -59,6 +59,9 @@ def metric_rows(line: dict[str, Any]) -> dict[str, float]:
         for k in ROUTER_SCALARS:
             if k in health:
                 out[f"router.{layer}.{k}"] = float(health[k])
+    for task, accuracies in (line.get("downstream") or {}).items():
+        for k, v in accuracies.items():
+            out[f"downstream.{task}.{k}"] = float(v)
     if line.get("skipped"):
         out["skipped"] = 1.0
     return out
@@ -201,6 +204,13 @@ class Tracker:
         self.state["sent"][key] = start + sent
         self._save()
         return sent
+
+    def table(self, run_id: str | None, rows: list[dict[str, Any]], name: str) -> None:
+        """A table (one dict per row) as the run's artifact ``name``, shown in the MLflow UI."""
+        if run_id is None or not rows:
+            return
+        columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+        self._guard(self.client.log_table, run_id, columns, name)
 
     def artifacts(self, run_id: str | None, path: Path, artifact_path: str | None = None) -> None:
         if run_id is None or not path.exists():

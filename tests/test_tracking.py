@@ -48,14 +48,20 @@ def test_resumed_tracker_keeps_its_runs(tmp_path):
     assert again.parent == first.parent and again.stage("tokenize") == stage
 
 
-def test_metric_rows_take_scalars_and_router_health():
+def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
     line = {
         "step": 3,
         "loss": 2.5,
         "skipped": False,
         "router": {"layer_0": {"load_imbalance": 1.5, "load_share": [0.5, 0.5]}},
+        "downstream": {"piqa_rc_0shot": {"acc": 0.75, "acc_raw": 0.5}},
     }
-    assert metric_rows(line) == {"loss": 2.5, "router.layer_0.load_imbalance": 1.5}
+    assert metric_rows(line) == {
+        "loss": 2.5,
+        "router.layer_0.load_imbalance": 1.5,
+        "downstream.piqa_rc_0shot.acc": 0.75,
+        "downstream.piqa_rc_0shot.acc_raw": 0.5,
+    }
 
 
 def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_training(

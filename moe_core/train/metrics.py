@@ -120,7 +120,7 @@ class ConsoleSink:
 
     def log(self, step: int, m: dict[str, Any]) -> None:
         flagged = m.get("skipped") or m.get("spike")
-        if step % self.every and not flagged and "eval_loss" not in m:
+        if step % self.every and not flagged and "eval_loss" not in m and "downstream" not in m:
             return
         parts = [f"step {step:>6}", f"loss {m['loss']:.4f}"]
         if "eval_loss" in m:
@@ -130,6 +130,8 @@ class ConsoleSink:
         parts.append(f"{m['model_tflops_per_gpu']:.1f} TFLOP/s/gpu")
         if "mfu" in m:
             parts.append(f"MFU {m['mfu']:.1%}")
+        for task, acc in (m.get("downstream") or {}).items():
+            parts.append(f"{task} {acc['acc']:.3f}")
         if "router" in m:
             worst = max(layer["load_imbalance"] for layer in m["router"].values())
             parts.append(f"max load/mean {worst:.2f}")

@@ -86,6 +86,7 @@ class StepMetrics:
     mfu: float | None = None
     peak_mem_gib: float | None = None
     eval_loss: float | None = None
+    downstream: dict[str, dict[str, float]] | None = None  # per task: its accuracies
     router: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -222,6 +223,9 @@ class Trainer:
             vocab = self.loader.dataset.manifest.tokenizer["vocab_size"]
             check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size)
             self._train_iter = iter(self.loader)
+        self.downstream_requests: list | None = None
+        if cfg.eval.every:
+            self._prepare_downstream()
         # The loader's position after the last step that ran (what a checkpoint records; the
         # loader itself may already be a step ahead, prefetching).
         self._loader_state = None if self.loader is None else self.loader.state_dict()
@@ -541,6 +545,53 @@ class Trainer:
         self._check_dropped(dropped, f"evaluation after step {self.step}")
         return ce / tc.eval_batches
 
+    def _prepare_downstream(self) -> None:
+        """The in-training subset of every task (``eval.every_limit`` examples, by
+        ``eval.seed``), encoded once with the run's tokenizer."""
+        from moe_core.data.tokenizer import load_tokenizer
+        from moe_core.eval.downstream import encode_tasks
+        from moe_core.eval.tasks import load_tasks, subset
+
+        ev = self.cfg.eval
+        assert self.loader is not None and self.cfg.data.dir is not None
+        self.downstream_tasks = [subset(t, ev.every_limit, ev.seed) for t in load_tasks(ev)]
+        self.downstream_requests = encode_tasks(
+            self.downstream_tasks,
+            load_tokenizer(self.cfg.data.dir),
+            self.cfg.model.vocab_size,
+            self.loader.dataset.manifest.tokenizer.get("eos_id"),
+        )
+
+    @torch.no_grad()
+    def downstream(self) -> dict[str, dict[str, float]]:
+        """Accuracies of the in-training task subsets with the model as it is: batches of the
+        training micro-batch's shape (``[micro_batch_size, seq_len]``, so static buffers and
+        compiled graphs are reused), split over every rank (``parallel.pp`` is 1 here)."""
+        from moe_core.eval.downstream import request_logprobs, scores_from
+
+        assert self.downstream_requests is not None
+        tc, model = self.cfg.train, self.chunks[0]
+
+        def forward(tokens_BT: torch.Tensor) -> torch.Tensor:
+            with self.autocast:
+                return model(tokens_BT)[0]
+
+        with router_stats_paused():
+            logp = request_logprobs(
+                self.downstream_requests,
+                forward,
+                tc.seq_len,
+                tc.micro_batch_size,
+                self.device,
+                fixed_shape=True,
+            )
+        read = self._dropped()
+        if self.mesh.distributed:
+            dist.all_reduce(read)
+        self._check_dropped(float(read), f"downstream evaluation after step {self.step}")
+        scores = scores_from(self.downstream_tasks, self.downstream_requests, logp)
+        return {s.key: s.metrics() for s in scores}
+
     # ---- checkpoints ----------------------------------------------------------------------
 
     def _state_is_finite(self) -> bool:
@@ -724,6 +775,10 @@ class Trainer:
                     if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == tc.steps):
                         m.eval_loss = self.evaluate()
                         self._clock = None  # the next step is timed from its own start
+                    ev = self.cfg.eval
+                    if ev.every and (self.step % ev.every == 0 or self.step == tc.steps):
+                        m.downstream = self.downstream()
+                        self._clock = None
                     history.append(m)
                     for sink in sinks:
                         sink.log(m.step, m.as_dict())
