@@ -9,6 +9,7 @@ import json
 import math
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from moe_core.planpage import (
     TOUR,
     evaluate,
     model_data,
+    page_data,
     render,
     write_run_page,
 )
@@ -305,6 +307,18 @@ def test_custom_sizes_plan_as_moe_plan(page: str):
     sized = [same_plan(r, evaluate(lay, ref_data), lay) for lay, r in zip(grid, mine, strict=True)]
     assert sum(sized) >= 16 and not all(sized)
     assert to_dict(m)["n_kv_heads"] == 4
+
+
+def test_a_conf_model_named_as_the_custom_choice_is_refused(tmp_path):
+    """A model file that would hide the page's typed sizes stops the page in one sentence."""
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    shutil.copy(conf / "model" / "tiny.yaml", conf / "model" / f"{CUSTOM_MODEL}.yaml")
+    with pytest.raises(ConfigError) as err:
+        page_data(compose_run([], conf), conf)
+    message = str(err.value)
+    assert message.startswith(f"conf/model/{CUSTOM_MODEL}.yaml is not allowed")
+    assert one_sentence(message)
 
 
 def test_page_in_flight_is_the_schedules(page: str):

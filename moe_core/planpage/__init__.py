@@ -292,6 +292,11 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
         p.stem: from_dict(ModelConfig, yaml.safe_load(p.read_text()))
         for p in sorted((conf / "model").glob("*.yaml"))
     }
+    if CUSTOM_MODEL in named:
+        raise ConfigError(
+            f"conf/model/{CUSTOM_MODEL}.yaml is not allowed: the page's choice for typed sizes "
+            "has that name; rename the file."
+        )
     tour = []
     for title, text, config_name, overrides in TOUR:
         r = compose_run(overrides, path, config_name or "config")
@@ -301,11 +306,6 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
     seq_lens = sorted({*SEQ_LENS, run.train.seq_len, *(t["layout"]["seq_len"] for t in tour)})
     models = {name: model_data(m, precisions, seq_lens) for name, m in named.items()}
     models = dict(sorted(models.items(), key=lambda kv: kv[1]["total_params"]))
-    if CUSTOM_MODEL in models:
-        raise ConfigError(
-            f"conf/model/{CUSTOM_MODEL}.yaml is not allowed: the page's choice for typed sizes "
-            "has that name; rename the file."
-        )
     key = _model_key(run, named)
     if key not in models:
         models[key] = model_data(run.model, precisions, seq_lens)
