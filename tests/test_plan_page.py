@@ -7,7 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,18 @@ from rich.console import Console
 
 import moe_core.cli as cli
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, ParallelConfig
+from moe_core.config import ConfigError, ModelConfig, ParallelConfig, from_dict, to_dict
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
-from moe_core.planpage import TOUR, evaluate, render, write_run_page
+from moe_core.planpage import (
+    CUSTOM_MODEL,
+    TOUR,
+    evaluate,
+    model_data,
+    page_data,
+    render,
+    write_run_page,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
@@ -120,27 +130,195 @@ def test_page_numbers_are_the_planners_on_a_grid(page: str):
         for model, gpu, lay in itertools.product(data["models"], GPUS, LAYOUTS)
     ]
     page_results = run_planner(page, grid)
-    numbers = refusals = 0
-    for lay, mine in zip(grid, page_results, strict=True):
-        ref = evaluate(lay, data)
-        assert mine["refusal"] == ref["refusal"], lay
-        if "memory" not in ref:
-            assert "memory" not in mine, lay
-            refusals += 1
-            continue
-        numbers += 1
-        assert mine["memory"].keys() == ref["memory"].keys()
-        for part, value in ref["memory"].items():
-            assert close(mine["memory"][part], value), (lay, part)
-        assert close(mine["total"], ref["total"]) and mine["busiest_stage"] == ref["busiest_stage"]
-        assert all(close(a, b) for a, b in zip(mine["stages"], ref["stages"], strict=True))
-        for kind, value in ref["comm"].items():
-            assert close(mine["comm"][kind], value), (lay, kind)
-        for name, value in ref["time"].items():
-            assert math.isclose(mine["time"][name], value, rel_tol=1e-9, abs_tol=1e-15), name
-        assert mine["micro_batches"] == ref["micro_batches"]
+    pairs = zip(grid, page_results, strict=True)
+    sized = [same_plan(mine, evaluate(lay, data), lay) for lay, mine in pairs]
     # the grid holds both: layouts the planner sizes, and layouts the config refuses
+    numbers, refusals = sum(sized), len(sized) - sum(sized)
     assert numbers >= 60 and refusals >= 60, (numbers, refusals)
+
+
+def same_plan(mine: dict, ref: dict, lay: dict) -> bool:
+    """Assert the page's ``planLayout`` result is ``evaluate``'s; True where it sized the layout."""
+    assert mine["refusal"] == ref["refusal"], lay
+    if "memory" not in ref:
+        assert "memory" not in mine, lay
+        return False
+    assert mine["memory"].keys() == ref["memory"].keys()
+    for part, value in ref["memory"].items():
+        assert close(mine["memory"][part], value), (lay, part)
+    assert close(mine["total"], ref["total"]) and mine["busiest_stage"] == ref["busiest_stage"]
+    assert all(close(a, b) for a, b in zip(mine["stages"], ref["stages"], strict=True))
+    for kind, value in ref["comm"].items():
+        assert close(mine["comm"][kind], value), (lay, kind)
+    for name, value in ref["time"].items():
+        assert math.isclose(mine["time"][name], value, rel_tol=1e-9, abs_tol=1e-15), name
+    assert mine["micro_batches"] == ref["micro_batches"]
+    return True
+
+
+SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "n_experts", "top_k"]
+SIZES += ["expert_hidden", "n_shared_experts", "max_seq_len"]
+
+
+def sizes(vocab, d, layers, heads, kv, experts, top_k, hidden, shared=0, seq=4096) -> dict:
+    values = (vocab, d, layers, heads, kv, experts, top_k, hidden, shared, seq)
+    return dict(zip(SIZES, values, strict=True))
+
+
+# Shapes the named models do not have: grouped-query attention, shared experts, every expert
+# active, one expert, odd vocabularies, a max_seq_len between the page's sequence lengths.
+SHAPES = [
+    sizes(50257, 2048, 16, 16, 4, 64, 8, 1024),
+    sizes(32001, 512, 4, 8, None, 8, 8, 256, shared=2, seq=1000),
+    sizes(1001, 64, 2, 4, 1, 1, 1, 96, shared=1, seq=128),
+    sizes(100352, 4096, 3, 32, 8, 256, 8, 1536, shared=1),
+    sizes(7, 12, 1, 2, 2, 6, 4, 10, seq=300),
+    sizes(999, 16, 1, 2, 1, 240, 100, 8),  # q below 2^-60 for some splits, 0 for others
+]
+
+
+def random_shapes(n: int, seed: int = 20) -> list[dict]:
+    """Small valid sizes (few layers: each is built on the meta device several times)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        heads = rng.choice([1, 2, 3, 4, 6, 8, 12])
+        kv = rng.choice([None, *(k for k in range(1, heads + 1) if heads % k == 0)])
+        experts = rng.randint(1, 48)
+        out.append(
+            sizes(rng.randint(2, 5000) | 1, heads * rng.choice([2, 4, 6, 8, 16, 24]),
+                  rng.randint(1, 3), heads, kv, experts, rng.randint(1, experts),
+                  rng.randint(1, 200), rng.choice([0, 0, 1, 2]),
+                  rng.choice([64, 128, 200, 512, 1024, 4096]))
+        )  # fmt: skip
+    return out
+
+
+def same_numbers(mine, ref, where: str = "") -> None:
+    """Equal structures: integers exactly, floats within rounding."""
+    if isinstance(ref, dict):
+        assert isinstance(mine, dict) and mine.keys() == ref.keys(), where
+        for key in ref:
+            same_numbers(mine[key], ref[key], f"{where}.{key}")
+    elif isinstance(ref, float) or isinstance(mine, float):
+        assert math.isclose(mine, ref, rel_tol=1e-12, abs_tol=1e-15), (where, mine, ref)
+    else:
+        assert type(mine) is type(ref) and mine == ref, (where, mine, ref)
+
+
+def custom_configs(data: dict, shapes: list[dict]) -> list[dict]:
+    """Whole model configs as the page builds them: a named model's fields, typed sizes over."""
+    base = {**data["models"]["tiny"]["config"], "name": "custom"}
+    return [{**base, **s} for s in shapes]
+
+
+def test_custom_sizes_give_model_datas_numbers(page: str):
+    """The page's ``modelData`` of typed sizes is ``planpage.model_data``: parameter counts by
+    place, total/active parameters, FLOPs per token per sequence length, activation bytes per
+    precision and recompute, all-to-all rows per expert split; named models and varied shapes."""
+    data, _ = page_scripts(page)
+    js = page_engine(page)
+    named = [m["config"] for m in data["models"].values()]
+    typed = custom_configs(data, SHAPES + random_shapes(16))
+    configs = named + typed
+    script = f"JSON.stringify({json.dumps(configs)}.map((c) => modelData(DATA, c)))"
+    got = json.loads(js.eval(script))
+    expected = list(data["models"].values()) + [
+        json.loads(
+            json.dumps(model_data(from_dict(ModelConfig, c), data["precisions"], data["seq_lens"]))
+        )
+        for c in typed
+    ]
+    assert len(got) == len(expected) == len(data["models"]) + 22
+    for config, mine, ref in zip(configs, got, expected, strict=True):
+        same_numbers(mine, ref, json.dumps({k: config[k] for k in SIZES}))
+    # a grouped-query shape, a shared expert and every expert active are in the grid
+    assert any(c["n_kv_heads"] and c["n_kv_heads"] < c["n_heads"] for c in configs)
+    assert any(c["n_shared_experts"] for c in configs)
+    assert any(c["top_k"] == c["n_experts"] > 1 for c in configs)
+
+
+BAD_SIZES = [
+    {"d_model": ""},  # an emptied field
+    {"n_layers": 2.5},
+    {"vocab_size": 0},
+    {"expert_hidden": -3},
+    {"max_seq_len": 0},
+    {"n_shared_experts": -1},
+    {"n_kv_heads": 0},
+    {"n_experts": 4, "top_k": 5},
+    {"d_model": 96, "n_heads": 5},
+    {"n_heads": 4, "n_kv_heads": 3},
+    {"d_model": 12, "n_heads": 4},  # head_dim 3: odd, no rotary embedding
+    {"top_k": 0, "d_model": 7},  # the first failing check wins, as in Python
+    {},
+    {"n_kv_heads": None},
+]
+
+
+def test_custom_sizes_are_refused_as_the_config_refuses(page: str):
+    """Typed sizes the config refuses: the page shows ``ModelConfig``'s own sentence (the first
+    check that fails), and none for sizes it accepts."""
+    data, _ = page_scripts(page)
+    js = page_engine(page)
+    configs = custom_configs(data, BAD_SIZES)
+    got = json.loads(js.eval(f"JSON.stringify({json.dumps(configs)}.map(modelRefusal))"))
+    refused = 0
+    for config, mine in zip(configs, got, strict=True):
+        try:
+            from_dict(ModelConfig, config, prefix="model.")
+            expected = None
+        except ConfigError as err:
+            expected = str(err)
+            refused += 1
+            assert one_sentence(mine) and mine.startswith("model.")
+        assert mine == expected, config
+    assert refused == len(BAD_SIZES) - 2
+    # counts past 2^53 - 1: refused in one sentence, not rounded
+    huge = custom_configs(data, [sizes(262144, 65536, 512, 512, None, 4096, 8, 65536)])[0]
+    small = custom_configs(data, SHAPES[:1])[0]
+    big, fine = json.loads(
+        js.eval(f"JSON.stringify([{json.dumps(huge)}, {json.dumps(small)}].map("
+                "(c) => countRefusal(modelData(DATA, c))))")
+    )  # fmt: skip
+    assert fine is None and one_sentence(big) and "2^53 - 1" in big
+    assert big.startswith("the custom model's total parameters, ")
+
+
+def test_custom_sizes_plan_as_moe_plan(page: str):
+    """A layout of typed sizes: the page's model data through ``planLayout`` against the Python
+    planner on the same config."""
+    data, _ = page_scripts(page)
+    js = page_engine(page)
+    config = custom_configs(data, [sizes(50257, 1536, 8, 12, 4, 32, 4, 768, shared=1)])[0]
+    m = from_dict(ModelConfig, config)
+    ref_data = {**data, "models": {**data["models"], CUSTOM_MODEL: {}}}
+    ref_data["models"][CUSTOM_MODEL] = model_data(m, data["precisions"], data["seq_lens"])
+    assert data["custom_model"] == CUSTOM_MODEL and CUSTOM_MODEL not in data["models"]
+    grid = [{**lay, "model": CUSTOM_MODEL, "gpu": gpu} for gpu in GPUS for lay in LAYOUTS]
+    mine = json.loads(
+        js.eval(
+            f"const C = {json.dumps(config)};"
+            f"const D = {{...DATA, models: {{...DATA.models, [{json.dumps(CUSTOM_MODEL)}]: "
+            "modelData(DATA, C)}};"
+            f"JSON.stringify({json.dumps(grid)}.map((L) => planLayout(D, L)))"
+        )
+    )
+    sized = [same_plan(r, evaluate(lay, ref_data), lay) for lay, r in zip(grid, mine, strict=True)]
+    assert sum(sized) >= 16 and not all(sized)
+    assert to_dict(m)["n_kv_heads"] == 4
+
+
+def test_a_conf_model_named_as_the_custom_choice_is_refused(tmp_path):
+    """A model file that would hide the page's typed sizes stops the page in one sentence."""
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    shutil.copy(conf / "model" / "tiny.yaml", conf / "model" / f"{CUSTOM_MODEL}.yaml")
+    with pytest.raises(ConfigError) as err:
+        page_data(compose_run([], conf), conf)
+    message = str(err.value)
+    assert message.startswith(f"conf/model/{CUSTOM_MODEL}.yaml is not allowed")
+    assert one_sentence(message)
 
 
 def test_page_in_flight_is_the_schedules(page: str):

@@ -1,6 +1,7 @@
 """The build-a-run page in a real browser: headless Chromium (the system's package) driven by
 Playwright, the page loaded from a file URL with every network request refused. Changing the
-layout controls shows the planner's memory and refusal sentences; screenshots go to docs/.
+layout controls (and typed custom model sizes) shows the planner's memory and refusal
+sentences; screenshots go to docs/.
 
 Skipped where Playwright or a Chromium binary is not installed (CI installs neither)."""
 
@@ -15,7 +16,7 @@ from moe_core import cli
 from moe_core.compose import compose_run
 from moe_core.hardware import MEASURED
 from moe_core.plan import GIB, fit_refusal, plan
-from moe_core.planpage import TOUR
+from moe_core.planpage import CUSTOM_MODEL, TOUR
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
@@ -96,5 +97,30 @@ def test_page_in_chromium_offline(tmp_path: Path):
         assert f"the planner gives {gib(one.memory.total)} for the same layout" in calibration
         assert MEASURED.source in calibration and "Assumed" in calibration
         page.screenshot(path=str(ROOT / "docs" / "plan-page-tour-1.png"), full_page=True)
+
+        # Custom sizes: they start as the model picked before and plan as moe plan's overrides.
+        assert page.locator("#custom").is_hidden()
+        set_value(page, "model", CUSTOM_MODEL)
+        assert page.locator("#custom").is_visible()
+        assert page.locator("#m-d_model").input_value() == "2048"
+        assert page.locator("#mem-total").inner_text() == gib(one.memory.total)
+        set_value(page, "m-n_layers", "8")
+        set_value(page, "m-n_kv_heads", "4")
+        fewer = plan(compose_run([*TOUR[0][3], "model.n_layers=8", "model.n_kv_heads=4"]))
+        assert page.locator("#mem-total").inner_text() == gib(fewer.memory.total)
+        assert page.locator("#refusal").is_hidden()
+        set_value(page, "m-n_kv_heads", "5")
+        assert page.locator("#refusal").inner_text() == (
+            "Refused: model.n_kv_heads=5 is not allowed: it must divide model.n_heads (16)."
+        )
+        assert page.locator("#mem-total").count() == 0
+        set_value(page, "m-n_kv_heads", "")  # as many as n_heads
+        set_value(page, "m-top_k", "")
+        assert page.locator("#refusal").inner_text() == (
+            "Refused: model.top_k='' is not allowed: an integer."
+        )
+        set_value(page, "model", "olmoe-1b-7b")
+        assert page.locator("#custom").is_hidden()
+        assert page.locator("#mem-total").inner_text() == gib(one.memory.total)
         browser.close()
     assert blocked == [] and errors == []

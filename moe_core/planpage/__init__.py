@@ -5,7 +5,9 @@ The page computes in the browser with ``planner.js``, which mirrors ``plan.plan`
 shapes read off the meta-device model, activation bytes per token (``layer_activation_bytes``),
 FLOPs per token (``flops.count``), all-to-all rows per token, GPU types (``hardware``), the
 precision presets of ``conf/precision`` and the planner's constants. ``evaluate`` is the same
-layout through the Python planner: the tests hold the two equal on a grid.
+layout through the Python planner: the tests hold the two equal on a grid. Sizes typed into the
+page ("custom sizes") get ``model_data``'s numbers from ``planner.js``'s ``modelData``, which
+mirrors the functions ``model_data`` calls (the tests hold those equal too).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ Layout = dict[str, Any]  # the page's controls: model, gpu, nodes, gpus_per_node
 SEQ_LENS = (128, 256, 512, 1024, 2048, 4096)
 GPUS_PER_NODE = (1, 2, 4, 8)  # the page's choices
 CLUSTER_NAME = "page"
+CUSTOM_MODEL = "custom sizes"  # the model choice whose sizes are typed into the page
 
 # The guided tour: (title, two or three sentences, overrides of conf/ or a top-level config).
 TOUR: tuple[tuple[str, str, str | None, list[str]], ...] = (
@@ -289,6 +292,11 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
         p.stem: from_dict(ModelConfig, yaml.safe_load(p.read_text()))
         for p in sorted((conf / "model").glob("*.yaml"))
     }
+    if CUSTOM_MODEL in named:
+        raise ConfigError(
+            f"conf/model/{CUSTOM_MODEL}.yaml is not allowed: the page's choice for typed sizes "
+            "has that name; rename the file."
+        )
     tour = []
     for title, text, config_name, overrides in TOUR:
         r = compose_run(overrides, path, config_name or "config")
@@ -318,6 +326,7 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
         "seq_lens": seq_lens,
         "gpus_per_node": list(GPUS_PER_NODE),
         "models": models,
+        "custom_model": CUSTOM_MODEL,
         "initial": layout_of(run, key, precisions),
         "tour": tour,
     }

@@ -1,5 +1,6 @@
 // The page: controls in, planLayout (planner.js) out, drawn as tables and one bar. No numbers
-// are computed here beyond unit conversions.
+// are computed here beyond unit conversions; custom sizes go through planner.js's modelRefusal,
+// modelData and countRefusal first.
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("plan-data").textContent);
@@ -7,6 +8,8 @@ const $ = (id) => document.getElementById(id);
 const INTS = ["nodes", "gpus_per_node", "pp", "dp", "ep", "virtual_stages", "micro_batch_size",
   "global_batch_size", "seq_len"];
 const TEXTS = ["model", "gpu", "recompute", "dispatcher", "precision"];
+const CUSTOM = DATA.custom_model; // the model select's entry for sizes typed into the page
+let seededFrom = null; // the model whose config the custom sizes started from
 const PARTS = [
   ["weights", "weights", "#3b6fb6"],
   ["grad_buffers", "gradients", "#6a9fd8"],
@@ -47,6 +50,7 @@ function setup() {
   const add = (select, value, text) => select.add(new Option(text ?? value, value));
   for (const [key, m] of Object.entries(DATA.models))
     add($("model"), key, `${key} (${count(m.total_params)})`);
+  add($("model"), CUSTOM, `${CUSTOM}...`);
   for (const [key, g] of Object.entries(DATA.gpus))
     add($("gpu"), key, `${key} (${g.memory_gib} GiB)`);
   for (const key of Object.keys(DATA.precisions)) add($("precision"), key);
@@ -64,14 +68,37 @@ function setup() {
     });
     $("tour").append(b);
   });
+  $("model").addEventListener("input", () => { // before update runs: seed, then plan
+    if ($("model").value !== CUSTOM) seededFrom = $("model").value;
+    else seed(DATA.models[seededFrom].config);
+  });
   for (const key of [...INTS, ...TEXTS]) $(key).addEventListener("input", update);
+  for (const key of MODEL_SIZES) $(`m-${key}`).addEventListener("input", update);
   calibration();
   apply(DATA.initial);
 }
 
 function apply(layout) {
   for (const key of [...INTS, ...TEXTS]) $(key).value = String(layout[key]);
+  seededFrom = layout.model;
   update();
+}
+
+// The custom sizes start as the config of the model picked before (its other fields too).
+function seed(config) {
+  for (const key of MODEL_SIZES) $(`m-${key}`).value = String(config[key]);
+  $("custom").dataset.base = JSON.stringify(config);
+}
+
+// The typed sizes: a number where the field holds one, the text otherwise (refused as the
+// config refuses it); an empty n_kv_heads is as many as n_heads.
+function readCustom() {
+  const config = { ...JSON.parse($("custom").dataset.base), name: "custom" };
+  for (const key of MODEL_SIZES) {
+    const text = $(`m-${key}`).value.trim();
+    config[key] = text === "" ? (key === "n_kv_heads" ? null : text) : Number(text);
+  }
+  return config;
 }
 
 function readLayout() {
@@ -85,13 +112,28 @@ function linkOf(span, L) {
   return span <= L.gpus_per_node ? "NVLink" : "network";
 }
 
+// The page's data with the custom model in it, or the sentence refusing its sizes.
+function withCustom() {
+  const config = readCustom();
+  const bad = modelRefusal(config);
+  if (bad) return { refusal: bad };
+  const model = modelData(DATA, config);
+  const big = countRefusal(model);
+  if (big) return { refusal: big };
+  return { data: { ...DATA, models: { ...DATA.models, [CUSTOM]: model } } };
+}
+
 function update() {
   const L = readLayout();
-  const r = planLayout(DATA, L);
+  const custom = L.model === CUSTOM;
+  $("custom").hidden = !custom;
+  const own = custom ? withCustom() : { data: DATA };
+  const data = own.data;
+  const r = data ? planLayout(data, L) : { refusal: own.refusal };
   const world = L.pp * L.dp * L.ep;
-  const m = DATA.models[L.model];
-  $("world").textContent = `${L.model}: ${count(m.total_params)} parameters, ` +
-    `${count(m.active_params)} active. Layout pp ${L.pp} x dp ${L.dp} x ep ${L.ep} = ` +
+  const m = data ? data.models[L.model] : null;
+  $("world").textContent = (m ? `${L.model}: ${count(m.total_params)} parameters, ` +
+    `${count(m.active_params)} active. ` : "") + `Layout pp ${L.pp} x dp ${L.dp} x ep ${L.ep} = ` +
     `${world} GPUs; cluster ${L.nodes} x ${L.gpus_per_node} = ${L.nodes * L.gpus_per_node}.`;
   $("refusal").hidden = !r.refusal;
   $("refusal").textContent = r.refusal ? `Refused: ${r.refusal}` : "";

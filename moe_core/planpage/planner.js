@@ -2,7 +2,9 @@
 // checks a layout can trip) over the numbers Python exports into the page: parameter shapes,
 // activation bytes per token, FLOPs per token, all-to-all rows and every constant. It mirrors
 // plan.py statement by statement; tests/test_plan_page.py runs it (QuickJS) against plan()
-// on a grid of models x GPU types x layouts.
+// on a grid of models x GPU types x layouts. For sizes typed into the page (the "custom sizes"
+// model), modelData computes what planpage.model_data exports, mirroring the Python functions
+// it calls; the tests hold the two equal on a grid of configs.
 "use strict";
 
 function ring(bytes, group) {
@@ -233,4 +235,166 @@ function planLayout(data, L) {
   };
 }
 
-if (typeof module !== "undefined") module.exports = { planLayout, inFlight };
+// ---- custom sizes: planpage.model_data in the page --------------------------------------
+
+// The ModelConfig fields the page's custom model takes (in the dataclass's order); the others
+// (router kind, losses, init) change no count and keep the values of the model it started from.
+const MODEL_SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "n_experts",
+  "top_k", "expert_hidden", "n_shared_experts", "max_seq_len"];
+
+// Python's repr() of a value the page can read from an input: a number or a string.
+function pyRepr(value) {
+  return typeof value === "string" ? `'${value}'` : String(value);
+}
+
+// The first sentence moe_core.config raises for these sizes, or null: from_dict's type check
+// of each field, then ModelConfig.__post_init__'s checks of them, in its order. n_kv_heads
+// null means as many as n_heads (None in Python).
+function modelRefusal(c) {
+  const p = "model.";
+  const fail = (name, value, allowed) => `${p}${name}=${pyRepr(value)} is not allowed: ${allowed}.`;
+  for (const name of MODEL_SIZES) {
+    const v = c[name];
+    if (name === "n_kv_heads" && v === null) continue;
+    if (typeof v !== "number" || !Number.isInteger(v)) return fail(name, v, "an integer");
+  }
+  for (const name of ["vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
+    "expert_hidden", "max_seq_len"])
+    if (!(c[name] > 0)) return fail(name, c[name], "it must be positive");
+  if (c.n_shared_experts < 0)
+    return fail("n_shared_experts", c.n_shared_experts, "it must be zero or positive");
+  const kv = c.n_kv_heads === null ? c.n_heads : c.n_kv_heads;
+  if (!(kv > 0)) return fail("n_kv_heads", kv, "it must be positive");
+  if (c.top_k > c.n_experts)
+    return fail("top_k", c.top_k, `at most model.n_experts (${c.n_experts})`);
+  if (c.d_model % c.n_heads)
+    return fail("n_heads", c.n_heads, `it must divide model.d_model (${c.d_model})`);
+  if (c.n_heads % kv) return fail("n_kv_heads", kv, `it must divide model.n_heads (${c.n_heads})`);
+  if ((c.d_model / c.n_heads) % 2)
+    return fail("n_heads", c.n_heads, "d_model / n_heads must be even for rotary embeddings");
+  return null;
+}
+
+// plan.parameter_counts: the tensors of one transformer.Block (attention.Attention: q, k, v, o
+// projections, q and k norms; moe.MoE: router, Experts, the shared SwiGLU) and the model's
+// ends, by place, as the Python function reads them off a one-layer meta-device model.
+function parameterCounts(c) {
+  const d = c.d_model, hd = c.d_model / c.n_heads, h = c.expert_hidden, E = c.n_experts;
+  const q = c.n_heads * hd, kv = c.n_kv_heads * hd, hs = c.n_shared_experts * h;
+  const dense = [d, q * d, kv * d, kv * d, d * q, q, kv, d, E * d]; // attn_norm .. router
+  if (hs) dense.push(hs * d, hs * d, d * hs); // shared SwiGLU: gate, up, down
+  const experts = [E * 2 * h * d, E * d * h]; // w_gate_up, w_down
+  const sum = (xs) => xs.reduce((a, b) => a + b, 0);
+  return {
+    layer_dense: sum(dense),
+    layer_expert: sum(experts),
+    largest_dense: Math.max(...dense),
+    largest_expert: Math.max(...experts),
+    embedding: c.vocab_size * d,
+    head: d * c.vocab_size,
+    final_norm: d,
+  };
+}
+
+// moe_core.model.flops.count at seqLen: the same sums over the whole model's parameters.
+function modelCounts(c, seqLen) {
+  const sh = parameterCounts(c);
+  const total = sh.embedding + c.n_layers * (sh.layer_dense + sh.layer_expert) +
+    sh.final_norm + sh.head;
+  const experts = c.n_layers * sh.layer_expert;
+  const embedding = sh.embedding;
+  // experts * (n_experts - top_k) // n_experts, exact: experts is a multiple of n_experts
+  const inactive = (experts / c.n_experts) * (c.n_experts - c.top_k);
+  const active = total - inactive;
+  const hd = c.d_model / c.n_heads;
+  const normsRouter = 2 * c.d_model + c.n_heads * hd + c.n_kv_heads * hd +
+    c.n_experts * c.d_model; // RMSNorm and Router parameters of one block
+  const notMatmul = embedding + c.n_layers * normsRouter + sh.final_norm;
+  const matmulActive = active - notMatmul;
+  const flops = 6 * matmulActive + 6 * c.n_layers * seqLen * c.d_model;
+  return {
+    total_params: total,
+    active_params: active,
+    matmul_active_params: matmulActive,
+    expert_params: experts,
+    embedding_params: embedding,
+    flops_per_token: flops,
+  };
+}
+
+// plan.layer_activation_bytes (recompute "none" or "selective"), term by term.
+function layerActivationBytes(data, c, paramDtype, computeDtype, recompute) {
+  const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
+  const hd = c.d_model / c.n_heads;
+  const d = c.d_model, dKv = c.n_kv_heads * hd, h = c.expert_hidden, k = c.top_k, e = c.n_experts;
+  const hShared = c.n_shared_experts * h;
+  const norms = 2 * d * (4 + bp) + (d + dKv) * (4 + bc) + 16;
+  const attention = bc * (3 * d + 2 * dKv) + 4 * c.n_heads;
+  const router = 4 * d + 12 * e + 20 * k;
+  let experts = bp * k * (d + 3 * h) + 4 * k;
+  if (recompute === "selective") experts -= bp * k * h;
+  const sharedInput = bp === 4 && bc === 4 ? 0 : bc * d;
+  const shared = hShared ? bc * 4 * hShared + sharedInput : 0;
+  const rope = bc < 4 ? 4 * hd * bc : 0;
+  return norms + attention + router + experts + shared + rope;
+}
+
+// plan.all_to_all_rows_per_token: (ep - 1) (1 - q), q = C(E - E/ep, k) / C(E, k), here as the
+// equal C(E - k, E/ep) / C(E, E/ep) multiplied out over the fewer factors; once q is below
+// 2^-60, 1 - q is 1.0 in floating point, as it is for Python's exact ratio.
+function allToAllRowsPerToken(c, ep) {
+  if (ep === 1) return 0.0;
+  const E = c.n_experts, perRank = E / ep, k = c.top_k;
+  let q = 1;
+  if (perRank + k > E) q = 0;
+  else
+    for (let i = 0; i < Math.min(k, perRank) && q >= 2 ** -60; i++)
+      q *= (E - Math.max(k, perRank) - i) / (E - i);
+  return (ep - 1) * (1.0 - q);
+}
+
+// planpage.model_data: what planLayout reads of one model, for the config c of custom sizes.
+function modelData(data, c) {
+  const config = { ...c, n_kv_heads: c.n_kv_heads === null ? c.n_heads : c.n_kv_heads };
+  const counts = modelCounts(config, config.max_seq_len);
+  const flops = {};
+  for (const s of data.seq_lens)
+    if (s <= config.max_seq_len) flops[s] = modelCounts(config, s).flops_per_token;
+  const activation = {};
+  for (const [name, p] of Object.entries(data.precisions)) {
+    activation[name] = {};
+    for (const r of ["none", "selective"])
+      activation[name][r] = layerActivationBytes(data, config, p.param_dtype, p.dtype, r);
+  }
+  const divisors = [];
+  for (let i = 1; i * i <= config.n_experts; i++)
+    if (config.n_experts % i === 0) divisors.push(i, config.n_experts / i);
+  const rows = {};
+  for (const ep of [...new Set(divisors)].sort((a, b) => a - b))
+    rows[ep] = allToAllRowsPerToken(config, ep);
+  return {
+    config,
+    shapes: parameterCounts(config),
+    total_params: counts.total_params,
+    active_params: counts.active_params,
+    flops_per_token: flops,
+    activation,
+    rows_per_token: rows,
+  };
+}
+
+// The page computes in doubles: sizes whose counts pass 2^53 - 1 are refused rather than
+// rounded (moe plan counts them in Python's integers). One sentence, or null.
+function countRefusal(md) {
+  const counts = [["total parameters", md.total_params],
+    ...Object.entries(md.flops_per_token).map(([s, f]) => [`FLOPs per token at ${s}`, f]),
+    ...Object.values(md.activation).flatMap((a) =>
+      Object.values(a).map((b) => ["activation bytes per token", b]))];
+  for (const [what, n] of counts)
+    if (!Number.isSafeInteger(n))
+      return `the custom model's ${what}, ${n.toExponential(3)}, are not allowed: this page ` +
+        "counts exactly up to 2^53 - 1; plan larger models with moe plan and model.* overrides.";
+  return null;
+}
+
+if (typeof module !== "undefined") module.exports = { planLayout, inFlight, modelData };
