@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,30 +70,52 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Norm weights 1, every other weight N(0, init_std), buffers reset.
-
-        Each tensor (each expert's slice, for stacked experts) draws from its own generator
-        seeded by ``seed`` and its global name, so any sharding of the model (pipeline stages,
-        expert-parallel slices, one tensor at a time) initializes to the same values.
-        """
-        std = self.cfg.init_std
-        expert_params: set[int] = set()
-        for mod_name, mod in self.named_modules():
-            if isinstance(mod, Experts):
-                for p_name, p in mod.named_parameters(recurse=False):
-                    expert_params.add(id(p))
-                    for e in range(p.shape[0]):
-                        key = f"{mod_name}.{p_name}[{mod.expert_offset + e}]"
-                        seeded_normal_(p[e], std, seed, key)
-            elif isinstance(mod, Router):
-                mod.reset_buffers()
-        for name, p in self.named_parameters():
-            if id(p) in expert_params:
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
+        """Initialize as ``init_plan`` says (the one rule, also used by ``moe_core.train.init``
+        to write an initial checkpoint without the model), buffers reset."""
+        params = dict(self.named_parameters())
+        for item in init_plan(self):
+            t = params[item.name] if item.expert is None else params[item.name][item.expert]
+            if item.ones:
+                t.fill_(1.0)
             else:
-                seeded_normal_(p, std, seed, name)
+                seeded_normal_(t, self.cfg.init_std, seed, item.key)
+        for mod in self.modules():
+            if isinstance(mod, Router):
+                mod.reset_buffers()
+
+
+@dataclass(frozen=True)
+class InitItem:
+    """One tensor to initialize: parameter ``name`` (``expert``: its slice ``[expert]`` of a
+    stacked expert weight), to ones (norm weights) or N(0, init_std) from a generator seeded by
+    the run's seed and ``key``, the tensor's global name."""
+
+    name: str
+    expert: int | None
+    key: str
+    ones: bool
+
+
+def init_plan(model: Transformer) -> list[InitItem]:
+    """Norm weights 1, every other weight N(0, init_std), in parameter order. Each tensor (each
+    expert's slice, for stacked experts) draws from its own generator seeded by its global name
+    (experts by their global index), so any sharding of the model (pipeline stages,
+    expert-parallel slices, one tensor at a time) initializes to the same values."""
+    experts = {
+        id(p): (mod_name, p_name, mod.expert_offset)
+        for mod_name, mod in model.named_modules()
+        if isinstance(mod, Experts)
+        for p_name, p in mod.named_parameters(recurse=False)
+    }
+    plan = []
+    for name, p in model.named_parameters():
+        if id(p) in experts:
+            mod_name, p_name, offset = experts[id(p)]
+            for e in range(p.shape[0]):
+                plan.append(InitItem(name, e, f"{mod_name}.{p_name}[{offset + e}]", False))
+        else:
+            plan.append(InitItem(name, None, name, name.endswith("norm.weight")))
+    return plan
 
 
 def seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> None:

@@ -18,8 +18,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from moe_core.config import ParallelConfig, RunConfig, to_dict
-from moe_core.model.moe import Experts
-from moe_core.model.transformer import Transformer, seeded_normal_
+from moe_core.model.transformer import Transformer, init_plan, seeded_normal_
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.checkpoint import Checkpointer, buffer_key, state_key
 
@@ -54,27 +53,15 @@ def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Ca
 
         return make
 
-    experts = {
-        id(p): (mod_name, p_name)
-        for mod_name, m in model.named_modules()
-        if isinstance(m, Experts)
-        for p_name, p in m.named_parameters(recurse=False)
-    }
-    for name, p in model.named_parameters():
-        if id(p) in experts:
-            mod_name, p_name = experts[id(p)]
-            per_expert = p[0].numel()
-            for e in range(p.shape[0]):
-                key = state_key(name, "param", e * per_expert)
-                placeholders[key] = torch.empty(per_expert, device="meta")
-                makers[key] = normal(p.shape[1:], f"{mod_name}.{p_name}[{e}]")
+    params = dict(model.named_parameters())
+    for item in init_plan(model):  # the model's own rule (Transformer.init_weights)
+        p = params[item.name]
+        if item.expert is None:
+            key, shape = state_key(item.name, "param", 0), p.shape
         else:
-            key = state_key(name, "param", 0)
-            placeholders[key] = torch.empty(p.numel(), device="meta")
-            if name.endswith("norm.weight"):
-                makers[key] = _ones(p.numel())
-            else:
-                makers[key] = normal(p.shape, name)
+            key, shape = state_key(item.name, "param", item.expert * p[0].numel()), p.shape[1:]
+        placeholders[key] = torch.empty(shape.numel(), device="meta")
+        makers[key] = _ones(shape.numel()) if item.ones else normal(shape, item.key)
     return placeholders, makers
 
 
