@@ -39,6 +39,7 @@ from flows.report import (
     StageProgress,
     artifact_key,
     publish,
+    quiet_refusals,
     run_markdown,
     stage_markdown,
     summary_line,
@@ -499,6 +500,7 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
     which is logged without a traceback and raised to a direct caller; other errors keep
     Prefect's traceback."""
     logger = get_run_logger()
+    quiet_refusals()  # a worker's engine would log the refusal again, with a traceback
     try:
         outcome = _pipeline(config, run_dir)
     except refusals() as err:

@@ -8,6 +8,7 @@ stage (the stage's outputs and manifest are already written when it is published
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import sys
@@ -220,3 +221,22 @@ def publish(key: str, markdown: str, description: str) -> None:
         create_markdown_artifact(markdown=markdown, key=key, description=description)
     except Exception as err:
         get_run_logger().warning("the artifact %s was not published: %s", key, err)
+
+
+class RefusalTraceback(logging.Filter):
+    """Drops the record Prefect's engine logs, with a traceback, when a flow run that returned
+    ``Failed`` for a refusal (``moe_core.errors.refusals()``) ends in a worker's process: the
+    flow already logged the sentence, and the final state carries it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from moe_core.errors import refusals
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, refusals())
+
+
+def quiet_refusals() -> None:
+    """Install ``RefusalTraceback`` on Prefect's flow-run logger (once)."""
+    logger = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, RefusalTraceback) for f in logger.filters):
+        logger.addFilter(RefusalTraceback())

@@ -294,7 +294,7 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, 
         if parameters is not None:
             cmd += ["--params", json.dumps(parameters)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        watched[name] = done.stdout + done.stderr
+        watched[name] = " ".join((done.stdout + done.stderr).split())  # rich wraps at 80
         runs = get_json(f"{api}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 1})
         return runs[0]
 
@@ -307,7 +307,9 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, 
     assert summary.startswith(f"done: Hugging Face checkpoint {tmp_path / 'tiny' / 'hf'}; ")
     assert f"held-out perplexity {perplexity:.3f}" in summary
     assert f"browse with: {mlflow_url}/#/experiments/" in summary
-    assert "done: Hugging Face checkpoint" in watched["tiny"], "--watch shows the summary"
+    shown = "Finished in state Completed('done: Hugging Face checkpoint"
+    assert shown in watched["tiny"], watched["tiny"][-3000:]  # --watch streams the log
+    assert "tokenize: 400 of 400 documents" in watched["tiny"]
     of_run = {"artifacts": {"flow_run_id": {"any_": [tiny["id"]]}}}
     keys = {a["key"] for a in get_json(f"{api}/artifacts/filter", of_run)}
     assert keys == {f"tiny-{n}" for n in (*STAGE_NAMES, "pretrain")}
@@ -329,4 +331,5 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(services: Services, 
     assert "cluster.kind='slurm' is not allowed on this machine" in text, text[-2000:]
     assert "plan for 1t" in text and "per GPU" in text
     assert "Traceback" not in text, "an expected refusal is one sentence"
+    assert "cluster.kind='slurm' is not allowed on this machine" in watched["1t"]
     assert not (tmp_path / "1t" / "data").exists(), "nothing may start"
