@@ -35,6 +35,7 @@ def set_value(page, control: str, value: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_page_in_chromium_offline(tmp_path: Path):
     out = tmp_path / "plan-1t.html"
     assert cli.main(["plan", "--config-name", "pretrain-1t", "--html", str(out)]) == 0

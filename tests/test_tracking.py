@@ -6,6 +6,8 @@ import json
 import logging
 import socket
 
+import pytest
+
 from flows.tracking import Tracker, metric_rows
 
 
@@ -21,6 +23,7 @@ def write_metrics(path, steps):
             f.write(json.dumps({"step": step, "loss": 5.0 - step, "lr": 1e-3}) + "\n")
 
 
+@pytest.mark.slow
 def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog):
     metrics = tmp_path / "metrics.jsonl"
     write_metrics(metrics, range(3))
@@ -39,6 +42,7 @@ def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog)
     assert sorted(m.step for m in history) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resumed_tracker_keeps_its_runs(tmp_path):
     first = Tracker(tmp_path, None, "exp", "run")
     stage = first.stage("tokenize")
@@ -56,6 +60,7 @@ def test_metric_rows_take_scalars_and_router_health():
     assert metric_rows(line) == {"loss": 2.5, "router.layer_0.load_imbalance": 1.5}
 
 
+@pytest.mark.slow
 def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_training(
     tmp_path, monkeypatch
 ):
