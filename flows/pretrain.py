@@ -38,6 +38,7 @@ from flows.plots import training_plots
 from flows.report import (
     StageProgress,
     artifact_key,
+    mlflow_where,
     publish,
     quiet_refusals,
     run_markdown,
@@ -177,7 +178,9 @@ def _stage(
 
 def _publish(ctx: Context, name: str, status: str, summary: dict, run_id: str | None) -> None:
     """The stage's markdown artifact in Prefect (what it produced, key numbers, MLflow link)."""
-    markdown = stage_markdown(name, status, summary, ctx.run_dir, ctx.tracker.link(run_id))
+    tracker = ctx.tracker
+    where = mlflow_where(name, tracker.link(run_id), tracker.page(run_id), tracker.uri)
+    markdown = stage_markdown(name, status, summary, ctx.run_dir, where)
     publish(artifact_key(ctx.run_dir, name), markdown, f"{name} stage of {ctx.run_dir}")
 
 
@@ -572,9 +575,6 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     outcome["perplexity"] = evaluation.get("perplexity")
     link = tracker.link(tracker.parent)  # a server's run page, else how to serve the sqlite store
     outcome["mlflow_ui"] = link or f"mlflow ui --backend-store-uri {tracker.uri}"
-    publish(
-        artifact_key(root, "pretrain"),
-        run_markdown(outcome, link, tracker.page(tracker.parent)),
-        f"pretrain run {root}",
-    )
+    where = mlflow_where("parent", link, tracker.page(tracker.parent), tracker.uri)
+    publish(artifact_key(root, "pretrain"), run_markdown(outcome, where), f"pretrain run {root}")
     return outcome

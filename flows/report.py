@@ -100,9 +100,10 @@ def _produced(name: str, run_dir: Path) -> list[str]:
 
 
 def stage_markdown(
-    name: str, status: str, summary: dict[str, Any], run_dir: Path, link: str | None
+    name: str, status: str, summary: dict[str, Any], run_dir: Path, mlflow: str | None
 ) -> str:
-    """A stage's artifact: its status, key numbers, the files it produced and its MLflow run."""
+    """A stage's artifact: its status, key numbers, the files it produced and where its MLflow
+    run is (``mlflow``: markdown, see ``mlflow_where``)."""
     head = f"## {name}: {status.lower()}"
     if status == "Skipped":
         head += " (its outputs verified against the manifest; nothing was redone)"
@@ -119,9 +120,19 @@ def stage_markdown(
     produced = _produced(name, run_dir)
     if produced:
         lines += ["Produced:", "", *(f"- `{p}`" for p in produced), ""]
-    if link is not None:
-        lines.append(f"MLflow: [{name} run]({link})")
+    if mlflow is not None:
+        lines.append(f"MLflow: {mlflow}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def mlflow_where(name: str, link: str | None, page: str | None, uri: str) -> str | None:
+    """A run's place in MLflow as markdown: its page on a server, or, for a local store, the
+    command that serves it and the page's address under it (``mlflow ui``'s default port)."""
+    if link is not None:
+        return f"[{name} run]({link})"
+    if page is not None:
+        return f"`mlflow ui --backend-store-uri {uri}`, then `http://127.0.0.1:5000/{page}`"
+    return None
 
 
 def summary_line(outcome: dict[str, Any]) -> str:
@@ -142,17 +153,15 @@ def summary_line(outcome: dict[str, Any]) -> str:
     return "done: " + "; ".join(parts) + f"; browse with: {outcome['mlflow_ui']}"
 
 
-def run_markdown(outcome: dict[str, Any], link: str | None, page: str | None) -> str:
+def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
     """The whole run's artifact: each stage's state, the headline numbers and where the MLflow
-    parent run is (``link`` on a server; else ``page``, the address under ``mlflow ui``)."""
+    parent run is (``mlflow``, see ``mlflow_where``)."""
     lines = ["## pretrain", "", f"Run folder: `{outcome['run_dir']}`", "", "| stage | state |"]
     lines.append("|---|---|")
     lines += [f"| {n} | {s} |" for n, s in outcome["stages"].items()]
     lines += ["", summary_line(outcome).removeprefix("done: ").replace("; ", "  \n"), ""]
-    if link is not None:
-        lines.append(f"MLflow: [parent run]({link})")
-    elif page is not None:
-        lines.append(f"MLflow: `{outcome['mlflow_ui']}`, then `http://127.0.0.1:5000/{page}`")
+    if mlflow is not None:
+        lines.append(f"MLflow: {mlflow}")
     return "\n".join(lines).rstrip() + "\n"
 
 

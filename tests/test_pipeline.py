@@ -89,6 +89,9 @@ def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finish
     assert f"| perplexity | {outcome['perplexity']:.6g} |" in found["tiny-evaluate"]
     assert "*In the beginning* →" in found["tiny-evaluate"]
     assert all(f"| {name} | Completed |" in found["tiny-pretrain"] for name in STAGES)
+    ids = json.loads((run_dir / "mlflow.json").read_text())
+    page = f"http://127.0.0.1:5000/#/experiments/1/runs/{ids['stages']['train']}?workflowType="
+    assert f"MLflow: `{outcome['mlflow_ui']}`, then `{page}" in found["tiny-train"]
     log = run_logs(first.id)
     assert "tokenize: " in log and " documents, " in log and "tokens/s" in log
     assert "evaluate: 4 of 4 held-out micro-batches scored" in log
