@@ -61,8 +61,8 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
         config = compose_dict(combo, args.config_dir, args.config_name)
         target = str(Path(run_dir) / str(i)) if args.multirun else run_dir
         outcomes.append((target, pretrain(config=config, run_dir=target)))
-    # One run's summary is the flow's last log line already; a sweep gets one line per run
-    # (never wrapped: the commands in it are copied).
+    # One run's summary is the flow's last log line already (its final state's message); a
+    # sweep gets one line per run (never wrapped: the commands in it are copied).
     if len(outcomes) > 1:
         for target, outcome in outcomes:
             console.print(

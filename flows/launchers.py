@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from flows.launch import kubernetes_objects, render_kubernetes, render_slurm
 from moe_core.config import ConfigError, RunConfig
+from moe_core.errors import RunFailedError
 
 Log = Callable[[str], None]
 
@@ -63,7 +64,7 @@ class Attempt:
         return asdict(self)
 
 
-class LaunchTimeoutError(RuntimeError):
+class LaunchTimeoutError(RunFailedError):
     """The job did not start within ``cluster.start_timeout_s``; it was cancelled."""
 
 
@@ -247,7 +248,7 @@ class SlurmLauncher(Launcher):
         job_id = done.stdout.strip().split(";")[0]
         if done.returncode != 0 or not job_id.isdigit():
             why = (done.stderr or done.stdout).strip().splitlines()
-            raise RuntimeError(
+            raise RunFailedError(
                 f"sbatch {self.script_path} failed (exit {done.returncode}): "
                 f"{why[-1] if why else 'no output'}."
             )
@@ -322,7 +323,7 @@ class SlurmLauncher(Launcher):
         if not ended:
             detail = f"slurm job {job_id} left the queue without an accounting record (sacct)"
         if final == "CANCELLED":
-            raise RuntimeError(
+            raise RunFailedError(
                 f"slurm job {job_id} was cancelled outside the pipeline (scancel), so it is not "
                 "resubmitted: run the pipeline again to resume from the newest checkpoint."
             )

@@ -30,12 +30,22 @@ from typing import Any
 import torch
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Completed
+from prefect.states import Completed, Failed
 
 from flows import manifests
 from flows.launchers import Attempt, launcher_class
 from flows.manifests import STAGES, digest
 from flows.plots import training_plots
+from flows.report import (
+    StageProgress,
+    artifact_key,
+    mlflow_where,
+    publish,
+    quiet_refusals,
+    run_markdown,
+    stage_markdown,
+    summary_line,
+)
 from flows.tracking import Tracker
 from moe_core.config import (
     ClusterConfig,
@@ -46,6 +56,7 @@ from moe_core.config import (
     from_dict,
     to_dict,
 )
+from moe_core.errors import RunFailedError, refusals
 from moe_core.rundir import RunLock, set_aside
 
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
@@ -100,7 +111,7 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
     data["dir"] = str(run_dir / "data")
     kind = data.get("kind", DataConfig.kind)
     if kind != "tokens":
-        raise ValueError(
+        raise ConfigError(
             f"data.kind={kind!r} is not allowed for the pipeline: it tokenizes a "
             "corpus, so use a token data option (e.g. data=kjv)."
         )
@@ -161,11 +172,15 @@ def _stage(
         record, why = (record, "") if problem is None else (None, problem)
     if record is not None:
         logger.info("%s: outputs verified, skipped", name)
+        _publish(ctx, name, "Skipped", record["summary"], ctx.tracker.state["stages"].get(name))
         return Completed(name="Skipped", message="outputs verified", data=record["summary"])
     logger.info("%s: runs (%s)", name, why)
     run_id = ctx.tracker.stage(name)
     try:
         summary, outputs = body(ctx, run_id)
+    except refusals() as err:  # its sentence is the whole story: no traceback
+        ctx.tracker.finish(run_id, "FAILED")
+        return Failed(message=str(err), data=err)
     except BaseException as err:
         ctx.tracker.finish(run_id, _status(err))
         raise
@@ -173,7 +188,16 @@ def _stage(
     manifests.write(ctx.run_dir, name, key, files, summary)
     ctx.tracker.artifacts(run_id, manifests.manifest_path(ctx.run_dir, name), "manifest")
     ctx.tracker.finish(run_id)
+    _publish(ctx, name, "Completed", summary, run_id)
     return summary
+
+
+def _publish(ctx: Context, name: str, status: str, summary: dict, run_id: str | None) -> None:
+    """The stage's markdown artifact in Prefect (what it produced, key numbers, MLflow link)."""
+    tracker = ctx.tracker
+    where = mlflow_where(name, tracker.link(run_id), tracker.page(run_id), tracker.uri)
+    markdown = stage_markdown(name, status, summary, ctx.run_dir, where)
+    publish(artifact_key(ctx.run_dir, name), markdown, f"{name} stage of {ctx.run_dir}")
 
 
 # ---- tokenize ----------------------------------------------------------------------------
@@ -185,9 +209,14 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
     out = ctx.run_dir / "data"
     _supersede(ctx, "tokenize", out)
-    tokenize_corpus(
-        ctx.run.data, out, model_vocab_size=ctx.run.model.vocab_size, show_progress=False
-    )
+    with StageProgress("tokenize") as progress:
+        tokenize_corpus(
+            ctx.run.data,
+            out,
+            model_vocab_size=ctx.run.model.vocab_size,
+            show_progress=False,
+            on_progress=lambda p: progress.update(p.text(), p.documents, p.total),
+        )
     content = read_manifest(out).content
     summary = {k: content[k] for k in ("total_tokens", "dtype") if k in content}
     summary["tokenizer"] = content.get("tokenizer", {}).get("name")
@@ -329,7 +358,7 @@ def _launch(ctx: Context, run_id: str | None) -> list[Attempt]:
         ctx.tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
         if attempt.ok:
             return attempts
-    raise RuntimeError(
+    raise RunFailedError(
         f"{attempts[-1].detail} (see the log above) on attempt {tries} of {tries} "
         f"(cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "
         f"{_newest_checkpoint(ctx)}."
@@ -355,7 +384,7 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
     problem = verify(ctx.final_checkpoint)
     if problem is not None:
-        raise RuntimeError(f"training ended without its final checkpoint: {problem}")
+        raise RunFailedError(f"training ended without its final checkpoint: {problem}")
     plots = training_plots(out / "metrics.jsonl", ctx.run_dir / "plots")
     for p in plots:
         ctx.tracker.artifacts(run_id, p, "plots")
@@ -428,7 +457,17 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
     out = ctx.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    result = evaluate(ctx.final_checkpoint, ctx.run_dir / "hf", ctx.run_dir / "data", EVAL_BATCHES)
+    what = {"scoring": "held-out micro-batches scored", "sampling": "prompts continued"}
+    with StageProgress("evaluate") as progress:
+        result = evaluate(
+            ctx.final_checkpoint,
+            ctx.run_dir / "hf",
+            ctx.run_dir / "data",
+            EVAL_BATCHES,
+            on_progress=lambda phase, done, total: progress.update(
+                f"{done} of {total} {what[phase]}", done, total, force=done == total
+            ),
+        )
     tolerance = 1e-4 if ctx.run.parallel.param_dtype == "fp32" else 2e-2
     (out / "result.json").write_text(json.dumps(result.as_dict(), indent=1))
     write_samples(result, out / "samples.md")
@@ -453,7 +492,7 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
             )
     ctx.tracker.artifacts(run_id, out)
     if result.relative_difference > tolerance:
-        raise RuntimeError(
+        raise RunFailedError(
             f"our model's held-out loss {result.loss:.6f} and the Hugging Face export's "
             f"{result.hf_loss:.6f} differ by {result.relative_difference:.2e} relative, more than "
             f"{tolerance:g}: the export does not compute our model."
@@ -520,7 +559,25 @@ def _run_root(run_dir: str) -> Path:
 def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, Any]:
     """Run (or resume) the pipeline for a resolved config in ``run_dir`` (default: a folder of
     this flow run's own, see ``default_run_dir``; give one to resume it), which it locks: a
-    second pipeline there is refused in one sentence naming this one's process and host."""
+    second pipeline there is refused in one sentence naming this one's process and host.
+
+    The flow run's final state message is the run's summary line, or the one sentence of a
+    refusal (a bad value, a plan that does not fit, a locked folder, a stage that gave up),
+    which is logged without a traceback and raised to a direct caller; other errors keep
+    Prefect's traceback."""
+    logger = get_run_logger()
+    quiet_refusals()  # a worker's engine would log the refusal again, with a traceback
+    try:
+        outcome = _pipeline(config, run_dir)
+    except refusals() as err:
+        logger.error("%s", err)
+        return Failed(message=str(err), data=err)
+    # The summary once: Prefect logs the final state with its message ("Finished in state").
+    return Completed(message=summary_line(outcome), data=outcome)
+
+
+def _pipeline(config: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
+    """Resolve, check, lock, then every stage."""
     logger = get_run_logger()
     root = _run_root(run_dir or default_run_dir(config.get("cluster")))
     run = resolve(config, root)  # refusals come before anything is written
@@ -542,7 +599,6 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
 
 def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     """Every stage in order, tracked; the flow's outcome."""
-    logger = get_run_logger()
     (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     tracker.params(tracker.parent, to_dict(run))
@@ -588,18 +644,12 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
         tracker.finish(tracker.parent)
     outcome["hf_dir"] = str(root / "hf")
     outcome["perplexity"] = evaluation.get("perplexity")
-    outcome["mlflow_ui"] = tracker.browse()
-    browse = (
-        f"browse with: {outcome['mlflow_ui']}"
-        if outcome["mlflow_ui"]
-        else f"MLflow at {tracker.uri} was unreachable, so there is nothing to browse yet: the "
-        "metrics are in metrics.jsonl and go to MLflow on a later run"
-    )
-    logger.info(
-        "done: Hugging Face checkpoint %s; held-out perplexity %.3f (transformers: %.3f); %s",
-        outcome["hf_dir"],
-        evaluation.get("perplexity", float("nan")),
-        evaluation.get("hf_perplexity", float("nan")),
-        browse,
-    )
+    # A store that was unreachable during the run has nothing to show yet: no link offered.
+    link = tracker.link(tracker.parent)  # a server's run page, else how to serve the sqlite store
+    where = None
+    outcome["mlflow_ui"] = None
+    if tracker.online:
+        outcome["mlflow_ui"] = link or f"mlflow ui --backend-store-uri {tracker.uri}"
+        where = mlflow_where("parent", link, tracker.page(tracker.parent), tracker.uri)
+    publish(artifact_key(root, "pretrain"), run_markdown(outcome, where), f"pretrain run {root}")
     return outcome

@@ -41,6 +41,50 @@ KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
 
 
+# The Prefect variable infra/deploy.sh sets to its MLflow server's URI (when one answers).
+PREFECT_VARIABLE = "mlflow_tracking_uri"
+RUN_FOLDER = "the run folder's sqlite store"
+
+
+def tracking_uri(configured: str | None, run_dir: Path) -> tuple[str, str]:
+    """The MLflow store a pipeline logs to, and where that choice came from: the config's
+    ``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else (inside a flow run) the Prefect variable
+    ``mlflow_tracking_uri``, else a sqlite file in the run folder (meant for ``moe pipeline`` on
+    one machine; a deployment run that lands there says so in its log)."""
+    if configured:
+        return configured, "tracking.uri"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is not None:  # a flow run has an API to ask (outside one, asking starts a server)
+        from prefect.variables import Variable
+
+        value = Variable.get(PREFECT_VARIABLE, default=None)
+        if isinstance(value, str) and value:
+            return value, f"the Prefect variable {PREFECT_VARIABLE}"
+        if context.flow_run is not None and context.flow_run.deployment_id is not None:
+            from prefect import get_run_logger
+
+            get_run_logger().warning(
+                "no MLflow server is configured for this deployment run (tracking.uri, "
+                "MLFLOW_TRACKING_URI or the Prefect variable %s, which infra/deploy.sh sets "
+                "while infra/start-mlflow.sh's server runs): it logs to %s.",
+                PREFECT_VARIABLE,
+                run_dir / "mlflow.db",
+            )
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}", RUN_FOLDER
+
+
+def ui_page(experiment_id: str, run_id: str | None = None) -> str:
+    """An experiment's (or run's) page in the MLflow UI, in its model-training view: MLflow 3's
+    UI picks GenAI or model training from the address or the browser's last choice (GenAI in a
+    fresh browser), not from the experiment's kind tag."""
+    run = f"/runs/{run_id}" if run_id else ""
+    return f"#/experiments/{experiment_id}{run}?workflowType=machine_learning"
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in d.items():
@@ -74,13 +118,11 @@ class Tracker:
         self.state: dict[str, Any] = {"parent": None, "stages": {}, "sent": {}}
         if self.state_path.is_file():
             self.state |= json.loads(self.state_path.read_text())
-        # The config's server, else the deployment's environment, else the run folder's own.
-        uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or None
-        self.uri = uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        self.uri, self.source = tracking_uri(uri, run_dir)
         self.online = True
         self.client = None
         self.experiment_id: str | None = None
-        self._guard(self._connect, experiment, uri is None)
+        self._guard(self._connect, experiment, self.source == RUN_FOLDER)
         if self.state["parent"] is None:
             self.state["parent"] = self._guard(self._create, run_name, None)
             self._save()
@@ -130,16 +172,6 @@ class Tracker:
         tmp.replace(self.state_path)
 
     # ---- what the flow calls --------------------------------------------------------------
-
-    def browse(self) -> str | None:
-        """Where to look at this run: the server's address, or the command that opens the run
-        folder's store in the MLflow UI. None when the store was unreachable during this run
-        (its metrics wait in ``metrics.jsonl`` for a later run), so none is offered."""
-        if not self.online:
-            return None
-        if self.uri.startswith(("http://", "https://")):
-            return self.uri
-        return f"mlflow ui --backend-store-uri {self.uri}"
 
     @property
     def parent(self) -> str | None:
@@ -226,6 +258,20 @@ class Tracker:
             return
         before = self._guard(lambda: self.client.get_run(run_id).data.tags.get(NOTE_TAG)) or ""
         self._guard(self.client.set_tag, run_id, NOTE_TAG, (before + "\n\n" + text).strip())
+
+    def page(self, run_id: str | None) -> str | None:
+        """The run's page in the MLflow UI, relative to the UI's address (see ``ui_page``)."""
+        if run_id is None or self.experiment_id is None:
+            return None
+        return ui_page(self.experiment_id, run_id)
+
+    def link(self, run_id: str | None) -> str | None:
+        """The run's page when the store is a server (a sqlite file has no address until
+        ``mlflow ui`` serves it)."""
+        page = self.page(run_id)
+        if page is None or not self.uri.startswith(("http://", "https://")):
+            return None
+        return f"{self.uri.rstrip('/')}/{page}"
 
     def finish(self, run_id: str | None, status: str = "FINISHED") -> None:
         if run_id is not None:

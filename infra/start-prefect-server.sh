@@ -12,6 +12,10 @@ port="${1:-${PREFECT_PORT:-4200}}"
 state="$(moe_state_dir)"
 export PREFECT_HOME="${PREFECT_HOME:-$state/prefect}"
 export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
+# Logs streamed to watchers: `prefect deployment run ... --watch` then shows the flow run's log
+# (progress, the summary, a refusal's sentence), not only its state changes.
+export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="${PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED:-true}"
+export PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="${PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED:-true}"
 mkdir -p "$PREFECT_HOME"
 log="$state/prefect-server.log"
 

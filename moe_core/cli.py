@@ -20,8 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moe_core.config import ConfigError, RunConfig, from_dict
-from moe_core.data.errors import DataError
-from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
+from moe_core.errors import refusals
 
 DEFAULT_CONFIG_NAME = "config"
 
@@ -340,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, DataError, CheckpointError, RunDirLockedError, RunFileError) as err:
+    except refusals() as err:
         console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return 2
     except OSError as err:  # a missing file, a full disk, a symlink loop: one line, no traceback

@@ -16,3 +16,24 @@ class RunDirLockedError(RuntimeError):
 class RunFileError(ValueError):
     """A run directory's file that could not be written (disk full, no permission) or read
     (a corrupt metrics log), named in one sentence with what was kept."""
+
+
+class RunFailedError(RuntimeError):
+    """A run that ended without its result (training out of launches, an export that does not
+    compute the model), explained in one sentence that names what was kept."""
+
+
+def refusals() -> tuple[type[Exception], ...]:
+    """The errors whose message is the whole story: the CLI prints them and a pipeline ends
+    with them as one sentence, without a traceback."""
+    from moe_core.config import ConfigError
+    from moe_core.data.errors import DataError
+
+    return (
+        ConfigError,
+        DataError,
+        CheckpointError,
+        RunDirLockedError,
+        RunFileError,
+        RunFailedError,
+    )

@@ -6,6 +6,7 @@ import contextlib
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,13 @@ BASE = [
     "train.warmup_steps=1",
     "train.eps=1e-6",
 ]
+
+
+def chromium() -> str | None:
+    """The system's Chromium (Debian's ``chromium-headless-shell`` first), for Playwright's
+    ``executable_path``; None where none is installed (the browser tests skip, saying so)."""
+    names = ("chromium-headless-shell", "chromium", "chromium-browser")
+    return next((shutil.which(b) for b in names if shutil.which(b)), None)
 
 
 def needs_gpus(n: int) -> pytest.MarkDecorator:

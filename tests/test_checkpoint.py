@@ -90,6 +90,7 @@ def test_sigkill_and_resume_is_bit_identical(nproc, extra, tmp_path):
         assert torch.equal(t, b[name]), f"{name} differs after resume"
 
 
+@pytest.mark.slow
 def test_corrupted_newest_checkpoint_is_skipped(tmp_path):
     args = [*BASE, "train.steps=4", "train.checkpoint_every=2", f"out_dir={tmp_path}"]
     Trainer(compose_run(args)).fit(show_progress=False)
@@ -110,6 +111,7 @@ def test_corrupted_newest_checkpoint_is_skipped(tmp_path):
     assert newest.exists(), "a corrupt checkpoint is reported, not deleted"
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_without_manifest_is_never_used(tmp_path):
     args = [*BASE, "train.steps=2", "train.checkpoint_every=1", f"out_dir={tmp_path}"]
     Trainer(compose_run(args)).fit(show_progress=False)
@@ -154,6 +156,7 @@ def test_checkpoint_from_ep2_reshards_into_one_process_and_pp2(tmp_path):
     assert abs(got["eval_loss"] - eval_ep2) < 1e-5 * abs(eval_ep2)
 
 
+@pytest.mark.slow
 def test_retention_keeps_last_n_and_every_kth(tmp_path):
     args = [
         *BASE,
@@ -168,6 +171,7 @@ def test_retention_keeps_last_n_and_every_kth(tmp_path):
     assert names == ["step_00000004", "step_00000008", "step_00000009"]
 
 
+@pytest.mark.slow
 def test_async_checkpoint_equals_sync(tmp_path):
     runs = {}
     for mode in ("false", "true"):
@@ -192,6 +196,7 @@ def test_async_checkpoint_equals_sync(tmp_path):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     cmd = [
         sys.executable,
@@ -216,6 +221,7 @@ def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     assert len(steps) == 1 and steps[0] == len(losses(tmp_path)) and steps[0] < 100000
 
 
+@pytest.mark.slow
 def test_pure_bf16_checkpoint_resumes_under_fp32_master_state_and_back(tmp_path):
     """A pure-bf16 checkpoint (bf16 weights and moments, no master) loads into fp32 master
     state exactly (bf16 values are fp32 values); the fp32 state written from there loads back

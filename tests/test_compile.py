@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -44,6 +45,7 @@ def test_block_graph_breaks_only_at_token_dispatch():
         assert "_dispatch" in reason.reason, reason.reason
 
 
+@pytest.mark.slow
 def test_compiled_model_matches_eager():
     torch._dynamo.reset()
     loss, grads, counts = _loss_and_grads(compiled=False)

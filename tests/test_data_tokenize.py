@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,6 +159,35 @@ def test_local_jsonl_txt_parquet_folder_and_glob(tmp_path):
         out = tokenize_corpus(cfg, tmp_path / name, show_progress=False)
         assert documents_back(out, "train") == [d for d in docs if d], name
         assert verify_data_dir(out).content["source"]["kind"] == "files"
+
+
+def test_progress_reports_documents_tokens_and_rate_and_is_logged_every_few_seconds(tmp_path):
+    from flows.report import StageProgress
+
+    docs = [f"Document number {i} with a few words." for i in range(50)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    cfg = kjv(path=str(tmp_path / "c.jsonl"), tokenizer="gpt2", max_documents=None)
+    seen = []
+    out = tokenize_corpus(cfg, tmp_path / "out", show_progress=False, on_progress=seen.append)
+    last = seen[-1]
+    assert last.documents == 50 and last.tokens == verify_data_dir(out).total_tokens
+    assert last.tokens_per_s > 0
+    assert [p.documents for p in seen] == sorted(p.documents for p in seen)
+    expected = rf"50 (of 50 )?documents, {last.tokens:,} tokens \([\d,]+ tokens/s\)"
+    assert re.match(expected, last.text()), last.text()
+
+    logged: list[str] = []
+
+    class Log:  # stands in for the run logger
+        def info(self, fmt: str, *args: object) -> None:
+            logged.append(fmt % args)
+
+    with StageProgress("tokenize", every_s=3600, bar=False, log=Log()) as progress:
+        for text in ("first", "second", "third"):
+            progress.update(text)
+        progress.update("phase end", force=True)
+        progress.update("last")
+    assert logged == ["tokenize: first", "tokenize: phase end", "tokenize: last"]
 
 
 def test_hugging_face_tokenizer_by_local_path(tmp_path):

@@ -31,6 +31,7 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.chunks[0].state_dict().items()}
 
 
+@pytest.mark.slow
 def test_nan_loss_step_is_skipped_counted_and_training_continues(monkeypatch, tmp_path):
     trainer = Trainer(compose_run([*BASE, "train.steps=6", f"out_dir={tmp_path}"]))
     poison_loss_at(monkeypatch, trainer, {3})
@@ -51,6 +52,7 @@ def test_nan_loss_step_is_skipped_counted_and_training_continues(monkeypatch, tm
     assert trainer.optimizer.step_count == 5
 
 
+@pytest.mark.slow
 def test_too_many_consecutive_skips_stop_with_a_checkpoint(monkeypatch, tmp_path):
     args = [*BASE, "train.steps=10", "train.max_consecutive_skips=3", f"out_dir={tmp_path}"]
     trainer = Trainer(compose_run(args))

@@ -157,6 +157,7 @@ def _train_one_step(out, extra):
     return out / "checkpoints" / "step_00000001"
 
 
+@pytest.mark.slow
 def test_to_hf_takes_the_runs_own_tokenizer_and_refuses_where_there_is_none(tmp_path, capsys):
     """Without --tokenizer, the tokenizer files come from the data folder the run trained on
     (found through its checkpoint, from the checkpoint or the model folder beside it); a run on

@@ -21,6 +21,7 @@ from helpers import seeded_run
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
+STAGE_NAMES = ["tokenize", "init", "train", "convert", "evaluate"]
 SCRIPTS = ["start-prefect-server.sh", "start-worker.sh", "start-mlflow.sh", "deploy.sh", "stop.sh"]
 
 
@@ -261,12 +262,18 @@ def test_committed_prefect_yaml_is_what_deployments_renders():
 def test_deployments_from_prefect_yaml_run_through_a_worker(
     services: Services, tiny_run: tuple[Path, dict], tmp_path: Path
 ):
-    """The committed infra/prefect.yaml, deployed to a real server: `prefect deployment run
-    pretrain/tiny` completes through a process worker; `pretrain/1t` refuses with the plan."""
+    """The committed infra/prefect.yaml, deployed to a real server while an MLflow server runs:
+    `prefect deployment run pretrain/tiny --watch` completes through a process worker, shows
+    its summary and progress, publishes the stages' artifacts and logs to that MLflow server
+    (the Prefect variable deploy.sh set); `pretrain/1t` refuses with the plan and one sentence;
+    the Kubernetes twins deploy into a pool made from infra/kubernetes-pool.json."""
+    from mlflow.tracking import MlflowClient
+
     from moe_core.compose import compose_dict
 
-    port = free_port()
+    port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{port}/api"
+    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
     assert services.run("start-prefect-server.sh", str(port)).returncode == 0
     assert services.run("start-worker.sh", "local", api).returncode == 0
     # pretrain/1t's pool is `slurm` (a login node's worker); here a machine without sbatch.
@@ -277,8 +284,13 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
     made = subprocess.run(["prefect", *pool], env={**services.env, "PREFECT_API_URL": api},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert made.returncode == 0, made.stderr + made.stdout
+    assert services.run("start-mlflow.sh", str(mlflow_port), str(tmp_path / "ml")).returncode == 0
+    services.env["MLFLOW_TRACKING_URI"] = mlflow_url  # what deploy.sh checks; workers lack it
     deployed = services.run("deploy.sh", str(INFRA / "prefect.yaml"), api)
+    del services.env["MLFLOW_TRACKING_URI"]
     assert deployed.returncode == 0, deployed.stderr + deployed.stdout
+    assert f"flow runs log to MLflow at {mlflow_url}" in deployed.stdout
+    assert get_json(f"{api}/variables/name/mlflow_tracking_uri")["value"] == mlflow_url
     deployments = {d["name"]: d for d in get_json(f"{api}/deployments/filter", {})}
     assert set(deployments) == {
         "tiny", "olmoe-1b-7b", "47b", "47b-kubernetes", "1t", "1t-kubernetes"
@@ -299,28 +311,50 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
     }
     env = {**services.env, "PREFECT_API_URL": api}
 
+    watched: dict[str, str] = {}
+
     def run(name: str, parameters: dict | None = None) -> dict:
         cmd = ["prefect", "deployment", "run", f"pretrain/{name}", "--watch"]
         if parameters is not None:
             cmd += ["--params", json.dumps(parameters)]
-        subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        watched[name] = " ".join((done.stdout + done.stderr).split())  # rich wraps at 80
         runs = get_json(f"{api}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 1})
         return runs[0]
 
     tiny = run("tiny", params)
     assert tiny["state"]["type"] == "COMPLETED", tiny["state"]
     assert (tmp_path / "tiny" / "hf" / "config.json").is_file()
-    assert json.loads((tmp_path / "tiny" / "eval" / "result.json").read_text())["perplexity"] > 1
+    perplexity = json.loads((tmp_path / "tiny" / "eval" / "result.json").read_text())["perplexity"]
+    assert perplexity > 1
+    summary = tiny["state"]["message"]
+    assert summary.startswith(f"done: Hugging Face checkpoint {tmp_path / 'tiny' / 'hf'}; ")
+    assert f"held-out perplexity {perplexity:.3f}" in summary
+    assert f"browse with: {mlflow_url}/#/experiments/" in summary
+    shown = "Finished in state Completed('done: Hugging Face checkpoint"
+    assert shown in watched["tiny"], watched["tiny"][-3000:]  # --watch streams the log
+    # (tokenize and init were done by the session's run; evaluate's progress streams)
+    assert "evaluate: 4 of 4 held-out micro-batches scored" in watched["tiny"]
+    of_run = {"artifacts": {"flow_run_id": {"any_": [tiny["id"]]}}}
+    keys = {a["key"] for a in get_json(f"{api}/artifacts/filter", of_run)}
+    assert keys == {f"tiny-{n}" for n in (*STAGE_NAMES, "pretrain")}
+    client = MlflowClient(mlflow_url)
+    runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == sorted(["tiny", *STAGE_NAMES])
+    assert not (tmp_path / "tiny" / "mlflow.db").exists(), "the server, not the run folder"
 
     big = run(
         "1t",
         {"config": compose_dict([], config_name="pretrain-1t"), "run_dir": str(tmp_path / "1t")},
     )
     assert big["state"]["type"] == "FAILED"
+    assert big["state"]["message"].startswith("cluster.kind='slurm' is not allowed on this machine")
     logs = get_json(
         f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [big["id"]]}}, "limit": 200}
     )
     text = "\n".join(entry["message"] for entry in logs)
     assert "cluster.kind='slurm' is not allowed on this machine" in text, text[-2000:]
     assert "plan for 1t" in text and "per GPU" in text
+    assert "Traceback" not in text, "an expected refusal is one sentence"
+    assert "cluster.kind='slurm' is not allowed on this machine" in watched["1t"]
     assert not (tmp_path / "1t" / "data").exists(), "nothing may start"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import BASE
 
@@ -15,6 +16,7 @@ from moe_core.train.init import write_initial_checkpoint
 from moe_core.train.trainer import Trainer
 
 
+@pytest.mark.slow
 def test_initial_checkpoint_is_the_fresh_model_and_trains_identically(tmp_path):
     run = compose_run([*BASE, "train.steps=3", f"out_dir={tmp_path / 'a'}"])
     path = write_initial_checkpoint(run, tmp_path / "a" / "checkpoints")
@@ -28,6 +30,7 @@ def test_initial_checkpoint_is_the_fresh_model_and_trains_identically(tmp_path):
     assert from_init == [m.loss for m in scratch.fit(show_progress=False)]
 
 
+@pytest.mark.slow
 def test_initial_checkpoint_never_holds_the_model_in_memory(tmp_path):
     """A 1.6 GB (fp32) model is written by a process whose peak memory stays far below it."""
     code = f"""

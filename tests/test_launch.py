@@ -286,6 +286,7 @@ def _resolved(tmp_path: Path, *overrides: str) -> tuple[Path, dict]:
     return path, data
 
 
+@pytest.mark.slow
 def test_train_from_a_resolved_config(tmp_path: Path):
     path, _ = _resolved(tmp_path)
     assert main(["train", "--config", str(path)]) == 0

@@ -151,6 +151,7 @@ def test_nccl_bf16_ep2_and_dp2_match_one_gpu(tmp_path):
         assert total < 0.05, f"{layout}: the whole model's update differs by {total:.2e}"
 
 
+@pytest.mark.slow
 def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
     run = compose_run([*BASE, "train.steps=3", "train.grad_clip=0.05", f"out_dir={tmp_path}"])
     trainer = Trainer(run)
@@ -240,6 +241,7 @@ def test_invalid_layouts_fail_at_load(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_wrong_process_count_fails_before_any_process_group():
     layout = [*BASE, "parallel.ep=2", "parallel.dp=2"]
     with pytest.raises(ConfigError, match=r"needs 4 processes, but 2 were launched"):

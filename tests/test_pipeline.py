@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, masters, run_pipeline, seeded_run, write_toy_tasks
+from helpers import SMALL, chromium, masters, run_pipeline, seeded_run, write_toy_tasks
 
 from flows.manifests import STAGES
 from moe_core.compose import compose_dict
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +35,73 @@ def finished(prefect_home, tiny_run) -> tuple[Path, dict]:
 def copy_of(run: tuple[Path, dict], to: Path) -> Path:
     shutil.copytree(run[0], to)
     return to
+
+
+def flow_runs(run_dir: Path) -> list:
+    """The pretrain flow runs of ``run_dir``, oldest first, read back from Prefect's API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_ASC)
+    return [r for r in runs if r.parameters.get("run_dir") == str(run_dir)]
+
+
+def artifacts(flow_run_id) -> dict[str, str]:
+    """Markdown artifacts of a flow run (its tasks' too), by key."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    assert all(a.type == "markdown" for a in found)
+    return {a.key: a.data for a in found}
+
+
+def run_logs(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the background sender, drained
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(entry.message for entry in logs)
+
+
+@pytest.mark.slow
+def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finished):
+    run_dir, outcome = finished
+    first = flow_runs(run_dir)[0]
+    assert first.state.type.value == "COMPLETED"
+    message = first.state.message
+    assert message.startswith(f"done: Hugging Face checkpoint {run_dir}/hf; held-out perplexity ")
+    assert f"perplexity {outcome['perplexity']:.3f}" in message
+    assert message.endswith(
+        f"browse with: mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db"
+    )
+    found = artifacts(first.id)
+    assert set(found) == {f"tiny-{name}" for name in (*STAGES, "pretrain")}
+    tokens = json.loads((run_dir / "data" / "manifest.json").read_text())["total_tokens"]
+    assert "## tokenize: completed" in found["tiny-tokenize"]
+    assert f"| tokens | {tokens:,} |" in found["tiny-tokenize"]
+    assert "- `data/manifest.json`" in found["tiny-tokenize"]
+    train = outcome["train"]
+    assert f"| final loss | {train['final_loss']:.6g} |" in found["tiny-train"]
+    assert "- `plots/loss.png`" in found["tiny-train"]
+    assert "- `hf/config.json`" in found["tiny-convert"]
+    assert f"| perplexity | {outcome['perplexity']:.6g} |" in found["tiny-evaluate"]
+    assert "*In the beginning* →" in found["tiny-evaluate"]
+    assert all(f"| {name} | Completed |" in found["tiny-pretrain"] for name in STAGES)
+    ids = json.loads((run_dir / "mlflow.json").read_text())
+    page = f"http://127.0.0.1:5000/#/experiments/1/runs/{ids['stages']['train']}?workflowType="
+    assert f"MLflow: `{outcome['mlflow_ui']}`, then `{page}" in found["tiny-train"]
+    log = run_logs(first.id)
+    assert "tokenize: " in log and " documents, " in log and "tokens/s" in log
+    assert "evaluate: 4 of 4 held-out micro-batches scored" in log
+    assert "evaluate: 4 of 4 prompts continued" in log
 
 
 @pytest.mark.slow
@@ -93,6 +167,107 @@ def test_tiny_pipeline_end_to_end(finished):
     }
 
 
+@contextlib.contextmanager
+def mlflow_ui(command: str) -> Iterator[str]:
+    """``command`` (the ``mlflow ui --backend-store-uri ...`` a run prints) on a free loopback
+    port, in a session of its own; yields its address, stops it and its workers after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mlflow = str(Path(sys.executable).parent / "mlflow")
+    args = [mlflow, *command.split()[1:], "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, f"{command} exited with {proc.returncode}"
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, f"{command} did not answer within 180 s"
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("playwright") is None,
+    reason="playwright is not installed (pip install playwright; no browser download needed)",
+)
+@pytest.mark.skipif(
+    chromium() is None, reason="no Chromium installed (apt-get install chromium-headless-shell)"
+)
+def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_plots(finished):
+    """What a user browses after `moe pipeline`: the printed `mlflow ui` command over the run's
+    store, in headless Chromium (the system's binary, driven by Playwright)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from flows.tracking import ui_page
+
+    run_dir, outcome = finished
+    ids = json.loads((run_dir / "mlflow.json").read_text())
+    with mlflow_ui(outcome["mlflow_ui"]) as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium())
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.set_default_timeout(60_000)
+        expect.set_options(timeout=60_000)  # a loaded CI machine serves the UI slowly
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+
+        # The experiment's runs: the parent, and its five stage runs nested under it.
+        page.goto(f"{url}/{ui_page('1')}")
+        parent = page.locator(f'a[href="#/experiments/1/runs/{ids["parent"]}"]')
+        expect(parent).to_have_text("tiny")
+        page.locator('button[data-component-id*="runnamecellrenderer"]').first.click()
+        for name in STAGES:
+            expect(
+                page.locator(f'a[href="#/experiments/1/runs/{ids["stages"][name]}"]')
+            ).to_have_text(name)
+
+        # The parent run's page: the headline metrics; its screenshot goes to docs/.
+        page.goto(f"{url}/{ui_page('1', ids['parent'])}")
+        for metric in ("final_loss", "final_eval_loss", "perplexity", "tokens_per_s_per_gpu"):
+            expect(page.get_by_text(metric, exact=True).first).to_be_visible()
+        expect(page.get_by_text("Child runs", exact=True)).to_be_visible()
+        for name in STAGES:  # listed under "Child runs"
+            expect(page.get_by_role("link", name=name, exact=True).first).to_be_visible()
+        close = page.get_by_role("button", name="Close")  # the assistant's side panel
+        if close.count():
+            close.first.click()
+        page.screenshot(path=str(ROOT / "docs" / "mlflow-run-page.png"))
+
+        # The train run's charts: the loss over the 8 steps (charts draw once in view).
+        train = ids["stages"]["train"]
+        page.set_viewport_size({"width": 1280, "height": 3000})
+        page.goto(f"{url}/#/experiments/1/runs/{train}/model-metrics?workflowType=machine_learning")
+        expect(page.get_by_text("train (loss)", exact=True).first).to_be_visible()
+
+        # Its plots, previewed from the artifact store.
+        page.goto(f"{url}/#/experiments/1/runs/{train}/artifacts?workflowType=machine_learning")
+        page.get_by_text("plots", exact=True).first.click()
+        for plot in ("loss.png", "tokens_per_s.png", "expert_load.png"):
+            expect(page.get_by_text(plot, exact=True).first).to_be_visible()
+        page.get_by_text("loss.png", exact=True).first.click()
+        expect(page.get_by_text("plots/loss.png", exact=True).first).to_be_visible()
+        image = page.locator('img[src^="blob:"]').first  # the preview, fetched from the store
+        expect(image).to_be_visible()
+        assert image.evaluate("img => img.complete && img.naturalWidth > 0"), "the plot must load"
+        browser.close()
+    assert errors == []
+
+
 @pytest.mark.slow
 def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path):
     run_dir = copy_of(finished, tmp_path / "run")
@@ -108,6 +283,10 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path)
         "evaluate": "Skipped",
     }
     assert all(p.stat().st_mtime_ns == t for p, t in data_mtimes.items())
+    found = artifacts(flow_runs(run_dir)[-1].id)
+    assert "## tokenize: skipped (its outputs verified" in found["tiny-tokenize"]
+    assert "## convert: completed" in found["tiny-convert"]
+    assert "skipped (verified): tokenize, init, train, evaluate" in found["tiny-pretrain"]
 
 
 @pytest.mark.slow
@@ -208,6 +387,39 @@ def test_1t_refuses_before_any_stage_on_a_machine_without_slurm(
     with pytest.raises(ConfigError, match=r"^cluster\.kind='slurm' is not allowed on this machine"):
         pretrain(config=config, run_dir=str(tmp_path / "1t"))
     assert not (tmp_path / "1t").exists(), "nothing may start"
+    (refused,) = flow_runs(tmp_path / "1t")
+    assert refused.state.type.value == "FAILED"
+    assert refused.state.message.startswith("cluster.kind='slurm' is not allowed on this machine")
+    assert "Traceback" not in refused.state.message
+    log = run_logs(refused.id)
+    assert "plan for 1t" in log and "cluster.kind='slurm' is not allowed" in log
+    assert "Traceback" not in log, "an expected refusal is one sentence"
+
+
+def test_tracking_uri_comes_from_config_environment_prefect_variable_then_run_folder(
+    prefect_home, tmp_path, monkeypatch
+):
+    from prefect import flow
+    from prefect.variables import Variable
+
+    from flows.tracking import PREFECT_VARIABLE, RUN_FOLDER, tracking_uri
+
+    @flow
+    def where(configured: str | None) -> tuple[str, str]:
+        return tracking_uri(configured, tmp_path)
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert where(None) == (f"sqlite:///{tmp_path / 'mlflow.db'}", RUN_FOLDER)
+    Variable.set(PREFECT_VARIABLE, "http://127.0.0.1:5999", overwrite=True)
+    try:
+        assert where(None) == ("http://127.0.0.1:5999", f"the Prefect variable {PREFECT_VARIABLE}")
+        # outside a flow run no API is asked (that would start a temporary server)
+        assert tracking_uri(None, tmp_path)[1] == RUN_FOLDER
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
+        assert where(None) == ("sqlite:///env.db", "MLFLOW_TRACKING_URI")
+        assert where("http://127.0.0.1:5001") == ("http://127.0.0.1:5001", "tracking.uri")
+    finally:
+        Variable.unset(PREFECT_VARIABLE)
 
 
 def test_a_second_pipeline_in_a_locked_run_dir_is_refused_before_any_stage(prefect_home, tmp_path):

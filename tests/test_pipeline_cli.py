@@ -58,3 +58,25 @@ def test_generated_deployments_leave_the_run_folder_to_each_flow_run():
 
     for d in yaml.safe_load(render())["deployments"]:
         assert set(d["parameters"]) == {"config"}, d["name"]
+
+
+def test_prefects_engine_does_not_log_a_refusal_again_with_its_traceback():
+    import logging
+
+    from flows.report import RefusalTraceback, quiet_refusals
+    from moe_core.config import ConfigError
+    from moe_core.errors import RunFailedError
+
+    def record(exc: Exception) -> logging.LogRecord:
+        message = "Engine execution exited with unexpected exception"
+        info = (type(exc), exc, None)
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, message, (), info)
+
+    keep = RefusalTraceback()
+    assert not keep.filter(record(ConfigError("model.top_k=9 is not allowed: at most 8.")))
+    assert not keep.filter(record(RunFailedError("training exited with code 1 on attempt 3 of 3.")))
+    assert keep.filter(record(RuntimeError("a bug: its traceback stays")))
+    quiet_refusals()
+    quiet_refusals()
+    filters = logging.getLogger("prefect.flow_runs").filters
+    assert sum(isinstance(f, RefusalTraceback) for f in filters) == 1

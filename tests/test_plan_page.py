@@ -120,6 +120,7 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1.0)
 
 
+@pytest.mark.slow
 def test_page_numbers_are_the_planners_on_a_grid(page: str):
     """Models (conf/model and the custom size) x GPU types x layouts: the same refusal sentence,
     or the same memory by part, communication, step time, tokens/s and MFU."""
@@ -413,6 +414,7 @@ def test_all_to_all_time_follows_the_links():
     )
 
 
+@pytest.mark.slow
 def test_html_refuses_an_existing_file_and_overwrites_on_request(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "console", Console(width=300))
     out = tmp_path / "mine.html"

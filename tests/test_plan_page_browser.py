@@ -7,10 +7,10 @@ Skipped where Playwright or a Chromium binary is not installed (CI installs neit
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from helpers import chromium
 
 from moe_core import cli
 from moe_core.compose import compose_run
@@ -21,8 +21,7 @@ from moe_core.planpage import CUSTOM_MODEL, TOUR
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
-BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser")
-BROWSER = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+BROWSER = chromium()
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium binary installed")
 
 
@@ -37,6 +36,7 @@ def set_value(page, control: str, value: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_page_in_chromium_offline(tmp_path: Path):
     out = tmp_path / "plan-1t.html"
     assert cli.main(["plan", "--config-name", "pretrain-1t", "--html", str(out)]) == 0

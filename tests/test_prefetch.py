@@ -96,6 +96,7 @@ def token_run(tmp_path, out: str, steps: int, *extra: str):
     return Trainer(compose_run(overrides))
 
 
+@pytest.mark.slow
 def test_token_shards_resume_exactly_although_the_next_step_was_read_ahead(tmp_path):
     """A checkpoint taken while the next step's batches sit prefetched records the loader where
     training stood: resuming it trains exactly the steps the uninterrupted run trained."""
@@ -120,6 +121,7 @@ def test_token_shards_resume_exactly_although_the_next_step_was_read_ahead(tmp_p
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_stopped_run_hands_back_the_batches_it_read_ahead(tmp_path):
     """``fit`` may end (a stop request, a halt) with the next step already read: the loader goes
     back, so the same trainer continues with exactly that step."""

@@ -85,6 +85,7 @@ def test_retention_never_deletes_another_runs_or_unverified_checkpoints(tmp_path
     assert run_id_of(root / "step_00000008") == "b" and run_id_of(root / "step_00000090") == "a"
 
 
+@pytest.mark.slow
 def test_a_new_run_sets_the_earlier_runs_outputs_aside_and_prunes_only_its_own(tmp_path):
     """``train.resume=false`` in a folder with an earlier run: that run's checkpoints, metrics
     and model move to ``*.superseded-1`` unchanged; the new run prunes only its own."""
@@ -117,6 +118,7 @@ def test_a_new_run_sets_the_earlier_runs_outputs_aside_and_prunes_only_its_own(t
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_checkpoints_run_id(tmp_path):
     args = [*TINY, "train.checkpoint_every=1", "train.keep_last=2", f"out_dir={tmp_path}"]
     Trainer(compose_run([*args, "train.steps=2"])).fit(show_progress=False)
@@ -132,6 +134,7 @@ def test_a_resumed_run_continues_its_checkpoints_run_id(tmp_path):
 # ---- another model -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, mismatch",
     [
@@ -244,6 +247,7 @@ def poisoned(args: list[str]) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_non_finite_weights_are_never_checkpointed_and_the_last_checkpoint_is_named(tmp_path):
     args = [*TINY, "train.checkpoint_every=1", "train.keep_last=0", f"out_dir={tmp_path}"]
     Trainer(compose_run([*args, "train.steps=2"])).fit(show_progress=False)
@@ -345,6 +349,7 @@ def test_rows_without_the_text_field_are_reported_not_dropped_silently(tmp_path)
 # ---- one run per directory -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
     tmp_path, capsys
 ):
@@ -375,6 +380,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
 # ---- a full disk, a cut-short log, an unusable out_dir -------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_full_disk_while_checkpointing_then_a_resume_over_a_cut_short_metrics_line(tmp_path):
     args = [*TINY, "train.checkpoint_every=1", f"out_dir={tmp_path}"]

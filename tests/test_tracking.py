@@ -6,6 +6,8 @@ import json
 import logging
 import socket
 
+import pytest
+
 from flows.tracking import Tracker, metric_rows
 
 
@@ -21,6 +23,7 @@ def write_metrics(path, steps):
             f.write(json.dumps({"step": step, "loss": 5.0 - step, "lr": 1e-3}) + "\n")
 
 
+@pytest.mark.slow
 def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog):
     metrics = tmp_path / "metrics.jsonl"
     write_metrics(metrics, range(3))
@@ -28,11 +31,9 @@ def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog)
         down = Tracker(tmp_path, f"http://127.0.0.1:{closed_port()}", "exp", "run")
     assert not down.online and "unreachable" in caplog.text
     assert down.stage("train") is None and down.send_metrics_file(None, metrics) == 0
-    assert down.browse() is None, "no UI is offered for a store that was not reached"
 
     # The store is reachable again (here: the local sqlite store): everything is sent.
     up = Tracker(tmp_path, None, "exp", "run")
-    assert up.browse() == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = up.stage("train")
     write_metrics(metrics, range(3, 5))
     assert up.send_metrics_file(run_id, metrics) == 5
@@ -41,6 +42,7 @@ def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog)
     assert sorted(m.step for m in history) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resumed_tracker_keeps_its_runs(tmp_path):
     first = Tracker(tmp_path, None, "exp", "run")
     stage = first.stage("tokenize")
@@ -64,6 +66,7 @@ def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
     }
 
 
+@pytest.mark.slow
 def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_training(
     tmp_path, monkeypatch
 ):
@@ -83,3 +86,15 @@ def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_train
     assert tags["mlflow.note.content"] == "first line\n\nsecond line"
     explicit = Tracker(tmp_path / "other", f"sqlite:///{tmp_path / 'own.db'}", "exp", "run")
     assert explicit.uri.endswith("own.db")  # the config's own server wins over the environment
+
+
+def test_the_summary_offers_no_mlflow_ui_for_a_store_that_was_not_reached():
+    from flows.report import summary_line
+
+    outcome = {"hf_dir": "run/hf", "stages": {"train": "Completed"}, "mlflow_ui": None}
+    line = summary_line(outcome)
+    assert "browse" not in line and "MLflow was unreachable, so there is nothing to browse" in line
+    outcome["mlflow_ui"] = "mlflow ui --backend-store-uri sqlite:///run/mlflow.db"
+    assert summary_line(outcome).endswith(
+        "; browse with: mlflow ui --backend-store-uri sqlite:///run/mlflow.db"
+    )

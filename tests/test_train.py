@@ -31,6 +31,7 @@ def test_tiny_120_steps_halves_the_loss(tmp_path):
     assert last < first / 2, f"loss {first:.3f} -> {last:.3f}"
 
 
+@pytest.mark.slow
 def test_cli_train_writes_metrics_and_model(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", "model=tiny", "train.steps=3", "train.seq_len=32", f"out_dir={out}"]
@@ -57,6 +58,7 @@ def test_schedules():
     assert 0.1 < lr_multiplier(90, wsd) < 1.0
 
 
+@pytest.mark.slow
 def test_step_time_is_wall_time_between_steps_and_printed_rates_are_the_logged_ones(tmp_path):
     """A step is timed from the previous step's host read to its own, so time spent between
     steps (here a slow metrics sink) counts; TFLOP/s is tokens x FLOPs per token over that time,
@@ -91,6 +93,7 @@ def test_step_time_is_wall_time_between_steps_and_printed_rates_are_the_logged_o
         assert int(tok_s.replace(",", "")) == round(m["tokens_per_s_per_gpu"])
 
 
+@pytest.mark.slow
 def test_dropped_expert_rows_stop_the_step_before_anything_is_applied(tmp_path):
     """The rowwise dispatcher counts rows that found no room on the device; the step's host read
     sees the count and stops with one clear error before the update, so the weights, the step
@@ -123,6 +126,7 @@ def test_dropped_expert_rows_stop_the_step_before_anything_is_applied(tmp_path):
     assert names == ["step_00000001", "step_00000002", "step_00000003"]
 
 
+@pytest.mark.slow
 def test_fp8_presets_train_through_the_emulated_fp8_experts_on_cpu(tmp_path):
     """precision=fp8 and precision=mxfp8 on the CPU run the FP8 experts' emulation (quantized
     operands, the dequantized product): losses track the bf16 run's closely, and are neither

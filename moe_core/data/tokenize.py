@@ -74,6 +74,25 @@ def validation_mask(indices: np.ndarray, fraction: float, phase: float) -> np.nd
     return np.floor((indices + 1) * fraction + phase) > np.floor(indices * fraction + phase)
 
 
+@dataclass(frozen=True)
+class TokenizeProgress:
+    """Where a tokenize call stands: documents read (of ``total`` when the source knows it),
+    tokens written and their rate since encoding began, shards so far."""
+
+    documents: int
+    total: int | None
+    tokens: int
+    tokens_per_s: float
+    shards: int
+
+    def text(self) -> str:
+        of = f" of {self.total:,}" if self.total is not None else ""
+        return (
+            f"{self.documents:,}{of} documents, {self.tokens:,} tokens "
+            f"({self.tokens_per_s:,.0f} tokens/s), {self.shards} shards"
+        )
+
+
 @dataclass
 class _Run:
     """Counters of one tokenize call, for the progress bar and the summary."""
@@ -91,11 +110,14 @@ def tokenize_corpus(
     model_vocab_size: int | None = None,
     show_progress: bool = True,
     console: Console | None = None,
+    on_progress: Callable[[TokenizeProgress], None] | None = None,
 ) -> Path:
     """Tokenize the configured corpus into ``out_dir``; return it once ``manifest.json`` is there.
 
     ``model_vocab_size`` refuses a tokenizer with more ids than the model can embed. Nothing that
     is already in ``out_dir`` is deleted: a directory made with other settings is refused.
+    ``on_progress`` is called after each encoded batch (a pipeline logs it; the terminal has
+    the bar of ``show_progress``).
     """
     start = time.perf_counter()
     console = console or Console(stderr=True)
@@ -148,6 +170,8 @@ def tokenize_corpus(
                 completed=end,
                 status=f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards",
             )
+            if on_progress is not None:
+                on_progress(TokenizeProgress(end, source.total, run.tokens, rate, shards))
     records = {s: w.finish() for s, w in writers.items()}
     run.tokenize_seconds = time.perf_counter() - tick
     run.shards_reused = sum(w.reused for w in writers.values())

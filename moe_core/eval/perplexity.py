@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,8 +54,13 @@ def evaluate(
     data_dir: str | os.PathLike,
     batches: int = 8,
     new_tokens: int = 16,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalResult:
-    """Score ``batches`` validation micro-batches with both models (fp32, CPU) and sample."""
+    """Score ``batches`` validation micro-batches with both models (fp32, CPU) and sample.
+
+    ``on_progress(phase, done, total)`` follows it: phase ``"scoring"`` counts micro-batches,
+    ``"sampling"`` prompts."""
+    report = on_progress or (lambda phase, done, total: None)
     from transformers import AutoTokenizer, OlmoeForCausalLM
 
     run = checkpoint_config(checkpoint)
@@ -72,6 +78,7 @@ def evaluate(
         hf_sum += float(lm_loss(theirs(tokens_BT[:, :-1]).logits, tokens_BT[:, 1:]))
         n_batches += 1
         tokens += tokens_BT[:, 1:].numel()
+        report("scoring", n_batches, batches)
     if n_batches == 0:
         raise ValueError(f"the validation split of {data_dir} holds no micro-batch to score.")
     loss, hf_loss = loss_sum / n_batches, hf_sum / n_batches
@@ -92,6 +99,7 @@ def evaluate(
                 "ours_matches_hf": str(our_ids == hf_ids).lower(),
             }
         )
+        report("sampling", len(samples), len(PROMPTS))
     return EvalResult(
         tokens=tokens,
         loss=loss,

@@ -1,0 +1,258 @@
+"""What the pipeline shows where Prefect users look: a markdown artifact per stage (what it
+produced, its key numbers, paths and the MLflow link), one for the whole run, and the one-line
+summary that becomes the flow run's final state message.
+
+Publishing is best effort: an artifact the API refuses is a warning in the log, never a failed
+stage (the stage's outputs and manifest are already written when it is published).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Per stage, what it writes under the run folder (globs), listed in its artifact.
+PRODUCED = {
+    "tokenize": ["data/manifest.json", "data/tokenizer.json", "data/*.npy"],
+    "init": ["init/checkpoints/step_*"],
+    "train": ["train/checkpoints", "train/metrics.jsonl", "train/launches.json", "plots/*.png"],
+    "convert": ["hf/config.json", "hf/*.safetensors", "hf/tokenizer.json"],
+    "evaluate": ["eval/result.json", "eval/samples.md"],
+}
+
+LABELS = {
+    "total_tokens": "tokens",
+    "total_params": "parameters",
+    "first_loss": "first loss",
+    "final_loss": "final loss",
+    "final_eval_loss": "final eval loss",
+    "skipped_steps": "skipped steps",
+    "median_tokens_per_s_per_gpu": "tokens/s/GPU (median)",
+    "median_model_tflops_per_gpu": "model TFLOP/s/GPU (median)",
+    "hf_dir": "Hugging Face folder",
+    "bytes": "size",
+    "hf_loss": "loss (transformers)",
+    "hf_perplexity": "perplexity (transformers)",
+    "relative_difference": "relative difference",
+    "tokens": "held-out tokens",
+    "documents_without_text": "documents without text",
+}
+
+
+def artifact_key(run_dir: Path, name: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) per run folder and stage, so
+    the UI's artifact page keeps each run folder's history of a stage together."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", f"{run_dir.name}-{name}".lower()).strip("-")
+    return slug or name
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.6g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    return str(value)
+
+
+def _path(value: str, run_dir: Path) -> str:
+    """A path shown relative to the run folder when it lies inside it."""
+    try:
+        return str(Path(value).resolve().relative_to(run_dir.resolve()))
+    except ValueError:
+        return value
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _rows(summary: dict[str, Any], run_dir: Path) -> list[str]:
+    rows = []
+    for key, value in summary.items():
+        label = LABELS.get(key, key.replace("_", " "))
+        if key == "bytes" and isinstance(value, int):
+            shown = f"{value / 2**20:,.1f} MiB"
+        elif key == "launches" and isinstance(value, list):
+            states = ", ".join(f"{a.get('job_id')}: {a.get('state')}" for a in value)
+            shown = f"{len(value)} ({states})" if value else "0"
+        elif isinstance(value, list | dict):
+            continue  # samples and the like get their own section
+        elif isinstance(value, str) and ("/" in value or value.startswith(".")):
+            shown = f"`{_path(value, run_dir)}`"
+        else:
+            shown = _number(value)
+        rows.append(f"| {_cell(label)} | {_cell(shown)} |")
+    return rows
+
+
+def _produced(name: str, run_dir: Path) -> list[str]:
+    found = []
+    for pattern in PRODUCED.get(name, []):
+        found += sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob(pattern))
+    return found
+
+
+def stage_markdown(
+    name: str, status: str, summary: dict[str, Any], run_dir: Path, mlflow: str | None
+) -> str:
+    """A stage's artifact: its status, key numbers, the files it produced and where its MLflow
+    run is (``mlflow``: markdown, see ``mlflow_where``)."""
+    head = f"## {name}: {status.lower()}"
+    if status == "Skipped":
+        head += " (its outputs verified against the manifest; nothing was redone)"
+    lines = [head, "", f"Run folder: `{run_dir}`", ""]
+    rows = _rows(summary, run_dir)
+    if rows:
+        lines += ["| | |", "|---|---|", *rows, ""]
+    for sample in summary.get("samples") or []:
+        if isinstance(sample, dict) and "prompt" in sample:
+            continuation = " ".join(str(sample.get("continuation", "")).split()).replace("`", "'")
+            lines.append(f"- *{sample['prompt']}* → `{continuation}`")
+    if summary.get("samples"):
+        lines.append("")
+    produced = _produced(name, run_dir)
+    if produced:
+        lines += ["Produced:", "", *(f"- `{p}`" for p in produced), ""]
+    if mlflow is not None:
+        lines.append(f"MLflow: {mlflow}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def mlflow_where(name: str, link: str | None, page: str | None, uri: str) -> str | None:
+    """A run's place in MLflow as markdown: its page on a server, or, for a local store, the
+    command that serves it and the page's address under it (``mlflow ui``'s default port)."""
+    if link is not None:
+        return f"[{name} run]({link})"
+    if page is not None:
+        return f"`mlflow ui --backend-store-uri {uri}`, then `http://127.0.0.1:5000/{page}`"
+    return None
+
+
+def summary_line(outcome: dict[str, Any]) -> str:
+    """The run in one line: the flow run's final state message and the log's last line."""
+    evaluation = outcome.get("evaluate", {})
+    train = outcome.get("train", {})
+    parts = [f"Hugging Face checkpoint {outcome['hf_dir']}"]
+    if "perplexity" in evaluation:
+        parts.append(
+            f"held-out perplexity {evaluation['perplexity']:.3f} "
+            f"(transformers: {evaluation.get('hf_perplexity', float('nan')):.3f})"
+        )
+    if "final_loss" in train:
+        parts.append(f"final loss {train['final_loss']:.4f}")
+    skipped = [n for n, s in outcome["stages"].items() if s == "Skipped"]
+    if skipped:
+        parts.append(f"skipped (verified): {', '.join(skipped)}")
+    if outcome["mlflow_ui"] is None:  # the store was unreachable during the run
+        parts.append(
+            "MLflow was unreachable, so there is nothing to browse yet: the metrics are in "
+            "metrics.jsonl and go to MLflow on a later run"
+        )
+    else:
+        parts.append(f"browse with: {outcome['mlflow_ui']}")
+    return "done: " + "; ".join(parts)
+
+
+def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
+    """The whole run's artifact: each stage's state, the headline numbers and where the MLflow
+    parent run is (``mlflow``, see ``mlflow_where``)."""
+    lines = ["## pretrain", "", f"Run folder: `{outcome['run_dir']}`", "", "| stage | state |"]
+    lines.append("|---|---|")
+    lines += [f"| {n} | {s} |" for n, s in outcome["stages"].items()]
+    lines += ["", summary_line(outcome).removeprefix("done: ").replace("; ", "  \n"), ""]
+    if mlflow is not None:
+        lines.append(f"MLflow: {mlflow}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+class StageProgress:
+    """A running stage's progress: a line in the run's log at most every ``every_s`` seconds
+    (the first and the last always), and a bar while stderr is a terminal."""
+
+    def __init__(
+        self, name: str, every_s: float = 10.0, bar: bool | None = None, log: Any = None
+    ) -> None:
+        from prefect import get_run_logger
+
+        self.name, self.every_s, self.log = name, every_s, log or get_run_logger()
+        self.show_bar = sys.stderr.isatty() if bar is None else bar
+        self.last, self.pending = -math.inf, None
+        self.lines: list[str] = []  # what went to the log, for whoever asks
+
+    def __enter__(self) -> StageProgress:
+        if self.show_bar:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn(f"[bold]{self.name}"),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("", total=None)
+        return self
+
+    def update(
+        self, text: str, done: int | None = None, total: int | None = None, force: bool = False
+    ) -> None:
+        """Show ``text`` (``done`` of ``total`` on the bar); ``force`` logs it now (a phase's
+        end)."""
+        if self.show_bar:
+            self.bar.update(self.task, completed=done or 0, total=total, description=text)
+        now = time.monotonic()
+        if force or now - self.last >= self.every_s:
+            self._log(text)
+            self.last = now
+        else:
+            self.pending = text
+
+    def _log(self, text: str) -> None:
+        self.log.info("%s: %s", self.name, text)
+        self.lines.append(text)
+        self.pending = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.show_bar:
+            self.bar.stop()
+        if self.pending is not None and exc[0] is None:
+            self._log(self.pending)
+
+
+def publish(key: str, markdown: str, description: str) -> None:
+    """A markdown artifact of the current task or flow run (a warning if the API refuses)."""
+    from prefect import get_run_logger
+    from prefect.artifacts import create_markdown_artifact
+
+    try:
+        create_markdown_artifact(markdown=markdown, key=key, description=description)
+    except Exception as err:
+        get_run_logger().warning("the artifact %s was not published: %s", key, err)
+
+
+class RefusalTraceback(logging.Filter):
+    """Drops the record Prefect's engine logs, with a traceback, when a flow run that returned
+    ``Failed`` for a refusal (``moe_core.errors.refusals()``) ends in a worker's process: the
+    flow already logged the sentence, and the final state carries it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from moe_core.errors import refusals
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, refusals())
+
+
+def quiet_refusals() -> None:
+    """Install ``RefusalTraceback`` on Prefect's flow-run logger (once)."""
+    logger = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, RefusalTraceback) for f in logger.filters):
+        logger.addFilter(RefusalTraceback())
