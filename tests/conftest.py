@@ -65,12 +65,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> tuple[Path, dict]:
     """The tiny pipeline (``helpers.SMALL``) run once for the whole session, by the flow in a
-    process of its own (with its own temporary Prefect API, so it nests in no module's):
-    tests that read it share it; tests that change it work on a copy."""
+    process of its own (with its own temporary Prefect API, so it nests in no module's; what
+    that API recorded is kept in ``prefect.json`` beside the run folder): tests that read it
+    share it; tests that change it work on a copy."""
     run_dir = tmp_path_factory.mktemp("tiny-run") / "tiny"
+    # What Prefect recorded of the run (final state, artifacts, logs) is read back from the
+    # process's own temporary API before it ends, into prefect.json beside the run folder.
     code = (
-        "import json, sys; from pathlib import Path; from helpers import run_pipeline; "
-        "outcome = run_pipeline(Path(sys.argv[1]), []); print('OUTCOME', json.dumps(outcome))"
+        "import json, sys; from pathlib import Path; "
+        "from helpers import artifacts, flow_runs, run_logs, run_pipeline; "
+        "run_dir = Path(sys.argv[1]); outcome = run_pipeline(run_dir, []); "
+        "r = flow_runs(run_dir)[0]; "
+        "record = {'state': r.state.type.value, 'message': r.state.message, "
+        "'artifacts': artifacts(r.id), 'logs': run_logs(r.id)}; "
+        "run_dir.with_name('prefect.json').write_text(json.dumps(record)); "
+        "print('OUTCOME', json.dumps(outcome))"
     )
     tests = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}

@@ -274,6 +274,40 @@ SMALL = [  # pretrain-tiny cut to seconds
 ]
 
 
+def flow_runs(run_dir: Path) -> list:
+    """The pretrain flow runs of ``run_dir``, oldest first, read back from Prefect's API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_ASC)
+    return [r for r in runs if r.parameters.get("run_dir") == str(run_dir)]
+
+
+def artifacts(flow_run_id) -> dict[str, str]:
+    """Markdown artifacts of a flow run (its tasks' too), by key."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    assert all(a.type == "markdown" for a in found)
+    return {a.key: a.data for a in found}
+
+
+def run_logs(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the background sender, drained
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(entry.message for entry in logs)
+
+
 def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
     from flows.pretrain import pretrain
     from moe_core.compose import compose_dict
