@@ -23,10 +23,14 @@ from moe_core.train.trainer import Trainer
 
 
 @pytest.mark.slow
-def test_tiny_120_steps_halves_the_loss(tmp_path):
-    run = compose_run(["model=tiny", "train.steps=120", f"out_dir={tmp_path}"])
+def test_tiny_60_steps_halves_the_loss(tmp_path):
+    # A 512-token vocabulary: the synthetic walk's transitions are learned in fewer steps
+    # (6.25 -> 2.26 measured) than with tiny's 4096, and each step is cheaper.
+    run = compose_run(
+        ["model=tiny", "model.vocab_size=512", "train.steps=60", f"out_dir={tmp_path}"]
+    )
     history = Trainer(run).fit(show_progress=False)
-    assert len(history) == 120
+    assert len(history) == 60
     first, last = history[0].loss, sum(m.loss for m in history[-5:]) / 5
     assert last < first / 2, f"loss {first:.3f} -> {last:.3f}"
 
