@@ -51,15 +51,15 @@ def copy_of(run: tuple[Path, dict], to: Path) -> Path:
 @pytest.mark.slow
 def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finished):
     run_dir, outcome = finished
-    first = json.loads(run_dir.with_name("prefect.json").read_text())  # what its API holds
-    assert first["state"] == "COMPLETED"
-    message = first["message"]
+    first = flow_runs(run_dir)[0]
+    assert first.state.type.value == "COMPLETED"
+    message = first.state.message
     assert message.startswith(f"done: Hugging Face checkpoint {run_dir}/hf; held-out perplexity ")
     assert f"perplexity {outcome['perplexity']:.3f}" in message
     assert message.endswith(
         f"browse with: mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db"
     )
-    found = first["artifacts"]
+    found = artifacts(first.id)
     assert set(found) == {f"tiny-{name}" for name in (*STAGES, "pretrain")}
     tokens = json.loads((run_dir / "data" / "manifest.json").read_text())["total_tokens"]
     assert "## tokenize: completed" in found["tiny-tokenize"]
@@ -75,7 +75,7 @@ def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finish
     ids = json.loads((run_dir / "mlflow.json").read_text())
     page = f"http://127.0.0.1:5000/#/experiments/1/runs/{ids['stages']['train']}?workflowType="
     assert f"MLflow: `{outcome['mlflow_ui']}`, then `{page}" in found["tiny-train"]
-    log = first["logs"]
+    log = run_logs(first.id)
     assert "tokenize: " in log and " documents, " in log and "tokens/s" in log
     assert "evaluate: 4 of 4 held-out micro-batches scored" in log
     assert "evaluate: 4 of 4 prompts continued" in log
