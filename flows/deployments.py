@@ -44,8 +44,9 @@ def deployment_names() -> list[str]:
     return sorted(p.stem.removeprefix("pretrain-") for p in configs)
 
 
-def _deployment(name: str, config: dict[str, Any]) -> dict[str, Any]:
-    cluster = to_dict(from_dict(RunConfig, config).cluster)  # with the dataclass defaults
+def _deployment(name: str, config: dict[str, Any], run: RunConfig) -> dict[str, Any]:
+    """``config`` as composed (what the flow run receives), ``run`` it resolved."""
+    cluster = to_dict(run.cluster)  # with the dataclass defaults
     deployment: dict[str, Any] = {
         "name": name,
         "description": f"Pretraining pipeline for conf/pretrain-{name}.yaml",
@@ -73,10 +74,11 @@ def render() -> str:
     deployments = []
     for name in deployment_names():
         config = compose_dict([], config_name=f"pretrain-{name}")
-        deployments.append(_deployment(name, config))
-        if from_dict(RunConfig, config).cluster.kind == "slurm":
+        run = from_dict(RunConfig, config)
+        deployments.append(_deployment(name, config, run))
+        if run.cluster.kind == "slurm":
             twin = compose_dict(["cluster=kubernetes"], config_name=f"pretrain-{name}")
-            deployments.append(_deployment(f"{name}-kubernetes", twin))
+            deployments.append(_deployment(f"{name}-kubernetes", twin, from_dict(RunConfig, twin)))
     doc = {"name": "moe-core", "prefect-version": "3.9.1", "deployments": deployments}
     header = (
         "# Generated from conf/ by `python -m flows.deployments > infra/prefect.yaml`: do not "

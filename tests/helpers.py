@@ -316,6 +316,14 @@ def run_pipeline(run_dir: Path, overrides: list[str]) -> dict:
     return pretrain(config=config, run_dir=str(run_dir))
 
 
+def copy_of(run_dir: Path, to: Path) -> Path:
+    """A copy of a whole run directory (tests that change a shared run work on one)."""
+    import shutil
+
+    shutil.copytree(run_dir, to)
+    return to
+
+
 def seeded_run(source: Path, to: Path) -> Path:
     """A fresh run directory holding ``source``'s tokenize and init outputs (data and initial
     checkpoint, with their verified stage manifests): a pipeline there skips both stages."""

@@ -6,7 +6,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from helpers import (
     SMALL,
     artifacts,
     chromium,
+    copy_of,
     flow_runs,
     masters,
     run_logs,
@@ -41,11 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def finished(prefect_home, tiny_run) -> tuple[Path, dict]:
     """The session's tiny run (read only here: tests that change a run take a copy)."""
     return tiny_run
-
-
-def copy_of(run: tuple[Path, dict], to: Path) -> Path:
-    shutil.copytree(run[0], to)
-    return to
 
 
 @pytest.mark.slow
@@ -247,7 +242,7 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
 
 @pytest.mark.slow
 def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path):
-    run_dir = copy_of(finished, tmp_path / "tiny")  # artifact keys are named after the folder
+    run_dir = copy_of(finished[0], tmp_path / "tiny")  # artifact keys are named after the folder
     shard = sorted((run_dir / "hf").glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-10])  # corrupt the export only
     data_mtimes = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
@@ -270,7 +265,7 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path)
 def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    run_dir = copy_of(finished, tmp_path / "run")
+    run_dir = copy_of(finished[0], tmp_path / "run")
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     parent_id = json.loads((run_dir / "mlflow.json").read_text())["parent"]
     before = client.get_run(parent_id)
@@ -327,7 +322,7 @@ def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_p
 
 @pytest.mark.slow
 def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
-    run_dir = copy_of(finished, tmp_path / "changed")
+    run_dir = copy_of(finished[0], tmp_path / "changed")
     outcome = run_pipeline(run_dir, ["train.steps=4"])  # a change to train (and a short one)
     assert outcome["stages"] == {
         "tokenize": "Skipped",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import slurm_standin
 import torch
-from helpers import masters, run_pipeline, seeded_run
+from helpers import copy_of, masters, run_pipeline, seeded_run
 from test_multinode import free_port
 
 from flows.launch import render_slurm
@@ -75,11 +74,6 @@ def never_started(slurm, tiny_run, tmp_path_factory):
     finally:
         (slurm / "hold").unlink()
     return run_dir, str(err.value)
-
-
-def copy_of(run_dir: Path, to: Path) -> Path:
-    shutil.copytree(run_dir, to)
-    return to
 
 
 def test_a_job_that_never_starts_times_out_and_is_cancelled(slurm, never_started):
