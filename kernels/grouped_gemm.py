@@ -12,6 +12,11 @@ runs, else torch. Measured on one H200 (benchmarks/RESULTS.md): the OLMoE-1B-7B 
 grouped GEMMs take 6.91 ms with QuACK against 7.22 with torch per forward + backward, and
 QuACK's weight gradients are 1.4x torch's at 128 experts; one product at one shape (the
 gate+up forward, uniform groups, alone) is 5 % slower.
+
+``gathered_grouped_mm`` is the grouped product on token rows gathered by a slot map, with no
+expert-ordered copy of them (the MoE layer's gate+up projection): QuACK reads the rows through
+an index inside its GEMMs (``gathers_in_gemm``); elsewhere its reference indexes, then runs
+``grouped_mm``'s products.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import functools
 import importlib.util
 
 import torch
+
+from kernels.slot_permute import _check_rows, _sum_over_slots, _zero_unmapped
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 BACKENDS = ("auto", "torch", "quack")
@@ -112,6 +119,11 @@ def _forward(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> t
     return _GROUPED_MM(x_MK, w_GKN, offs=offs_G)
 
 
+def _stored_transposed(w_GKN: torch.Tensor) -> bool:
+    """A [G, K, N] view of a weight stored [G, N, K] (the experts' layout)."""
+    return w_GKN.stride(-2) == 1 and w_GKN.stride(-1) != 1
+
+
 def grouped_mm_wgrad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GKN: torch.Tensor
 ) -> torch.Tensor:
@@ -125,7 +137,7 @@ def grouped_mm_wgrad(
     quack = None
     if _quack_runs(x_MK):
         from kernels import grouped_gemm_quack as quack
-    if w_GKN.stride(-2) == 1 and w_GKN.stride(-1) != 1:
+    if _stored_transposed(w_GKN):
         dy_NM = dy_MN.t()
         if grouped_mm_supported(dy_NM, x_MK):
             if quack is not None:
@@ -168,3 +180,110 @@ def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) ->
     if offs_G.dtype != torch.int32:
         raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
     return _GroupedMM.apply(x_MK, w_GKN, offs_G)
+
+
+def gathers_in_gemm(x_TD: torch.Tensor) -> bool:
+    """Whether ``gathered_grouped_mm`` reads the rows of ``x_TD`` inside the GEMM (QuACK's
+    ``A_idx``; see ``_quack_runs``). Elsewhere it runs its reference (index, then the grouped
+    product), which writes the same copy a permute does: callers take it only to test it."""
+    return _quack_runs(x_TD) and x_TD.stride(-1) == 1 and _aligned(x_TD)
+
+
+def _with_zero_row(x_TD: torch.Tensor, zero_row: bool) -> torch.Tensor:
+    """``x_TD`` and, where some rows are unmapped, a zero row T for them to read."""
+    return torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])]) if zero_row else x_TD
+
+
+def _gathered_wgrad(
+    a_TD: torch.Tensor,
+    idx_M: torch.Tensor,
+    dy_MN: torch.Tensor,
+    offs_G: torch.Tensor,
+    w_GKN: torch.Tensor,
+    in_gemm: bool,
+) -> torch.Tensor:
+    """``grouped_mm_wgrad(a_TD[idx_M], dy_MN, offs_G, w_GKN)``, without the gathered copy where
+    QuACK runs (the same output layout: [G, N, K] storage for a transposed weight)."""
+    if not in_gemm:
+        return grouped_mm_wgrad(a_TD[idx_M], dy_MN, offs_G, w_GKN)
+    from kernels import grouped_gemm_quack as quack
+
+    if _stored_transposed(w_GKN):
+        return quack.gathered_wgrad(a_TD, idx_M, dy_MN, offs_G, transposed=True).transpose(-2, -1)
+    return quack.gathered_wgrad(a_TD, idx_M, dy_MN, offs_G)
+
+
+class _GatheredGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x_TD: torch.Tensor,
+        idx_M: torch.Tensor,
+        w_GKN: torch.Tensor,
+        offs_G: torch.Tensor,
+        slot_TK: torch.Tensor,
+        zero_row: bool,
+    ) -> torch.Tensor:
+        a_TD = _with_zero_row(x_TD, zero_row)
+        ctx.in_gemm = (
+            gathers_in_gemm(a_TD)
+            and grouped_mm_supported(a_TD, w_GKN)
+            and idx_M.is_contiguous()
+            and _aligned(idx_M)
+        )
+        # What backward needs: the token rows (alive anyway as the layer's input), never the
+        # [M, D] gathered rows.
+        ctx.save_for_backward(a_TD, idx_M, w_GKN, offs_G, slot_TK)
+        if ctx.in_gemm:
+            from kernels import grouped_gemm_quack as quack
+
+            return quack.gathered_mm(a_TD, idx_M, w_GKN, offs_G)
+        return _forward(a_TD[idx_M], w_GKN, offs_G)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
+        a_TD, idx_M, w_GKN, offs_G, slot_TK = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()  # see _GroupedMM.backward
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # The input gradient of each slot's row, then each token's rows summed (the
+            # permute's own backward: deterministic, fp32 sums, unmapped rows never read).
+            dx = _sum_over_slots(_forward(dy_MN, w_GKN.transpose(-2, -1), offs_G), slot_TK)
+        if ctx.needs_input_grad[2]:
+            dw = _gathered_wgrad(a_TD, idx_M, dy_MN, offs_G, w_GKN, ctx.in_gemm).to(w_GKN.dtype)
+        return dx, None, dw, None, None, None
+
+
+def gathered_grouped_mm(
+    x_TD: torch.Tensor,
+    idx_M: torch.Tensor,
+    w_GKN: torch.Tensor,
+    offs_G: torch.Tensor,
+    slot_TK: torch.Tensor,
+    *,
+    every_row_mapped: bool | None = None,
+) -> torch.Tensor:
+    """``grouped_mm(permute_to_slots(x_TD, slot_TK, M), w_GKN, offs_G)`` without the permuted
+    copy: row m of group g is ``x_TD[idx_M[m]] @ w_GKN[g]``, and backward keeps ``x_TD``.
+
+    idx_M: int32 [M], each slot's token (``kernels.slot_permute.slot_tokens``), T on rows no
+    valid slot maps to (padding), which read a zero row: their outputs are 0 and they add
+    nothing to the weight gradient, whatever gradient arrives there. slot_TK: the slot map
+    ``idx_M`` was made from; the input gradient sums each token's slot rows over it.
+    ``every_row_mapped`` as for ``permute_to_slots``: where rows may be unmapped, the zero row
+    costs one copy of ``x_TD`` (1/K of the permuted rows); where every row is said to be
+    mapped there is none, and a broken promise reads past ``x_TD`` (an index error on the
+    CPU). Differentiable in ``x_TD`` and ``w_GKN``; no host read.
+    """
+    if idx_M.dtype != torch.int32 or idx_M.dim() != 1:
+        raise TypeError(f"idx_M must be a 1-D int32 row index, got {idx_M.dtype} {idx_M.dim()}-D")
+    if offs_G.dtype != torch.int32:
+        raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
+    if slot_TK.dim() != 2 or slot_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"slot_TK {tuple(slot_TK.shape)} must be [T, K] for the {x_TD.shape[0]} rows of x_TD"
+        )
+    n_rows = idx_M.shape[0]
+    _check_rows(slot_TK, n_rows, every_row_mapped)
+    zero_row = _zero_unmapped(slot_TK, n_rows, every_row_mapped)
+    return _GatheredGroupedMM.apply(x_TD, idx_M, w_GKN, offs_G, slot_TK, zero_row)

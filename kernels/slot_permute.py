@@ -246,3 +246,15 @@ def slot_weights(weights_TK: torch.Tensor, slot_TK: torch.Tensor, n_rows: int) -
     _check_rows(slot_TK, n_rows, None)
     w_M1 = _scatter_into(weights_TK.new_zeros(n_rows + 1, 1), slot_TK, weights_TK.reshape(-1, 1))
     return w_M1[:, 0]
+
+
+def slot_tokens(slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Each row's token, int32 [n_rows]: ``idx_M[slot_TK[t, k]] = t`` for valid slots, T (one
+    past the last token) on rows no valid slot maps to. The row index of
+    ``kernels.grouped_gemm.gathered_grouped_mm``: gathering ``x_TD`` by it is the permute. No
+    host read."""
+    _check_rows(slot_TK, n_rows, None)
+    T, K = slot_TK.shape
+    t_A1 = torch.arange(T * K, device=slot_TK.device, dtype=torch.int32) // K
+    idx_M1 = _scatter_into(t_A1.new_full((n_rows + 1, 1), T), slot_TK, t_A1.view(-1, 1))
+    return idx_M1[:, 0].clone()  # off the spare row's 4 bytes: QuACK wants 16-byte aligned

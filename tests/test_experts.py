@@ -6,14 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import small_config
+from kernel_cases import ROUTING_NAMES, drop_assignments, routing
 
 from kernels.grouped_gemm import (
+    gathered_grouped_mm,
     grouped_mm,
     grouped_mm_reference,
     grouped_mm_supported,
     grouped_mm_wgrad_reference,
 )
 from kernels.permute import combine_rows, expert_counts, expert_order, permute_rows
+from kernels.routing import expert_slots
+from kernels.slot_permute import permute_to_slots, slot_tokens
 from moe_core.model.moe import MoE, Routing
 
 
@@ -171,3 +175,98 @@ def test_grouped_mm_weight_gradient_arrives_in_the_weights_layout(stored_transpo
     torch.testing.assert_close(
         x.grad, grouped_mm_reference(dy, w_GKN.detach().transpose(-2, -1), offs)
     )
+
+
+def _gathered_and_permuted(experts_TK, n_experts: int, align: int, drops: str):
+    """The gathered op and permute + grouped GEMM on one routing (fp32, CPU): outputs, the
+    gradients of x and w for one upstream gradient (random on every row, padding included),
+    the valid-row mask, and the shapes each path saved for backward."""
+    T = experts_TK.shape[0]
+    if drops != "none":
+        experts_TK = drop_assignments(experts_TK, drops)
+    slots = expert_slots(experts_TK, n_experts, align)
+    idx_M = slot_tokens(slots.slot_TK, slots.n_rows)
+    mapped = None if drops == "none" else False  # dropped slots leave rows unmapped
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, 40, generator=gen, requires_grad=True)
+    w_GNK = torch.randn(n_experts, 24, 40, generator=gen, requires_grad=True)  # stored [G, N, K]
+    g = torch.randn(slots.n_rows, 24, generator=gen)
+    paths = {
+        "gathered": lambda: gathered_grouped_mm(
+            x, idx_M, w_GNK.transpose(-2, -1), slots.offs_E, slots.slot_TK, every_row_mapped=mapped
+        ),
+        "permuted": lambda: grouped_mm(
+            permute_to_slots(x, slots.slot_TK, slots.n_rows, every_row_mapped=mapped),
+            w_GNK.transpose(-2, -1),
+            slots.offs_E,
+        ),
+    }
+    results = {}
+    for name, fn in paths.items():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
+        ):
+            y = fn()
+        results[name] = (y, *torch.autograd.grad(y, (x, w_GNK), g), saved)
+    valid_M = torch.zeros(slots.n_rows, dtype=torch.bool)
+    valid_M[slots.slot_TK[slots.slot_TK >= 0]] = True
+    return results, valid_M, slots
+
+
+@pytest.mark.parametrize("align", [1, 4])
+@pytest.mark.parametrize("drops", ["none", "mixed", "all"])
+@pytest.mark.parametrize("routing_name", ROUTING_NAMES)
+def test_gathered_grouped_mm_equals_permute_then_grouped_mm(routing_name, drops, align):
+    """Gathered rows (``idx_M``) give the permuted path's output and both gradients, on empty
+    experts, every token on one expert, repeated choices, dropped slots and padding rows (the
+    upstream gradient is random there too: padding adds nothing to dw), and keep no [M, D] row
+    copy for backward where the permuted path keeps one."""
+    results, valid_M, slots = _gathered_and_permuted(
+        routing(routing_name, 37, 12, 3), 12, align, drops
+    )
+    (y, dx, dw, saved), (y_ref, dx_ref, dw_ref, saved_ref) = (
+        results["gathered"],
+        results["permuted"],
+    )
+    for label, got, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)]:
+        torch.testing.assert_close(got, ref, msg=label)
+    assert (~valid_M).any() == (drops != "none" or align > 1), "the case lacks its padding rows"
+    assert torch.equal(y[~valid_M], torch.zeros_like(y[~valid_M])), "a padding row is not zero"
+    empty_E = slots.counts_E == 0
+    assert torch.equal(dw[empty_E], torch.zeros_like(dw[empty_E])), "an empty expert has dw"
+    rows_MD = (slots.n_rows, 40)
+    assert rows_MD in saved_ref and rows_MD not in saved, saved
+
+
+def test_local_dispatcher_gathers_rows_exactly_when_quack_runs(monkeypatch):
+    """Off QuACK (here: no GPU) the layer permutes, as before. Where the gathered GEMM runs
+    (forced here, through its CPU reference) the layer takes it and gives the same output and
+    gradients; FP8 experts keep the permuted copy."""
+    from moe_core.model import moe as moe_module
+
+    cfg = small_config(n_experts=8, top_k=2)
+    layer = MoE(cfg)
+    torch.manual_seed(0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.rand(2, 12, cfg.d_model, requires_grad=True)
+    params = [x, layer.router.weight, layer.experts.w_gate_up, layer.experts.w_down]
+    assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return gathered_grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "gathered_grouped_mm", counted)
+    results = []
+    for gathers in (False, True):
+        monkeypatch.setattr(moe_module, "gathers_in_gemm", lambda x_TD, on=gathers: on)
+        y, _ = layer(x)
+        results.append((y, *torch.autograd.grad(y.square().sum(), params)))
+        assert len(calls) == int(gathers)
+    for got, ref in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, ref)
+    layer.experts.fp8 = True
+    assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model))

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8 import fp8_grouped_mm
-from kernels.grouped_gemm import grouped_mm
+from kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
 from kernels.permute import expert_counts
 from kernels.routing import expert_slots
-from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
+from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
 from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
 
@@ -190,6 +190,29 @@ class Experts(nn.Module):
         gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
+    def gathers_rows(self, x_TD: torch.Tensor) -> bool:
+        """Whether ``forward_gathered`` reads token rows inside the gate+up GEMM for these
+        tokens (QuACK selected and running, see ``kernels.grouped_gemm.gathers_in_gemm``; FP8
+        experts quantize a permuted copy)."""
+        return not self.fp8 and gathers_in_gemm(x_TD)
+
+    def forward_gathered(
+        self,
+        x_TD: torch.Tensor,
+        slot_TK: torch.Tensor,
+        n_rows: int,
+        offs_E: torch.Tensor,
+        weights_M: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward(permute_to_slots(x_TD, slot_TK, n_rows), offs_E, weights_M)`` without the
+        permuted copy: the gate+up GEMM gathers each slot's token row itself and keeps only
+        ``x_TD`` for backward (an [M, D] copy less per layer: 537 MB at OLMoE-1B-7B's 16,384
+        tokens x top-8)."""
+        idx_M = slot_tokens(slot_TK, n_rows)
+        w_GKN = self.w_gate_up.to(x_TD.dtype).transpose(-2, -1)
+        gate_up_M2F = gathered_grouped_mm(x_TD, idx_M, w_GKN, offs_E, slot_TK)
+        return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
+
     def activation_and_down(
         self,
         gate_up_M2F: torch.Tensor,
@@ -217,13 +240,19 @@ class LocalDispatcher:
     """Every expert on this rank: each token row written straight into its expert-ordered
     slots, grouped GEMMs over the expert segments with the router weights applied in the
     SwiGLU (so the combine is a plain sum that keeps no expert output for backward), then
-    un-permute and sum in one pass."""
+    un-permute and sum in one pass. Where the QuACK backend runs (``Experts.gathers_rows``)
+    the gate+up GEMM gathers the token rows itself instead of reading a permuted copy."""
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         slots = expert_slots(routing.experts_TK, experts.n_experts)
-        x_MD = permute_to_slots(x_TD, slots.slot_TK, slots.n_rows)
         weights_M = slot_weights(routing.weights_TK, slots.slot_TK, slots.n_rows)
-        y_MD = experts(x_MD, slots.offs_E, weights_M)
+        if experts.gathers_rows(x_TD):
+            y_MD = experts.forward_gathered(
+                x_TD, slots.slot_TK, slots.n_rows, slots.offs_E, weights_M
+            )
+        else:
+            x_MD = permute_to_slots(x_TD, slots.slot_TK, slots.n_rows)
+            y_MD = experts(x_MD, slots.offs_E, weights_M)
         return sum_from_slots(y_MD, slots.slot_TK)
 
 
