@@ -1,7 +1,8 @@
 """QuACK's grouped GEMMs (the ``[gpu]`` extra) against ``torch._grouped_mm`` on the experts'
 shapes and layouts: forward, input gradient and both weight-gradient layouts, incl. empty
 groups, every row in one group, and rows past the last group end (static buffers), which
-QuACK must neither read into a weight gradient nor fail on."""
+QuACK must neither read into a weight gradient nor fail on; and its gathered-row GEMMs
+(``gathered_grouped_mm``) against permute + ``torch._grouped_mm``, alone and in the MoE layer."""
 
 from __future__ import annotations
 
@@ -85,3 +86,92 @@ def test_auto_backend_takes_quack_and_gives_torchs_outputs_and_gradients():
     for got, ref in zip(results["auto"], results["torch"], strict=True):
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=2**-8 * scale)
+
+
+@pytest.mark.parametrize("align", [1, 8])
+@pytest.mark.parametrize("drops", ["none", "mixed"])
+@pytest.mark.parametrize("routing_name", ["two-empty-experts", "all-on-one", "with-repeats"])
+def test_gathered_gemm_on_quack_equals_permute_then_torch_grouped_mm(routing_name, drops, align):
+    """QuACK's gathered rows (``A_idx``, forward and varlen-K weight gradient) give what
+    permute + ``torch._grouped_mm`` gives, output and both gradients, on empty experts, every
+    token on one expert, dropped slots and padding rows (zero outputs, nothing in dw), keeping
+    no [M, D] row copy for backward."""
+    from kernel_cases import drop_assignments, routing
+
+    from kernels import grouped_gemm as gg
+    from kernels.routing import expert_slots
+    from kernels.slot_permute import permute_to_slots, slot_tokens
+
+    T, E = 500, 8
+    experts_TK = routing(routing_name, T, E, 2).cuda()
+    if drops != "none":
+        experts_TK = drop_assignments(experts_TK, drops)
+    slots = expert_slots(experts_TK, E, align)
+    mapped = None if drops == "none" else False
+    idx_M = slot_tokens(slots.slot_TK, slots.n_rows)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = bf16(T, K, gen=gen).requires_grad_()
+    w_GNK = bf16(E, N, K, gen=gen, scale=0.05).requires_grad_()
+    dy = bf16(slots.n_rows, N, gen=gen)
+    assert gg.gathers_in_gemm(x), "QuACK must run the gathered GEMM here"
+    results = {}
+    try:
+        for backend in ("auto", "torch"):
+            gg.set_backend(backend)
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
+            ):
+                if backend == "auto":
+                    y = gg.gathered_grouped_mm(
+                        x, idx_M, w_GNK.mT, slots.offs_E, slots.slot_TK, every_row_mapped=mapped
+                    )
+                else:
+                    x_MD = permute_to_slots(x, slots.slot_TK, slots.n_rows, every_row_mapped=mapped)
+                    y = gg.grouped_mm(x_MD, w_GNK.mT, slots.offs_E)
+            results[backend] = (y, *torch.autograd.grad(y, (x, w_GNK), dy), saved)
+    finally:
+        gg.set_backend("auto")
+    (y, dx, dw, saved), ref = results["auto"], results["torch"]
+    for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), ref[:3], strict=True):
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=1.6e-2, atol=2**-8 * max(scale, 1e-30), msg=name
+        )
+    valid_M = torch.zeros(slots.n_rows, dtype=torch.bool, device="cuda")
+    valid_M[slots.slot_TK[slots.slot_TK >= 0]] = True
+    assert not y[~valid_M].any(), "a padding row is not zero"
+    empty_E = slots.counts_E == 0
+    assert not dw[empty_E].any(), "an empty expert has a weight gradient"
+    assert dw.is_contiguous(), "dw must arrive in the weight's own [G, N, K] layout"
+    assert (slots.n_rows, K) in ref[3] and (slots.n_rows, K) not in saved, saved
+
+
+def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
+    """The MoE layer takes the gathered GEMM exactly when QuACK runs (``auto``), not under
+    ``torch``, and both give the same output and gradients."""
+    from helpers import small_config
+
+    from kernels import grouped_gemm as gg
+    from moe_core.model.moe import MoE
+
+    cfg = small_config(n_experts=8, top_k=2, d_model=256, expert_hidden=128)
+    torch.manual_seed(0)
+    layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(2, 64, cfg.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    params = [x, layer.experts.w_gate_up, layer.experts.w_down]
+    results = {}
+    try:
+        for backend in ("auto", "torch"):
+            gg.set_backend(backend)
+            assert layer.experts.gathers_rows(x.view(-1, cfg.d_model)) == (backend == "auto")
+            y, _ = layer(x)
+            results[backend] = (y, *torch.autograd.grad(y.float().square().sum(), params))
+    finally:
+        gg.set_backend("auto")
+    for got, want in zip(results["auto"], results["torch"], strict=True):
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2**-7 * scale)
