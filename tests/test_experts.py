@@ -181,7 +181,7 @@ def _gathered_and_permuted(experts_TK, n_experts: int, align: int, drops: str):
     """The gathered op and permute + grouped GEMM on one routing (fp32, CPU): outputs, the
     gradients of x and w for one upstream gradient (random on every row, padding included),
     the valid-row mask, and the shapes each path saved for backward."""
-    T = experts_TK.shape[0]
+    T, experts_TK = experts_TK.shape[0], experts_TK.cpu()
     if drops != "none":
         experts_TK = drop_assignments(experts_TK, drops)
     slots = expert_slots(experts_TK, n_experts, align)
