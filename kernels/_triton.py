@@ -47,6 +47,12 @@ def references_only() -> Iterator[None]:
         _references_only = previous
 
 
+def in_references_only() -> bool:
+    """Whether ``references_only()`` is in force (fusions outside Triton, such as the gathered
+    grouped GEMM, honour it too)."""
+    return _references_only
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True where an op on these tensors takes its Triton kernel: by the first one's device;
     never for empty tensors (no zero-size grids: the reference handles them) nor inside

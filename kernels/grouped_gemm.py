@@ -26,6 +26,7 @@ import importlib.util
 
 import torch
 
+from kernels._triton import in_references_only
 from kernels.slot_permute import _check_rows, _sum_over_slots, _zero_unmapped
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
@@ -184,8 +185,11 @@ def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) ->
 
 def gathers_in_gemm(x_TD: torch.Tensor) -> bool:
     """Whether ``gathered_grouped_mm`` reads the rows of ``x_TD`` inside the GEMM (QuACK's
-    ``A_idx``; see ``_quack_runs``). Elsewhere it runs its reference (index, then the grouped
-    product), which writes the same copy a permute does: callers take it only to test it."""
+    ``A_idx``; see ``_quack_runs``; never inside ``references_only()``, so the unfused model
+    permutes). Elsewhere it runs its reference (index, then the grouped product), which writes
+    the same copy a permute does: callers take it only to test it."""
+    if in_references_only():
+        return False
     return _quack_runs(x_TD) and x_TD.stride(-1) == 1 and _aligned(x_TD)
 
 

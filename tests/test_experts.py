@@ -270,3 +270,19 @@ def test_local_dispatcher_gathers_rows_exactly_when_quack_runs(monkeypatch):
         torch.testing.assert_close(got, ref)
     layer.experts.fp8 = True
     assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model))
+
+
+def test_gathers_in_gemm_only_where_quack_runs_and_not_in_references_only(monkeypatch):
+    """The gathered GEMM runs in QuACK exactly where QuACK's products run, on rows it can read
+    (unit stride, 16-byte aligned), and never inside ``references_only()`` (the unfused model)."""
+    from kernels import grouped_gemm as gg
+    from kernels._triton import references_only
+
+    x_TD = torch.randn(8, 16)
+    assert not gg.gathers_in_gemm(x_TD)  # no QuACK here
+    monkeypatch.setattr(gg, "_quack_runs", lambda x: True)
+    assert gg.gathers_in_gemm(x_TD)
+    assert not gg.gathers_in_gemm(x_TD[:, 1:]), "a row start off 16 bytes"
+    assert not gg.gathers_in_gemm(x_TD.t()), "rows with a non-unit stride"
+    with references_only():
+        assert not gg.gathers_in_gemm(x_TD)
