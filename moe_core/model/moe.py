@@ -206,7 +206,7 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """``forward(permute_to_slots(x_TD, slot_TK, n_rows), offs_E, weights_M)`` without the
         permuted copy: the gate+up GEMM gathers each slot's token row itself and keeps only
-        ``x_TD`` for backward (an [M, D] copy less per layer: 537 MB at OLMoE-1B-7B's 16,384
+        ``x_TD`` for backward (an [M, D] copy less per layer: 512 MiB at OLMoE-1B-7B's 16,384
         tokens x top-8)."""
         idx_M = slot_tokens(slot_TK, n_rows)
         w_GKN = self.w_gate_up.to(x_TD.dtype).transpose(-2, -1)
