@@ -33,7 +33,7 @@ from moe_core.planpage import (
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
 CUSTOM += ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
-CUSTOM += ["train.dtype=bf16"]  # bf16 autocast over fp32 weights: no preset, the page adds it
+CUSTOM += ["precision.compute=bf16"]  # autocast over fp32 weights: no preset, the page adds it
 AUTOCAST = "fp32 weights, bf16 compute, fp32 state"
 
 
