@@ -479,7 +479,7 @@ def upgrade_saved(config: dict[str, Any]) -> dict[str, Any]:
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     for old, new in MOVED_TO_PRECISION.items():
         section, key = old.split(".")
-        if key in out.get(section, {}):
+        if isinstance(out.get(section), dict) and key in out[section]:
             out.setdefault("precision", {})[new.split(".")[1]] = out[section].pop(key)
     return out
 
