@@ -360,6 +360,8 @@ def test_page_is_self_contained_and_starts_at_the_run(page: str):
     world = [t["layout"]["pp"] * t["layout"]["dp"] * t["layout"]["ep"] for t in data["tour"]]
     assert world == [1, 8, 8, 64, 512]
     assert [t["layout"]["model"] for t in data["tour"]][-1] == "1t"
+    # presets compare as whole precision sections: pure-bf16 is not taken for fp8 (same dtypes)
+    assert [t["layout"]["precision"] for t in data["tour"]][:2] == ["pure-bf16", "bf16"]
     assert all(evaluate(t["layout"], data)["refusal"] is None for t in data["tour"])
 
 
