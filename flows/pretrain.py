@@ -54,6 +54,7 @@ from moe_core.config import (
     RunConfig,
     check_path,
     from_dict,
+    old_layout,
     to_dict,
 )
 from moe_core.errors import RunFailedError, refusals
@@ -83,10 +84,11 @@ def stage_keys(run: RunConfig) -> dict[str, str]:
     data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
     keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
     keys["init"] = digest({"model": to_dict(run.model), "seed": run.train.seed})
+    sections = old_layout(run)  # precision where it lived before: old run folders' keys hold
     train = {
-        "model": to_dict(run.model),
-        "train": to_dict(run.train),
-        "parallel": to_dict(run.parallel),
+        "model": sections["model"],
+        "train": sections["train"],
+        "parallel": sections["parallel"],
         "tokenize": keys["tokenize"],
         "init": keys["init"],
     }
@@ -108,6 +110,11 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
     if config.get("cluster", {}).get("kind", ClusterConfig.kind) != "local":
         check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
     data = dict(config.get("data", {}))
+    if data.get("dir") not in (None, str(run_dir / "data")):
+        raise ConfigError(
+            f"data.dir={data['dir']!r} is not allowed for the pipeline: its tokenize stage "
+            f"writes the shards into the run folder ({run_dir / 'data'}), so leave it unset."
+        )
     data["dir"] = str(run_dir / "data")
     kind = data.get("kind", DataConfig.kind)
     if kind != "tokens":
@@ -427,9 +434,10 @@ def train_stage(ctx: Context):
 def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.convert.checkpoint import checkpoint_to_hf
     from moe_core.data.manifest import read_manifest
+    from moe_core.parallel.parallelize import DTYPES
 
     out = ctx.run_dir / "hf"
-    dtype = torch.float32 if ctx.run.parallel.param_dtype == "fp32" else torch.bfloat16
+    dtype = DTYPES[ctx.run.precision.params]
     eos = read_manifest(ctx.run_dir / "data").content.get("tokenizer", {}).get("eos_id")
     checkpoint_to_hf(ctx.final_checkpoint, out, dtype, ctx.run_dir / "data", eos, overwrite=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -468,7 +476,7 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
                 f"{done} of {total} {what[phase]}", done, total, force=done == total
             ),
         )
-    tolerance = 1e-4 if ctx.run.parallel.param_dtype == "fp32" else 2e-2
+    tolerance = 1e-4 if ctx.run.precision.params == "fp32" else 2e-2
     (out / "result.json").write_text(json.dumps(result.as_dict(), indent=1))
     write_samples(result, out / "samples.md")
     numbers = {k: float(v) for k, v in result.as_dict().items() if isinstance(v, int | float)}

@@ -14,12 +14,13 @@ import math
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import get_args
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moe_core.config import ConfigError, RunConfig, from_dict
+from moe_core.config import ConfigError, Dtype, RunConfig, from_dict
 from moe_core.errors import refusals
 
 DEFAULT_CONFIG_NAME = "config"
@@ -311,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
     p.add_argument(
-        "--dtype", choices=["fp32", "bf16"], default="fp32", help="to-hf from a checkpoint"
+        "--dtype", choices=get_args(Dtype), default="fp32", help="to-hf from a checkpoint"
     )
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("eval", help="downstream multiple-choice tasks: fetch their files, score")

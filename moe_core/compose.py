@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_core.config import ConfigError, RunConfig, from_dict, to_dict
+from moe_core.config import ConfigError, RunConfig, from_dict, refuse_moved, to_dict
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -32,6 +32,9 @@ def _known_fields(overrides: list[str]) -> list[str]:
     dataclasses); anything else is left for Hydra, which refuses unknown keys."""
     out = []
     for o in overrides:
+        moved = re.fullmatch(r"[+~]*(\w+\.\w+)=(.*)", o, re.S)
+        if moved:  # a key that moved (train.dtype=bf16): one sentence naming where it went
+            refuse_moved(moved.group(1), moved.group(2))
         m = re.fullmatch(r"(\w+)\.(\w+)=(.*)", o, re.S)
         section = getattr(RunConfig(), m.group(1), None) if m else None
         if m and dataclasses.is_dataclass(section) and m.group(2) in to_dict(section):

@@ -150,7 +150,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """The optimization loop: batch sizes, schedule, optimizer, precision and logging."""
+    """The optimization loop: batch sizes, schedule, optimizer, checkpoints and logging."""
 
     steps: int = 100
     seq_len: int = 128
@@ -167,10 +167,6 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast over fp32 weights
-    # Optimizer state and gradient buffers: fp32 (moments, and a master copy of bf16 weights)
-    # or bf16 (moments and gradients in bf16, no master: bf16 weights updated in place).
-    optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
     log_every: int = 10
     eval_every: int = 0  # held-out loss every N steps (0: never)
     eval_batches: int = 4  # micro-batches in one evaluation, split over the data-parallel ranks
@@ -324,7 +320,6 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank; interleaved_1f1b needs >= 2
     recompute: Literal["none", "block", "selective"] = "none"
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
-    param_dtype: Literal["fp32", "bf16"] = "fp32"  # model weights (masters: train.optimizer_dtype)
     compile: bool | None = None  # torch.compile each block (dispatch stays eager); None: on CUDA
     # Replay each step's device work as CUDA graphs (``moe_core.train.step_graph``); None: on
     # for CUDA with expert parallelism over nvshmem_rowwise (many small kernels, no host read).
@@ -335,14 +330,6 @@ class ParallelConfig:
     # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
     # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA.
     attention: Literal["auto", "sdpa", "flash4"] = "auto"
-    # Parts run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``): "experts" (forward and
-    # input gradient; sm90+ on GPU). Dense and attention projections and the EP dispatch
-    # payload are not built yet and are refused.
-    fp8_parts: list[str] = field(default_factory=list)
-    # How FP8 values are scaled: rowwise fp32 scales (Hopper and newer), or "mx": MXFP8, a
-    # power-of-two E8M0 scale per 32 values (precision=mxfp8; Blackwell's format, emulated on
-    # CPU, its GPU path not built yet).
-    fp8_scaling: Literal["rowwise", "mx"] = "rowwise"
 
     def compile_on(self, device_type: str) -> bool:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
@@ -371,18 +358,6 @@ class ParallelConfig:
             )
         if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
             _fail(p + "pp", self.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b")
-        for part in self.fp8_parts:
-            if part != "experts":
-                _fail(
-                    p + "fp8_parts",
-                    list(self.fp8_parts),
-                    "a list of 'experts' only (FP8 dense projections, attention projections and "
-                    "EP dispatch payloads are not built yet)",
-                )
-        if self.fp8_parts and self.param_dtype != "bf16":
-            _fail(p + "fp8_parts", list(self.fp8_parts), "[] unless parallel.param_dtype=bf16")
-        if self.fp8_scaling == "mx" and not self.fp8_parts:
-            _fail(p + "fp8_scaling", "mx", "'rowwise' unless parallel.fp8_parts names a part")
         if self.cuda_graph and self.pp > 1:
             _fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
         if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":
@@ -414,6 +389,110 @@ class ParallelConfig:
     def data_parallel(self) -> int:
         """Ranks of one pipeline stage that each read their own slice of the batch."""
         return self.dp * self.ep
+
+
+# The dtype names a config may use; ``moe_core.parallel.parallelize.DTYPES`` maps them to torch
+# dtypes (kept out of this module, which imports no torch).
+Dtype = Literal["fp32", "bf16"]
+
+
+@dataclass
+class PrecisionConfig:
+    """Number formats of a run: weights, matmuls, optimizer state and FP8 parts.
+
+    The presets of ``conf/precision`` set these (``precision=fp32`` is the default, the CPU's
+    exact-parity format; ``bf16``, ``pure-bf16``, ``fp8``, ``mxfp8`` for GPUs). Static bytes per
+    parameter: fp32 16, bf16 18 (fp32 gradient buffers, master and moments), pure-bf16 8.
+    """
+
+    # Model weights as the model holds and runs them (bf16 weights also compute in bf16).
+    params: Dtype = "fp32"
+    # Matmuls: bf16 over fp32 weights runs under autocast; norms, router and loss stay fp32.
+    compute: Dtype = "fp32"
+    # Gradient buffers and Adam moments: fp32 (plus an fp32 master copy of bf16 weights), or bf16
+    # (moments and gradients in bf16, no master: bf16 weights updated in place; pure-bf16).
+    optimizer: Dtype = "fp32"
+    # Parts run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``): "experts" (forward and
+    # input gradient; sm90+ on GPU). Dense and attention projections and the EP dispatch
+    # payload are not built yet and are refused.
+    fp8_parts: list[str] = field(default_factory=list)
+    # How FP8 values are scaled: rowwise fp32 scales (Hopper and newer), or "mx": MXFP8, a
+    # power-of-two E8M0 scale per 32 values (precision=mxfp8; Blackwell's format, emulated on
+    # CPU, its GPU path not built yet).
+    fp8_scaling: Literal["rowwise", "mx"] = "rowwise"
+
+    def __post_init__(self) -> None:
+        p = "precision."
+        if self.params == "bf16" and self.compute == "fp32":
+            _fail(
+                p + "compute",
+                "fp32",
+                "bf16 with precision.params=bf16 (bf16 weights compute in bf16)",
+            )
+        if self.optimizer == "bf16" and self.params == "fp32":
+            _fail(
+                p + "optimizer",
+                "bf16",
+                "fp32 with precision.params=fp32 (bf16 optimizer state is for bf16 weights: "
+                "precision=pure-bf16)",
+            )
+        for part in self.fp8_parts:
+            if part != "experts":
+                _fail(
+                    p + "fp8_parts",
+                    list(self.fp8_parts),
+                    "a list of 'experts' only (FP8 dense projections, attention projections and "
+                    "EP dispatch payloads are not built yet)",
+                )
+        if self.fp8_parts and self.params != "bf16":
+            _fail(p + "fp8_parts", list(self.fp8_parts), "[] unless precision.params=bf16")
+        if self.fp8_scaling == "mx" and not self.fp8_parts:
+            _fail(p + "fp8_scaling", "mx", "'rowwise' unless precision.fp8_parts names a part")
+
+
+# Where each precision setting lived before the precision section (old key -> new key). A user
+# who still writes an old key is told the new one; configs that checkpoints saved are read
+# through ``upgrade_saved`` and the pipeline hashes ``old_layout`` (so old run folders resume).
+MOVED_TO_PRECISION = {
+    "train.dtype": "precision.compute",
+    "train.optimizer_dtype": "precision.optimizer",
+    "parallel.param_dtype": "precision.params",
+    "parallel.fp8_parts": "precision.fp8_parts",
+    "parallel.fp8_scaling": "precision.fp8_scaling",
+}
+
+
+def refuse_moved(key: str, value: Any) -> None:
+    """Refuse ``key`` in one sentence naming its new key, when it is one that moved."""
+    if key in MOVED_TO_PRECISION:
+        _fail(
+            key,
+            value,
+            f"it moved to {MOVED_TO_PRECISION[key]} (or choose a preset: precision=bf16, "
+            "pure-bf16, fp8, ...)",
+        )
+
+
+def upgrade_saved(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config saved before the precision section (in a checkpoint) with its precision keys
+    moved to where they live now; other configs come back unchanged."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for old, new in MOVED_TO_PRECISION.items():
+        section, key = old.split(".")
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out.setdefault("precision", {})[new.split(".")[1]] = out[section].pop(key)
+    return out
+
+
+def old_layout(run: RunConfig) -> dict[str, Any]:
+    """``to_dict(run)`` with the precision settings at their keys from before the precision
+    section: what the pipeline hashes, so the stage keys of existing run folders still match."""
+    out = to_dict(run)
+    precision = out.pop("precision")
+    for old, new in MOVED_TO_PRECISION.items():
+        section, key = old.split(".")
+        out[section][key] = precision[new.split(".")[1]]
+    return out
 
 
 @dataclass
@@ -566,6 +645,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -624,13 +704,6 @@ class RunConfig:
                 f"eval.every={self.eval.every} with parallel.pp={par.pp} is not built yet: "
                 "in-training downstream evaluation runs on layouts without pipeline stages "
                 "(the evaluate stage scores every task on the final checkpoint)."
-            )
-        if t.optimizer_dtype == "bf16" and par.param_dtype == "fp32":
-            _fail(
-                "train.optimizer_dtype",
-                "bf16",
-                "fp32 with parallel.param_dtype=fp32 (bf16 optimizer state is for bf16 weights: "
-                "precision=pure-bf16)",
             )
 
     @property
@@ -698,6 +771,8 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - fields)
+    for key in unknown:
+        refuse_moved(prefix + key, data[key])
     if unknown:
         key = prefix + unknown[0]
         section = prefix.rstrip(".") or "the run config"

@@ -11,7 +11,7 @@ Memory of one rank of pipeline stage ``s`` (every rank of a stage holds the same
   shared-expert (plus embedding on the first, final norm and LM head on the last stage)
   parameters, ``N_expert`` its routed-expert parameters divided by ``ep``, ``b_p`` 2 for bf16
   and 4 for fp32 weights.
-- gradient buffers, in ``b_o`` (``train.optimizer_dtype``: 4 for fp32, 2 for bf16):
+- gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
   N_expert / dp)`` where that group has more than one rank. A rank that reduces nothing
   (``dp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
@@ -377,17 +377,18 @@ def plan(run: RunConfig) -> Plan:
     m, t, par = run.model, run.train, run.parallel
     counts = count(m, t.seq_len)
     sh = parameter_counts(m)
-    bp = DTYPE_BYTES[par.param_dtype]
-    bc = DTYPE_BYTES[t.dtype]
-    bo = DTYPE_BYTES[t.optimizer_dtype]
+    prec = run.precision
+    bp = DTYPE_BYTES[prec.params]
+    bc = DTYPE_BYTES[prec.compute]
+    bo = DTYPE_BYTES[prec.optimizer]
     tokens = t.micro_batch_size * t.seq_len
     n_mb = run.micro_batches
     n_chunks = par.pp * par.virtual_stages
     per_chunk = m.n_layers // n_chunks
     dense_group, expert_group = par.dp * par.ep, par.dp
     autograd_grads = par.data_parallel == 1 and (n_mb == 1 or bp == bo)  # see parallel.ddp
-    a_layer = layer_activation_bytes(m, par.param_dtype, t.dtype, par.recompute)
-    a_full = layer_activation_bytes(m, par.param_dtype, t.dtype, "none")
+    a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute)
+    a_full = layer_activation_bytes(m, prec.params, prec.compute, "none")
     head_act = tokens * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
     ep_buffers, extra_layer, extra_full = 0, 0, 0
     if par.ep > 1 and par.dispatcher == "nvshmem_rowwise":
@@ -395,7 +396,7 @@ def plan(run: RunConfig) -> Plan:
             m.n_experts, m.top_k, par.ep, tokens, par.ep_capacity_factor
         )
         ep_buffers = RowwiseExchange.buffer_bytes(
-            par.ep, rows_cap, m.d_model, m.top_k, DTYPES[par.param_dtype]
+            par.ep, rows_cap, m.d_model, m.top_k, DTYPES[prec.params]
         )
         more_rows = assign_cap - tokens * m.top_k
         extra_full = more_rows * (bp * (m.d_model + 3 * m.expert_hidden) + 4)
@@ -486,9 +487,9 @@ def plan(run: RunConfig) -> Plan:
         active_params=counts.active_params,
         parallel=par,
         cluster=run.cluster,
-        param_dtype=par.param_dtype,
-        compute_dtype=t.dtype,
-        optimizer_dtype=t.optimizer_dtype,
+        param_dtype=prec.params,
+        compute_dtype=prec.compute,
+        optimizer_dtype=prec.optimizer,
         tokens_per_micro_batch=tokens,
         micro_batches=n_mb,
         stages=tuple(stages),

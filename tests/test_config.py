@@ -86,8 +86,21 @@ def test_flops_follow_the_convention_by_hand():
         ("train.seq_len=512", "train.seq_len=512 is not allowed: at most model.max_seq_len (256)"),
         ("model=huge", "model='huge' is not allowed: one of 1t, 47b, olmoe-1b-7b, small-64e, tiny"),
         (
-            "train.optimizer_dtype=bf16",
-            "train.optimizer_dtype='bf16' is not allowed: fp32 with parallel.param_dtype=fp32",
+            "precision.optimizer=bf16",
+            "precision.optimizer='bf16' is not allowed: fp32 with precision.params=fp32",
+        ),
+        (
+            "precision.params=bf16",
+            "precision.compute='fp32' is not allowed: bf16 with precision.params=bf16",
+        ),
+        (
+            "precision.compute=fp16",
+            "precision.compute='fp16' is not allowed: one of 'fp32', 'bf16'",
+        ),
+        ("train.dtype=bf16", "train.dtype='bf16' is not allowed: it moved to precision.compute"),
+        (
+            "+parallel.param_dtype=bf16",
+            "parallel.param_dtype='bf16' is not allowed: it moved to precision.params",
         ),
     ],
 )
@@ -140,7 +153,7 @@ def test_cuda_graphs_asked_for_on_cpu_are_refused_before_training(tmp_path):
 def test_precision_presets_set_weights_compute_and_optimizer_state():
     presets = {name: compose_run([f"precision={name}"]) for name in ("fp32", "bf16", "pure-bf16")}
     got = {
-        name: (r.parallel.param_dtype, r.train.dtype, r.train.optimizer_dtype)
+        name: (r.precision.params, r.precision.compute, r.precision.optimizer)
         for name, r in presets.items()
     }
     assert got == {
@@ -227,3 +240,59 @@ def test_hub_data_without_a_dataset_name_is_refused():
     with pytest.raises(ConfigError, match=r"^data\.hub has no value: give one as an override"):
         compose_run(["data=hub"])
     assert compose_run(["data=hub", "data.hub=org/corpus"]).data.hub == "org/corpus"
+
+
+def test_dtype_names_are_the_keys_of_the_one_dtype_map():
+    from typing import get_args
+
+    from moe_core.config import Dtype
+    from moe_core.parallel.parallelize import DTYPES
+
+    assert sorted(get_args(Dtype)) == sorted(DTYPES)
+
+
+def test_old_precision_keys_in_a_saved_config_are_refused_naming_the_new_key(tmp_path, capsys):
+    """``moe train --config`` of a resolved JSON written before the precision section."""
+    import json
+
+    from moe_core.config import MOVED_TO_PRECISION
+
+    for old, new in MOVED_TO_PRECISION.items():
+        section, key = old.split(".")
+        value = ["experts"] if key == "fp8_parts" else "mx" if key == "fp8_scaling" else "bf16"
+        with pytest.raises(ConfigError) as err:
+            from_dict(RunConfig, {section: {key: value}})
+        assert str(err.value).startswith(f"{old}={value!r} is not allowed: it moved to {new} ")
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"model": {"name": "tiny"}, "train": {"dtype": "bf16"}}))
+    assert main(["train", "--config", str(saved)]) == 2
+    assert "train.dtype='bf16' is not allowed: it moved to precision.compute" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+def test_checkpoints_written_before_the_precision_section_still_read(monkeypatch):
+    """A checkpoint's trainer state holds the config of the run that wrote it; old runs kept
+    precision in train and parallel (``upgrade_saved`` moves it), new ones read unchanged."""
+    import moe_core.convert.checkpoint as ckpt
+    from moe_core.config import PrecisionConfig, to_dict
+
+    new = to_dict(compose_run(["model=tiny", "precision=mxfp8"]))
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in new.items()}
+    del old["precision"]
+    old["train"] |= {"dtype": "bf16", "optimizer_dtype": "bf16"}
+    old["parallel"] |= {"param_dtype": "bf16", "fp8_parts": ["experts"], "fp8_scaling": "mx"}
+    for saved in (old, new):
+        monkeypatch.setattr(ckpt, "trainer_state", lambda path, saved=saved: {"config": saved})
+        run = ckpt.checkpoint_config("step_00000001")
+        assert run.precision == PrecisionConfig("bf16", "bf16", "bf16", ["experts"], "mx")
+        assert to_dict(run) == new
+
+
+def test_data_dir_defaults_to_out_dir_data_in_one_place():
+    """The dataclasses set data.dir's default (``<out_dir>/data``); no YAML restates it."""
+    from moe_core.compose import compose_dict
+
+    for data in (["data=kjv"], ["data=kjv-gpt2"], ["data=files", "data.path=x"], []):
+        assert "dir" not in (compose_dict(data).get("data") or {})
+    assert compose_run(["data=kjv", "out_dir=elsewhere"]).data.dir == "elsewhere/data"

@@ -15,7 +15,7 @@ import yaml
 
 from flows.launch import render_kubernetes, render_slurm, run_id, torchrun_command
 from moe_core.cli import main
-from moe_core.compose import compose_run
+from moe_core.compose import compose_dict, compose_run
 from moe_core.config import ConfigError, to_dict
 
 
@@ -458,6 +458,38 @@ def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
     assert one_sentence(str(err.value)) and not (tmp_path / "a;b").exists()
     local = compose_run([f"out_dir={tmp_path / 'my run'}"])  # local runs take any folder
     assert local.out_dir.endswith("my run")
+
+
+def test_pipeline_keeps_the_shards_in_its_run_folder_and_refuses_another_data_dir(tmp_path):
+    from flows.pretrain import resolve
+
+    config = compose_dict(["data=kjv"])
+    assert resolve(config, tmp_path).data.dir == str(tmp_path / "data")
+    with pytest.raises(ConfigError) as err:
+        resolve(compose_dict(["data=kjv", "data.dir=/shared/tokens"]), tmp_path / "run")
+    assert str(err.value) == (
+        "data.dir='/shared/tokens' is not allowed for the pipeline: its tokenize stage writes "
+        f"the shards into the run folder ({tmp_path / 'run' / 'data'}), so leave it unset."
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_stage_keys_of_run_folders_from_before_the_precision_section_still_match(tmp_path):
+    """The train key hashes precision where it lived before (train.dtype, parallel.param_dtype,
+    ...), so rerunning an existing run folder skips its finished stages. The digests were
+    computed by the code before the precision section on these configs."""
+    from flows.pretrain import resolve, stage_keys
+
+    before = {
+        "pretrain-tiny": "334a55d6317397a86305bc8741b9b32a39a013256ae7e32bfbbc9d66a2ec9f8a",
+        "pretrain-1t": "f2d06237bc65f408dde3a13708b23719f3f8564b8a341cafb23b9cea7b7bc34b",
+    }
+    for name, key in before.items():
+        assert stage_keys(resolve(compose_dict([], config_name=name), tmp_path))["train"] == key
+    fp8 = stage_keys(
+        resolve(compose_dict(["precision=fp8"], config_name="pretrain-tiny"), tmp_path)
+    )
+    assert fp8["train"] == "0d8e8c597159682c5ac9c9bc93536a9048ced4da05cf7abaa516918eace9b3fa"
 
 
 # ---- which launcher the train stage uses ------------------------------------------------

@@ -119,7 +119,7 @@ def test_nccl_bf16_ep2_and_dp2_match_one_gpu(tmp_path):
     norm weight near 1 moves in steps of 1/128) to 5 % of its norm over the whole model and
     15 % for any single tensor (5.8 % was seen for the final norm).
     """
-    bf16 = [*BASE, "parallel.param_dtype=bf16", "train.dtype=bf16", f"out_dir={tmp_path}"]
+    bf16 = [*BASE, "precision=bf16", f"out_dir={tmp_path}"]
     runs = {}
     for name, nproc, extra in (
         ("one-gpu", 1, []),
@@ -222,12 +222,12 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
             "all_to_all, which reads split sizes on the host",
         ),
         (
-            ["precision=fp8", "parallel.fp8_parts=[experts,dispatch]"],
-            "parallel.fp8_parts=['experts', 'dispatch'] is not allowed: a list of 'experts' only",
+            ["precision=fp8", "precision.fp8_parts=[experts,dispatch]"],
+            "precision.fp8_parts=['experts', 'dispatch'] is not allowed: a list of 'experts' only",
         ),
         (
-            ["parallel.fp8_parts=[experts]"],
-            "parallel.fp8_parts=['experts'] is not allowed: [] unless parallel.param_dtype=bf16",
+            ["precision.fp8_parts=[experts]"],
+            "precision.fp8_parts=['experts'] is not allowed: [] unless precision.params=bf16",
         ),
         (
             ["parallel.pp=2", "parallel.cuda_graph=true"],

@@ -19,10 +19,12 @@ from moe_core.config import (
     ConfigError,
     ModelConfig,
     ParallelConfig,
+    PrecisionConfig,
     RunConfig,
     TrainConfig,
 )
 from moe_core.model.transformer import build_model
+from moe_core.parallel.parallelize import DTYPES
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.plan import (
     GIB,
@@ -94,8 +96,8 @@ def test_small_layout_bytes_by_hand():
 
 
 def test_pipeline_stages_split_memory_and_traffic():
-    run = small_run(pp=2, ep=1, param_dtype="bf16")
-    run.train.dtype = "bf16"
+    run = small_run(pp=2, ep=1)
+    run.precision = PrecisionConfig(params="bf16", compute="bf16")
     p = plan(run)
     first, last = p.stages
     assert [s.in_flight for s in p.stages] == [2, 1]  # 1F1B: pp - stage
@@ -174,7 +176,7 @@ def test_in_flight_follows_the_1f1b_schedule(pp: int, n_mb: int):
 def _saved_bytes_per_token(m: ModelConfig, dtype: str, recompute: str, tokens: int) -> float:
     """Bytes autograd keeps for one block's backward (distinct storages, weights excluded)."""
     model = build_model(dataclasses.replace(m, n_layers=1))
-    pdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    pdt = DTYPES[dtype]
     for p in model.parameters():
         p.data = p.data.to(pdt)
     apply_recompute(model, recompute)

@@ -33,7 +33,7 @@ from moe_core.planpage import (
 ROOT = Path(__file__).resolve().parent.parent
 CUSTOM = ["model=small-64e", "model.n_layers=8", "model.d_model=768", "model.n_heads=12"]
 CUSTOM += ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
-CUSTOM += ["train.dtype=bf16"]  # bf16 autocast over fp32 weights: no preset, the page adds it
+CUSTOM += ["precision.compute=bf16"]  # autocast over fp32 weights: no preset, the page adds it
 AUTOCAST = "fp32 weights, bf16 compute, fp32 state"
 
 
@@ -360,6 +360,8 @@ def test_page_is_self_contained_and_starts_at_the_run(page: str):
     world = [t["layout"]["pp"] * t["layout"]["dp"] * t["layout"]["ep"] for t in data["tour"]]
     assert world == [1, 8, 8, 64, 512]
     assert [t["layout"]["model"] for t in data["tour"]][-1] == "1t"
+    # presets compare as whole precision sections: pure-bf16 is not taken for fp8 (same dtypes)
+    assert [t["layout"]["precision"] for t in data["tour"]][:2] == ["pure-bf16", "bf16"]
     assert all(evaluate(t["layout"], data)["refusal"] is None for t in data["tour"])
 
 

@@ -12,7 +12,7 @@ from helpers import BASE, one_rank_nccl_group
 from moe_core.compose import compose_run
 from moe_core.model.moe import MoE
 from moe_core.parallel.dispatch import RowwiseDispatcher
-from moe_core.parallel.parallelize import rowwise_exchange
+from moe_core.parallel.parallelize import DTYPES, rowwise_exchange
 from moe_core.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +40,8 @@ def rowwise_at_one_pe(trainer: Trainer, group) -> None:
     cfg = trainer.cfg
     assert trainer.mesh.ep_group is None  # the heap takes the default group: this one
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    exchange = rowwise_exchange(cfg.model, cfg.parallel, trainer.mesh, tokens)
+    dtype = DTYPES[cfg.precision.params]
+    exchange = rowwise_exchange(cfg.model, cfg.parallel, trainer.mesh, tokens, dtype)
     for moe in (m for m in trainer.chunks[0].modules() if isinstance(m, MoE)):
         moe.dispatcher = RowwiseDispatcher(exchange, cfg.model.n_experts)
     trainer.exchanges = [exchange]

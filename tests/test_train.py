@@ -154,22 +154,22 @@ def test_mxfp8_is_refused_on_a_gpu_in_one_sentence(monkeypatch):
     from moe_core.config import ConfigError
     from moe_core.parallel.parallelize import choose_kernels
 
-    pcfg = compose_run(["precision=mxfp8"]).parallel
+    run = compose_run(["precision=mxfp8"])
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ConfigError) as err:
-        choose_kernels(pcfg, cuda)
+        choose_kernels(run.parallel, run.precision, cuda)
     assert str(err.value) == (
-        "parallel.fp8_scaling='mx' (precision=mxfp8) needs MX tensor cores (sm_100, Blackwell, "
+        "precision.fp8_scaling='mx' (precision=mxfp8) needs MX tensor cores (sm_100, Blackwell, "
         "or newer), which this sm_90 GPU lacks; use precision=fp8 (rowwise scales)."
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     with pytest.raises(
         ConfigError,
-        match=r"^parallel\.fp8_scaling='mx' \(precision=mxfp8\) on a GPU is not built yet",
+        match=r"^precision\.fp8_scaling='mx' \(precision=mxfp8\) on a GPU is not built yet",
     ):
-        choose_kernels(pcfg, cuda)
+        choose_kernels(run.parallel, run.precision, cuda)
     with pytest.raises(
-        ConfigError, match=r"^parallel\.fp8_scaling='mx' is not allowed: 'rowwise' unless"
+        ConfigError, match=r"^precision\.fp8_scaling='mx' is not allowed: 'rowwise' unless"
     ):
-        compose_run(["parallel.fp8_scaling=mx"])
+        compose_run(["precision.fp8_scaling=mx"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict
+from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict, upgrade_saved
 from moe_core.convert.hf import expected_names, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
@@ -94,8 +94,9 @@ class CheckpointSource:
 
 
 def checkpoint_config(path: str | os.PathLike) -> RunConfig:
-    """The run configuration a checkpoint was written with."""
-    return from_dict(RunConfig, trainer_state(path)["config"])
+    """The run configuration a checkpoint was written with (by any version: checkpoints of runs
+    from before the precision section hold their precision keys where they were then)."""
+    return from_dict(RunConfig, upgrade_saved(trainer_state(path)["config"]))
 
 
 def run_tokenizer_dir(src: str | os.PathLike) -> Path:

@@ -179,7 +179,7 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.fp8 = False  # forward and input gradient in FP8 (``kernels.fp8``; set from outside)
-        self.fp8_scaling = "rowwise"  # or "mx" (parallel.fp8_scaling)
+        self.fp8_scaling = "rowwise"  # or "mx" (precision.fp8_scaling)
 
     def forward(
         self, x_MD: torch.Tensor, offs_E: torch.Tensor, weights_M: torch.Tensor | None = None

@@ -1,6 +1,6 @@
 """ZeRO-1 AdamW: master weights and Adam moments sharded over each bucket's group.
 
-State precision (``train.optimizer_dtype``): ``fp32`` keeps fp32 moments and, for bf16 weights,
+State precision (``precision.optimizer``): ``fp32`` keeps fp32 moments and, for bf16 weights,
 an fp32 master copy of this rank's shard (fp32 weights are their own masters); ``bf16`` keeps
 bf16 moments and no master: the bf16 weights are updated in place (math in fp32).
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 
 from kernels.grouped_gemm import quack_installed, set_backend
-from moe_core.config import ConfigError, ModelConfig, OptionNotImplementedError, ParallelConfig
+from moe_core.config import (
+    ConfigError,
+    ModelConfig,
+    OptionNotImplementedError,
+    ParallelConfig,
+    PrecisionConfig,
+)
 from moe_core.model import Transformer
 from moe_core.model.attention import Attention, flash4_installed
 from moe_core.model.moe import Experts, MoE
@@ -28,13 +34,13 @@ from moe_core.parallel.pipeline import chunk_layers, rank_chunks
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.parallel.symmetric import symmetric_heap
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # every config.Dtype name, as torch has it
 
 
-def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
+def choose_kernels(pcfg: ParallelConfig, precision: PrecisionConfig, device: torch.device) -> str:
     """Set the experts' grouped GEMM backend and return the attention core for this run's
     device (``parallel.expert_gemm``, ``parallel.attention``); a library asked for by name, or
-    FP8 (``parallel.fp8_parts``), that cannot run here is refused in one sentence. (FP8 on the
+    FP8 (``precision.fp8_parts``), that cannot run here is refused in one sentence. (FP8 on the
     CPU runs its emulation: the dequantized product.)"""
     gpu = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     if pcfg.expert_gemm == "quack" and not (gpu and quack_installed()):
@@ -47,21 +53,21 @@ def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
             "parallel.attention='flash4' needs flash-attn-4 (pip install -e '.[gpu]') and a "
             f"Hopper or newer GPU, which this {device.type} run lacks; use 'auto' or 'sdpa'."
         )
-    if pcfg.fp8_parts and device.type == "cuda" and not gpu:
+    if precision.fp8_parts and device.type == "cuda" and not gpu:
         raise ConfigError(
-            f"parallel.fp8_parts={list(pcfg.fp8_parts)} needs FP8 tensor cores (Hopper or "
+            f"precision.fp8_parts={list(precision.fp8_parts)} needs FP8 tensor cores (Hopper or "
             "newer), which this GPU lacks; use precision=pure-bf16."
         )
-    if pcfg.fp8_parts and pcfg.fp8_scaling == "mx" and device.type == "cuda":
+    if precision.fp8_parts and precision.fp8_scaling == "mx" and device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if major < 10:
             raise ConfigError(
-                f"parallel.fp8_scaling='mx' (precision=mxfp8) needs MX tensor cores (sm_100, "
+                f"precision.fp8_scaling='mx' (precision=mxfp8) needs MX tensor cores (sm_100, "
                 f"Blackwell, or newer), which this sm_{major}{minor} GPU lacks; use "
                 "precision=fp8 (rowwise scales)."
             )
         raise OptionNotImplementedError(
-            "parallel.fp8_scaling='mx' (precision=mxfp8) on a GPU is not built yet: its "
+            "precision.fp8_scaling='mx' (precision=mxfp8) on a GPU is not built yet: its "
             "numerics run emulated on CPU, and the Blackwell GEMM path awaits a machine to "
             "measure it on; use precision=fp8."
         )
@@ -72,15 +78,14 @@ def choose_kernels(pcfg: ParallelConfig, device: torch.device) -> str:
 
 
 def rowwise_exchange(
-    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, tokens: int
+    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, tokens: int, dtype: torch.dtype
 ) -> RowwiseExchange:
-    """The symmetric receive buffers of this rank's rowwise dispatchers, for ``tokens`` tokens
-    per micro-batch (collective over the expert-parallel group)."""
+    """The symmetric receive buffers of this rank's rowwise dispatchers, for ``tokens`` rows of
+    ``dtype`` (the weights') per micro-batch (collective over the expert-parallel group)."""
     rows, assignments = rowwise_capacity(
         cfg.n_experts, cfg.top_k, pcfg.ep, tokens, pcfg.ep_capacity_factor
     )
     heap = symmetric_heap(mesh.ep_group, mesh.device)
-    dtype = DTYPES[pcfg.param_dtype]
     return RowwiseExchange(heap, rows, assignments, cfg.d_model, cfg.top_k, dtype)
 
 
@@ -118,28 +123,33 @@ def build_chunk(
 
 
 def parallelize(
-    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, seed: int, tokens: int
+    cfg: ModelConfig,
+    pcfg: ParallelConfig,
+    precision: PrecisionConfig,
+    mesh: Mesh,
+    seed: int,
+    tokens: int,
 ) -> dict[int, Transformer]:
-    """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized
-    (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
-    attention = choose_kernels(pcfg, mesh.device)
+    """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized, in
+    ``precision`` (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
+    attention = choose_kernels(pcfg, precision, mesh.device)
+    dtype = DTYPES[precision.params]
     exchange = None
     if pcfg.ep > 1 and pcfg.dispatcher == "nvshmem_rowwise":
-        exchange = rowwise_exchange(cfg, pcfg, mesh, tokens)
+        exchange = rowwise_exchange(cfg, pcfg, mesh, tokens, dtype)
     chunks: dict[int, Transformer] = {}
     for c in rank_chunks(pcfg, mesh.pp_rank):
         model = build_chunk(cfg, pcfg, c, mesh, exchange)
         model.to_empty(device=mesh.device)
         model.init_weights(seed)
-        dtype = DTYPES[pcfg.param_dtype]
         for p in model.parameters():
             p.data = p.data.to(dtype)
         for m in model.modules():
             if isinstance(m, Attention):
                 m.impl = attention
             if isinstance(m, Experts):
-                m.fp8 = "experts" in pcfg.fp8_parts
-                m.fp8_scaling = pcfg.fp8_scaling
+                m.fp8 = "experts" in precision.fp8_parts
+                m.fp8_scaling = precision.fp8_scaling
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)

@@ -29,6 +29,7 @@ from moe_core.config import (
     ConfigError,
     ModelConfig,
     ParallelConfig,
+    PrecisionConfig,
     RunConfig,
     TrainConfig,
     from_dict,
@@ -129,41 +130,38 @@ TOUR: tuple[tuple[str, str, str | None, list[str]], ...] = (
 )
 
 
-def _precisions(conf: Path) -> dict[str, dict[str, str]]:
-    """The presets of ``conf/precision`` as the three dtypes they set (composed, so a preset
-    built on another one reads as Hydra resolves it)."""
+Precision = dict[str, Any]  # a precision section as a dict (``to_dict(PrecisionConfig)``)
+
+
+def _precisions(conf: Path) -> dict[str, Precision]:
+    """The presets of ``conf/precision`` as the precision sections they set (composed, so a
+    preset built on another one reads as Hydra resolves it)."""
     return {
-        path.stem: _dtypes(compose_run([f"precision={path.stem}"], conf))
+        path.stem: to_dict(compose_run([f"precision={path.stem}"], conf).precision)
         for path in sorted((conf / "precision").glob("*.yaml"))
     }
 
 
-def _dtypes(run: RunConfig) -> dict[str, str]:
-    return {
-        "param_dtype": run.parallel.param_dtype,
-        "dtype": run.train.dtype,
-        "optimizer_dtype": run.train.optimizer_dtype,
-    }
-
-
-def _precision_of(run: RunConfig, presets: dict[str, dict[str, str]]) -> str:
-    """The preset ``run``'s dtypes are, else the name ``_with_run_precision`` gives them."""
-    mine = _dtypes(run)
+def _precision_of(run: RunConfig, presets: dict[str, Precision]) -> str:
+    """The preset ``run``'s precision section is, else the name ``_with_run_precision`` gives
+    it."""
+    mine = to_dict(run.precision)
     for name, preset in presets.items():
         if preset == mine:
             return name
-    return "{param_dtype} weights, {dtype} compute, {optimizer_dtype} state".format(**mine)
+    name = "{params} weights, {compute} compute, {optimizer} state".format(**mine)
+    if mine["fp8_parts"]:
+        name += ", FP8 {} ({})".format(" and ".join(mine["fp8_parts"]), mine["fp8_scaling"])
+    return name
 
 
-def _with_run_precision(
-    run: RunConfig, presets: dict[str, dict[str, str]]
-) -> dict[str, dict[str, str]]:
-    """The presets, plus ``run``'s own dtypes where they are none of them."""
-    return {**presets, _precision_of(run, presets): _dtypes(run)}
+def _with_run_precision(run: RunConfig, presets: dict[str, Precision]) -> dict[str, Precision]:
+    """The presets, plus ``run``'s own precision section where it is none of them."""
+    return {**presets, _precision_of(run, presets): to_dict(run.precision)}
 
 
 def model_data(
-    m: ModelConfig, precisions: dict[str, dict[str, str]], seq_lens: list[int]
+    m: ModelConfig, precisions: dict[str, Precision], seq_lens: list[int]
 ) -> dict[str, Any]:
     """What ``planner.js`` needs of one model, from the Python planner's own functions."""
     counts = count(m)
@@ -175,7 +173,7 @@ def model_data(
         "flops_per_token": {s: count(m, s).flops_per_token for s in seq_lens if s <= m.max_seq_len},
         "activation": {
             name: {
-                r: layer_activation_bytes(m, p["param_dtype"], p["dtype"], r)
+                r: layer_activation_bytes(m, p["params"], p["compute"], r)
                 for r in ("none", "selective")
             }
             for name, p in precisions.items()
@@ -188,7 +186,7 @@ def model_data(
     }
 
 
-def layout_of(run: RunConfig, model_key: str, precisions: dict[str, dict[str, str]]) -> Layout:
+def layout_of(run: RunConfig, model_key: str, precisions: dict[str, Precision]) -> Layout:
     """The page's controls for ``run``. A GPU type the page does not know starts as H200; a
     CPU cluster becomes the layout's GPUs, as many to a node (1, 2, 4 or 8) as divide them."""
     par, c, t = run.parallel, run.cluster, run.train
@@ -217,15 +215,13 @@ def layout_of(run: RunConfig, model_key: str, precisions: dict[str, dict[str, st
 def run_of(layout: Layout, data: dict[str, Any]) -> RunConfig:
     """The run config of a page layout (raises ``ConfigError`` as the page refuses)."""
     m = from_dict(ModelConfig, data["models"][layout["model"]]["config"])
-    prec = data["precisions"][layout["precision"]]
+    precision = from_dict(PrecisionConfig, data["precisions"][layout["precision"]], "precision.")
     gpu = GPUS[layout["gpu"]]
     v, dp, ep = layout["virtual_stages"], layout["dp"], layout["ep"]
     train = TrainConfig(
         seq_len=layout["seq_len"],
         micro_batch_size=layout["micro_batch_size"],
         global_batch_size=layout["global_batch_size"],
-        dtype=prec["dtype"],
-        optimizer_dtype=prec["optimizer_dtype"],
         eval_batches=max(dp * ep, 1),
     )
     par = ParallelConfig(
@@ -236,7 +232,6 @@ def run_of(layout: Layout, data: dict[str, Any]) -> RunConfig:
         pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         recompute=layout["recompute"],
         dispatcher=layout["dispatcher"],
-        param_dtype=prec["param_dtype"],
     )
     cluster = ClusterConfig(
         name=CLUSTER_NAME,
@@ -247,7 +242,7 @@ def run_of(layout: Layout, data: dict[str, Any]) -> RunConfig:
         gpu_type=gpu.name,
         gpu_memory_gib=gpu.memory_gib,
     )
-    return RunConfig(model=m, train=train, parallel=par, cluster=cluster)
+    return RunConfig(model=m, train=train, parallel=par, precision=precision, cluster=cluster)
 
 
 def evaluate(layout: Layout, data: dict[str, Any]) -> dict[str, Any]:

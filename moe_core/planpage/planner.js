@@ -90,9 +90,9 @@ function planLayout(data, L) {
   const C = data.constants;
   const prec = data.precisions[L.precision];
   const gpu = data.gpus[L.gpu];
-  const bp = C.dtype_bytes[prec.param_dtype];
-  const bc = C.dtype_bytes[prec.dtype];
-  const bo = C.dtype_bytes[prec.optimizer_dtype];
+  const bp = C.dtype_bytes[prec.params];
+  const bc = C.dtype_bytes[prec.compute];
+  const bo = C.dtype_bytes[prec.optimizer];
   const sh = model.shapes;
   const d = m.d_model, k = m.top_k, E = m.n_experts, h = m.expert_hidden;
   const T = L.micro_batch_size * L.seq_len;
@@ -364,7 +364,7 @@ function modelData(data, c) {
   for (const [name, p] of Object.entries(data.precisions)) {
     activation[name] = {};
     for (const r of ["none", "selective"])
-      activation[name][r] = layerActivationBytes(data, config, p.param_dtype, p.dtype, r);
+      activation[name][r] = layerActivationBytes(data, config, p.params, p.compute, r);
   }
   const divisors = [];
   for (let i = 1; i * i <= config.n_experts; i++)

@@ -1,7 +1,7 @@
 """Sharded, atomic, resharding checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
 What is saved: the ZeRO-1 optimizer's master weights and Adam moments (fp32, or bf16 under
-``train.optimizer_dtype=bf16``; either loads into either, converted), router buffers (the
+``precision.optimizer=bf16``; either loads into either, converted), router buffers (the
 expert bias), and the trainer's state (step, guard counters, config). Model weights are the
 masters cast to the model dtype, so they are not stored twice. Each rank writes only what it
 owns: for every parameter, the contiguous range of its flattened *global* tensor that its shard

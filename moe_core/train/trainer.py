@@ -160,7 +160,9 @@ class Trainer:
         tc, pc = cfg.train, cfg.parallel
         torch.manual_seed(tc.seed)
         tokens = tc.micro_batch_size * tc.seq_len
-        self.chunks: dict[int, Transformer] = parallelize(cfg.model, pc, self.mesh, tc.seed, tokens)
+        self.chunks: dict[int, Transformer] = parallelize(
+            cfg.model, pc, cfg.precision, self.mesh, tc.seed, tokens
+        )
         self.loss_fn = loss_function(pc.compile_on(self.device.type))
         modules = list(self.chunks.values())
         self.routers = routers_by_layer(modules)
@@ -173,7 +175,7 @@ class Trainer:
                 if isinstance(getattr(m, "dispatcher", None), RowwiseDispatcher)
             }.values()
         )
-        state_dtype = DTYPES[tc.optimizer_dtype]
+        state_dtype = DTYPES[cfg.precision.optimizer]
         self.buckets = GradBuckets(
             modules,
             self.mesh,
@@ -193,7 +195,7 @@ class Trainer:
         )
         # Autocast only where it changes something: bf16 compute over fp32 weights. bf16 weights
         # compute in bf16 as they are (norms, router and loss keep fp32 inside the model).
-        bf16_over_fp32 = tc.dtype == "bf16" and pc.param_dtype == "fp32"
+        bf16_over_fp32 = cfg.precision.compute == "bf16" and cfg.precision.params == "fp32"
         self.autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=bf16_over_fp32)
         self.pipeline = None
         if pc.pp > 1:
@@ -203,7 +205,7 @@ class Trainer:
                 self.mesh,
                 p2p_groups(pc, self.mesh),
                 shape,
-                DTYPES[pc.param_dtype],
+                DTYPES[cfg.precision.params],
                 self.autocast,
             )
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
