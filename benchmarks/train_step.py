@@ -34,7 +34,7 @@ from moe_core.config import ModelConfig
 from moe_core.model import build_model
 from moe_core.model.attention import Attention
 from moe_core.model.flops import count
-from moe_core.model.moe import MoE, Router, Routing
+from moe_core.model.moe import Experts, MoE, Router, Routing
 from moe_core.parallel.compile import apply_compile, loss_function
 from moe_core.train.adamw import AdamW
 
@@ -89,6 +89,8 @@ def train_step_parts(args: argparse.Namespace) -> Phases:
     for m in model.modules():
         if isinstance(m, Attention):
             m.impl = args.attention
+        if isinstance(m, Experts):
+            m.gather_rows = args.gather_rows
     if args.compile:
         apply_compile(model)
     loss_fn = loss_function(args.compile)
@@ -233,6 +235,7 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
     (``parallel.expert_gemm``, ``parallel.attention``)."""
     p.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="auto")
     p.add_argument("--attention", choices=["sdpa", "flash4"], default="sdpa")
+    p.add_argument("--gather-rows", action="store_true", help="parallel.gather_rows (QuACK)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -276,6 +279,7 @@ def main() -> None:
     result |= {
         "expert_gemm": args.expert_gemm,
         "attention": args.attention,
+        "gather_rows": args.gather_rows,
         "date": str(date.today()),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -330,6 +330,12 @@ class ParallelConfig:
     # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
     # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA.
     attention: Literal["auto", "sdpa", "flash4"] = "auto"
+    # The gate+up expert GEMM reads each routed token row through an index (QuACK's A_idx)
+    # instead of a permuted copy, so backward keeps no [rows, d_model] copy: 8 GiB less peak
+    # memory for OLMoE-1B-7B at micro-batch 4 (64 vs 72 GiB), at 0.91-0.99 of the MoE layer's
+    # speed (benchmarks/RESULTS.md, issue 16), hence off by default. Needs expert_gemm=quack
+    # and ep=1 (expert-parallel dispatchers receive rows already in expert order).
+    gather_rows: bool = False
 
     def compile_on(self, device_type: str) -> bool:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
@@ -366,6 +372,17 @@ class ParallelConfig:
                 True,
                 "false or null with parallel.dispatcher=all_to_all, which reads split sizes on "
                 "the host each layer (nvshmem_rowwise does not)",
+            )
+        if self.gather_rows and self.expert_gemm != "quack":
+            _fail(
+                p + "gather_rows", True, "false unless parallel.expert_gemm=quack (QuACK gathers)"
+            )
+        if self.gather_rows and self.ep > 1:
+            _fail(
+                p + "gather_rows",
+                True,
+                "false with parallel.ep > 1 (expert-parallel dispatchers receive rows already in "
+                "expert order)",
             )
         if self.ep_capacity_factor is not None:
             if not self.ep_capacity_factor >= 1.0:  # also refuses nan

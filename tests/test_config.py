@@ -183,6 +183,18 @@ def test_gpu_kernel_libraries_asked_for_without_the_package_or_a_gpu_are_refused
         compose_run(["parallel.expert_gemm=fast"])
 
 
+def test_gathered_rows_are_refused_where_no_dispatcher_would_gather():
+    with pytest.raises(ConfigError) as err:
+        compose_run(["parallel.gather_rows=true"])
+    assert str(err.value) == (
+        "parallel.gather_rows=True is not allowed: false unless parallel.expert_gemm=quack "
+        "(QuACK gathers)."
+    )
+    with pytest.raises(ConfigError, match=r"^parallel\.gather_rows=True is not allowed: false "):
+        compose_run(["parallel=ep2", "parallel.expert_gemm=quack", "parallel.gather_rows=true"])
+    assert compose_run(["parallel.expert_gemm=quack", "parallel.gather_rows=true"]).parallel
+
+
 def test_a_token_source_given_to_the_synthetic_data_section_is_refused():
     for key in ("dir", "path", "hub"):
         with pytest.raises(ConfigError) as err:

@@ -239,10 +239,11 @@ def test_gathered_grouped_mm_equals_permute_then_grouped_mm(routing_name, drops,
     assert rows_MD in saved_ref and rows_MD not in saved, saved
 
 
-def test_local_dispatcher_gathers_rows_exactly_when_quack_runs(monkeypatch):
-    """Off QuACK (here: no GPU) the layer permutes, as before. Where the gathered GEMM runs
-    (forced here, through its CPU reference) the layer takes it and gives the same output and
-    gradients; FP8 experts keep the permuted copy."""
+def test_local_dispatcher_gathers_rows_exactly_when_asked_and_quack_runs(monkeypatch):
+    """Unless asked for (``parallel.gather_rows``), and off QuACK (here: no GPU), the layer
+    permutes, as before. Asked for and where the gathered GEMM runs (forced here, through its
+    CPU reference) the layer takes it and gives the same output and gradients; FP8 experts keep
+    the permuted copy."""
     from moe_core.model import moe as moe_module
 
     cfg = small_config(n_experts=8, top_k=2)
@@ -253,6 +254,9 @@ def test_local_dispatcher_gathers_rows_exactly_when_quack_runs(monkeypatch):
     x = torch.rand(2, 12, cfg.d_model, requires_grad=True)
     params = [x, layer.router.weight, layer.experts.w_gate_up, layer.experts.w_down]
     assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model))
+    monkeypatch.setattr(moe_module, "gathers_in_gemm", lambda x_TD: True)
+    assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model)), "off unless asked for"
+    layer.experts.gather_rows = True
     calls = []
 
     def counted(*args, **kwargs):

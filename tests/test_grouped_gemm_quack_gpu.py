@@ -148,8 +148,9 @@ def test_gathered_gemm_on_quack_equals_permute_then_torch_grouped_mm(routing_nam
 
 
 def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
-    """The MoE layer takes the gathered GEMM exactly when QuACK runs (``auto``), not under
-    ``torch``, and both give the same output and gradients."""
+    """Asked to gather (``parallel.gather_rows``), the MoE layer takes the gathered GEMM
+    exactly when QuACK runs (``auto``), not under ``torch``, and both give the same output and
+    gradients."""
     from helpers import small_config
 
     from kernels import grouped_gemm as gg
@@ -163,6 +164,7 @@ def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
     layer = layer.to(torch.bfloat16)
     x = torch.randn(2, 64, cfg.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     params = [x, layer.experts.w_gate_up, layer.experts.w_down]
+    layer.experts.gather_rows = True  # parallel.gather_rows
     results = {}
     try:
         for backend in ("auto", "torch"):

@@ -180,6 +180,7 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.fp8 = False  # forward and input gradient in FP8 (``kernels.fp8``; set from outside)
         self.fp8_scaling = "rowwise"  # or "mx" (precision.fp8_scaling)
+        self.gather_rows = False  # gate+up GEMM reads token rows by index (parallel.gather_rows)
 
     def forward(
         self, x_MD: torch.Tensor, offs_E: torch.Tensor, weights_M: torch.Tensor | None = None
@@ -192,9 +193,10 @@ class Experts(nn.Module):
 
     def gathers_rows(self, x_TD: torch.Tensor) -> bool:
         """Whether ``forward_gathered`` reads token rows inside the gate+up GEMM for these
-        tokens (QuACK selected and running, see ``kernels.grouped_gemm.gathers_in_gemm``; FP8
-        experts quantize a permuted copy)."""
-        return not self.fp8 and gathers_in_gemm(x_TD)
+        tokens: asked for (``parallel.gather_rows``, off by default: it saves memory, not time)
+        and QuACK running (``kernels.grouped_gemm.gathers_in_gemm``); FP8 experts quantize a
+        permuted copy."""
+        return self.gather_rows and not self.fp8 and gathers_in_gemm(x_TD)
 
     def forward_gathered(
         self,
@@ -240,8 +242,9 @@ class LocalDispatcher:
     """Every expert on this rank: each token row written straight into its expert-ordered
     slots, grouped GEMMs over the expert segments with the router weights applied in the
     SwiGLU (so the combine is a plain sum that keeps no expert output for backward), then
-    un-permute and sum in one pass. Where the QuACK backend runs (``Experts.gathers_rows``)
-    the gate+up GEMM gathers the token rows itself instead of reading a permuted copy."""
+    un-permute and sum in one pass. With ``parallel.gather_rows`` where QuACK runs
+    (``Experts.gathers_rows``) the gate+up GEMM gathers the token rows itself instead of
+    reading a permuted copy."""
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         slots = expert_slots(routing.experts_TK, experts.n_experts)

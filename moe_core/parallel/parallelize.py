@@ -150,6 +150,7 @@ def parallelize(
             if isinstance(m, Experts):
                 m.fp8 = "experts" in precision.fp8_parts
                 m.fp8_scaling = precision.fp8_scaling
+                m.gather_rows = pcfg.gather_rows
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)
