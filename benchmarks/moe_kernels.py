@@ -27,18 +27,21 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when imported elsewhere
 
-from kernels.grouped_gemm import grouped_mm
-from kernels.permute import (
+from timing import cuda_times_ms
+
+from benchmarks.baselines.argsort_permute import (
     combine_rows,
     cumulative_offsets,
-    expert_counts,
     expert_order,
     permute_rows,
 )
-from kernels.router_topk import topk_softmax
-from kernels.routing import expert_slots
-from kernels.slot_permute import combine_from_slots, permute_to_slots
+from benchmarks.baselines.router_topk import topk_softmax
+from benchmarks.baselines.weighted_combine import combine_from_slots
+from kernels.grouped_gemm import grouped_mm
+from kernels.routing import expert_counts, expert_slots
+from kernels.slot_permute import permute_to_slots
 from kernels.swiglu import swiglu
 
 
@@ -55,25 +58,16 @@ class Row:
 
 
 class Timer:
+    """``timing.cuda_times_ms`` with the L2 cache flushed before every run (outside its events):
+    these ops are memory-bound, so each run reads its inputs from device memory."""
+
     def __init__(self, warmup: int, iters: int, flush_bytes: int) -> None:
         self.warmup, self.iters = warmup, iters
         self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
 
     def __call__(self, fn: Callable[[], object]) -> tuple[float, float, float]:
         """(median, p10, p90) milliseconds of ``fn`` on the current stream."""
-        for _ in range(self.warmup):
-            fn()
-        events = []
-        for _ in range(self.iters):
-            self.flush.zero_()  # evict the previous run's tensors from L2
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        ms = sorted(s.elapsed_time(e) for s, e in events)
+        ms = sorted(cuda_times_ms(fn, self.warmup, self.iters, before=self.flush.zero_))
         n = len(ms)
         return statistics.median(ms), ms[n // 10], ms[min(n - 1, (9 * n) // 10)]
 
