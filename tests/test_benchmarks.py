@@ -36,5 +36,6 @@ def test_every_benchmark_imports_and_takes_the_olmoe_shape_from_the_config(scrip
     assert train_step.model_config(args) == olmoe
     assert (args.layers, args.seq) == (olmoe.n_layers, olmoe.max_seq_len)
     assert olmoe == scripts("moe_layer_ep").CFG
+    assert list(scripts("grouped_gemm").libraries("triton")) == ["triton"]  # imported lazily
     ep = scripts("ep_dispatch")
     assert (olmoe.d_model, olmoe.n_experts, olmoe.top_k) == (ep.D, ep.E, ep.K)
