@@ -3,9 +3,10 @@ FlashAttention 4's CuTe kernels (``flash-attn-4``), forward and forward + backwa
 
     python benchmarks/attention.py --commit $(git rev-parse --short HEAD) --out attn.json
 
-OLMoE-1B-7B's shape by default: batch 4, sequence 4096, 16 heads of 128, bf16, causal. Inputs
-are random normal, the same tensors for every implementation; each output (and its gradients)
-is compared with SDPA's first. CUDA events after warm-up, the median of ``--iters`` runs.
+OLMoE-1B-7B's shape by default (``shapes.olmoe()``): batch 4, sequence 4096, 16 heads of 128,
+bf16, causal. Inputs are random normal, the same tensors for every implementation; each output
+(and its gradients) is compared with SDPA's first. CUDA events after warm-up, the median of
+``--iters`` runs (``timing.py``).
 TFLOP/s counts the causal half: forward 2 * 2 * B * H * S^2 * d / 2, backward 2.5x that.
 """
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import olmoe
 from timing import cuda_times_ms
 
 
@@ -53,9 +55,9 @@ def flash4() -> Callable[..., torch.Tensor]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seq", type=int, default=olmoe().max_seq_len)
+    p.add_argument("--heads", type=int, default=olmoe().n_heads)
+    p.add_argument("--head-dim", type=int, default=olmoe().head_dim)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--commit", default="unknown")

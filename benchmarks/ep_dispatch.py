@@ -21,9 +21,10 @@ from datetime import date
 
 import torch
 import torch.distributed as dist
+from shapes import olmoe
 from timing import cuda_times_ms
 
-from kernels.permute import expert_counts
+from kernels.routing import expert_counts
 from moe_core.model.moe import Routing
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -33,7 +34,8 @@ from moe_core.parallel.dispatch import (
 )
 from moe_core.parallel.symmetric import CudaSymmetricHeap
 
-T, D, E, K = 16384, 2048, 64, 8
+T = 16384
+D, E, K = olmoe().d_model, olmoe().n_experts, olmoe().top_k
 
 
 class IdentityExperts:

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when imported elsewhere
 
+from shapes import olmoe
 from timing import cuda_times_ms
 
 BF16 = torch.bfloat16
@@ -126,7 +127,7 @@ def libraries(names: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for name in names.split(","):
         if name == "triton":
-            from kernels import grouped_gemm_triton as lib
+            from benchmarks.baselines import grouped_gemm_triton as lib
         elif name == "quack":
             from kernels import grouped_gemm_quack as lib  # type: ignore[no-redef]
         else:
@@ -166,8 +167,8 @@ def main() -> None:
     p.add_argument(
         "--cases", default="4:8,4:16,4:32,4:64,4:128,8:64", help="top-k:experts, comma-separated"
     )
-    p.add_argument("--d-model", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=1024, help="expert hidden size")
+    p.add_argument("--d-model", type=int, default=olmoe().d_model)
+    p.add_argument("--hidden", type=int, default=olmoe().expert_hidden, help="expert hidden size")
     p.add_argument("--dists", default="uniform,skewed", help="group-size distributions")
     p.add_argument("--impls", default="triton", help="compared with torch: triton,quack")
     p.add_argument("--warmup", type=int, default=5)
@@ -203,7 +204,7 @@ def main() -> None:
         "rows": rows,
     }
     if "triton" in args.impls.split(","):
-        from kernels import grouped_gemm_triton as ggt
+        from benchmarks.baselines import grouped_gemm_triton as ggt
 
         result["autotuned"] = {
             "grouped_mm": autotuned(ggt._grouped_mm_tuned),

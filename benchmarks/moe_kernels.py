@@ -1,16 +1,19 @@
 """GPU micro-benchmark of the MoE routing / permutation / SwiGLU kernels against the PyTorch path.
 
-Each op runs twice on the same random inputs: the current PyTorch path of the model (argsort
-permutation, index_copy + bmm combine, SwiGLU in plain torch, torch.topk router) and the
-slot-based Triton kernels. Both outputs are checked against each other once, then each is timed
-with CUDA events: warm-up, then the median (and 10th / 90th percentiles) of many runs, with the
-L2 cache flushed before every run. Bandwidth is the op's minimal traffic (each tensor read or
-written once) over the median time, next to a measured device-to-device copy.
+Each op runs twice on the same random inputs: the PyTorch path (the argsort baseline's
+permutation and index_copy + bmm combine, SwiGLU in plain torch, the torch.topk router) and the
+Triton kernels (the library's slot permute and SwiGLU; the router top-k and weighted combine
+baselines of ``benchmarks/baselines``). Both outputs are checked against each other once, then
+each is timed with ``timing.cuda_times_ms``: warm-up, then the median (and 10th / 90th
+percentiles) of many runs, with the L2 cache flushed before every run. Bandwidth is the op's
+minimal traffic (each tensor read or written once) over the median time, next to a measured
+device-to-device copy.
 
     python benchmarks/moe_kernels.py --out benchmarks/moe_kernels_h200.json
 
-Defaults are OLMoE-1B-7B: 16384 tokens, d_model 2048, 64 experts, top-8, expert hidden 1024,
-bf16, learned-like routing from random logits (``--routing skewed`` tilts them).
+Defaults are OLMoE-1B-7B (``shapes.olmoe()``): 16384 tokens, d_model 2048, 64 experts, top-8,
+expert hidden 1024, bf16, learned-like routing from random logits (``--routing skewed`` tilts
+them).
 """
 
 from __future__ import annotations
@@ -27,18 +30,22 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when imported elsewhere
 
-from kernels.grouped_gemm import grouped_mm
-from kernels.permute import (
+from shapes import olmoe
+from timing import cuda_times_ms
+
+from benchmarks.baselines.argsort_permute import (
     combine_rows,
     cumulative_offsets,
-    expert_counts,
     expert_order,
     permute_rows,
 )
-from kernels.router_topk import topk_softmax
-from kernels.routing import expert_slots
-from kernels.slot_permute import combine_from_slots, permute_to_slots
+from benchmarks.baselines.router_topk import topk_softmax
+from benchmarks.baselines.weighted_combine import combine_from_slots
+from kernels.grouped_gemm import grouped_mm
+from kernels.routing import expert_counts, expert_slots
+from kernels.slot_permute import permute_to_slots
 from kernels.swiglu import swiglu
 
 
@@ -55,25 +62,16 @@ class Row:
 
 
 class Timer:
+    """``timing.cuda_times_ms`` with the L2 cache flushed before every run (outside its events):
+    these ops are memory-bound, so each run reads its inputs from device memory."""
+
     def __init__(self, warmup: int, iters: int, flush_bytes: int) -> None:
         self.warmup, self.iters = warmup, iters
         self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
 
     def __call__(self, fn: Callable[[], object]) -> tuple[float, float, float]:
         """(median, p10, p90) milliseconds of ``fn`` on the current stream."""
-        for _ in range(self.warmup):
-            fn()
-        events = []
-        for _ in range(self.iters):
-            self.flush.zero_()  # evict the previous run's tensors from L2
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        ms = sorted(s.elapsed_time(e) for s, e in events)
+        ms = sorted(cuda_times_ms(fn, self.warmup, self.iters, before=self.flush.zero_))
         n = len(ms)
         return statistics.median(ms), ms[n // 10], ms[min(n - 1, (9 * n) // 10)]
 
@@ -97,10 +95,10 @@ def check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=olmoe().d_model)
+    p.add_argument("--experts", type=int, default=olmoe().n_experts)
+    p.add_argument("--topk", type=int, default=olmoe().top_k)
+    p.add_argument("--hidden", type=int, default=olmoe().expert_hidden)
     p.add_argument("--align", type=int, default=1, help="segment alignment of the slot path")
     p.add_argument("--routing", choices=["random", "skewed"], default="random")
     p.add_argument("--warmup", type=int, default=10)

@@ -26,10 +26,10 @@ from datetime import date
 
 import torch
 import torch.distributed as dist
+from shapes import olmoe
 from timing import cuda_times_ms
 
 from kernels import grouped_gemm
-from moe_core.config import ModelConfig
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -39,7 +39,7 @@ from moe_core.parallel.dispatch import (
 )
 from moe_core.parallel.symmetric import CudaSymmetricHeap
 
-CFG = ModelConfig(d_model=2048, n_heads=16, n_experts=64, top_k=8, expert_hidden=1024)
+CFG = olmoe()
 TOKENS = 16384
 
 
@@ -163,10 +163,10 @@ def main() -> None:
             "torch": torch.__version__,
             "shape": {
                 "tokens_per_gpu": TOKENS,
-                "d_model": 2048,
-                "experts": 64,
-                "top_k": 8,
-                "expert_hidden": 1024,
+                "d_model": CFG.d_model,
+                "experts": CFG.n_experts,
+                "top_k": CFG.top_k,
+                "expert_hidden": CFG.expert_hidden,
             },
             "routing": "learned (random router init)",
             "precision": "bf16",

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from timing import cuda_phase_times_ms
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from train_step import moe_layer_step, parser, train_step_parts
@@ -62,24 +63,6 @@ def kernel_times_ms(fn: Callable[[], None], steps: int) -> dict[str, float]:
     return dict(times)
 
 
-def phase_times_ms(phases: list[tuple[str, Callable[[], None]]], iters: int) -> dict[str, float]:
-    """Median CUDA-event milliseconds of each phase, run in order ``iters`` times back to back
-    (one wait at the end, as ``timing.cuda_times_ms``)."""
-    events = []
-    for _ in range(iters):
-        for name, fn in phases:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((name, start, end))
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = defaultdict(list)
-    for name, start, end in events:
-        samples[name].append(start.elapsed_time(end))
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def main() -> None:
     p = parser()
     p.add_argument("--moe-layer", type=int, default=0, help="experts of one MoE layer")
@@ -96,10 +79,8 @@ def main() -> None:
         for _, fn in phases:
             fn()
 
-    for _ in range(args.warmup):
-        whole()
-    torch.cuda.synchronize()
-    phase_ms = phase_times_ms(phases, args.iters)
+    samples = cuda_phase_times_ms(phases, args.warmup, args.iters)
+    phase_ms = {name: statistics.median(v) for name, v in samples.items()}
     kernels = kernel_times_ms(whole, args.profile_steps)
     by_cat: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():

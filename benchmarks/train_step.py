@@ -4,11 +4,13 @@
     python benchmarks/train_step.py --experts-sweep 8,16,32,64,128 --out pool.json
 
 Same conventions as the peer kit's Olmo-core benchmark, so the two compare side by side:
-OLMoE-1B-7B shape (d 2048, 16 layers, 16 heads, 64 experts top-8, expert hidden 1024, vocab
-50304), sequence 4096, random token ids from a fixed seed, bf16 parameters, torch fused AdamW,
-SDPA attention; 3 warm-up steps, then the median of CUDA-event-timed steps. ``--compile``
-compiles the blocks and the loss (``parallel.compile``); ``--optimizer moe_core`` takes our
-fused AdamW kernel instead of torch's (same math, same bf16 moments), and with
+OLMoE-1B-7B shape (``conf/model/olmoe-1b-7b.yaml`` through the config loader: d 2048, 16
+layers, 16 heads, 64 experts top-8, expert hidden 1024, vocab 50304), sequence 4096, random
+token ids from a fixed seed, bf16 parameters, torch fused AdamW, SDPA attention; 3 warm-up
+steps, then the median of CUDA-event-timed steps (``timing.py``); MFU over the device's peak
+(``moe_core.train.metrics.PEAK_BF16_TFLOPS``). ``--compile`` compiles the blocks and the loss
+(``parallel.compile``); ``--optimizer moe_core`` takes the fused AdamW kernel through
+``benchmarks/baselines/adamw.py`` instead of torch's (same math, same bf16 moments), and with
 ``--optimizer-dtype fp32`` keeps fp32 master weights and moments (the trainer's default
 precision). ``--layers`` changes the depth (8 layers fit with fp32 masters). Routing: ``learned``
 (the router from its random init), ``skewed`` (router rows biased so a few experts win), or
@@ -21,14 +23,21 @@ hidden fixed, so the active parameters stay fixed: throughput relative to the fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from datetime import date
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.baselines
+from shapes import olmoe
 from timing import cuda_times_ms
 
+from benchmarks.baselines.adamw import AdamW
 from kernels import grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
@@ -36,10 +45,7 @@ from moe_core.model.attention import Attention
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, MoE, Router, Routing
 from moe_core.parallel.compile import apply_compile, loss_function
-from moe_core.train.adamw import AdamW
-
-SHAPE = dict(d_model=2048, n_layers=16, n_heads=16, n_experts=64, top_k=8, expert_hidden=1024)
-PEAK = 989.4
+from moe_core.train.metrics import peak_tflops
 
 
 def force_routing(model: torch.nn.Module, kind: str) -> None:
@@ -74,7 +80,7 @@ def run_phases(phases: Phases) -> Callable[[], None]:
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(vocab_size=50304, **{**SHAPE, "n_layers": args.layers})
+    return dataclasses.replace(olmoe(), n_layers=args.layers)
 
 
 def train_step_parts(args: argparse.Namespace) -> Phases:
@@ -125,6 +131,7 @@ def train_step(args: argparse.Namespace) -> dict:
     ms = statistics.median(times)
     tps = args.mbs * args.seq / (ms / 1e3)
     flops = count(model_config(args), args.seq).flops_per_token
+    peak = peak_tflops(torch.device("cuda"))
     return {
         "benchmark": "train_step",
         "routing": args.routing,
@@ -137,18 +144,17 @@ def train_step(args: argparse.Namespace) -> dict:
         "median_ms": ms,
         "tokens_per_s": tps,
         "model_tflops": tps * flops / 1e12,
-        "mfu": tps * flops / 1e12 / PEAK,
+        "mfu": tps * flops / 1e12 / peak if peak else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "flops_per_token": flops,
     }
 
 
 def moe_layer_step(args: argparse.Namespace, n_experts: int, top_k: int = 4) -> Phases:
-    """One MoE layer (expert hidden 1024, bf16) forward and backward on fixed random inputs:
-    ``mbs * seq`` tokens."""
-    cfg = ModelConfig(
-        d_model=2048, n_heads=16, n_experts=n_experts, top_k=top_k, expert_hidden=1024
-    )
+    """One MoE layer (OLMoE's width and expert hidden, bf16) forward and backward on fixed
+    random inputs: ``mbs * seq`` tokens."""
+    cfg = dataclasses.replace(olmoe(), n_experts=n_experts, top_k=top_k)
+    D = cfg.d_model
     torch.manual_seed(0)
     moe = MoE(cfg).cuda()
     with torch.no_grad():
@@ -158,7 +164,7 @@ def moe_layer_step(args: argparse.Namespace, n_experts: int, top_k: int = 4) -> 
     if args.compile:
         moe.compile()  # the router fuses, as inside a compiled block; dispatch stays eager
     gen = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(1, args.mbs * args.seq, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, args.mbs * args.seq, D, device="cuda", generator=gen).to(torch.bfloat16)
     x.requires_grad_()
     g = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -179,7 +185,8 @@ def layer_vs_dense(args: argparse.Namespace) -> dict:
     """The OLMoE MoE layer (64 experts, top-8) forward + backward against dense GEMMs of the
     same FLOPs: the six products of a SwiGLU MLP's forward and backward over all ``T * K``
     routed rows with one weight (plain ``torch.mm``, no elementwise work)."""
-    T, K, D, Fh, E = args.mbs * args.seq, 8, 2048, 1024, 64
+    cfg = olmoe()
+    T, K, D, Fh, E = args.mbs * args.seq, cfg.top_k, cfg.d_model, cfg.expert_hidden, cfg.n_experts
     layer_ms = statistics.median(
         cuda_times_ms(run_phases(moe_layer_step(args, E, K)), args.warmup, args.iters)
     )
@@ -242,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--routing", choices=["learned", "skewed", "uniform"], default="learned")
     p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=olmoe().max_seq_len)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="torch.compile blocks and the loss")
@@ -259,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
         help="with --optimizer moe_core: bf16 moments, or fp32 master weights and moments",
     )
     add_kernel_options(p)
-    p.add_argument("--layers", type=int, default=SHAPE["n_layers"])
+    p.add_argument("--layers", type=int, default=olmoe().n_layers)
     p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")
     p.add_argument("--commit", default="unknown")

@@ -16,9 +16,9 @@ Layout of the expert-ordered buffer (``n_rows`` rows, a static Python int, ``slo
 
 ``permute_to_slots`` writes zeros into the padding rows, so a grouped GEMM computes zero rows
 there (``silu(0) * 0 = 0`` too, and ``slot_weights`` gives them weight 0) and adds nothing to
-weight gradients; ``sum_from_slots`` and ``combine_from_slots`` never read them, and their
-backward passes write zero gradients into them. No row of any buffer on the
-path holds uninitialized memory. With ``align=1`` there is no padding: ``n_rows = T * K``.
+weight gradients; ``sum_from_slots`` never reads them, and its backward pass writes zero
+gradients into them. No row of any buffer on the path holds uninitialized memory. With
+``align=1`` there is no padding: ``n_rows = T * K``.
 
 Dropped assignments: an expert id < 0 means "not routed here" (an expert-parallel receiver marks
 the choices of a token that live on other ranks this way). Such an assignment gets ``slot = -1``,
@@ -47,6 +47,14 @@ class ExpertSlots(NamedTuple):
     counts_E: torch.Tensor  # int64 [E]: real assignments per expert
     offs_E: torch.Tensor  # int32 [E]: cumulative (padded) segment ends; offs_E[-1] == n_rows
     n_rows: int  # static row count of the expert-ordered buffer
+
+
+def expert_counts(experts_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """int64 number of assignments per expert (a scatter-add: no host read, unlike bincount);
+    what the router counts, every id in ``[0, n_experts)``."""
+    flat_M = experts_TK.reshape(-1)
+    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=flat_M.device)
+    return counts_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))
 
 
 def slot_rows(n_assignments: int, n_experts: int, align: int = 1) -> int:

@@ -1,12 +1,12 @@
-"""Slot-based permutation: token rows into expert-ordered slots ("rowwise") and back, combined.
+"""Slot-based permutation: token rows into expert-ordered slots ("rowwise") and back, summed.
 
 ``slot_TK`` comes from ``kernels.routing.expert_slots``: an injective map of the T * K
 assignments onto the rows of an ``n_rows``-row buffer, where a slot of -1 is a dropped
 assignment (routed elsewhere): it takes no row, the permute writes nothing for it (its backward
-gives it no gradient), the combine adds nothing for it (its weight gradient is 0). Rows no valid
-slot maps to are padding (see ``kernels.routing`` for the layout): the permute writes zeros
-there, the combine never reads them, and the combine's backward writes zero gradients there, so
-grouped GEMMs over padded segments add nothing to weight gradients.
+gives it no gradient), the sum adds nothing for it. Rows no valid slot maps to are padding (see
+``kernels.routing`` for the layout): the permute writes zeros there, the sum never reads them,
+and the sum's backward writes zero gradients there, so grouped GEMMs over padded segments add
+nothing to weight gradients.
 
 Zero-filling needs a pass over per-row flags, which the all-valid path must not pay for.
 ``every_row_mapped`` says whether it is needed: by default (None) every row counts as mapped
@@ -18,6 +18,9 @@ last rows are then unmapped). True is a promise: the Triton path leaves unmapped
 Both ops are autograd Functions with deterministic backward passes (no atomics: every sum runs
 inside one program, in a fixed order) and fp32 accumulation. Triton runs them on CUDA tensors
 (or under the interpreter); the PyTorch references below define them and run elsewhere.
+``combine_from_slots_reference`` defines the weighted combine that ``slot_weights`` (the router
+weights applied in the SwiGLU) followed by ``sum_from_slots`` computes, which the tests check;
+the weighted combine as one op is a baseline (``benchmarks/baselines/weighted_combine.py``).
 """
 
 from __future__ import annotations
@@ -76,27 +79,6 @@ def combine_from_slots_reference(
     return (y_TKD * w_TK.unsqueeze(-1)).sum(1).to(y_MD.dtype)
 
 
-def combine_from_slots_reference_backward(
-    dy_TD: torch.Tensor,
-    y_MD: torch.Tensor | None,
-    slot_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    n_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dy_MD, dweights_TK): ``dy_MD[slot] = w_tk * dy_t`` for valid slots (other rows 0) and
-    ``dweights_TK[t, k] = <y_MD[slot_TK[t, k]], dy_t>`` (0 for dropped slots) in fp32, in the
-    weights' dtype (None when ``y_MD`` is None: the weights need no gradient)."""
-    (T, K), D = slot_TK.shape, dy_TD.shape[1]
-    acc = _acc_dtype(dy_TD.dtype)
-    dy_acc_TD = dy_TD.to(acc)
-    rows_AD = (weights_TK.to(acc).unsqueeze(-1) * dy_acc_TD.unsqueeze(1)).reshape(T * K, D)
-    dy_MD = _scatter_into(dy_TD.new_zeros(n_rows + 1, D), slot_TK, rows_AD.to(dy_TD.dtype))
-    if y_MD is None:
-        return dy_MD, None
-    dw_TK = (_rows_at(y_MD, slot_TK).to(acc) * dy_acc_TD.unsqueeze(1)).sum(-1)
-    return dy_MD, dw_TK.to(weights_TK.dtype)
-
-
 def _zero_unmapped(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None) -> bool:
     """Whether the kernels must zero-fill rows no valid slot maps to (see the module doc)."""
     if every_row_mapped is None:
@@ -120,7 +102,7 @@ def _sum_over_slots(y_MD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
     if use_triton(y_MD, slot_TK):
         from kernels import slot_permute_triton
 
-        return slot_permute_triton.gather_rows(y_MD, slot_TK, None, out_dtype=y_MD.dtype)
+        return slot_permute_triton.gather_rows(y_MD, slot_TK, out_dtype=y_MD.dtype)
     return permute_to_slots_reference_backward(y_MD, slot_TK)
 
 
@@ -136,40 +118,6 @@ class _PermuteToSlots(torch.autograd.Function):
     def backward(ctx, g_MD: torch.Tensor):  # type: ignore[override]
         (slot_TK,) = ctx.saved_tensors
         return _sum_over_slots(g_MD, slot_TK), None, None, None
-
-
-class _CombineFromSlots(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        y_MD: torch.Tensor,
-        slot_TK: torch.Tensor,
-        weights_TK: torch.Tensor,
-        zero_unmapped: bool,
-    ) -> torch.Tensor:
-        # y_MD is kept only when the weights need a gradient (it is the expert output: large).
-        ctx.n_rows, ctx.zero_unmapped = y_MD.shape[0], zero_unmapped
-        ctx.save_for_backward(y_MD if ctx.needs_input_grad[2] else None, slot_TK, weights_TK)
-        if use_triton(y_MD, slot_TK):
-            from kernels import slot_permute_triton
-
-            return slot_permute_triton.gather_rows(y_MD, slot_TK, weights_TK, out_dtype=y_MD.dtype)
-        return combine_from_slots_reference(y_MD, slot_TK, weights_TK)
-
-    @staticmethod
-    def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
-        y_MD, slot_TK, weights_TK = ctx.saved_tensors
-        if use_triton(dy_TD, slot_TK):
-            from kernels import slot_permute_triton
-
-            dy_MD, dw_TK = slot_permute_triton.combine_backward(
-                dy_TD, y_MD, slot_TK, weights_TK, ctx.n_rows, zero_unmapped=ctx.zero_unmapped
-            )
-        else:
-            dy_MD, dw_TK = combine_from_slots_reference_backward(
-                dy_TD, y_MD, slot_TK, weights_TK, ctx.n_rows
-            )
-        return dy_MD, None, dw_TK, None
 
 
 class _SumFromSlots(torch.autograd.Function):
@@ -210,22 +158,6 @@ def permute_to_slots(
     _check_rows(slot_TK, n_rows, every_row_mapped)
     zero = _zero_unmapped(slot_TK, n_rows, every_row_mapped)
     return _PermuteToSlots.apply(x_TD, slot_TK, n_rows, zero)
-
-
-def combine_from_slots(
-    y_MD: torch.Tensor,
-    slot_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    *,
-    every_row_mapped: bool | None = None,
-) -> torch.Tensor:
-    """``y_TD[t] = sum_k weights_TK[t, k] * y_MD[slot_TK[t, k]]`` over valid slots: un-permute
-    and weighted sum over the K choices in one pass, fp32 accumulation, output in y's dtype.
-    Backward gives ``dy_MD[slot] = w_tk * dy_t`` (unmapped rows 0, see ``every_row_mapped`` in
-    the module doc) and ``dweights = <y_MD[slot], dy_t>`` (0 for dropped slots)."""
-    _check_rows(slot_TK, y_MD.shape[0], every_row_mapped)
-    zero = _zero_unmapped(slot_TK, y_MD.shape[0], every_row_mapped)
-    return _CombineFromSlots.apply(y_MD, slot_TK, weights_TK, zero)
 
 
 def sum_from_slots(

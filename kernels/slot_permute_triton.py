@@ -2,12 +2,12 @@
 
 Every kernel is token-major: a program owns BLOCK_T tokens and walks the model dimension in
 chunks of BLOCK_D columns, so each row access is a contiguous, 16-byte vectorizable run, and
-anything summed over the K choices of a token (or over D, for the weight gradient) is summed
-inside one program in a fixed order: deterministic, no atomics. Row offsets are int64 (slot *
-row stride passes 2**31 at production sizes).
+anything summed over the K choices of a token is summed inside one program in a fixed order:
+deterministic, no atomics. Row offsets are int64 (slot * row stride passes 2**31 at production
+sizes).
 
 A slot of -1 is a dropped assignment: the kernels neither read nor write a row for it (its
-rows contribute nothing, its weight gradient is 0). Every row access is also masked to the
+rows contribute nothing). Every row access is also masked to the
 buffer (``0 <= slot < n_rows``), so a slot map that does not fit its buffer can give wrong
 values but never touches memory outside it. Rows of the expert-ordered buffer that no
 valid slot maps to (alignment padding, or rows left over by dropped assignments) are zero-filled
@@ -74,7 +74,6 @@ def _scatter_rows(
 def _gather_rows(
     src_ptr,
     slot_ptr,
-    w_ptr,
     out_ptr,
     T,
     D,
@@ -82,11 +81,10 @@ def _gather_rows(
     stride_src,
     stride_out,
     K: tl.constexpr,
-    HAS_W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """out[t] = sum_k (w[t, k] *) src[slot[t, k]] over valid slots, in fp32, k in order."""
+    """out[t] = sum_k src[slot[t, k]] over valid slots, in fp32, k in order."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t = t.to(tl.int64)
@@ -98,76 +96,15 @@ def _gather_rows(
         for k in tl.static_range(K):
             slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
             valid = (slot >= 0) & (slot < n_rows)
-            # A dropped slot reads row 0 and weight 0: it adds exactly +0 (never w * NaN).
+            # A dropped slot reads nothing: it adds exactly +0.
             row = tl.load(
                 src_ptr + slot[:, None] * stride_src + c[None, :],
                 mask=m & valid[:, None],
                 other=0.0,
             )
-            if HAS_W:
-                w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
-                acc += row.to(tl.float32) * w[:, None]
-            else:
-                acc += row.to(tl.float32)
+            acc += row.to(tl.float32)
         dst = out_ptr + t[:, None] * stride_out + c[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _combine_backward(
-    dy_ptr,
-    y_ptr,
-    slot_ptr,
-    w_ptr,
-    dy_rows_ptr,
-    dw_ptr,
-    used_ptr,
-    T,
-    D,
-    n_rows,
-    stride_dy,
-    stride_y,
-    stride_dy_rows,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    NEED_DW: tl.constexpr,
-    MARK_USED: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """dy_rows[slot[t, k]] = w[t, k] * dy[t]; dw[t, k] = <y[slot[t, k]], dy[t]> in fp32;
-    a dropped slot (-1) writes no row and gets dw = 0."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < T
-    t = t.to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    kcols = tl.arange(0, K_PAD)
-    dw = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        c = d0 + cols
-        m = tmask[:, None] & (c < D)[None, :]
-        g = tl.load(dy_ptr + t[:, None] * stride_dy + c[None, :], mask=m, other=0.0)
-        g = g.to(tl.float32)
-        for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
-            valid = (slot >= 0) & (slot < n_rows)
-            mk = m & valid[:, None]
-            w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
-            dst = dy_rows_ptr + slot[:, None] * stride_dy_rows + c[None, :]
-            tl.store(dst, (g * w[:, None]).to(dy_rows_ptr.dtype.element_ty), mask=mk)
-            if NEED_DW:
-                y = tl.load(y_ptr + slot[:, None] * stride_y + c[None, :], mask=mk, other=0.0)
-                part = tl.sum(y.to(tl.float32) * g, axis=1)
-                dw += tl.where(kcols[None, :] == k, part[:, None], 0.0)
-    if NEED_DW:
-        kmask = tmask[:, None] & (kcols < K)[None, :]
-        dst = dw_ptr + t[:, None] * K + kcols[None, :]
-        tl.store(dst, dw.to(dw_ptr.dtype.element_ty), mask=kmask)
-    if MARK_USED:
-        for k in tl.static_range(K):
-            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1)
-            valid = (slot >= 0) & (slot < n_rows)
-            tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=valid)
 
 
 @triton.jit
@@ -255,26 +192,23 @@ def scatter_rows(
 def gather_rows(
     src_MD: torch.Tensor,
     slot_TK: torch.Tensor,
-    weights_TK: torch.Tensor | None,
     *,
     out_dtype: torch.dtype,
     out: torch.Tensor | None = None,
     block_t: int | None = None,
     block_d: int | None = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_k (weights_TK[t, k] *) src_MD[slot_TK[t, k]]`` over valid slots, with
-    fp32 accumulation: the combine forward (weighted) and the permute backward (unweighted)."""
+    """``out[t] = sum_k src_MD[slot_TK[t, k]]`` over valid slots, with fp32 accumulation: the
+    sum of a token's expert rows (and the permute's backward)."""
     T, K = slot_TK.shape
     D = src_MD.shape[1]
     src_MD, slot_TK = _row_major(src_MD), slot_TK.contiguous()
-    w = src_MD if weights_TK is None else weights_TK.contiguous()
     if out is None:
         out = torch.empty(T, D, dtype=out_dtype, device=src_MD.device)
     bt, bd = _blocks(T, D, block_t, block_d)
     _gather_rows[(cdiv(T, bt),)](
         src_MD,
         slot_TK,
-        w,
         out,
         T,
         D,
@@ -282,68 +216,8 @@ def gather_rows(
         src_MD.stride(0),
         out.stride(0),
         K=K,
-        HAS_W=weights_TK is not None,
         BLOCK_T=bt,
         BLOCK_D=bd,
         num_warps=4,
     )
     return out
-
-
-def combine_backward(
-    dy_TD: torch.Tensor,
-    y_MD: torch.Tensor | None,
-    slot_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    n_rows: int,
-    *,
-    zero_unmapped: bool | None = None,
-    out_rows: torch.Tensor | None = None,
-    out_dw: torch.Tensor | None = None,
-    block_t: int | None = None,
-    block_d: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dy_MD, dweights_TK): rows scattered and scaled, unmapped rows zero (``zero_unmapped`` as
-    in ``scatter_rows``); dweights in fp32 (cast to the weights' dtype; 0 for dropped slots), or
-    None when ``y_MD`` is None (weights need no gradient)."""
-    T, D = dy_TD.shape
-    K = slot_TK.shape[1]
-    dy_TD, slot_TK, weights_TK = _row_major(dy_TD), slot_TK.contiguous(), weights_TK.contiguous()
-    need_dw = y_MD is not None
-    if y_MD is not None and y_MD.shape != (n_rows, D):
-        raise ValueError(f"y_MD has shape {tuple(y_MD.shape)}, expected {(n_rows, D)}")
-    y = _row_major(y_MD) if y_MD is not None else dy_TD
-    if out_rows is None:
-        out_rows = torch.empty(n_rows, D, dtype=dy_TD.dtype, device=dy_TD.device)
-    if out_rows.shape != (n_rows, D):
-        raise ValueError(f"out_rows has shape {tuple(out_rows.shape)}, expected {(n_rows, D)}")
-    if need_dw and out_dw is None:
-        out_dw = torch.empty(T, K, dtype=weights_TK.dtype, device=dy_TD.device)
-    bt, bd = _blocks(T, D, block_t, block_d)
-    padded = _must_zero(n_rows, T * K, zero_unmapped)
-    used = torch.zeros(n_rows if padded else 1, dtype=torch.int8, device=dy_TD.device)
-    _combine_backward[(cdiv(T, bt),)](
-        dy_TD,
-        y,
-        slot_TK,
-        weights_TK,
-        out_rows,
-        out_dw if need_dw else weights_TK,
-        used,
-        T,
-        D,
-        n_rows,
-        dy_TD.stride(0),
-        y.stride(0),
-        out_rows.stride(0),
-        K=K,
-        K_PAD=next_pow2(K),
-        NEED_DW=need_dw,
-        MARK_USED=padded,
-        BLOCK_T=bt,
-        BLOCK_D=bd,
-        num_warps=4,
-    )
-    if padded:
-        _zero_unmarked(out_rows, used)
-    return out_rows, out_dw if need_dw else None

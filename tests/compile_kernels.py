@@ -1,4 +1,5 @@
-"""Compile every Triton kernel for an sm_90 (H100/H200) target, without a GPU.
+"""Compile every Triton kernel (the library's and the baselines') for an sm_90 (H100/H200)
+target, without a GPU.
 
 Run in a process where TRITON_INTERPRET is unset (``@triton.jit`` then builds real kernels).
 Lowering runs Triton's front end, which rejects code the interpreter runs happily (e.g. a
@@ -10,20 +11,17 @@ from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/baselines
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import (
-    adamw_triton,
-    grouped_gemm_triton,
-    router_topk_triton,
-    routing_triton,
-    slot_permute_triton,
-    swiglu_triton,
-)
+from benchmarks.baselines import grouped_gemm_triton, router_topk_triton, weighted_combine_triton
+from kernels import adamw_triton, routing_triton, slot_permute_triton, swiglu_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -43,9 +41,12 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         ptrs = {"x_ptr": act, "slot_ptr": "*i64", "out_ptr": act, "used_ptr": "*i8"}
         for c in variants({"K": [8], "MARK_USED": [False, True], **blocks}):
             out.append((sp._scatter_rows, ptrs, c))
-        ptrs = {"src_ptr": act, "slot_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": act}
-        for c in variants({"K": [8], "HAS_W": [False, True], **blocks}):
+        ptrs = {"src_ptr": act, "slot_ptr": "*i64", "out_ptr": act}
+        for c in variants({"K": [8], **blocks}):
             out.append((sp._gather_rows, ptrs, c))
+        ptrs = {"src_ptr": act, "slot_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": act}
+        for c in variants({"K": [8], **blocks}):
+            out.append((weighted_combine_triton._weighted_gather_rows, ptrs, c))
         ptrs = {
             "dy_ptr": act,
             "y_ptr": act,
@@ -57,7 +58,7 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         }
         flags = {"K": [8], "K_PAD": [8], "NEED_DW": [False, True], "MARK_USED": [False, True]}
         for c in variants({**flags, **blocks}):
-            out.append((sp._combine_backward, ptrs, c))
+            out.append((weighted_combine_triton._combine_backward, ptrs, c))
         ptrs = {"out_ptr": act, "used_ptr": "*i8"}
         out.append((sp._zero_unused_rows, ptrs, {"BLOCK_R": 16, "BLOCK_D": 256}))
         blocks = {"HAS_W": [False, True], "BLOCK_M": [4], "BLOCK_F": [1024]}

@@ -29,7 +29,8 @@ if not torch.cuda.is_available():
 def _interpret_kernel_tests(request: pytest.FixtureRequest):
     """Kernel tests on a machine without a GPU run the Triton kernels in the interpreter; other
     tests (the model on CPU) take the PyTorch references, as CPU training does."""
-    if request.module.__name__.startswith("test_kernels") and not torch.cuda.is_available():
+    kernel_test = request.module.__name__.startswith(("test_kernels", "test_baselines"))
+    if kernel_test and not torch.cuda.is_available():
         from kernels._triton import interpret_on_cpu
 
         with interpret_on_cpu():

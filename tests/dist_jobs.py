@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.permute import expert_counts
+from kernels.routing import expert_counts
 from moe_core.compose import compose_run
 from moe_core.model.moe import Experts, LocalDispatcher, Routing, TokenDispatcher
 from moe_core.parallel.dispatch import AllToAllDispatcher, RowwiseDispatcher, RowwiseExchange

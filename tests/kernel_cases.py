@@ -7,6 +7,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kernels._triton import use_triton
+from kernels.routing import expert_slots_reference
+from kernels.slot_permute import (
+    combine_from_slots_reference,
+    permute_to_slots,
+    permute_to_slots_reference,
+)
 
 # CUDA where there is a GPU; elsewhere CPU tensors, run by Triton's interpreter (see conftest).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,3 +149,50 @@ def output_and_grad(
     y = fn(x)
     y.backward(dy)
     return y.detach(), x.grad
+
+
+def assert_cast_once(low: torch.Tensor, master: torch.Tensor) -> None:
+    """``low`` is ``master`` rounded to its dtype: exactly (round to nearest even) on the GPU;
+    Triton's interpreter truncates instead, so on the CPU within one bf16 step."""
+    if low.is_cuda:
+        assert torch.equal(low, master.to(low.dtype)), "not the master rounded once"
+    else:
+        torch.testing.assert_close(low.float(), master, rtol=2**-7, atol=0.0)
+
+
+# Slot-permutation cases shared by the library's tests and the weighted combine baseline's.
+SLOT_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def padding_mask(slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
+    used = torch.zeros(n_rows, dtype=torch.bool, device=slot_TK.device)
+    used[slot_TK.reshape(-1)] = True
+    return ~used
+
+
+def slot_case(name: str, k: int, align: int, dtype: torch.dtype, seed: int = 0):
+    """(slot_TK, n_rows, x_TD) for a named routing."""
+    experts_TK = routing(name, T, E, k, seed)
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, align)
+    return slot_TK, n_rows, randn(T, D, dtype=dtype, seed=seed + 1)
+
+
+def round_trips(combine, slot_TK, n_rows, x_TD, k, dtype, mapped=None):
+    """(ours, reference): permute, perturb the rows, ``combine`` with random weights, backward;
+    each (x_MD, y_TD, dx_TD, dw_TK) as ``permute_combine_round_trip`` gives them."""
+    w_TK = rand_weights(T, k, seed=2)
+    g_MD = randn(n_rows, D, dtype=dtype, seed=3)  # perturbs the expert rows between the ops
+    dy_TD = randn(T, D, dtype=dtype, seed=4)
+    args = (x_TD, slot_TK, n_rows, w_TK, g_MD, dy_TD)
+    got = permute_combine_round_trip(permute_to_slots, combine, *args, every_row_mapped=mapped)
+    references = (permute_to_slots_reference, combine_from_slots_reference)
+    return got, permute_combine_round_trip(*references, *args)
+
+
+def dropped_slot_case(name: str, k: int, pattern: str, align: int, exact: bool, dtype, seed=0):
+    """(slot_TK, n_rows, every_row_mapped, x_TD): the flag as a caller would set it."""
+    experts_TK = drop_assignments(routing(name, T, E, k, seed), pattern, seed=seed + 1)
+    n_rows = valid_rows(experts_TK, E, align) if exact else None
+    slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, align, n_rows)
+    mapped = exact and align == 1  # only then does every row hold a kept assignment
+    return slot_TK, n_rows, mapped, randn(T, D, dtype=dtype, seed=seed + 2)

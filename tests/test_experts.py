@@ -15,9 +15,9 @@ from kernels.grouped_gemm import (
     grouped_mm_supported,
     grouped_mm_wgrad_reference,
 )
-from kernels.permute import combine_rows, expert_counts, expert_order, permute_rows
-from kernels.routing import expert_slots
-from kernels.slot_permute import permute_to_slots, slot_tokens
+from kernels.routing import expert_counts, expert_slots
+from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
+from kernels.swiglu import swiglu
 from moe_core.model.moe import MoE, Routing
 
 
@@ -55,14 +55,12 @@ def _grads(fn, tensors):
 
 
 def fused_experts(x, experts_TK, weights, w_gate_up, w_down):
-    """The production path: sort by expert, grouped GEMMs, weighted combine."""
-    E, Fh = w_gate_up.shape[0], w_down.shape[-1]
-    order = expert_order(experts_TK)
-    offs = torch.cumsum(expert_counts(experts_TK, E), 0, dtype=torch.int32)
-    x_MD = permute_rows(x, order, experts_TK.shape[1])
-    h = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offs)
-    a = F.silu(h[:, :Fh]) * h[:, Fh:]
-    return combine_rows(grouped_mm(a, w_down.transpose(-2, -1), offs), order, weights)
+    """The production path (``LocalDispatcher``): rows into expert-ordered slots, grouped GEMMs,
+    the SwiGLU scaled by the router weights, the plain sum back to tokens."""
+    slot_TK, _, offs, n_rows = expert_slots(experts_TK, w_gate_up.shape[0])
+    h = grouped_mm(permute_to_slots(x, slot_TK, n_rows), w_gate_up.transpose(-2, -1), offs)
+    a = swiglu(h, slot_weights(weights, slot_TK, n_rows))
+    return sum_from_slots(grouped_mm(a, w_down.transpose(-2, -1), offs), slot_TK)
 
 
 def check_expert_path(device: str, dtype: torch.dtype, rtol: float) -> None:

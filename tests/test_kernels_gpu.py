@@ -9,14 +9,17 @@ import torch
 from helpers import no_host_sync
 from kernel_cases import assert_matches, output_and_grad, permute_combine_round_trip
 
+from benchmarks.baselines import weighted_combine_triton
+from benchmarks.baselines.router_topk import topk_softmax, topk_softmax_reference
+from benchmarks.baselines.weighted_combine import (
+    combine_from_slots,
+    combine_from_slots_reference_backward,
+)
 from kernels import slot_permute_triton
 from kernels.grouped_gemm import grouped_mm
-from kernels.router_topk import topk_softmax, topk_softmax_reference
 from kernels.routing import expert_slots, expert_slots_reference
 from kernels.slot_permute import (
-    combine_from_slots,
     combine_from_slots_reference,
-    combine_from_slots_reference_backward,
     permute_to_slots,
     permute_to_slots_reference,
     permute_to_slots_reference_backward,
@@ -135,17 +138,17 @@ def test_permute_and_combine_with_dropped_assignments_gpu(align):
     assert torch.equal(x_MD, permute_to_slots_reference(x_RD, slot_RK, n_rows))
 
     dx_RD = torch.full((R, D), nan, dtype=BF16, device="cuda")
-    slot_permute_triton.gather_rows(y_MD, slot_RK, None, out_dtype=BF16, out=dx_RD)
+    slot_permute_triton.gather_rows(y_MD, slot_RK, out_dtype=BF16, out=dx_RD)
     assert_matches(dx_RD, permute_to_slots_reference_backward(y_MD, slot_RK))
 
     w_nan_RK = torch.where(slot_RK < 0, nan, weights_RK)  # never read for dropped slots
     out_RD = torch.full((R, D), nan, dtype=BF16, device="cuda")
-    slot_permute_triton.gather_rows(y_MD, slot_RK, w_nan_RK, out_dtype=BF16, out=out_RD)
+    weighted_combine_triton.combine_forward(y_MD, slot_RK, w_nan_RK, out_dtype=BF16, out=out_RD)
     assert_matches(out_RD, combine_from_slots_reference(y_MD, slot_RK, weights_RK))
 
     dy_MD = torch.full((n_rows, D), nan, dtype=BF16, device="cuda")
     dw_RK = torch.full((R, K_), nan, device="cuda")
-    slot_permute_triton.combine_backward(
+    weighted_combine_triton.combine_backward(
         dy_RD,
         y_MD,
         slot_RK,

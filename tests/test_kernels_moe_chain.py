@@ -1,5 +1,6 @@
-"""The slot path end to end (slots -> permute -> grouped GEMMs -> SwiGLU -> combine) computes the
-MoE experts as a per-expert loop does, forward and every gradient, padded segments or not."""
+"""The slot path end to end (slots -> permute -> grouped GEMMs -> SwiGLU scaled by the router
+weights -> sum) computes the MoE experts as a per-expert loop does, forward and every gradient,
+padded segments or not."""
 
 from __future__ import annotations
 
@@ -10,28 +11,19 @@ from kernel_cases import D, E, T, assert_triton_path, rand_weights, randn, routi
 
 from kernels.grouped_gemm import grouped_mm
 from kernels.routing import expert_slots
-from kernels.slot_permute import (
-    combine_from_slots,
-    permute_to_slots,
-    slot_weights,
-    sum_from_slots,
-)
+from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from kernels.swiglu import swiglu
 
 HIDDEN = 24
 
 
-def slot_path(x_TD, experts_TK, weights_TK, w_gate_up, w_down, align, weights_at):
-    """``weights_at="swiglu"``: the router weights scale the SwiGLU rows and the combine is a
-    plain sum (the layer's path); ``"combine"``: the weighted combine (expert parallelism's)."""
+def slot_path(x_TD, experts_TK, weights_TK, w_gate_up, w_down, align):
+    """The layer's path: the router weights scale the SwiGLU rows, the combine is a plain sum."""
     slot_TK, _, offs_E, n_rows = expert_slots(experts_TK, E, align)
     x_MD = permute_to_slots(x_TD, slot_TK, n_rows)
     h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offs_E)
-    if weights_at == "swiglu":
-        a_MF = swiglu(h_M2F, slot_weights(weights_TK, slot_TK, n_rows))
-        return sum_from_slots(grouped_mm(a_MF, w_down.transpose(-2, -1), offs_E), slot_TK)
-    y_MD = grouped_mm(swiglu(h_M2F), w_down.transpose(-2, -1), offs_E)
-    return combine_from_slots(y_MD, slot_TK, weights_TK)
+    a_MF = swiglu(h_M2F, slot_weights(weights_TK, slot_TK, n_rows))
+    return sum_from_slots(grouped_mm(a_MF, w_down.transpose(-2, -1), offs_E), slot_TK)
 
 
 def loop_path(x_TD, experts_TK, weights_TK, w_gate_up, w_down):
@@ -45,11 +37,10 @@ def loop_path(x_TD, experts_TK, weights_TK, w_gate_up, w_down):
     return y_TD
 
 
-@pytest.mark.parametrize("weights_at", ["combine", "swiglu"])
 @pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("name", ["two-empty-experts", "all-on-one"])
-def test_slot_path_equals_per_expert_loop(name, k, align, weights_at):
+def test_slot_path_equals_per_expert_loop(name, k, align):
     experts_TK = routing(name, T, E, k)
     x = randn(T, D, seed=1).requires_grad_()
     assert_triton_path(x)
@@ -59,7 +50,7 @@ def test_slot_path_equals_per_expert_loop(name, k, align, weights_at):
     leaves = (x, w, w_gate_up, w_down)
     dy = randn(T, D, seed=5)
 
-    y_slot = slot_path(x, experts_TK, w, w_gate_up, w_down, align, weights_at)
+    y_slot = slot_path(x, experts_TK, w, w_gate_up, w_down, align)
     y_loop = loop_path(x, experts_TK, w, w_gate_up, w_down)
     got = [y_slot.detach(), *torch.autograd.grad(y_slot, leaves, dy)]
     ref = [y_loop.detach(), *torch.autograd.grad(y_loop, leaves, dy)]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from helpers import no_host_sync, one_rank_nccl_group
 
-from kernels.permute import expert_counts
+from kernels.routing import expert_counts
 from moe_core.model.moe import Experts, LocalDispatcher, Routing
 from moe_core.parallel.dispatch import RowwiseDispatcher, RowwiseExchange
 from moe_core.parallel.symmetric import CudaSymmetricHeap

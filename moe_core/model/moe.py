@@ -18,8 +18,7 @@ from torch import nn
 
 from kernels.fp8 import fp8_grouped_mm
 from kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
-from kernels.permute import expert_counts
-from kernels.routing import expert_slots
+from kernels.routing import expert_counts, expert_slots
 from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
 from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig

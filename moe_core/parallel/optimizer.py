@@ -69,14 +69,9 @@ class ShardedAdamW:
             dist.all_reduce(sq)
         return sq.sqrt()
 
-    def step(self, max_norm: float) -> torch.Tensor:
-        """Clip to ``max_norm`` (inf: no clipping), update the shards, gather the weights."""
-        norm = self.grad_norm()
-        self.update(norm, max_norm)
-        return norm
-
     def update(self, norm: torch.Tensor, max_norm: float) -> None:
-        """Apply the step given the global gradient norm (see ``grad_norm``)."""
+        """Apply the step given the global gradient norm (see ``grad_norm``): clip to
+        ``max_norm`` (inf: no clipping), update the shards, gather the weights."""
         scale = None
         if max_norm != float("inf"):
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -5,6 +5,9 @@ Moments are kept in each parameter's dtype (as ``torch.optim.AdamW`` keeps them)
 update writes the parameter from its master in the same pass); the math runs in fp32. The step
 count and learning rate live on the device, so a step reads nothing back and can be captured in
 a CUDA graph (set ``lr`` between replays with ``set_lr``).
+
+The bare training step's optimizer (``benchmarks/train_step.py --optimizer moe_core``), not the
+trainer's: training runs the same update through ``moe_core.parallel.optimizer.ShardedAdamW``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Token permutation between token order and expert order (PyTorch references).
+"""The argsort permutation path: the PyTorch MoE dispatch the slot kernels replaced (a baseline).
+
+``benchmarks/moe_kernels.py`` times it against the slot kernels (``kernels.slot_permute``) and
+the tests check that both compute the same rows. Training does not call it.
 
 A routed assignment is a pair (token t, choice k); flattened it is ``a = t * K + k``. Sorting the
 assignments by expert gives ``order_M`` (M = T * K): the assignment placed at expert-ordered slot
@@ -9,13 +12,6 @@ CUDA graph. The backward passes are deterministic: no float atomics accumulate i
 from __future__ import annotations
 
 import torch
-
-
-def expert_counts(experts_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """int64 number of assignments per expert (a scatter-add: no host read, unlike bincount)."""
-    flat_M = experts_TK.reshape(-1)
-    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=flat_M.device)
-    return counts_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))
 
 
 def expert_order(experts_TK: torch.Tensor) -> torch.Tensor:

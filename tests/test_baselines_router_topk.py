@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, E, T, assert_triton_path, randn
 
-from kernels import router_topk_triton
-from kernels.router_topk import (
+from benchmarks.baselines import router_topk_triton
+from benchmarks.baselines.router_topk import (
     topk_softmax,
     topk_softmax_reference,
     topk_softmax_reference_backward,

@@ -1,5 +1,9 @@
 """Fused softmax router top-k: probabilities, (bias-steered) expert choice and combine weights.
 
+A baseline, not on the training path: the router takes ``torch.topk``, which Inductor fuses
+with the softmax inside a compiled block; ``benchmarks/moe_kernels.py`` times this kernel
+against the PyTorch router.
+
 ``topk_softmax(logits_TE, k, bias_E, normalize)`` computes what ``moe_core``'s softmax
 ``Router`` does after its fp32 logits: ``probs = softmax(logits)``; the experts are the top-k of
 ``probs + bias`` (the bias steers selection only), in descending order; the weights are the
@@ -51,7 +55,7 @@ class _TopKSoftmax(torch.autograd.Function):
     def forward(ctx, logits_TE, k, bias_E, normalize):  # type: ignore[override]
         ctx.normalize = normalize
         if use_triton(logits_TE):
-            from kernels import router_topk_triton
+            from benchmarks.baselines import router_topk_triton
 
             out = router_topk_triton.topk_softmax_forward(logits_TE, k, bias_E, normalize)
         else:
@@ -66,7 +70,7 @@ class _TopKSoftmax(torch.autograd.Function):
     def backward(ctx, dweights_TK, _dexperts, dprobs_TE):  # type: ignore[override]
         probs_TE, experts_TK = ctx.saved_tensors
         if use_triton(probs_TE):
-            from kernels import router_topk_triton
+            from benchmarks.baselines import router_topk_triton
 
             dlogits_TE = router_topk_triton.topk_softmax_backward(
                 probs_TE, experts_TK, dprobs_TE, dweights_TK, ctx.normalize

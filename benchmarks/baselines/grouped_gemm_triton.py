@@ -1,5 +1,10 @@
 """Triton grouped GEMMs over expert segments, with the group offsets only on the device.
 
+A baseline, not on the training path (``kernels.grouped_gemm`` takes ``torch._grouped_mm`` or
+QuACK): slower than ``torch._grouped_mm`` at the model's shapes except skewed down-projection
+weight gradients (benchmarks/RESULTS.md); ``benchmarks/grouped_gemm.py`` times it, and it is
+the starting point for a persistent grouped GEMM.
+
 ``grouped_mm``: ``y[rows of g] = x[rows of g] @ w[g]`` (the forward, and the input gradient
 ``dy @ w[g]^T`` with ``w`` passed transposed); ``grouped_wgrad``: ``dw[g] = x[rows of g]^T @
 dy[rows of g]`` (the weight gradient, as [G, K, N] or, transposed, as [G, N, K]). Rows of group g

@@ -1,0 +1,1 @@
+"""GPU benchmark scripts (run as ``python benchmarks/NAME.py``) and their baselines."""
