@@ -15,7 +15,6 @@ imports ``flows.launchers``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -29,6 +28,7 @@ import yaml
 
 from moe_core.config import ConfigError, RunConfig, check_path
 from moe_core.errors import RunFailedError
+from moe_core.files import sha256_hex
 from moe_core.plan import check_cluster, check_resources, plan, plan_text
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ TORCHRUN_ENTRY = ["-m", "moe_core.cli", "train", "--config"]
 
 def run_id(run: RunConfig) -> str:
     """A stable id for a run (its model and output directory): the rendezvous id."""
-    digest = hashlib.sha256(run.out_dir.encode()).hexdigest()[:8]
+    digest = sha256_hex(run.out_dir.encode())[:8]
     model = re.sub(r"[^a-z0-9]+", "-", run.model.name.lower()).strip("-")[:40] or "model"
     return f"moe-{model}-{digest}"
 
