@@ -1,4 +1,5 @@
-"""Multi-node launch of ``moe train``: the torchrun command, a Slurm batch script, a Kubernetes Job.
+"""How the train stage launches ``moe train``: the checks before any stage, the retried
+attempts, and what a cluster runs (the torchrun command, a Slurm batch script, a Kubernetes Job).
 
 Every node runs one ``torchrun`` that starts ``cluster.procs_per_node`` ranks and joins a c10d
 rendezvous hosted on the first node; each rank runs ``moe train --config <resolved JSON>``, so
@@ -6,29 +7,42 @@ every node trains exactly the config the pipeline resolved (no Hydra on the node
 directory must be on storage every node shares (a parallel file system under Slurm, a
 ReadWriteMany volume under Kubernetes).
 
-Nothing here submits anything: the renderers return text for ``sbatch`` or ``kubectl apply``
-(``flows.launchers`` submits the Slurm script from the pipeline's train stage).
+The renderers return text for ``sbatch`` or ``kubectl apply`` and submit nothing: the launcher
+of ``cluster.kind`` (``flows.launchers``, which imports them) submits and follows one attempt.
+``check_launchable`` and ``launch_attempts`` are given that launcher, so this module never
+imports ``flows.launchers``.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
+import logging
 import re
 import shlex
-from pathlib import PurePosixPath
-from typing import Any
+import threading
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
+import torch
 import yaml
 
 from moe_core.config import ConfigError, RunConfig, check_path
-from moe_core.plan import check_cluster
+from moe_core.errors import RunFailedError
+from moe_core.files import sha256_hex
+from moe_core.plan import check_cluster, check_resources, plan, plan_text
+
+if TYPE_CHECKING:
+    from flows.launchers import Attempt, Launcher
+    from flows.tracking import Tracker
+
+Logger = logging.Logger | logging.LoggerAdapter
 
 TORCHRUN_ENTRY = ["-m", "moe_core.cli", "train", "--config"]
 
 
 def run_id(run: RunConfig) -> str:
     """A stable id for a run (its model and output directory): the rendezvous id."""
-    digest = hashlib.sha256(run.out_dir.encode()).hexdigest()[:8]
+    digest = sha256_hex(run.out_dir.encode())[:8]
     model = re.sub(r"[^a-z0-9]+", "-", run.model.name.lower()).strip("-")[:40] or "model"
     return f"moe-{model}-{digest}"
 
@@ -252,4 +266,101 @@ def render_kubernetes(
     )
     return header + yaml.safe_dump_all(
         [api.sanitize_for_serialization(o) for o in objects], sort_keys=False
+    )
+
+
+# ---- the train stage's launches ---------------------------------------------------------
+
+
+def check_launchable(run: RunConfig, launcher: type[Launcher], logger: Logger) -> None:
+    """Refuse, before any stage, a layout the cluster cannot run or a launch this machine cannot
+    make: one sentence, plus the plan in the log (parameters, GPUs, memory per GPU)."""
+    check_cluster(run)
+    report = plan(run)
+    logger.info("plan for %s:\n%s", run.model.name, plan_text(report))
+    c = run.cluster
+    if c.kind == "local":  # this machine's GPUs
+        gpus = torch.cuda.device_count()
+        memory = None
+        if torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:  # the nodes the cluster config describes
+        gpus, memory = c.nodes * c.gpus_per_node, c.gpu_memory_gib or None
+    check_resources(run, gpus, memory)
+    launcher.check(run)
+
+
+class MetricsSender:
+    """While training runs, ``metrics.jsonl`` goes to MLflow every few seconds (and once more
+    at the end)."""
+
+    def __init__(
+        self, tracker: Tracker, run_id: str | None, metrics: Path, every_s: float = 5.0
+    ) -> None:
+        self.tracker, self.run_id, self.metrics, self.every_s = tracker, run_id, metrics, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _send(self) -> None:
+        self.tracker.send_metrics_file(self.run_id, self.metrics)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self._send()
+
+    def __enter__(self) -> MetricsSender:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._send()
+
+
+def newest_checkpoint(train_dir: Path) -> str:
+    """The name of the checkpoint an attempt resumes from (or "no checkpoint")."""
+    from moe_core.train.checkpoint import newest_verified
+
+    found = newest_verified(train_dir / "checkpoints")
+    return found.name if found is not None else "no checkpoint"
+
+
+def launch_attempts(
+    launcher: Launcher, tracker: Tracker, run_id: str | None, logger: Logger
+) -> list[Attempt]:
+    """Launch training until an attempt finishes, at most ``1 + cluster.launch_retries`` times;
+    every attempt resumes from the newest valid checkpoint. Each attempt (job id, submitted
+    script, state) is added to ``train/launches.json`` and the stage's MLflow params."""
+    run, train_dir = launcher.run, launcher.train_dir
+    record = train_dir / "launches.json"
+    history = json.loads(record.read_text()) if record.is_file() else []
+    before = len(history)  # attempts of earlier flow runs keep their numbers
+    tries = 1 + run.cluster.launch_retries
+    attempts: list[Attempt] = []
+    for i in range(tries):
+        number = before + i + 1
+        if i:
+            logger.warning(
+                "%s; launching again (%d of %d), resuming from %s",
+                attempts[-1].detail,
+                i + 1,
+                tries,
+                newest_checkpoint(train_dir),
+            )
+        with MetricsSender(tracker, run_id, train_dir / "metrics.jsonl"):
+            attempt = launcher.attempt(number)
+        attempts.append(attempt)
+        history.append(attempt.record())
+        record.write_text(json.dumps(history, indent=1))
+        params = {"kind": run.cluster.kind, "job_id": attempt.job_id, "state": attempt.state}
+        if attempt.script is not None:
+            params["script"] = attempt.script
+        tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
+        if attempt.ok:
+            return attempts
+    raise RunFailedError(
+        f"{attempts[-1].detail} (see the log above) on attempt {tries} of {tries} "
+        f"(cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "
+        f"{newest_checkpoint(train_dir)}."
     )

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_core.data.files import file_sha256
+from moe_core.files import file_sha256
 
 STAGES = ("tokenize", "init", "train", "convert", "evaluate")
 

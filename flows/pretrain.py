@@ -8,8 +8,8 @@ retry``) reports a stage whose manifest verifies as ``Skipped`` and leaves its f
 a stage whose outputs are missing or corrupt, or whose inputs changed, runs again, and so does
 everything after it. Outputs of an older configuration are moved aside, never deleted. ``train``
 hands the resolved config to the launcher of ``cluster.kind`` (``flows.launchers``: torchrun
-here, a Slurm job or a Kubernetes Job); a failed attempt is launched again
-(``cluster.launch_retries``) and every attempt resumes from the newest valid checkpoint.
+here, a Slurm job or a Kubernetes Job) through ``flows.launch``; a failed attempt is launched
+again (``cluster.launch_retries``) and every attempt resumes from the newest valid checkpoint.
 """
 
 from __future__ import annotations
@@ -20,19 +20,18 @@ import json
 import os
 import shutil
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed
 
 from flows import manifests
+from flows.launch import check_launchable, launch_attempts
 from flows.launchers import Attempt, launcher_class
 from flows.manifests import STAGES, digest
 from flows.plots import training_plots
@@ -123,27 +122,6 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
             "corpus, so use a token data option (e.g. data=kjv)."
         )
     return from_dict(RunConfig, {**config, "data": data, "out_dir": str(run_dir / "train")})
-
-
-def check_launchable(run: RunConfig) -> None:
-    """Refuse, before any stage, a layout the cluster cannot run or a launch this machine cannot
-    make: one sentence, plus the plan in the log (parameters, GPUs, memory per GPU)."""
-    from moe_core.plan import check_cluster, check_resources, plan
-
-    logger = get_run_logger()
-    check_cluster(run)
-    report = plan(run)
-    logger.info("plan for %s:\n%s", run.model.name, report.text())
-    c = run.cluster
-    if c.kind == "local":  # this machine's GPUs
-        gpus = torch.cuda.device_count()
-        memory = None
-        if torch.cuda.is_available():
-            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-    else:  # the nodes the cluster config describes
-        gpus, memory = c.nodes * c.gpus_per_node, c.gpu_memory_gib or None
-    check_resources(run, gpus, memory)
-    launcher_class(run).check(run)
 
 
 def _supersede(ctx: Context, stage: str, folder: Path) -> None:
@@ -299,103 +277,38 @@ def _link_tree(src: Path, dst: Path) -> None:
     tmp.rename(dst)
 
 
-def _newest_checkpoint(ctx: Context) -> str:
-    from moe_core.train.checkpoint import newest_verified
-
-    found = newest_verified(ctx.train_dir / "checkpoints")
-    return found.name if found is not None else "no checkpoint"
-
-
-class _MetricsSender:
-    """While training runs, ``metrics.jsonl`` goes to MLflow every few seconds (and once more
-    at the end)."""
-
-    def __init__(self, ctx: Context, run_id: str | None, every_s: float = 5.0) -> None:
-        self.ctx, self.run_id, self.every_s = ctx, run_id, every_s
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _send(self) -> None:
-        self.ctx.tracker.send_metrics_file(self.run_id, self.ctx.train_dir / "metrics.jsonl")
-
-    def _loop(self) -> None:
-        while not self.stop.wait(self.every_s):
-            self._send()
-
-    def __enter__(self) -> _MetricsSender:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        self._send()
-
-
-def _launch(ctx: Context, run_id: str | None) -> list[Attempt]:
-    """Launch training until an attempt finishes, at most ``1 + cluster.launch_retries`` times;
-    every attempt resumes from the newest valid checkpoint. Each attempt (job id, submitted
-    script, state) is added to ``train/launches.json`` and the stage's MLflow params."""
-    logger = get_run_logger()
-    run = ctx.run
-    launcher = launcher_class(run)(run, ctx.train_dir, logger.info)
-    record = ctx.train_dir / "launches.json"
-    history = json.loads(record.read_text()) if record.is_file() else []
-    before = len(history)  # attempts of earlier flow runs keep their numbers
-    tries = 1 + run.cluster.launch_retries
-    attempts: list[Attempt] = []
-    for i in range(tries):
-        number = before + i + 1
-        if i:
-            logger.warning(
-                "%s; launching again (%d of %d), resuming from %s",
-                attempts[-1].detail,
-                i + 1,
-                tries,
-                _newest_checkpoint(ctx),
-            )
-        with _MetricsSender(ctx, run_id):
-            attempt = launcher.attempt(number)
-        attempts.append(attempt)
-        history.append(attempt.record())
-        record.write_text(json.dumps(history, indent=1))
-        params = {"kind": run.cluster.kind, "job_id": attempt.job_id, "state": attempt.state}
-        if attempt.script is not None:
-            params["script"] = attempt.script
-        ctx.tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
-        if attempt.ok:
-            return attempts
-    raise RunFailedError(
-        f"{attempts[-1].detail} (see the log above) on attempt {tries} of {tries} "
-        f"(cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "
-        f"{_newest_checkpoint(ctx)}."
-    )
-
-
-def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
-    run, out = ctx.run, ctx.train_dir
-    _supersede(ctx, "train", out)
-    checkpoints = out / "checkpoints"
+def _start_from_init(ctx: Context) -> None:
+    """A fresh train folder begins at the init stage's checkpoint (linked, not copied); one
+    that holds checkpoints of this configuration (an interrupted attempt) is resumed."""
+    _supersede(ctx, "train", ctx.train_dir)
+    checkpoints = ctx.train_dir / "checkpoints"
     if not any(checkpoints.glob("step_*")):
         _link_tree(
             ctx.run_dir / "init" / "checkpoints" / "step_00000000", checkpoints / "step_00000000"
         )
-    config_path = out / "config.json"
+
+
+def _write_train_config(ctx: Context, run_id: str | None) -> None:
+    """The resolved config every attempt trains (``train/config.json``), also as MLflow params."""
     # Resume is what makes retries continue; the export is the convert stage's job.
-    train = dataclasses.replace(run.train, resume=True, save_model=False)
-    resolved = dataclasses.replace(run, train=train)
-    config_path.write_text(json.dumps(to_dict(resolved), indent=1))
+    train = dataclasses.replace(ctx.run.train, resume=True, save_model=False)
+    resolved = dataclasses.replace(ctx.run, train=train)
+    (ctx.train_dir / "config.json").write_text(json.dumps(to_dict(resolved), indent=1))
     ctx.tracker.params(run_id, to_dict(resolved))
-    attempts = _launch(ctx, run_id)
+
+
+def _check_final_checkpoint(ctx: Context) -> None:
     from moe_core.train.checkpoint import verify
 
     problem = verify(ctx.final_checkpoint)
     if problem is not None:
         raise RunFailedError(f"training ended without its final checkpoint: {problem}")
-    plots = training_plots(out / "metrics.jsonl", ctx.run_dir / "plots")
-    for p in plots:
-        ctx.tracker.artifacts(run_id, p, "plots")
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_summary(ctx: Context, run_id: str | None, attempts: list[Attempt]) -> dict[str, Any]:
+    """The stage's numbers from ``metrics.jsonl`` (medians leave out the warm-up step), also as
+    MLflow metrics."""
+    lines = [json.loads(x) for x in (ctx.train_dir / "metrics.jsonl").read_text().splitlines()]
     summary = {
         "final_loss": lines[-1]["loss"],
         "first_loss": lines[0]["loss"],
@@ -413,6 +326,22 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     ctx.tracker.metrics(
         run_id, {k: float(v) for k, v in summary.items() if isinstance(v, int | float)}
     )
+    return summary
+
+
+def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    """Start from init (or resume), write the config, launch until an attempt finishes (the
+    launcher of ``cluster.kind``, ``flows.launch.launch_attempts``), check the final
+    checkpoint, plot, summarize."""
+    logger, out = get_run_logger(), ctx.train_dir
+    _start_from_init(ctx)
+    _write_train_config(ctx, run_id)
+    launcher = launcher_class(ctx.run)(ctx.run, out, logger.info)
+    attempts = launch_attempts(launcher, ctx.tracker, run_id, logger)
+    _check_final_checkpoint(ctx)
+    for p in training_plots(out / "metrics.jsonl", ctx.run_dir / "plots"):
+        ctx.tracker.artifacts(run_id, p, "plots")
+    summary = _train_summary(ctx, run_id, attempts)
     outputs = [ctx.final_checkpoint / "manifest.json", out / "metrics.jsonl", out / "launches.json"]
     return summary, outputs + [Path(a.script) for a in attempts[-1:] if a.script]
 
@@ -589,7 +518,7 @@ def _pipeline(config: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
     logger = get_run_logger()
     root = _run_root(run_dir or default_run_dir(config.get("cluster")))
     run = resolve(config, root)  # refusals come before anything is written
-    check_launchable(run)
+    check_launchable(run, launcher_class(run), logger)
     if run.eval.tasks:  # the task files are there and hold every configured task
         from moe_core.eval.tasks import load_tasks
 

@@ -93,14 +93,14 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from moe_core.compose import compose_run
-    from moe_core.plan import plan
+    from moe_core.plan import plan, plan_table
 
     run = compose_run(args.overrides, args.config_dir, args.config_name)
     if args.html is not None:
         from moe_core.planpage import check_target
 
         check_target(args.html, args.overwrite)  # before any output: a bad path says so alone
-    console.print(plan(run).table())
+    console.print(plan_table(plan(run)))
     if args.html is not None:
         from moe_core.planpage import write_page
 

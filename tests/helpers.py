@@ -121,10 +121,10 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
 
     import numpy as np
 
-    from moe_core.data.files import atomic_write, json_bytes, sha256_hex
     from moe_core.data.manifest import MANIFEST, build_manifest
     from moe_core.data.shards import SPLITS, SplitWriter
     from moe_core.data.tokenizer import TOKENIZER_JSON
+    from moe_core.files import atomic_write, json_bytes, sha256_hex
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ refusals of a bad output path."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
@@ -363,6 +364,41 @@ def test_page_is_self_contained_and_starts_at_the_run(page: str):
     # presets compare as whole precision sections: pure-bf16 is not taken for fp8 (same dtypes)
     assert [t["layout"]["precision"] for t in data["tour"]][:2] == ["pure-bf16", "bf16"]
     assert all(evaluate(t["layout"], data)["refusal"] is None for t in data["tour"])
+
+
+def names_python(dotted: str) -> bool:
+    """Whether ``dotted`` (from the top, from ``moe_core``, its ``model`` package or
+    ``moe_core.config``) names a module of ours or an attribute of one."""
+    for prefix in ("", "moe_core.", "moe_core.model.", "moe_core.config."):
+        parts = f"{prefix}{dotted}".split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                break
+            return True
+    return False
+
+
+def test_planner_js_names_python_that_exists():
+    """planner.js says which Python function each part mirrors: every module path and dotted
+    name in its comments still exists (a function that moves takes its comments along)."""
+    source = (ROOT / "moe_core" / "planpage" / "planner.js").read_text()
+    comments = "\n".join(re.findall(r"//(.*)", source))
+    paths = set(re.findall(r"\b(?:moe_core|tests)/[\w/.]*\w", comments))
+    dotted = {
+        name
+        for name in re.findall(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", comments)
+        if not name.endswith((".py", ".js")) and name != "e.g"
+    }
+    assert dotted and paths  # the comments were read
+    assert [p for p in sorted(paths) if not (ROOT / p).exists()] == []
+    assert [name for name in sorted(dotted) if not names_python(name)] == []
 
 
 def test_calibration_is_the_measured_h200_run():

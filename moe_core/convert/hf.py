@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
-from moe_core.data.files import user_mode
 from moe_core.errors import CheckpointError
+from moe_core.files import user_mode
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 OUR_CONFIG = "moe_core_config.json"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_core.config import ModelConfig, from_dict, to_dict
 from moe_core.convert.hf import OUR_CONFIG, refuse_existing
-from moe_core.data.files import user_mode
+from moe_core.files import user_mode
 
 WEIGHTS = "model.safetensors"
 

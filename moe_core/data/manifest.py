@@ -7,16 +7,15 @@ trusting a directory: the tokenizer file, and every shard's size and (optionally
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moe_core.data.errors import DataError
-from moe_core.data.files import file_sha256
 from moe_core.data.shards import SPLITS, ShardRecord, shard_problem
 from moe_core.data.tokenizer import TOKENIZER_JSON
+from moe_core.files import file_sha256, sha256_hex
 
 FORMAT = "moe_core.tokens/1"
 MANIFEST = "manifest.json"
@@ -91,7 +90,7 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         found = content.get("format") if isinstance(content, dict) else None
         raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: tokenize the corpus again.")
-    return Manifest(d, content, hashlib.sha256(raw).hexdigest())
+    return Manifest(d, content, sha256_hex(raw))
 
 
 def verify_data_dir(

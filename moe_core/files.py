@@ -1,4 +1,5 @@
-"""File helpers of the data stage: atomic writes, deterministic JSON, sha256."""
+"""File helpers every part writes and checks files with (token shards, checkpoints, exports,
+stage manifests): atomic writes, the permissions of a new file, deterministic JSON, sha256."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def user_mode(directory: bool) -> int:
     return (0o777 if directory else 0o666) & ~mask
 
 
-def remove_temporaries(data_dir: Path) -> None:
-    """Drop what an interrupted writer left under a temporary name (never a finished file)."""
-    for p in data_dir.glob(f".*{TMP_MARK}*"):
+def remove_temporaries(folder: Path) -> None:
+    """Drop what an interrupted ``atomic_write`` left in ``folder`` under a temporary name
+    (never a finished file)."""
+    for p in folder.glob(f".*{TMP_MARK}*"):
         if p.is_file():
             p.unlink()
 
@@ -43,10 +45,12 @@ def json_bytes(obj: Any) -> bytes:
 
 
 def sha256_hex(data: bytes) -> str:
+    """The sha256 of ``data`` as hex, the form every manifest records."""
     return hashlib.sha256(data).hexdigest()
 
 
 def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file as hex, read in 4 MiB pieces (checkpoint shards are large)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

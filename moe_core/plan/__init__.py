@@ -1,0 +1,53 @@
+"""The layout planner: parameters, GPUs, memory per GPU and communication per step of a run.
+
+``plan(run)`` (``planner``) sizes a layout from the config alone: ``memory`` holds what one rank
+of each pipeline stage allocates, ``communication`` what it sends per step, ``timing`` the
+predicted step time, ``report`` the table ``moe plan`` prints and ``checks`` the one-sentence
+refusals of a layout a cluster, a machine or a GPU cannot hold. Each module's docstring gives
+its formulas; this package re-exports what its callers use.
+"""
+
+from moe_core.plan.checks import (
+    InsufficientResourcesError,
+    check_cluster,
+    check_resources,
+    fit_refusal,
+)
+from moe_core.plan.communication import Communication, all_to_all_rows_per_token
+from moe_core.plan.memory import (
+    DTYPE_BYTES,
+    GIB,
+    RUNTIME_RESERVE_GIB,
+    ParameterCounts,
+    StageMemory,
+    layer_activation_bytes,
+    max_in_flight,
+    parameter_counts,
+)
+from moe_core.plan.planner import Plan, plan
+from moe_core.plan.report import plan_table, plan_text
+from moe_core.plan.timing import BLOCK_RECOMPUTE_FLOPS, StepTime, step_time
+
+__all__ = [
+    "BLOCK_RECOMPUTE_FLOPS",
+    "DTYPE_BYTES",
+    "GIB",
+    "RUNTIME_RESERVE_GIB",
+    "Communication",
+    "InsufficientResourcesError",
+    "ParameterCounts",
+    "Plan",
+    "StageMemory",
+    "StepTime",
+    "all_to_all_rows_per_token",
+    "check_cluster",
+    "check_resources",
+    "fit_refusal",
+    "layer_activation_bytes",
+    "max_in_flight",
+    "parameter_counts",
+    "plan",
+    "plan_table",
+    "plan_text",
+    "step_time",
+]

@@ -1,0 +1,90 @@
+"""Communication of one rank per optimizer step, in bytes it sends.
+
+Ring collectives send ``(g - 1) / g`` of the buffer.
+
+- all-to-all per MoE layer and micro-batch, under uniform routing: each token goes once to each
+  other expert-parallel rank holding one of its top-k experts, ``r = T * (ep - 1) * (1 - q)``
+  rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends ``r * (d_model * b_p + 12 k)``
+  (row, expert ids, weights) and ``r * d_model * b_p`` back; backward the same rows with
+  ``4 k`` instead of ``12 k``; block recompute repeats the forward.
+- reduce-scatter of the gradients (``b_o``) and all-gather of the updated weights, once per step.
+- pipeline: one ``T * d_model * b_p`` message per micro-batch and chunk boundary, each way
+  (``memory.pipeline_send_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_core.config import ModelConfig, RunConfig
+from moe_core.plan.memory import StageMemory, element_bytes, tokens_per_micro_batch
+
+
+@dataclass(frozen=True)
+class Communication:
+    """Bytes one rank sends per optimizer step (all-to-all also per layer and micro-batch)."""
+
+    all_to_all_per_layer: int  # one MoE layer, one micro-batch, forward + backward
+    all_to_all: int  # the step: every MoE layer of the busiest rank, every micro-batch
+    reduce_scatter: int  # gradients in the optimizer's dtype, dense and expert groups
+    all_gather: int  # updated weights in the model dtype
+    pipeline: int  # the busiest rank's activation and gradient messages
+
+
+def ring(nbytes: float, group: int) -> float:
+    """What one rank of a ring collective over ``group`` ranks sends of ``nbytes``."""
+    return nbytes * (group - 1) / group
+
+
+def all_to_all_rows_per_token(m: ModelConfig, ep: int) -> float:
+    """Expected rows one token sends to other expert-parallel ranks (uniform routing)."""
+    if ep == 1:
+        return 0.0
+    per_rank = m.n_experts // ep
+    q = math.comb(m.n_experts - per_rank, m.top_k) / math.comb(m.n_experts, m.top_k)
+    return (ep - 1) * (1.0 - q)
+
+
+def all_to_all_bytes_per_layer(run: RunConfig) -> float:
+    """One MoE layer and micro-batch: rows forward (with ids and weights) and back, the same
+    backward, the forward again under block recompute, and the exchange of per-expert sizes."""
+    m, par = run.model, run.parallel
+    bp, _, _ = element_bytes(run)
+    rows = all_to_all_rows_per_token(m, par.ep)
+    k = m.top_k
+    forward = rows * (m.d_model * bp + 12 * k) + rows * m.d_model * bp
+    backward = rows * m.d_model * bp + rows * (m.d_model * bp + 4 * k)
+    sizes = ring(par.ep * (1 + m.n_experts // par.ep) * 8, par.ep) if par.ep > 1 else 0
+    tokens = tokens_per_micro_batch(run)
+    per_layer = tokens * (forward + backward) + sizes
+    if par.recompute == "block":
+        per_layer += tokens * forward + sizes
+    return per_layer
+
+
+def zero1_bytes(run: RunConfig, dense: int, experts: int) -> tuple[float, float]:
+    """Reduce-scatter of the gradients (``b_o``) and all-gather of the weights (``b_p``) of a
+    rank holding ``dense`` and ``experts`` parameters, over their groups ``dp x ep`` and
+    ``dp``."""
+    bp, _, bo = element_bytes(run)
+    dense_group, expert_group = run.parallel.dp * run.parallel.ep, run.parallel.dp
+    reduce_scatter = ring(bo * dense, dense_group) + ring(bo * experts, expert_group)
+    all_gather = ring(bp * dense, dense_group) + ring(bp * experts, expert_group)
+    return reduce_scatter, all_gather
+
+
+def communication(run: RunConfig, stages: tuple[StageMemory, ...]) -> Communication:
+    """The busiest rank's traffic per step, given every stage's memory (its parameters and
+    pipeline sends)."""
+    per_layer = all_to_all_bytes_per_layer(run)
+    layers_per_rank = run.model.n_layers // run.parallel.pp
+    busiest = max(stages, key=lambda s: s.dense_params + s.expert_params)
+    reduce_scatter, all_gather = zero1_bytes(run, busiest.dense_params, busiest.expert_params)
+    return Communication(
+        all_to_all_per_layer=round(per_layer),
+        all_to_all=round(per_layer * layers_per_rank * run.micro_batches),
+        reduce_scatter=round(reduce_scatter),
+        all_gather=round(all_gather),
+        pipeline=max(s.p2p_buffers for s in stages),
+    )

@@ -1,0 +1,357 @@
+"""Memory of one rank: parameter counts by place, saved activations, and the peak per stage.
+
+The numbers follow what this package's code allocates (``parallel.ddp``,
+``parallel.optimizer``, ``parallel.pipeline``, the model's saved tensors); they are estimates of
+the peak, not measurements. Memory of one rank of pipeline stage ``s`` (every rank of a stage
+holds the same), in bytes:
+
+- weights: ``(N_dense + N_expert) * b_p``, with ``N_dense`` the stage's attention, norm, router,
+  shared-expert (plus embedding on the first, final norm and LM head on the last stage)
+  parameters, ``N_expert`` its routed-expert parameters divided by ``ep``, ``b_p`` 2 for bf16
+  and 4 for fp32 weights.
+- gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
+  ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
+  N_expert / dp)`` where that group has more than one rank. A rank that reduces nothing
+  (``dp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
+  gradients instead: ``b_p * (N_dense + N_expert)`` and no transient.
+- optimizer (ZeRO-1): two Adam moments in ``b_o`` and, when the weights are less precise than
+  that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
+  for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
+  master), over ``N_dense / (dp * ep) + N_expert / dp`` elements.
+- activations: ``in_flight * layers_per_chunk * T * A`` with ``T = micro_batch_size * seq_len``
+  tokens per micro-batch, ``in_flight`` the most forwards whose backward is still pending in
+  the stage's schedule (``pp - s`` for 1F1B) and ``A`` the bytes one layer saves per token
+  (``layer_activation_bytes``); block recompute keeps ``d_model * b_p`` per layer and token
+  instead, plus one rematerialized layer (``T * A``) during backward. The stage holding the LM
+  head adds ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the logits, their fp32
+  copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16 autocast, else 4).
+- pipeline send buffers: ``messages * micro_batches * T * d_model * b_p`` (activations
+  forward, gradients backward; the runner holds each until the step ends).
+- expert-parallel receive buffers (``parallel.dispatcher=nvshmem_rowwise``): the symmetric
+  staging of ``RowwiseExchange.buffer_bytes`` for the rows ``rowwise_capacity`` allows, and,
+  per layer, the expert-ordered buffers sized for its assignment capacity ``M`` instead of the
+  ``T * k`` rows the exact-size dispatchers keep: ``(M - T k) (b_p (d + 3 h) + 4)`` more
+  activation bytes (``b_p h`` less per row under selective recompute).
+- transient: the gradient of the stage's largest parameter in ``b_p`` (autograd writes it
+  before the hook adds it to the fp32 buffer).
+- runtime reserve: ``RUNTIME_RESERVE_GIB`` for the CUDA context, NCCL communicators and
+  library workspaces (none for CPU processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from moe_core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moe_core.model.moe import Experts
+from moe_core.model.transformer import Transformer
+from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
+from moe_core.parallel.parallelize import DTYPES
+from moe_core.parallel.pipeline import rank_chunks, schedule
+
+GIB = 2**30
+RUNTIME_RESERVE_GIB = 4.0
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+
+
+def element_bytes(run: RunConfig) -> tuple[int, int, int]:
+    """``(b_p, b_c, b_o)``: bytes of a weight, of an autocast matmul output and of an optimizer
+    state element."""
+    return (
+        DTYPE_BYTES[run.precision.params],
+        DTYPE_BYTES[run.precision.compute],
+        DTYPE_BYTES[run.precision.optimizer],
+    )
+
+
+def tokens_per_micro_batch(run: RunConfig) -> int:
+    """``T``: the tokens of one micro-batch."""
+    return run.train.micro_batch_size * run.train.seq_len
+
+
+# --------------------------------------------------------------------------------------------
+# parameters
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameter counts by place, read off a one-layer meta-device model."""
+
+    layer_dense: int  # attention, norms, router, shared expert of one block
+    layer_expert: int  # all routed experts of one block
+    largest_dense: int  # the largest dense tensor of a block
+    largest_expert: int  # the largest routed-expert tensor of a block (all experts)
+    embedding: int
+    head: int  # LM head
+    final_norm: int
+
+
+def parameter_counts(m: ModelConfig) -> ParameterCounts:
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(m, n_layers=1))
+    block = model.layers["0"]
+    experts = [p for mod in block.modules() if isinstance(mod, Experts) for p in mod.parameters()]
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in block.parameters() if id(p) not in expert_ids]
+    assert model.embed is not None and model.lm_head is not None and model.norm is not None
+    return ParameterCounts(
+        layer_dense=sum(p.numel() for p in dense),
+        layer_expert=sum(p.numel() for p in experts),
+        largest_dense=max(p.numel() for p in dense),
+        largest_expert=max(p.numel() for p in experts),
+        embedding=model.embed.weight.numel(),
+        head=model.lm_head.weight.numel(),
+        final_norm=model.norm.weight.numel(),
+    )
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """What one rank of a pipeline stage holds: its chunks' layers and their parameters."""
+
+    chunks: list[int]  # the model chunks this rank runs (``v`` of them under interleaving)
+    layers: int
+    dense: int  # dense parameters, with the embedding / final norm and head where it has them
+    experts: int  # its routed experts: 1 / ep of the stage's
+    largest: int  # the largest single tensor (of experts, this rank's slice)
+    last: bool  # holds the LM head
+
+
+def stage_parameters(run: RunConfig, sh: ParameterCounts, stage: int) -> StageParameters:
+    par = run.parallel
+    n_chunks = par.pp * par.virtual_stages
+    chunks = rank_chunks(par, stage)
+    layers = run.model.n_layers // n_chunks * len(chunks)
+    dense = layers * sh.layer_dense
+    largest = sh.largest_dense
+    if 0 in chunks:
+        dense += sh.embedding
+        largest = max(largest, sh.embedding)
+    last = n_chunks - 1 in chunks
+    if last:
+        dense += sh.final_norm + sh.head
+        largest = max(largest, sh.head)
+    experts = layers * sh.layer_expert // par.ep
+    largest = max(largest, sh.largest_expert // par.ep)
+    return StageParameters(chunks, layers, dense, experts, largest, last)
+
+
+# --------------------------------------------------------------------------------------------
+# gradients and optimizer state
+
+
+def autograd_keeps_gradients(run: RunConfig) -> bool:
+    """A rank that reduces nothing keeps autograd's gradients (one micro-batch, or gradients
+    already in the optimizer's dtype) instead of the buffers of ``parallel.ddp``."""
+    bp, _, bo = element_bytes(run)
+    return run.parallel.data_parallel == 1 and (run.micro_batches == 1 or bp == bo)
+
+
+def gradient_bytes(run: RunConfig, p: StageParameters) -> tuple[float, int]:
+    """The gradient buffers (with the reduced shard) and the transient gradient of the largest
+    parameter."""
+    bp, _, bo = element_bytes(run)
+    if autograd_keeps_gradients(run):
+        return bp * (p.dense + p.experts), 0
+    dense_group, expert_group = run.parallel.dp * run.parallel.ep, run.parallel.dp
+    dense_shard = p.dense / dense_group if dense_group > 1 else 0
+    expert_shard = p.experts / expert_group if expert_group > 1 else 0
+    return bo * (p.dense + p.experts) + bo * (dense_shard + expert_shard), p.largest * bp
+
+
+def optimizer_bytes(run: RunConfig, p: StageParameters) -> float:
+    """ZeRO-1 state: two moments (and an fp32 master for weights less precise than the state)
+    over the dense group ``dp x ep`` and the expert group ``dp``."""
+    bp, _, bo = element_bytes(run)
+    state_bytes = 2 * bo + (4 if bp < bo else 0)
+    dense_group, expert_group = run.parallel.dp * run.parallel.ep, run.parallel.dp
+    return state_bytes * (p.dense / dense_group + p.experts / expert_group)
+
+
+# --------------------------------------------------------------------------------------------
+# activations
+
+
+def layer_activation_bytes(
+    m: ModelConfig, param_dtype: str, compute_dtype: str, recompute: str = "none"
+) -> int:
+    """Bytes one transformer block keeps for backward per token (no recompute, or selective).
+
+    ``b_p`` (hidden states, experts: they run in the weights' dtype), ``b_c`` (autocast matmul
+    outputs); per token:
+
+    - four RMSNorms keep an fp32 copy of their input and the normalized output:
+      ``2 d (4 + b_p) + (d + d_kv)(4 + b_c) + 16``;
+    - attention keeps the projections' input, rotated q and k, v and its output (which is the
+      o-projection's input): ``b_c (3 d + 2 d_kv) + 4 n_heads`` (log-sum-exp);
+    - the router keeps its fp32 input, logits, scores and choices: ``4 d + 12 E + 20 k``;
+    - routed experts keep rows in, gate+up out and SwiGLU out, plus each row's fp32 router
+      weight (applied in the SwiGLU, so the plain-sum combine keeps no rows out):
+      ``b_p k (d + 3 h) + 4 k``, less ``b_p k h`` under selective recompute;
+    - a shared expert of width ``h_s`` keeps gate, up, SwiGLU and product, ``4 b_c h_s``, and
+      its input, ``b_c d``, unless that is the router's fp32 input already (all fp32).
+
+    - under bf16 autocast each layer keeps its own bf16 copies of the RoPE cos/sin tables for q
+      and k, ``4 head_dim b_c`` per token of a one-sequence micro-batch (an upper bound; the
+      fp32 tables are one copy for the whole model).
+    ``recompute="block"`` is accounted by the caller (a block then keeps only its input).
+    """
+    if recompute not in ("none", "selective", "block"):
+        raise ConfigError(
+            f"recompute={recompute!r} is not allowed: one of 'none', 'selective', 'block'."
+        )
+    bp, bc = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
+    d, d_kv, h, k, e = m.d_model, m.kv_heads * m.head_dim, m.expert_hidden, m.top_k, m.n_experts
+    h_shared = m.n_shared_experts * h
+    norms = 2 * d * (4 + bp) + (d + d_kv) * (4 + bc) + 16
+    attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
+    router = 4 * d + 12 * e + 20 * k
+    experts = bp * k * (d + 3 * h) + 4 * k
+    if recompute == "selective":
+        experts -= bp * k * h
+    shared_input = 0 if bp == bc == 4 else bc * d
+    shared = bc * 4 * h_shared + shared_input if h_shared else 0
+    rope = 4 * m.head_dim * bc if bc < 4 else 0
+    return norms + attention + router + experts + shared + rope
+
+
+def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
+    """The most chunk-forwards of ``pp_rank`` whose backward has not run yet (its schedule)."""
+    if par.pp == 1:
+        return 1
+    live = peak = 0
+    for action in schedule(par, pp_rank, micro_batches):
+        live += 1 if action.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass(frozen=True)
+class RowwiseBuffers:
+    """What the rowwise dispatcher adds to a rank (all 0 for the exact-size dispatchers)."""
+
+    symmetric: int  # the symmetric staging of its receive buffers
+    extra_full: int  # activation bytes of one layer's expert-ordered rows past the ``T k``
+    extra_layer: int  # the same under the run's recompute (selective keeps no SwiGLU input)
+
+
+def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
+    m, par = run.model, run.parallel
+    if par.ep == 1 or par.dispatcher != "nvshmem_rowwise":
+        return RowwiseBuffers(0, 0, 0)
+    bp, _, _ = element_bytes(run)
+    tokens = tokens_per_micro_batch(run)
+    rows_cap, assign_cap = rowwise_capacity(
+        m.n_experts, m.top_k, par.ep, tokens, par.ep_capacity_factor
+    )
+    symmetric = RowwiseExchange.buffer_bytes(
+        par.ep, rows_cap, m.d_model, m.top_k, DTYPES[run.precision.params]
+    )
+    more_rows = assign_cap - tokens * m.top_k
+    extra_full = more_rows * (bp * (m.d_model + 3 * m.expert_hidden) + 4)
+    extra_layer = extra_full - more_rows * bp * m.expert_hidden * (par.recompute == "selective")
+    return RowwiseBuffers(symmetric, extra_full, extra_layer)
+
+
+def head_activation_bytes(run: RunConfig) -> int:
+    """The LM head's logits, their fp32 copy and log-softmax, and the head's inputs."""
+    m = run.model
+    bp, bc, _ = element_bytes(run)
+    return tokens_per_micro_batch(run) * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
+
+
+def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
+    """What a stage's pending forwards keep for backward, at its peak."""
+    m, par, prec = run.model, run.parallel, run.precision
+    bp, _, _ = element_bytes(run)
+    tokens = tokens_per_micro_batch(run)
+    per_chunk = m.n_layers // (par.pp * par.virtual_stages)
+    rowwise = rowwise_buffers(run)
+    if par.recompute == "block":
+        a_full = layer_activation_bytes(m, prec.params, prec.compute, "none")
+        acts = (
+            in_flight * per_chunk * tokens * m.d_model * bp + tokens * a_full + rowwise.extra_full
+        )
+    else:
+        a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute)
+        acts = in_flight * per_chunk * (tokens * a_layer + rowwise.extra_layer)
+    if p.last:
+        acts += head_activation_bytes(run)
+    return acts
+
+
+# --------------------------------------------------------------------------------------------
+# a stage's peak
+
+
+def pipeline_send_bytes(run: RunConfig, p: StageParameters) -> int:
+    """The messages a stage sends in a step (hidden states + the running aux loss forward,
+    their gradients backward), held until the step ends."""
+    par = run.parallel
+    if par.pp == 1:
+        return 0
+    n_chunks = par.pp * par.virtual_stages
+    message = tokens_per_micro_batch(run) * run.model.d_model * element_bytes(run)[0] + 4
+    messages = sum(c < n_chunks - 1 for c in p.chunks) + sum(c > 0 for c in p.chunks)
+    return messages * run.micro_batches * message
+
+
+def runtime_reserve(run: RunConfig) -> int:
+    return round(RUNTIME_RESERVE_GIB * GIB) if run.cluster.gpus_per_node else 0
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak memory of one rank of pipeline stage ``stage`` (bytes)."""
+
+    stage: int
+    layers: int
+    dense_params: int
+    expert_params: int  # this rank's experts (1 / ep of the stage's)
+    in_flight: int
+    weights: int
+    grad_buffers: int
+    optimizer: int
+    activations: int
+    p2p_buffers: int
+    transient: int
+    reserve: int
+    ep_buffers: int = 0  # symmetric receive buffers of the rowwise dispatcher
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.grad_buffers
+            + self.optimizer
+            + self.activations
+            + self.p2p_buffers
+            + self.transient
+            + self.reserve
+            + self.ep_buffers
+        )
+
+
+def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory:
+    """The peak of one rank of pipeline stage ``stage``, part by part."""
+    p = stage_parameters(run, sh, stage)
+    in_flight = max_in_flight(run.parallel, stage, run.micro_batches)
+    grads, transient = gradient_bytes(run, p)
+    return StageMemory(
+        stage=stage,
+        layers=p.layers,
+        dense_params=p.dense,
+        expert_params=p.experts,
+        in_flight=in_flight,
+        weights=(p.dense + p.experts) * element_bytes(run)[0],
+        grad_buffers=round(grads),
+        optimizer=round(optimizer_bytes(run, p)),
+        activations=activation_bytes(run, p, in_flight),
+        p2p_buffers=pipeline_send_bytes(run, p),
+        transient=transient,
+        reserve=runtime_reserve(run),
+        ep_buffers=rowwise_buffers(run).symmetric,
+    )

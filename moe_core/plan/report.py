@@ -1,0 +1,126 @@
+"""The plan as a table: what ``moe plan`` prints and the train stage logs."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from moe_core.plan.memory import GIB
+
+if TYPE_CHECKING:
+    from moe_core.plan.planner import Plan
+
+Rows = list[tuple[str, str]]
+
+
+def plan_table(p: Plan) -> Table:
+    """A rich table of the plan (what ``moe plan`` prints): the layout, the busiest rank's
+    memory by part, whether it fits the cluster, and the traffic per step."""
+    t = Table(title=f"plan: {p.name}", show_header=False)
+    for name, value in _layout_rows(p) + _memory_rows(p) + _cluster_rows(p) + _traffic_rows(p):
+        t.add_row(name, value)
+    return t
+
+
+def plan_text(p: Plan, width: int = 110) -> str:
+    """The table as plain text (for logs)."""
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(plan_table(p))
+    return console.export_text()
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _layout_rows(p: Plan) -> Rows:
+    par, mem = p.parallel, p.memory
+    unit = "GPUs" if p.cluster.gpus_per_node else "CPU processes"
+    return [
+        ("parameters", f"{_count(p.total_params)} total, {_count(p.active_params)} active"),
+        (
+            "layout",
+            f"pp {par.pp} x dp {par.dp} x ep {par.ep} = {p.gpus} {unit} "
+            f"({par.pp_schedule}, recompute {par.recompute}, {p.param_dtype} weights, "
+            f"{p.compute_dtype} compute)",
+        ),
+        (
+            "batch",
+            f"{p.micro_batches} micro-batches of {p.tokens_per_micro_batch:,} tokens "
+            "per rank and step",
+        ),
+        (
+            "busiest rank",
+            f"stage {mem.stage}: {mem.layers} layers, {_count(mem.dense_params)} dense + "
+            f"{_count(mem.expert_params)} expert parameters, micro-batches in flight: "
+            f"{mem.in_flight}",
+        ),
+    ]
+
+
+def _memory_rows(p: Plan) -> Rows:
+    """The busiest rank's memory part by part, its total and every stage's total."""
+    par, mem, od = p.parallel, p.memory, p.optimizer_dtype
+    master = "fp32 master + " if p.param_dtype != od else ""
+    parts = (
+        ("  weights", mem.weights, f"{p.param_dtype}"),
+        ("  gradient buffers", mem.grad_buffers, f"{od}, plus the reduced shard"),
+        (
+            "  optimizer",
+            mem.optimizer,
+            f"{master}2 {od} moments, dense / {par.dp * par.ep}, experts / {par.dp}",
+        ),
+        ("  activations", mem.activations, f"recompute {par.recompute}"),
+        ("  pipeline send buffers", mem.p2p_buffers, "held until the step ends"),
+        ("  expert-parallel receive buffers", mem.ep_buffers, "symmetric memory, rowwise"),
+        ("  transient", mem.transient, "largest parameter's gradient"),
+        ("  runtime reserve", mem.reserve, "CUDA context, NCCL, workspaces"),
+    )
+    rows = [(name, f"{value / GIB:,.2f} GiB ({note})") for name, value, note in parts]
+    per = "GPU" if p.cluster.gpus_per_node else "process"
+    rows.append((f"  total per {per}", f"[bold]{mem.total / GIB:,.2f} GiB[/]"))
+    rows.append(("per stage (GiB)", ", ".join(f"{s.total / GIB:.1f}" for s in p.stages)))
+    return rows
+
+
+def _cluster_rows(p: Plan) -> Rows:
+    """Whether the busiest rank fits the cluster's GPUs, and its processes the layout."""
+    cl, total = p.cluster, p.memory.total
+    rows = []
+    if cl.gpus_per_node and cl.gpu_memory_gib > 0:
+        verdict = "[green]fits[/]" if p.fits() else "[red]does not fit[/]"
+        rows.append(
+            ("fits", f"{verdict}: {total / GIB:,.1f} of {cl.gpu_memory_gib:g} GiB ({cl.gpu_type})")
+        )
+    match = "matches" if cl.world_size == p.gpus else "[red]does not match[/]"
+    rows.append(
+        (
+            "cluster",
+            f"{cl.name} ({cl.kind}): {cl.nodes} nodes x {cl.procs_per_node} = {cl.world_size} "
+            f"processes, {match} the layout",
+        )
+    )
+    return rows
+
+
+def _traffic_rows(p: Plan) -> Rows:
+    c = p.comm
+    return [
+        (
+            "all-to-all",
+            f"{c.all_to_all_per_layer / GIB:,.3f} GiB per MoE layer and micro-batch, "
+            f"{c.all_to_all / GIB:,.1f} GiB per step",
+        ),
+        (
+            "ZeRO-1",
+            f"reduce-scatter {c.reduce_scatter / GIB:,.2f} GiB + all-gather "
+            f"{c.all_gather / GIB:,.2f} GiB per step",
+        ),
+        ("pipeline p2p", f"{c.pipeline / GIB:,.2f} GiB per step"),
+    ]
