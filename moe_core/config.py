@@ -478,6 +478,10 @@ MOVED_TO_PRECISION = {
     "parallel.fp8_scaling": "precision.fp8_scaling",
 }
 
+# Options added after run folders existed, with the value that means "as before": the pipeline
+# hashes one only when set otherwise, so existing folders' stage keys hold (``old_layout``).
+ADDED_LATER = {"parallel.gather_rows": False}
+
 
 def refuse_moved(key: str, value: Any) -> None:
     """Refuse ``key`` in one sentence naming its new key, when it is one that moved."""
@@ -503,12 +507,17 @@ def upgrade_saved(config: dict[str, Any]) -> dict[str, Any]:
 
 def old_layout(run: RunConfig) -> dict[str, Any]:
     """``to_dict(run)`` with the precision settings at their keys from before the precision
-    section: what the pipeline hashes, so the stage keys of existing run folders still match."""
+    section, and without options added later where they keep their old meaning (``ADDED_LATER``):
+    what the pipeline hashes, so the stage keys of existing run folders still match."""
     out = to_dict(run)
     precision = out.pop("precision")
     for old, new in MOVED_TO_PRECISION.items():
         section, key = old.split(".")
         out[section][key] = precision[new.split(".")[1]]
+    for added, as_before in ADDED_LATER.items():
+        section, key = added.split(".")
+        if out[section][key] == as_before:
+            del out[section][key]
     return out
 
 

@@ -490,6 +490,13 @@ def test_stage_keys_of_run_folders_from_before_the_precision_section_still_match
         resolve(compose_dict(["precision=fp8"], config_name="pretrain-tiny"), tmp_path)
     )
     assert fp8["train"] == "0d8e8c597159682c5ac9c9bc93536a9048ced4da05cf7abaa516918eace9b3fa"
+    # an option added later is hashed only when set otherwise than before (config.ADDED_LATER)
+    gathered = ["parallel.ep=1", "parallel.expert_gemm=quack", "parallel.gather_rows=true"]
+    quack = resolve(compose_dict(gathered[:2], config_name="pretrain-tiny"), tmp_path)
+    assert (
+        stage_keys(resolve(compose_dict(gathered, config_name="pretrain-tiny"), tmp_path))["train"]
+        != stage_keys(quack)["train"]
+    )
 
 
 # ---- which launcher the train stage uses ------------------------------------------------
