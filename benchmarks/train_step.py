@@ -8,7 +8,7 @@ OLMoE-1B-7B shape (``conf/model/olmoe-1b-7b.yaml`` through the config loader: d 
 layers, 16 heads, 64 experts top-8, expert hidden 1024, vocab 50304), sequence 4096, random
 token ids from a fixed seed, bf16 parameters, torch fused AdamW, SDPA attention; 3 warm-up
 steps, then the median of CUDA-event-timed steps (``timing.py``); MFU over the device's peak
-(``moe_core.train.metrics.PEAK_BF16_TFLOPS``). ``--compile`` compiles the blocks and the loss
+(``moe_core.hardware.PEAK_BF16_TFLOPS``). ``--compile`` compiles the blocks and the loss
 (``parallel.compile``); ``--optimizer moe_core`` takes the fused AdamW kernel through
 ``benchmarks/baselines/adamw.py`` instead of torch's (same math, same bf16 moments), and with
 ``--optimizer-dtype fp32`` keeps fp32 master weights and moments (the trainer's default

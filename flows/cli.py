@@ -8,7 +8,6 @@ into one pipeline per combination, each in its own numbered run directory.
 from __future__ import annotations
 
 import argparse
-import itertools
 from pathlib import Path
 
 
@@ -32,26 +31,11 @@ def split_run_dir(overrides: list[str], default: str) -> tuple[str, list[str]]:
     return run_dir, rest
 
 
-def sweep(overrides: list[str]) -> list[list[str]]:
-    """Hydra's own parser expands ``key=a,b`` (and ranges, choices) into combinations."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    options = []
-    for o in parsed:
-        if o.is_sweep_override():
-            key = o.get_key_element()
-            options.append([f"{key}={v}" for v in o.sweep_string_iterator()])
-        else:
-            options.append([o.input_line])
-    return [list(combo) for combo in itertools.product(*options)]
-
-
 def cmd_pipeline(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from flows.pretrain import pretrain
-    from moe_core.compose import compose_dict
+    from moe_core.compose import compose_dict, sweep
 
     console = Console()
     run_dir, overrides = split_run_dir(args.overrides, f"runs/{args.config_name}")

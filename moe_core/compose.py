@@ -6,6 +6,7 @@ Hydra stays at this edge: the library below takes dataclasses, never an OmegaCon
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from pathlib import Path
@@ -102,3 +103,19 @@ def compose_run(
     overrides: list[str], path: str | os.PathLike | None = None, config_name: str = "config"
 ) -> RunConfig:
     return from_dict(RunConfig, compose_dict(overrides, path, config_name))
+
+
+def sweep(overrides: list[str]) -> list[list[str]]:
+    """Hydra's own parser expands ``key=a,b`` (and ranges, choices) into combinations: one list
+    of plain overrides per run (``moe pipeline --multirun``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    options = []
+    for o in parsed:
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            options.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            options.append([o.input_line])
+    return [list(combo) for combo in itertools.product(*options)]

@@ -1,8 +1,6 @@
-"""GPU types the planner knows: memory, link rates, and the one measured compute rate.
-
-Peak bf16 rates stay in ``train.metrics.PEAK_BF16_TFLOPS`` (what MFU divides by at run time);
-this module adds what a layout needs besides: memory per GPU and the per-GPU link rates
-communication is timed at. Memory and links are the vendors' datasheet figures (assumptions,
+"""GPU types: dense bf16 peaks (what MFU divides by, ``train.metrics.peak_tflops`` finds the
+run's GPU among them), and what the planner needs besides: memory per GPU and the per-GPU link
+rates communication is timed at. Memory and links are the vendors' datasheet figures (assumptions,
 not measured here); the compute rate is measured on one H200 (``MEASURED``).
 """
 
@@ -10,7 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_core.train.metrics import PEAK_BF16_TFLOPS
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), per the vendors' datasheets.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "H100 PCIe": 756.0,
+    "H100": 989.4,
+    "H200": 989.4,
+    "B200": 2250.0,
+    "B300": 2250.0,
+}
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,7 @@ class GPU:
 
     @property
     def peak_tflops(self) -> float:
-        """Dense bf16 peak (``train.metrics.PEAK_BF16_TFLOPS``)."""
+        """Dense bf16 peak (``PEAK_BF16_TFLOPS``)."""
         return PEAK_BF16_TFLOPS[self.name]
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from flows.cli import split_run_dir, sweep
+from flows.cli import split_run_dir
 from moe_core.cli import build_parser
+from moe_core.compose import sweep
 
 
 def test_sweep_expands_hydra_sweep_overrides_into_combinations():

@@ -17,15 +17,7 @@ import torch
 from rich.console import Console
 
 from moe_core.errors import RunFileError
-
-# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), per the vendors' datasheets.
-PEAK_BF16_TFLOPS: dict[str, float] = {
-    "H100 PCIe": 756.0,
-    "H100": 989.4,
-    "H200": 989.4,
-    "B200": 2250.0,
-    "B300": 2250.0,
-}
+from moe_core.hardware import PEAK_BF16_TFLOPS
 
 
 def peak_tflops(device: torch.device) -> float | None:

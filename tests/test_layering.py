@@ -1,0 +1,117 @@
+"""What each package may import (docs/architecture.md, "Packages"), read from the source.
+
+Every ``import`` and ``from ... import`` is counted, at module level or inside a function, so a
+lazy import cannot slip past the rule: the table below is the whole dependency graph we allow.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("model", "parallel", "data", "train", "eval", "convert", "plan", "planpage")
+
+# unit -> the units it may import (besides itself). A unit is a top-level folder, a moe_core
+# subpackage, or a top-level moe_core module.
+LEAF = "moe_core.config"
+ALLOWED: dict[str, set[str]] = {
+    "kernels": set(),
+    "moe_core.config": set(),
+    "moe_core.files": set(),
+    "moe_core.hardware": set(),
+    "moe_core.compose": {LEAF},
+    "moe_core.errors": {LEAF, "moe_core.data"},  # refusals() names DataError, lazily
+    "moe_core.rundir": {"moe_core.errors"},
+    "moe_core.model": {LEAF, "kernels"},
+    "moe_core.parallel": {LEAF, "kernels", "moe_core.model"},
+    "moe_core.data": {LEAF, "moe_core.files"},
+    "moe_core.convert": {
+        LEAF,
+        "moe_core.errors",
+        "moe_core.files",
+        "moe_core.model",
+        "moe_core.data",
+        "moe_core.train",  # the checkpoint format: train.checkpoint's keys, train.dcp_read
+    },
+    "moe_core.eval": {LEAF, "moe_core.model", "moe_core.data", "moe_core.convert"},
+    "moe_core.train": {
+        LEAF,
+        "kernels",
+        "moe_core.errors",
+        "moe_core.files",
+        "moe_core.rundir",
+        "moe_core.hardware",
+        "moe_core.model",
+        "moe_core.parallel",
+        "moe_core.data",
+        "moe_core.eval",
+        "moe_core.convert",
+    },
+    "moe_core.plan": {LEAF, "moe_core.hardware", "moe_core.model", "moe_core.parallel"},
+    "moe_core.planpage": {
+        LEAF,
+        "moe_core.compose",
+        "moe_core.hardware",
+        "moe_core.model",
+        "moe_core.plan",
+    },
+}
+LIBRARY = {u for u in ALLOWED}  # kernels and moe_core, without the CLI
+ALLOWED["moe_core.cli"] = LIBRARY
+ALLOWED["moe_core"] = set()  # the package's __init__
+ALLOWED["flows"] = LIBRARY | {"moe_core.cli"}
+ALLOWED["benchmarks"] = LIBRARY
+
+
+def unit(module: str) -> str | None:
+    """The unit a dotted module name belongs to, or None for a third-party module."""
+    parts = module.split(".")
+    if parts[0] in ("kernels", "flows", "benchmarks"):
+        return parts[0]
+    if parts[0] != "moe_core":
+        return None
+    return "moe_core" if len(parts) == 1 else f"moe_core.{parts[1]}"
+
+
+def imports(path: Path) -> list[str]:
+    """Every absolute module name ``path`` imports, wherever the import statement sits."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append(node.module)
+    return out
+
+
+def sources() -> dict[str, Path]:
+    files = {}
+    for top in ("kernels", "moe_core", "flows", "benchmarks"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            files[name.removesuffix(".__init__")] = path
+    return files
+
+
+def test_every_import_between_packages_is_one_the_table_allows():
+    assert set(ALLOWED) >= {f"moe_core.{s}" for s in SUBPACKAGES}
+    found: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for name, path in sources().items():
+        src = unit(name)
+        assert src in ALLOWED, f"{name}: a unit the table does not know ({src})"
+        for target in imports(path):
+            dst = unit(target)
+            if dst is not None and dst != src and dst not in ALLOWED[src]:
+                found[(src, dst)].append(f"{name} imports {target}")
+    assert not found, "\n".join(line for lines in found.values() for line in lines)
+
+
+def test_the_library_never_imports_the_orchestration_and_only_compose_imports_hydra():
+    for name, path in sources().items():
+        tops = {m.split(".")[0] for m in imports(path)}
+        if unit(name) in LIBRARY | {"moe_core.cli"}:
+            assert not tops & {"prefect", "prefect_kubernetes"}, f"{name} imports Prefect"
+        if name != "moe_core.compose":
+            assert not tops & {"hydra", "omegaconf"}, f"{name} imports Hydra/OmegaConf"
