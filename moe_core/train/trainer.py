@@ -554,36 +554,37 @@ class Trainer:
         sinks = self._sinks(sinks, show)
         history: list[StepMetrics] = []
         self.checkpoints.begin(self.step)
-        try:
-            with self._stop_on_signals(), self._progress(show) as progress:
-                while self.step < tc.steps:
-                    m = self.train_step()
-                    self._evaluate_on_cadence(m)
-                    history.append(m)
-                    for sink in sinks:
-                        sink.log(m.step, m.as_dict())
-                    if len(history) == 1:
-                        # What lives now (the model, compiled graphs) stays: keep it out of the
-                        # collector's full passes, which otherwise stall the host mid-run.
-                        gc.collect()
-                        gc.freeze()
-                        self._clock = None
-                    progress(m)
-                    if self.guards.exhausted:
-                        self.checkpoints.halt(self.step, m.step, self.guards.consecutive_skips)
-                    if self.stop_requested:
-                        break
-                    if self.checkpoints.after_step(self.step):
-                        self._clock = None
-            self.checkpoints.at_end(self.step)
-            if self.stop_requested and self.is_main:
-                self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
-        finally:
-            gc.unfreeze()
-            self._stop_prefetching()
-            self._clock = None
-            for sink in sinks:
-                sink.close()
+        with self._stop_on_signals():
+            try:
+                with self._progress(show) as progress:
+                    while self.step < tc.steps:
+                        m = self.train_step()
+                        self._evaluate_on_cadence(m)
+                        history.append(m)
+                        for sink in sinks:
+                            sink.log(m.step, m.as_dict())
+                        if len(history) == 1:
+                            # What lives now (the model, compiled graphs) stays: keep it out of
+                            # the collector's full passes, which otherwise stall the host mid-run.
+                            gc.collect()
+                            gc.freeze()
+                            self._clock = None
+                        progress(m)
+                        if self.guards.exhausted:
+                            self.checkpoints.halt(self.step, m.step, self.guards.consecutive_skips)
+                        if self.stop_requested:
+                            break
+                        if self.checkpoints.after_step(self.step):
+                            self._clock = None
+                self.checkpoints.at_end(self.step)
+                if self.stop_requested and self.is_main:
+                    self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
+            finally:
+                gc.unfreeze()
+                self._stop_prefetching()
+                self._clock = None
+                for sink in sinks:
+                    sink.close()
         if tc.save_model and not self.stop_requested:
             state = self.full_model_state()
             if state is not None:
