@@ -46,6 +46,18 @@ class Mesh:
         return self.cfg.world_size > 1
 
 
+def gather_experts(local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Every expert of a stacked expert tensor (experts along dim 0) from this rank's slice:
+    the slices of the expert-parallel group in rank order (collective over it); the tensor
+    itself without expert parallelism. The one place expert state is gathered (the trainer's
+    model export and the optimizer's full state)."""
+    if mesh.ep_group is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(mesh.cfg.ep)]
+    dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
+    return torch.cat(parts, dim=0)
+
+
 def rank_of(cfg: ParallelConfig, pp_rank: int, dp_rank: int, ep_rank: int) -> int:
     return (pp_rank * cfg.dp + dp_rank) * cfg.ep + ep_rank
 

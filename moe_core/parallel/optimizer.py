@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from kernels.adamw import adamw_step_
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
-from moe_core.parallel.mesh import Mesh, all_gather_flat
+from moe_core.parallel.mesh import Mesh, all_gather_flat, gather_experts
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -151,8 +151,8 @@ class ShardedAdamW:
             flats = {k: _gather(v, b) for k, v in self.shards(i).items()}
             for name, p, off in zip(b.names, b.params, b.offsets, strict=True):
                 pieces = {k: flat[off : off + p.numel()].view(p.shape) for k, flat in flats.items()}
-                if b.is_expert and self.mesh.ep_group is not None:
-                    pieces = {k: _gather_experts(v, self.mesh) for k, v in pieces.items()}
+                if b.is_expert:
+                    pieces = {k: gather_experts(v, self.mesh) for k, v in pieces.items()}
                 out[name] = {k: v.clone() for k, v in pieces.items()}
         return out
 
@@ -173,9 +173,3 @@ def _gather(shard: torch.Tensor, b: Bucket) -> torch.Tensor:
     out = shard.new_empty(shard.numel() * group_size(b.group))
     all_gather_flat(out, shard.contiguous(), group=b.group)
     return out
-
-
-def _gather_experts(local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    parts = [torch.empty_like(local) for _ in range(mesh.cfg.ep)]
-    dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
-    return torch.cat(parts, dim=0)

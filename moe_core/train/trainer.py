@@ -14,15 +14,22 @@ the GPU runs this one (``data.prefetch``); the step reads the host once (loss, n
 statistics and memory in one transfer), after which the optimizer is queued and the metrics are
 logged while the GPU runs it. A step's time is wall time from the previous step's host read to
 its own (data, optimizer and logging included), so TFLOP/s over steps is the run's real rate.
+
+This module is the loop and the build; its parts live beside it: ``step_metrics`` (the step's
+values, reduced in one collective and read in one transfer, and the logged ``StepMetrics``),
+``router_stats`` (router statistics, expert-bias update, health, dropped rows) and
+``checkpoint_policy`` (resume or start fresh, when to save, what is never saved, halting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,64 +49,26 @@ from moe_core.data.synthetic import SyntheticTokens
 from moe_core.errors import RunDirLockedError, RunFileError
 from moe_core.model import Transformer
 from moe_core.model.flops import count
-from moe_core.model.moe import Router, router_stats_paused
-from moe_core.model.transformer import parameter_shapes
+from moe_core.model.moe import Experts, Router, router_stats_paused
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.ddp import GradBuckets
-from moe_core.parallel.dispatch import ReceiveBufferOverflowError, RowwiseDispatcher
-from moe_core.parallel.mesh import Mesh, init_distributed
+from moe_core.parallel.mesh import Mesh, gather_experts, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.parallel.parallelize import DTYPES, parallelize
 from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
-from moe_core.rundir import RunLock, set_aside
+from moe_core.rundir import RunLock
 from moe_core.train.checkpoint import Checkpointer, router_buffers
-from moe_core.train.guards import Guards, TrainingHaltedError
-from moe_core.train.metrics import (
-    ConsoleSink,
-    JsonlSink,
-    MetricsSink,
-    peak_tflops,
-    router_health,
-    throughput,
-)
+from moe_core.train.checkpoint_policy import CheckpointPolicy
+from moe_core.train.guards import Guards
+from moe_core.train.metrics import ConsoleSink, JsonlSink, MetricsSink, peak_tflops, throughput
+from moe_core.train.router_stats import RouterStats, routers_by_layer
 from moe_core.train.schedule import lr_multiplier
 from moe_core.train.step_graph import StepGraphs
+from moe_core.train.step_metrics import StepMetrics, StepValues
 
-EXPERT_KEYS = ("moe.experts.w_gate_up", "moe.experts.w_down")
+__all__ = ["StepMetrics", "Trainer", "routers_by_layer", "threading_main"]
+
 EVAL_BASE = 1 << 40  # held-out synthetic sequences are numbered from here
-
-
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float  # cross-entropy, mean over the global batch
-    aux_loss: float  # weighted router losses summed over layers (part of the objective)
-    lb_loss: float  # load-balancing score, mean over layers and micro-batches (1.0 = uniform)
-    z_loss: float
-    grad_norm: float
-    lr: float
-    tokens_per_s_per_gpu: float
-    model_tflops_per_gpu: float
-    step_time_s: float
-    skipped: bool = False
-    spike: bool = False
-    mfu: float | None = None
-    peak_mem_gib: float | None = None
-    eval_loss: float | None = None
-    downstream: dict[str, dict[str, float]] | None = None  # per task: its accuracies
-    router: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}
-
-
-def routers_by_layer(modules: list[torch.nn.Module]) -> dict[str, Router]:
-    return {
-        name.split(".")[1]: m
-        for chunk in modules
-        for name, m in chunk.named_modules()
-        if isinstance(m, Router)
-    }
 
 
 class Trainer:
@@ -165,16 +134,8 @@ class Trainer:
         )
         self.loss_fn = loss_function(pc.compile_on(self.device.type))
         modules = list(self.chunks.values())
-        self.routers = routers_by_layer(modules)
+        self.router_stats = RouterStats(cfg, self.mesh, modules)
         self.buffers = router_buffers(modules)
-        self.exchanges = list(
-            {
-                id(m.dispatcher.exchange): m.dispatcher.exchange
-                for chunk in modules
-                for m in chunk.modules()
-                if isinstance(getattr(m, "dispatcher", None), RowwiseDispatcher)
-            }.values()
-        )
         state_dtype = DTYPES[cfg.precision.optimizer]
         self.buckets = GradBuckets(
             modules,
@@ -236,25 +197,42 @@ class Trainer:
         self.flops_per_token = count(cfg.model, tc.seq_len).flops_per_token
         self.peak = peak_tflops(self.device)
         self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
-        self.checkpointer = Checkpointer(
-            self.out / "checkpoints",
-            self.mesh,
-            tc.keep_last,
-            tc.keep_every,
-            tc.async_checkpoint,
-            report=self._warn,
+        self.checkpoints = CheckpointPolicy(
+            cfg, self.mesh, self.out, self.optimizer, self.buffers, self._trainer_state, self._warn
         )
         self.step = 0
         self.stop_requested = False
-        self.resumed_from: Path | None = None
         if tc.resume:
             self._resume()
         if self.resumed_from is None:
-            self._start_fresh()
+            self.checkpoints.start_fresh()
 
     @property
     def is_main(self) -> bool:
         return self.mesh.rank == 0
+
+    @property
+    def routers(self) -> dict[str, Router]:
+        """This rank's routers by global layer index."""
+        return self.router_stats.routers
+
+    @property
+    def exchanges(self) -> list:
+        """This rank's rowwise dispatchers' exchanges (whose dropped rows each step checks)."""
+        return self.router_stats.exchanges
+
+    @exchanges.setter
+    def exchanges(self, value: list) -> None:
+        self.router_stats.exchanges = value
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self.checkpoints.checkpointer
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this run resumed from (None: it started fresh)."""
+        return self.checkpoints.resumed_from
 
     # ---- data -----------------------------------------------------------------------------
 
@@ -352,75 +330,6 @@ class Trainer:
         self.buckets.finish()
         return ce_sum, aux_sum, self.optimizer.grad_norm()
 
-    def _dropped(self) -> torch.Tensor:
-        """Rows and assignments the rowwise dispatchers found no room for since the last read
-        (then reset); a device value, read with the rest."""
-        out = torch.zeros((), device=self.device)
-        for ex in self.exchanges:
-            out = out + ex.dropped.float()
-            ex.dropped.zero_()
-        return out
-
-    def _check_dropped(self, dropped: float, where: str) -> None:
-        """Stop before anything is applied when routed tokens were dropped (never silently)."""
-        if dropped > 0:
-            factor = self.cfg.parallel.ep_capacity_factor
-            raise ReceiveBufferOverflowError(
-                f"{where}: {int(dropped)} routed token rows or expert assignments found no room "
-                f"in the expert-parallel receive buffers (parallel.ep_capacity_factor={factor}); "
-                "nothing of this step was applied: raise the factor, or set it to null for "
-                "dropless dispatch, and resume."
-            )
-
-    def _router_table(self) -> torch.Tensor:
-        """Per layer (rows): the step's assignments per expert, its summed load-balancing score,
-        then (with the expert bias) the bias and the bias after this step's update; counts and
-        scores summed over the data-parallel ranks. float64 on the device: no host read."""
-        rs = list(self.routers.values())
-        if not rs:
-            return torch.zeros(0, device=self.device, dtype=torch.float64)
-        stats = torch.stack(
-            [torch.cat([r.stat_counts_E.double(), r.stat_lb.double().view(1)]) for r in rs]
-        )
-        if self.mesh.dense_dp_group is not None:
-            dist.all_reduce(stats, group=self.mesh.dense_dp_group)
-        if not self.cfg.model.expert_bias:
-            return stats
-        E = self.cfg.model.n_experts
-        bias = torch.stack(
-            [torch.cat([r.expert_bias, r.next_bias(c[:E])]) for r, c in zip(rs, stats, strict=True)]
-        )
-        return torch.cat([stats, bias.double()], dim=1)
-
-    def _router_health(
-        self, table: torch.Tensor, host: list[list[float]], applied: bool
-    ) -> dict[str, dict[str, Any]]:
-        """Per-layer router health over the step from the router table (``table`` on the
-        device, ``host`` its values read back); applies the expert-bias update when the step
-        was applied."""
-        if not self.routers:
-            return {}
-        E = self.cfg.model.n_experts
-        rs, layers = list(self.routers.values()), list(self.routers)
-        n_scores = self.cfg.micro_batches * self.cfg.parallel.data_parallel
-        if applied and self.cfg.model.expert_bias:
-            for r, row in zip(rs, table, strict=True):
-                r.expert_bias.copy_(row[E + 1 + E :])  # type: ignore[union-attr]
-        health = {}
-        for name, row in zip(layers, host, strict=True):
-            bias = None
-            if self.cfg.model.expert_bias:
-                bias = torch.tensor(row[E + 1 + E :] if applied else row[E + 1 : E + 1 + E])
-            counts = torch.tensor(row[:E], dtype=torch.float64)
-            score = row[E] / n_scores
-            health[f"layer_{name}"] = router_health(counts, score, self.cfg.parallel.ep, bias)
-        if self.cfg.parallel.pp > 1:
-            parts: list = [None] * dist.get_world_size()
-            mine = health if (self.mesh.dp_rank, self.mesh.ep_rank) == (0, 0) else None
-            dist.all_gather_object(parts, mine)
-            health = {k: v for p in parts if p for k, v in p.items()}
-        return dict(sorted(health.items(), key=lambda kv: int(kv[0].split("_")[1])))
-
     def train_step(self) -> StepMetrics:
         tc, pc = self.cfg.train, self.cfg.parallel
         if self._clock is None:
@@ -437,44 +346,29 @@ class Trainer:
         if self.step + 1 < tc.steps:
             self._prefetch.prepare(self.step + 1)  # type: ignore[union-attr]
 
-        rs = list(self.routers.values())
-        zero = torch.zeros((), device=self.device)
-        mem = 0.0
-        if self.device.type == "cuda":
-            # Graph replays allocate from the graphs' own pool, unseen by the peak counter: count
-            # what the allocator holds instead.
-            peak = torch.cuda.max_memory_allocated(self.device)
-            if self.graphs is not None:
-                peak = max(peak, torch.cuda.max_memory_reserved(self.device))
-            mem = peak / 2**30
+        routers = self.router_stats
         # Host values join the device's through pinned memory: an asynchronous copy, no sync.
-        known = torch.tensor([float(len(rs)), mem, float(self.stop_requested)])
+        known = torch.tensor([len(routers.routers), self.stop_requested, self._peak_mem_gib()])
         known = pinned(known, self.device).to(self.device, non_blocking=True)
-        sums = torch.stack(
-            [
-                ce_sum,
-                aux_sum,
-                sum((r.stat_lb for r in rs), zero),
-                sum((r.stat_z for r in rs), zero),
-                known[0],
-                self._dropped(),
-            ]
+        local = StepValues(
+            ce=ce_sum,
+            aux=aux_sum,
+            routers=known[0],
+            dropped=routers.dropped(),
+            stop=known[1],
+            peak_mem_gib=known[2],
+            grad_norm=grad_norm,
+            **routers.sums(),
         )
-        maxes = known[1:]
-        if self.mesh.distributed:
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        table = self._router_table()
-        scalars = torch.cat([sums, grad_norm.view(1), maxes]).double()
-        values = torch.cat([scalars, table.flatten()]).tolist()  # the step's one host read
+        world = dist.get_world_size() if self.mesh.distributed else 1
+        reduced = local.all_reduce(self.mesh.rank, world)
+        bias = routers.bias_rows(reduced.router_table)
+        host = replace(reduced, expert_bias=bias).read()  # the step's one host read
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
-        ce, aux, lb, z, n_routers, dropped, norm, mem_max, stop = values[: len(scalars)]
-        self._check_dropped(dropped, f"step {self.step}")
-        width = table.shape[1] if table.ndim == 2 else 0
-        rows = [values[len(scalars) + i * width :][:width] for i in range(len(self.routers))]
+        routers.check_dropped(host.dropped.item(), f"step {self.step}")
         n_micro = len(batches) * pc.data_parallel
-        loss = ce / n_micro
+        loss, norm = host.ce.item() / n_micro, host.grad_norm.item()
         verdict = self.guards.check(loss, norm)
         if not verdict.skip:
             clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
@@ -483,10 +377,10 @@ class Trainer:
             else:
                 update = functools.partial(self.optimizer.update, grad_norm, clip)
                 self.graphs.update(update, prepare=self.optimizer.allocate_state)
-        health = self._router_health(table, rows, applied=not verdict.skip)
-        for r in rs:
-            r.reset_stats()
-        self.stop_requested = self.stop_requested or stop > 0
+        health = routers.finish_step(
+            bias, host.router_table, host.expert_bias, applied=not verdict.skip
+        )
+        self.stop_requested = self.stop_requested or host.stop.item() > 0
         speed = throughput(
             tc.global_batch_size * tc.seq_len,
             elapsed,
@@ -495,12 +389,13 @@ class Trainer:
             self.peak,
         )
         self.step += 1
+        per_router_call = max(host.routers.item(), 1) * len(batches)
         return StepMetrics(
             step=self.step - 1,
             loss=loss,
-            aux_loss=aux / n_micro,
-            lb_loss=lb / max(n_routers, 1) / len(batches),
-            z_loss=z / max(n_routers, 1) / len(batches),
+            aux_loss=host.aux.item() / n_micro,
+            lb_loss=host.lb.item() / per_router_call,
+            z_loss=host.z.item() / per_router_call,
             grad_norm=norm,
             lr=lr,
             tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
@@ -509,9 +404,20 @@ class Trainer:
             step_time_s=elapsed,
             skipped=verdict.skip,
             spike=verdict.spike,
-            peak_mem_gib=mem_max if self.device.type == "cuda" else None,
+            peak_mem_gib=host.peak_mem_gib.item() if self.device.type == "cuda" else None,
             router=health,
         )
+
+    def _peak_mem_gib(self) -> float:
+        """This rank's peak device memory over the step (GiB; 0 off CUDA). Graph replays
+        allocate from the graphs' own pool, unseen by the peak counter: with graphs, what the
+        allocator holds counts too."""
+        if self.device.type != "cuda":
+            return 0.0
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if self.graphs is not None:
+            peak = max(peak, torch.cuda.max_memory_reserved(self.device))
+        return peak / 2**30
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -540,11 +446,11 @@ class Trainer:
             batches = [b.to(self.device) for b in self._sequences(start, per_rank)]
         with router_stats_paused():
             ce_sum, _ = self._forward_backward(batches, forward_only=True)
-        read = torch.stack([ce_sum, self._dropped()])
+        read = torch.stack([ce_sum, self.router_stats.dropped()])
         if self.mesh.distributed:
             dist.all_reduce(read)
         ce, dropped = read.tolist()
-        self._check_dropped(dropped, f"evaluation after step {self.step}")
+        self.router_stats.check_dropped(dropped, f"evaluation after step {self.step}")
         return ce / tc.eval_batches
 
     def _prepare_downstream(self) -> None:
@@ -587,153 +493,50 @@ class Trainer:
                 self.device,
                 fixed_shape=True,
             )
-        read = self._dropped()
+        read = self.router_stats.dropped()
         if self.mesh.distributed:
             dist.all_reduce(read)
-        self._check_dropped(float(read), f"downstream evaluation after step {self.step}")
+        self.router_stats.check_dropped(
+            float(read), f"downstream evaluation after step {self.step}"
+        )
         scores = scores_from(self.downstream_tasks, self.downstream_requests, logp)
         return {s.key: s.metrics() for s in scores}
 
-    # ---- checkpoints ----------------------------------------------------------------------
+    # ---- checkpoints (the policy: ``checkpoint_policy.py``) --------------------------------
 
-    def _state_is_finite(self) -> bool:
-        """Whether every master weight, Adam moment and router buffer is finite on every rank
-        (collective)."""
-        opt = self.optimizer
-        tensors = [*opt.masters, *(t for m in opt.moments for t in m.values())]
-        tensors += list(self.buffers.values())
-        ok = torch.ones((), device=self.device)
-        for t in tensors:
-            ok = ok * torch.isfinite(t).all()
-        if self.mesh.distributed:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok.item())
-
-    def _newest_checkpoint(self) -> str:
-        """Which checkpoint a resume would start from, in words (collective)."""
-        self.checkpointer.wait()
-        path = self.checkpointer.newest_valid(report=lambda _: None)
-        if path is None:
-            return f"there is no valid checkpoint in {self.checkpointer.root}"
-        return f"the newest valid checkpoint is {path}"
-
-    def _not_finite(self) -> TrainingHaltedError:
-        return TrainingHaltedError(
-            f"at step {self.step} the weights, Adam moments or router buffers hold NaN or "
-            f"infinity, so that state was not checkpointed; {self._newest_checkpoint()}: resume "
-            "from it after fixing the cause (such as a lower train.lr or a larger train.eps)."
-        )
-
-    def save_checkpoint(self) -> None:
-        """Checkpoint the current state. A state holding NaN or infinity is never written (resume
-        would pick it): the run stops instead, naming the checkpoint to resume from."""
-        if not self._state_is_finite():
-            raise self._not_finite()
-        trainer_state = {
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint holds of the trainer beside the optimizer and router buffers."""
+        return {
             "step": self.step,
             "guards": self.guards.state_dict(),
             "config": to_dict(self.cfg),
             "loader": self._loader_state,
         }
-        state = self.checkpointer.state_dict(self.optimizer, self.buffers, trainer_state)
-        pc = self.cfg.parallel
-        layout = {"pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
-        self.checkpointer.save(self.step, state, layout)
 
-    def _halt(self, last: int) -> None:
-        """Stop after too many non-finite steps in a row (the last one ``last``). Skipped steps
-        change nothing, so the state now is the one all of them started from: checkpointed
-        when it is finite, and named as such (never as a known-good state)."""
-        n = self.guards.consecutive_skips
-        first = last - n + 1
-        what = (
-            f"{n} steps in a row had a non-finite loss or gradient norm (steps {first} to {last})"
-        )
-        if not self._state_is_finite():
-            cause = self._not_finite()
-            raise TrainingHaltedError(f"{what}; {cause}") from None
-        self.save_checkpoint()
-        self.checkpointer.wait()
-        start = f"step {first - 1}'s update" if first > 0 else "initialization"
-        raise TrainingHaltedError(
-            f"{what}; skipped steps change nothing, so the state checkpointed at step {self.step} "
-            f"in {self.checkpointer.root} is the one they all started from (after {start}): "
-            "lower train.lr or check the data before resuming from it."
-        )
+    def save_checkpoint(self) -> None:
+        """Checkpoint the current state. A state holding NaN or infinity is never written (resume
+        would pick it): the run stops instead, naming the checkpoint to resume from."""
+        self.checkpoints.save(self.step)
 
     def _resume(self) -> None:
-        path = self.checkpointer.newest_valid(report=self._warn)
-        if path is None:
+        """Continue from the newest valid checkpoint, if any: step, guards, loader position."""
+        state = self.checkpoints.resume()
+        if state is None:
             return
-        shapes = parameter_shapes(self.cfg.model)
-        state = self.checkpointer.load(path, self.optimizer, self.buffers, shapes)
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
         if self.loader is not None and state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
             self._train_iter = iter(self.loader)
             self._loader_state = self.loader.state_dict()
-        self.checkpointer.adopt(path)
-        self.resumed_from = path
         if self.is_main:
-            self.console.print(f"resumed from {path} (step {self.step})")
-
-    def _start_fresh(self) -> None:
-        """A run that resumes nothing is a new run: what an earlier run left in ``out_dir``
-        (checkpoints, metrics, model) is moved to ``*.superseded-N``, never pruned or
-        overwritten by this one."""
-        if self.is_main:
-            ckpts = self.checkpointer.root
-            earlier = [
-                p
-                for p in (ckpts, self.out / "metrics.jsonl", self.out / "model")
-                if p.exists() and not (p == ckpts and not any(p.iterdir()))
-            ]
-            n = set_aside(earlier)
-            ckpts.mkdir(parents=True, exist_ok=True)
-            if n is not None:
-                names = ", ".join(p.name for p in earlier)
-                why = "train.resume=false" if not self.cfg.train.resume else "nothing to resume"
-                self._warn(
-                    f"starting a new run in {self.out} ({why}): the earlier run's {names} "
-                    f"moved to *.superseded-{n} there"
-                )
-        if self.mesh.distributed:
-            dist.barrier()
+            self.console.print(f"resumed from {self.resumed_from} (step {self.step})")
 
     def _warn(self, message: str) -> None:
         if self.is_main:
             self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
     # ---- the loop -------------------------------------------------------------------------
-
-    def _on_signal(self, signum, frame) -> None:
-        self.stop_requested = True
-
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state dict on rank 0 (None elsewhere); collective."""
-        local: dict[str, torch.Tensor] = {}
-        for chunk in self.chunks.values():
-            for name, t in chunk.state_dict().items():
-                if self.mesh.ep_group is not None and name.endswith(EXPERT_KEYS):
-                    parts = [torch.empty_like(t) for _ in range(self.cfg.parallel.ep)]
-                    dist.all_gather(parts, t.contiguous(), group=self.mesh.ep_group)
-                    t = torch.cat(parts)
-                local[name] = t.detach().cpu()
-        if not self.mesh.distributed:
-            return local
-        representative = self.mesh.dp_rank == 0 and self.mesh.ep_rank == 0
-        gathered: list = [None] * dist.get_world_size() if self.is_main else []
-        dist.gather_object(
-            local if representative else None, gathered if self.is_main else None, dst=0
-        )
-        if not self.is_main:
-            return None
-        merged: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            if part:
-                merged.update(part)
-        return merged
 
     def fit(
         self, show_progress: bool = True, sinks: list[MetricsSink] | None = None
@@ -750,17 +553,77 @@ class Trainer:
     def _fit(self, show_progress: bool, sinks: list[MetricsSink] | None) -> list[StepMetrics]:
         tc = self.cfg.train
         show = show_progress and self.is_main
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            sinks = [*list(sinks or []), JsonlSink(self.out / "metrics.jsonl", self.step)]
-            if show:
-                sinks.append(ConsoleSink(self.console, tc.log_every))
-        sinks = sinks or []
+        sinks = self._sinks(sinks, show)
+        history: list[StepMetrics] = []
+        self.checkpoints.begin(self.step)
+        with self._stop_on_signals():
+            try:
+                with self._progress(show) as progress:
+                    while self.step < tc.steps:
+                        m = self.train_step()
+                        self._evaluate_on_cadence(m)
+                        history.append(m)
+                        for sink in sinks:
+                            sink.log(m.step, m.as_dict())
+                        if len(history) == 1:
+                            # What lives now (the model, compiled graphs) stays: keep it out of
+                            # the collector's full passes, which otherwise stall the host mid-run.
+                            gc.collect()
+                            gc.freeze()
+                            self._clock = None
+                        progress(m)
+                        if self.guards.exhausted:
+                            self.checkpoints.halt(self.step, m.step, self.guards.consecutive_skips)
+                        if self.stop_requested:
+                            break
+                        if self.checkpoints.after_step(self.step):
+                            self._clock = None
+                self.checkpoints.at_end(self.step)
+                if self.stop_requested and self.is_main:
+                    self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
+            finally:
+                gc.unfreeze()
+                self._stop_prefetching()
+                self._clock = None
+                for sink in sinks:
+                    sink.close()
+        if tc.save_model and not self.stop_requested:
+            state = self.full_model_state()
+            if state is not None:
+                save_model_dir(state, self.cfg.model, self.out / "model", overwrite=True)
+        return history
+
+    def _sinks(self, sinks: list[MetricsSink] | None, show: bool) -> list[MetricsSink]:
+        """Where steps are logged: the caller's sinks, and on rank 0 ``metrics.jsonl`` (appended
+        from this step on) and the console (every ``train.log_every`` steps when shown)."""
+        if not self.is_main:
+            return list(sinks or [])
+        self.out.mkdir(parents=True, exist_ok=True)
+        out = [*list(sinks or []), JsonlSink(self.out / "metrics.jsonl", self.step)]
+        if show:
+            out.append(ConsoleSink(self.console, self.cfg.train.log_every))
+        return out
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT ask the loop to stop after the current step (with a checkpoint);
+        the previous handlers come back afterwards. Only the main thread can install them."""
         previous = {}
         if threading_main():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, self._on_signal)
-        history: list[StepMetrics] = []
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    @contextlib.contextmanager
+    def _progress(self, show: bool) -> Iterator[Callable[[StepMetrics], None]]:
+        """A progress bar (drawn when ``show``); yields what advances it by a step."""
         columns = (
             TextColumn("[bold]train"),
             BarColumn(),
@@ -768,56 +631,57 @@ class Trainer:
             TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(),
         )
-        saved_at = self.step if self.resumed_from is not None else -1  # that state is saved
-        try:
-            with Progress(*columns, console=self.console, disable=not show) as bar:
-                task = bar.add_task("train", total=tc.steps, completed=self.step, status="")
-                while self.step < tc.steps:
-                    m = self.train_step()
-                    if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == tc.steps):
-                        m.eval_loss = self.evaluate()
-                        self._clock = None  # the next step is timed from its own start
-                    ev = self.cfg.eval
-                    if ev.every and (self.step % ev.every == 0 or self.step == tc.steps):
-                        m.downstream = self.downstream()
-                        self._clock = None
-                    history.append(m)
-                    for sink in sinks:
-                        sink.log(m.step, m.as_dict())
-                    if len(history) == 1:
-                        # What lives now (the model, compiled graphs) stays: keep it out of the
-                        # collector's full passes, which otherwise stall the host mid-run.
-                        gc.collect()
-                        gc.freeze()
-                        self._clock = None
-                    bar.update(task, completed=self.step, status=f"loss {m.loss:.3f}")
-                    if self.guards.exhausted:
-                        self._halt(m.step)
-                    if self.stop_requested:
-                        break
-                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
-                        self.save_checkpoint()
-                        saved_at = self.step
-                        self._clock = None
-                    self.checkpointer.poll()
-            if tc.checkpoint_at_end and saved_at != self.step:
-                self.save_checkpoint()
-            self.checkpointer.wait()
-            if self.stop_requested and self.is_main:
-                self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
-        finally:
-            gc.unfreeze()
-            self._stop_prefetching()
+        with Progress(*columns, console=self.console, disable=not show) as bar:
+            total = self.cfg.train.steps
+            task = bar.add_task("train", total=total, completed=self.step, status="")
+
+            def advance(m: StepMetrics) -> None:
+                bar.update(task, completed=self.step, status=f"loss {m.loss:.3f}")
+
+            yield advance
+
+    def _evaluate_on_cadence(self, m: StepMetrics) -> None:
+        """Held-out loss every ``train.eval_every`` steps and downstream accuracies every
+        ``eval.every`` steps (and at the last step), into ``m``; the next step is timed from
+        its own start."""
+        last = self.cfg.train.steps
+        every = self.cfg.train.eval_every
+        if every and (self.step % every == 0 or self.step == last):
+            m.eval_loss = self.evaluate()
             self._clock = None
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            for sink in sinks:
-                sink.close()
-        if tc.save_model and not self.stop_requested:
-            state = self.full_model_state()
-            if state is not None:
-                save_model_dir(state, self.cfg.model, self.out / "model", overwrite=True)
-        return history
+        every = self.cfg.eval.every
+        if every and (self.step % every == 0 or self.step == last):
+            m.downstream = self.downstream()
+            self._clock = None
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on rank 0 (None elsewhere); collective."""
+        local: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks.values():
+            experts = {
+                f"{prefix}.{name}"
+                for prefix, m in chunk.named_modules()
+                if isinstance(m, Experts)
+                for name, _ in m.named_parameters()
+            }
+            for name, t in chunk.state_dict().items():
+                if name in experts:
+                    t = gather_experts(t, self.mesh)
+                local[name] = t.detach().cpu()
+        if not self.mesh.distributed:
+            return local
+        representative = self.mesh.dp_rank == 0 and self.mesh.ep_rank == 0
+        gathered: list = [None] * dist.get_world_size() if self.is_main else []
+        dist.gather_object(
+            local if representative else None, gathered if self.is_main else None, dst=0
+        )
+        if not self.is_main:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            if part:
+                merged.update(part)
+        return merged
 
 
 def threading_main() -> bool:

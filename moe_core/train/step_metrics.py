@@ -1,0 +1,121 @@
+"""What one training step reports, and how its values cross ranks and reach the host.
+
+``StepValues`` names every value a step reads back (summed losses, router statistics, dropped
+rows, the stop flag, peak memory, the gradient norm); each field says how ranks combine it.
+``all_reduce`` packs them into one float64 vector and reduces it in one collective (a sum over
+all ranks: a maximum travels as one slot per rank, taken after the sum); ``read`` brings the
+result to the host in one transfer (the step's only host read), as the same structure on the
+CPU, so the trainer reads each value by name. ``StepMetrics`` is the logged record of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SUM, MAX, LOCAL = "sum", "max", "local"  # how a field combines over ranks (LOCAL: it does not)
+SUMMED, MAXIMUM, AS_IS = ({"reduce": r} for r in (SUM, MAX, LOCAL))  # field metadata
+
+
+@dataclass
+class StepValues:
+    """One step's values (device tensors, any float or integer dtype, any shape); each field's
+    ``reduce`` says how ranks combine it."""
+
+    ce: torch.Tensor = field(metadata=SUMMED)  # cross-entropy over micro-batches and data ranks
+    aux: torch.Tensor = field(metadata=SUMMED)  # weighted router losses, likewise
+    lb: torch.Tensor = field(metadata=SUMMED)  # load-balancing scores over routers and calls
+    z: torch.Tensor = field(metadata=SUMMED)  # z-losses, likewise
+    routers: torch.Tensor = field(metadata=SUMMED)  # router layers over ranks (lb's divisor)
+    dropped: torch.Tensor = field(metadata=SUMMED)  # rows the rowwise dispatchers had no room for
+    stop: torch.Tensor = field(metadata=SUMMED)  # ranks asked to stop (SIGTERM / SIGINT)
+    peak_mem_gib: torch.Tensor = field(metadata=MAXIMUM)  # the busiest rank's peak memory
+    grad_norm: torch.Tensor = field(metadata=AS_IS)  # already global (the optimizer reduced it)
+    # [layers, experts + 1]: per layer (global index) assignments per expert and summed
+    # load-balancing score; a layer's row is summed over the ranks that hold it.
+    router_table: torch.Tensor = field(metadata=SUMMED)
+    # [this rank's layers, 2 x experts]: the expert bias before and after this step's update,
+    # computed from the reduced table (so set after ``all_reduce``).
+    expert_bias: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0), metadata=AS_IS)
+
+    def _names(self, reduce: str) -> list[str]:
+        return [f.name for f in fields(self) if f.metadata["reduce"] == reduce]
+
+    def pack(self, rank: int, world: int) -> torch.Tensor:
+        """The communicated fields as one float64 vector: sums as they are, each maximum as
+        ``world`` slots holding this rank's value in slot ``rank`` (zeros elsewhere)."""
+        parts = [getattr(self, n).double().flatten() for n in self._names(SUM)]
+        for n in self._names(MAX):
+            v = getattr(self, n).double().flatten()
+            slots = v.new_zeros(world, v.numel())
+            slots[rank] = v
+            parts.append(slots.flatten())
+        device = self.grad_norm.device
+        return torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0)
+
+    def unpack(self, flat: torch.Tensor, world: int) -> StepValues:
+        """The fields of a reduced ``pack`` vector (shaped as this structure's, float64), with
+        this structure's local fields."""
+        out: dict[str, torch.Tensor] = {}
+        at = 0
+        for n in self._names(SUM):
+            like = getattr(self, n)
+            out[n] = flat[at : at + like.numel()].view(like.shape)
+            at += like.numel()
+        for n in self._names(MAX):
+            like = getattr(self, n)
+            slots = flat[at : at + world * like.numel()].view(world, *like.shape)
+            out[n] = slots.amax(dim=0)
+            at += world * like.numel()
+        if at != flat.numel():
+            raise ValueError(f"a packed step holds {flat.numel()} values, its fields {at}")
+        return replace(self, **out)
+
+    def all_reduce(self, rank: int = 0, world: int = 1) -> StepValues:
+        """Every rank's values combined as each field says, in one collective over all ranks
+        (none when ``world`` is 1); local fields are kept as they are."""
+        flat = self.pack(rank, world)
+        if world > 1:
+            dist.all_reduce(flat)
+        return self.unpack(flat, world)
+
+    def read(self) -> StepValues:
+        """Every field on the host as float64, in one device-to-host transfer."""
+        names = [f.name for f in fields(self)]
+        values = [getattr(self, n) for n in names]
+        device = self.grad_norm.device
+        flat = torch.cat([v.double().flatten().to(device) for v in values]).cpu()
+        out, at = {}, 0
+        for n, v in zip(names, values, strict=True):
+            out[n] = flat[at : at + v.numel()].view(v.shape)
+            at += v.numel()
+        return StepValues(**out)
+
+
+@dataclass
+class StepMetrics:
+    """One step as logged (``metrics.jsonl``, the console, MLflow)."""
+
+    step: int
+    loss: float  # cross-entropy, mean over the global batch
+    aux_loss: float  # weighted router losses summed over layers (part of the objective)
+    lb_loss: float  # load-balancing score, mean over layers and micro-batches (1.0 = uniform)
+    z_loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    step_time_s: float
+    skipped: bool = False
+    spike: bool = False
+    mfu: float | None = None
+    peak_mem_gib: float | None = None
+    eval_loss: float | None = None
+    downstream: dict[str, dict[str, float]] | None = None  # per task: its accuracies
+    router: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}
