@@ -42,6 +42,7 @@ from kernels import grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
 from moe_core.model.attention import Attention
+from moe_core.model.eager import seal
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, MoE, Router, Routing
 from moe_core.parallel.compile import apply_compile, loss_function
@@ -162,6 +163,7 @@ def moe_layer_step(args: argparse.Namespace, n_experts: int, top_k: int = 4) -> 
             p.normal_(0.0, 0.02)
     moe = moe.to(torch.bfloat16)
     if args.compile:
+        seal()
         moe.compile()  # the router fuses, as inside a compiled block; dispatch stays eager
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(1, args.mbs * args.seq, D, device="cuda", generator=gen).to(torch.bfloat16)

@@ -11,6 +11,7 @@ import torch
 
 from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, RotaryEmbedding
+from moe_core.model.eager import seal
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4")
@@ -28,6 +29,7 @@ def test_flash4_attention_equals_sdpa(kv_heads, compiled):
     x = torch.randn(2, 1024, cfg.d_model, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     results = []
+    seal()  # the model's compile boundaries (model.eager), as apply_compile does
     for module in (sdpa, flash):
         fn = torch.compile(module) if compiled else module
         xi = x.clone().requires_grad_()

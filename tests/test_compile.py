@@ -8,6 +8,7 @@ import torch._dynamo
 
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
+from moe_core.model.eager import seal
 from moe_core.model.moe import router_stats_paused
 from moe_core.parallel.compile import apply_compile, loss_function
 
@@ -37,6 +38,7 @@ def test_block_graph_breaks_only_at_token_dispatch():
     )
     model = build_model(cfg, seed=0)
     h = torch.randn(2, 16, 32)
+    seal()  # what apply_compile does first (the model's compile boundaries, model.eager)
     explained = torch._dynamo.explain(model.layers["0"])(
         h, torch.zeros(()), model.rope(16, h.device)
     )

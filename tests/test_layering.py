@@ -7,6 +7,8 @@ lazy import cannot slip past the rule: the table below is the whole dependency g
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -115,3 +117,15 @@ def test_the_library_never_imports_the_orchestration_and_only_compose_imports_hy
             assert not tops & {"prefect", "prefect_kubernetes"}, f"{name} imports Prefect"
         if name != "moe_core.compose":
             assert not tops & {"hydra", "omegaconf"}, f"{name} imports Hydra/OmegaConf"
+
+
+def test_importing_the_library_does_not_import_torchdynamo():
+    """TorchDynamo costs 1.3-1.7 s per process that imports it: only compiling loads it
+    (``model.eager``), not importing the trainer or the CLI (every rank of a launch does)."""
+    code = (
+        "import sys, moe_core.cli, moe_core.train.trainer, flows.pretrain; "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.config import ModelConfig
+from moe_core.model.eager import eager
 from moe_core.model.norm import RMSNorm
 
 
@@ -58,7 +59,7 @@ def flash4_installed() -> bool:
     )
 
 
-@torch.compiler.disable
+@eager
 def _flash4(q_BSHd: torch.Tensor, k_BSHd: torch.Tensor, v_BSHd: torch.Tensor) -> torch.Tensor:
     from flash_attn.cute import flash_attn_func
 

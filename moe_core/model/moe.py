@@ -22,6 +22,7 @@ from kernels.routing import expert_counts, expert_slots
 from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
 from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
+from moe_core.model.eager import eager
 
 # A plain global rather than a ContextVar: torch.compile traces (and guards on) globals, and a
 # recompute re-runs forwards inside backward while the training loop waits for it.
@@ -271,7 +272,7 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
-@torch.compiler.disable
+@eager
 def _dispatch(
     dispatcher: TokenDispatcher, x_TD: torch.Tensor, routing: Routing, experts: Experts
 ) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Inductor fuses each block's dense part (norms, RoPE, residual adds, the router's softmax,
 top-k and losses) around the attention and projection GEMMs. Token dispatch stays eager
-(``moe._dispatch`` is a compile boundary): its Triton kernels and grouped GEMMs are fused
-already. Every block has the same code and shapes, so one compilation serves all of them.
+(``moe._dispatch`` is a compile boundary: ``model.eager``, sealed here before compiling); its
+Triton kernels and grouped GEMMs are fused already. Every block has the same code and shapes,
+so one compilation serves all of them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from collections.abc import Callable
 
 import torch
 
+from moe_core.model.eager import seal
 from moe_core.model.norm import RMSNorm
 from moe_core.model.transformer import Block, lm_loss
 
 
 def apply_compile(model: torch.nn.Module) -> None:
     """Compile every block and the final norm in place (parameter names stay unchanged)."""
+    seal()
     for module in model.modules():
         if isinstance(module, Block):
             module.compile()
