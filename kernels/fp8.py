@@ -11,8 +11,10 @@ computes with fp32 accumulation and a bf16 output.
 - forward ``y = x @ w[g]``: ``x`` by rows (over K), the weight by its output columns (over K:
   for experts stored [G, N, K] those are its rows, so the quantized copy is already the
   column-major operand the GEMM takes);
-- input gradient ``dx = dy @ w[g]^T``: ``dy`` by rows (over N), the weight quantized over N
-  (the transposed copy);
+- input gradient ``dx = dy @ w[g]^T``: ``dy`` by rows (over N), the weight over N, one scale
+  per (g, k): ``quantize_columnwise`` writes it straight into the row-major [G, K, N] layout
+  the GEMM takes, with no transposed copy of the weight (its bytes are the rowwise
+  quantization of that copy, which defines it);
 - weight gradient: bf16 ``kernels.grouped_gemm`` (contracting over each group's rows would need
   per-group scales along M: a measured follow-up).
 
@@ -20,12 +22,15 @@ MX scaling (``scaling="mx"``, OCP Microscaling MXFP8): each block of 32 consecut
 K gets a power-of-two scale stored as E8M0 (a biased exponent byte, ``2^(byte - 127)``). The
 exponent is ``ceil(log2(amax / 448))`` (NVIDIA's round-up recipe rather than the spec's floor, so
 no value saturates), clamped to [-127, 127]; an all-zero block takes 2^-127. Its values are
-rounded to E4M3 as above. Blackwell (sm_100) runs these GEMMs natively; that path is not built
-here yet, so MX runs as the dequantized product everywhere (on CPU: its tested emulation), and
+rounded to E4M3 as above (its input gradient still quantizes a transposed copy). Blackwell
+(sm_100) runs these GEMMs natively; that path is not built here yet, so MX runs as the
+dequantized product everywhere (on CPU: its tested emulation), and
 ``moe_core.parallel.parallelize.choose_kernels`` refuses it on a GPU.
 
 ``quantize_rowwise`` is the one quantizer (Triton: amax, scale and cast in one kernel per row
-block, reading the row twice; the reference below defines it). Where ``_scaled_grouped_mm``
+block, reading the row twice; the reference below defines it); ``quantize_columnwise`` applies
+its rules to the weight's columns (Triton: a program per expert and block of K, the amax over
+N tiles, then each tile scaled, rounded and stored transposed). Where ``_scaled_grouped_mm``
 cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same function from the
 dequantized operands: its numerics are those of the GPU path up to fp32 summation order.
 """
