@@ -110,7 +110,7 @@ def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     scale_GK = torch.empty(G, K, dtype=torch.float32, device=w_GNK.device)
     # 64 columns: 128-byte loads along K for bf16; the transposed stores run along N
     block_k = min(64, next_pow2(K))
-    block_n = min(128, next_pow2(N))
+    block_n = min(64, next_pow2(N))  # 4096-value tiles, as _quantize_rows
     _quantize_columns_transposed[(G, cdiv(K, block_k))](
         w_GNK, q_GKN, scale_GK, N, K, *w_GNK.stride(), q_GKN.stride(0), q_GKN.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,

@@ -62,7 +62,7 @@ def expert_weights(seed: int, G: int, N: int, K: int, dtype: torch.dtype) -> tor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G", [1, 3])
 def test_columnwise_quantizer_kernel_equals_the_transposed_copy_bit_for_bit(G, dtype):
-    # N and K past one block and no multiple of it (blocks of 128 rows, 64 columns)
+    # N and K past one block and no multiple of it (tiles of 64 x 64)
     N, K = 131, 70
     w = expert_weights(4, G, N, K, dtype)
     if dtype == torch.float32:  # saturation's edge: a column of huge values and one of tiny
@@ -82,6 +82,9 @@ def test_columnwise_quantizer_kernel_equals_the_transposed_copy_bit_for_bit(G, d
     assert torch.all(q[:, 2].float() == -E4M3_MAX)  # an all-equal column is its own maximum
     assert torch.all(q[:, 3, 7].float() == E4M3_MAX)  # the outlier maps to 448 exactly
     assert torch.all(q.float().abs() <= E4M3_MAX)
+    w_view = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # the same weight, K strided
+    q_view, s_view = quantize_columnwise(w_view)
+    assert torch.equal(q_view.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_view, s)
 
 
 def test_rounding_is_to_nearest_even_with_subnormals_and_the_row_maximum_exact():
