@@ -4,8 +4,9 @@ Launch on a machine with N GPUs:
     torchrun --standalone --nproc-per-node N benchmarks/moe_layer_ep.py --out results.json
     torchrun ... --dispatchers all_to_all,nvshmem_rowwise [--capacity-factor 1.25]
 
-On one GPU (N = 1) the rowwise dispatcher runs with one PE: its own overhead against the local
-path, with no link in between.
+On one GPU (N = 1, or plain `python benchmarks/moe_layer_ep.py` without torchrun) the rowwise
+dispatcher runs with one PE: its own overhead against the local path, with no link in between.
+`--fp8` adds each layer again with FP8 experts (`kernels.fp8`), same inputs.
 
 Each rank routes its own 16,384 tokens (learned routing from a random router: skewed as at
 initialization, the same random inputs on every variant) through 64 experts, top-8, expert
@@ -116,7 +117,16 @@ def main() -> None:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:  # plain `python`: one process on one GPU, its own store
+        dist.init_process_group(
+            "nccl",
+            device_id=torch.device("cuda", local_rank),
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     x = torch.randn(1, TOKENS, CFG.d_model, device="cuda", generator=gen).to(torch.bfloat16)

@@ -11,8 +11,10 @@ computes with fp32 accumulation and a bf16 output.
 - forward ``y = x @ w[g]``: ``x`` by rows (over K), the weight by its output columns (over K:
   for experts stored [G, N, K] those are its rows, so the quantized copy is already the
   column-major operand the GEMM takes);
-- input gradient ``dx = dy @ w[g]^T``: ``dy`` by rows (over N), the weight quantized over N
-  (the transposed copy);
+- input gradient ``dx = dy @ w[g]^T``: ``dy`` by rows (over N), the weight over N, one scale
+  per (g, k): ``quantize_columnwise`` writes it straight into the row-major [G, K, N] layout
+  the GEMM takes, with no transposed copy of the weight (its bytes are the rowwise
+  quantization of that copy, which defines it);
 - weight gradient: bf16 ``kernels.grouped_gemm`` (contracting over each group's rows would need
   per-group scales along M: a measured follow-up).
 
@@ -20,12 +22,15 @@ MX scaling (``scaling="mx"``, OCP Microscaling MXFP8): each block of 32 consecut
 K gets a power-of-two scale stored as E8M0 (a biased exponent byte, ``2^(byte - 127)``). The
 exponent is ``ceil(log2(amax / 448))`` (NVIDIA's round-up recipe rather than the spec's floor, so
 no value saturates), clamped to [-127, 127]; an all-zero block takes 2^-127. Its values are
-rounded to E4M3 as above. Blackwell (sm_100) runs these GEMMs natively; that path is not built
-here yet, so MX runs as the dequantized product everywhere (on CPU: its tested emulation), and
+rounded to E4M3 as above (its input gradient still quantizes a transposed copy). Blackwell
+(sm_100) runs these GEMMs natively; that path is not built here yet, so MX runs as the
+dequantized product everywhere (on CPU: its tested emulation), and
 ``moe_core.parallel.parallelize.choose_kernels`` refuses it on a GPU.
 
 ``quantize_rowwise`` is the one quantizer (Triton: amax, scale and cast in one kernel per row
-block, reading the row twice; the reference below defines it). Where ``_scaled_grouped_mm``
+block, reading the row twice; the reference below defines it); ``quantize_columnwise`` applies
+its rules to the weight's columns (Triton: a program per expert and block of K, the amax over
+N tiles, then each tile scaled, rounded and stored transposed). Where ``_scaled_grouped_mm``
 cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same function from the
 dequantized operands: its numerics are those of the GPU path up to fp32 summation order.
 """
@@ -64,6 +69,27 @@ def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return fp8_triton.quantize_rowwise(x_MK)
     return quantize_rowwise_reference(x_MK)
+
+
+def quantize_columnwise_reference(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 values [G, K, N], fp32 scales [G, K]): each ``w[g]`` quantized over N, one scale
+    per column, by the rowwise rules; defined as the rowwise quantization of the transposed
+    copy (what the input gradient's operand was before the fused kernel)."""
+    G, N, K = w_GNK.shape
+    q, scale = quantize_rowwise_reference(w_GNK.transpose(-2, -1).contiguous().view(G * K, N))
+    return q.view(G, K, N), scale.view(G, K)
+
+
+def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights [G, N, K] quantized over N, already in the row-major [G, K, N] layout the
+    input gradient's GEMM takes, with scales [G, K] (Triton: straight from ``w``, no copy)."""
+    if w_GNK.ndim != 3:
+        raise ValueError(f"quantize_columnwise takes [G, N, K], got {tuple(w_GNK.shape)}")
+    if use_triton(w_GNK):
+        from kernels import fp8_triton
+
+        return fp8_triton.quantize_columnwise(w_GNK)
+    return quantize_columnwise_reference(w_GNK)
 
 
 def dequantize(q_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:
@@ -131,19 +157,27 @@ def _scaled_mm(
         qb, sb = quantize_mx(b_GNK.reshape(G * N, K))
         w_GKN = dequantize_mx(qb, sb).view(G, N, K).transpose(-2, -1)
         return grouped_mm_reference(dequantize_mx(qa, sa), w_GKN, offs_G).to(out_dtype)
-    qa, sa = quantize_rowwise(a_MK)
     qb, sb = quantize_rowwise(b_GNK.reshape(G * N, K))
+    return _rowwise_mm(a_MK, qb.view(G, N, K), sb.view(G, N), offs_G, out_dtype)
+
+
+def _rowwise_mm(
+    a_MK: torch.Tensor,
+    qb_GNK: torch.Tensor,
+    sb_GN: torch.Tensor,
+    offs_G: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b[g]^T`` per group for ``b`` already quantized over K (rowwise: values [G, N, K]
+    row-major, scales [G, N]); ``a`` is quantized here, by rows."""
+    qa, sa = quantize_rowwise(a_MK)
     if scaled_grouped_mm_supported(a_MK):
         return torch._scaled_grouped_mm(
-            qa,
-            qb.view(G, N, K).transpose(-2, -1),
-            sa,
-            sb.view(G, N),
-            offs=offs_G,
-            out_dtype=out_dtype,
+            qa, qb_GNK.transpose(-2, -1), sa, sb_GN, offs=offs_G, out_dtype=out_dtype
         )
-    w_GKN = dequantize(qb, sb).view(G, N, K).transpose(-2, -1)
-    return grouped_mm_reference(dequantize(qa, sa), w_GKN, offs_G).to(out_dtype)
+    G, N, K = qb_GNK.shape
+    w_GKN = dequantize(qb_GNK.view(G * N, K), sb_GN.reshape(G * N)).view(G, N, K)
+    return grouped_mm_reference(dequantize(qa, sa), w_GKN.transpose(-2, -1), offs_G).to(out_dtype)
 
 
 class _FP8GroupedMM(torch.autograd.Function):
@@ -158,9 +192,12 @@ class _FP8GroupedMM(torch.autograd.Function):
         x_MK, w_GNK, offs_G = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            w_GKN = w_GNK.transpose(-2, -1).contiguous()  # quantized over N: the transposed copy
+        if ctx.needs_input_grad[0] and ctx.scaling == "mx":  # over N: the transposed copy
+            w_GKN = w_GNK.transpose(-2, -1).contiguous()
             dx = _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, ctx.scaling)
+        elif ctx.needs_input_grad[0]:  # over N, written transposed by the quantizer: no copy
+            qw_GKN, sw_GK = quantize_columnwise(w_GNK)
+            dx = _rowwise_mm(dy_MN, qw_GKN, sw_GK, offs_G, dy_MN.dtype)
         if ctx.needs_input_grad[1]:  # bf16, in the weight's own [G, N, K] layout
             w_GKN = w_GNK.transpose(-2, -1)
             dw = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).transpose(-2, -1).to(w_GNK.dtype)

@@ -1,7 +1,9 @@
-"""Triton kernel for ``kernels.fp8.quantize_rowwise``: a program owns BLOCK_M rows, finds each
-row's absolute maximum over K in chunks, then reads the row again (from cache) and writes the
-scaled, saturated E4M3 values (rounded to nearest even in fp32 first, then cast exactly) and
-the fp32 scale: one launch, the row read twice, written once.
+"""Triton kernels for ``kernels.fp8``'s quantizers. ``quantize_rowwise``: a program owns BLOCK_M
+rows, finds each row's absolute maximum over K in chunks, then reads the row again (from cache)
+and writes the scaled, saturated E4M3 values (rounded to nearest even in fp32 first, then cast
+exactly) and the fp32 scale: one launch, the row read twice, written once.
+``quantize_columnwise`` does the same over the columns of each expert's weight and stores the
+result transposed; ``quantize_mx`` the MXFP8 blocks.
 """
 
 from __future__ import annotations
@@ -67,6 +69,53 @@ def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         BLOCK_M=block_m, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,
     )  # fmt: skip
     return q_MK, scale_M
+
+
+@triton.jit
+def _quantize_columns_transposed(
+    w_ptr, q_ptr, scale_ptr, N, K, stride_wg, stride_wn, stride_wk, stride_qg, stride_qk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """``kernels.fp8.quantize_columnwise``: a program owns BLOCK_K columns of one ``w[g]``
+    ([N, K]); pass 1 walks N in tiles for each column's absolute maximum, pass 2 reads the
+    tiles again (from cache), scales, rounds and writes each one transposed into ``q[g]``
+    ([K, N], row-major): no transposed copy of the weight is ever made."""
+    g = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cmask = cols < K
+    rows = tl.arange(0, BLOCK_N)
+    w_g = w_ptr + g * stride_wg
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        r = n0 + rows
+        m = (r < N)[:, None] & cmask[None, :]
+        w = tl.load(w_g + r[:, None] * stride_wn + cols[None, :] * stride_wk, mask=m, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(w.to(tl.float32)), axis=0))
+    scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)  # IEEE, as in _quantize_rows
+    tl.store(scale_ptr + g * K + cols, scale, mask=cmask)
+    q_g = q_ptr + g * stride_qg
+    for n0 in range(0, N, BLOCK_N):
+        r = n0 + rows
+        m = (r < N)[:, None] & cmask[None, :]
+        w = tl.load(w_g + r[:, None] * stride_wn + cols[None, :] * stride_wk, mask=m, other=0.0)
+        y = tl.clamp(tl.div_rn(w.to(tl.float32), scale[None, :]), -FP8_MAX, FP8_MAX)
+        q_KN = tl.trans(_round_to_e4m3(y)).to(q_ptr.dtype.element_ty)
+        m_KN = cmask[:, None] & (r < N)[None, :]
+        tl.store(q_g + cols[:, None] * stride_qk + r[None, :], q_KN, mask=m_KN)
+
+
+def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    G, N, K = w_GNK.shape
+    q_GKN = torch.empty(G, K, N, dtype=torch.float8_e4m3fn, device=w_GNK.device)
+    scale_GK = torch.empty(G, K, dtype=torch.float32, device=w_GNK.device)
+    # 64 columns: 128-byte loads along K for bf16; the transposed stores run along N
+    block_k = min(64, next_pow2(K))
+    block_n = min(64, next_pow2(N))  # 4096-value tiles, as _quantize_rows
+    _quantize_columns_transposed[(G, cdiv(K, block_k))](
+        w_GNK, q_GKN, scale_GK, N, K, *w_GNK.stride(), q_GKN.stride(0), q_GKN.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,
+    )  # fmt: skip
+    return q_GKN, scale_GK
 
 
 MX_BLOCK = 32

@@ -1,7 +1,7 @@
 """FP8 (E4M3, rowwise scales and MXFP8's 32-value blocks with E8M0 scales): the quantizers'
 exact format (Triton equals the reference bit for bit; rounding to nearest even, subnormals,
-saturation, zero and all-equal rows or blocks, the E8M0 encoding), and the FP8 expert GEMM
-against the unquantized product and the bf16 path's gradients."""
+saturation, zero and all-equal rows, columns or blocks, the E8M0 encoding), and the FP8 expert
+GEMM against the unquantized product and the bf16 path's gradients."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from kernel_cases import DEVICE, assert_triton_path
 
 from kernels.fp8 import (
     E4M3_MAX,
+    _scaled_mm,
     dequantize,
     dequantize_mx,
     fp8_grouped_mm,
+    quantize_columnwise,
+    quantize_columnwise_reference,
     quantize_mx,
     quantize_mx_reference,
     quantize_rowwise,
@@ -43,6 +46,45 @@ def test_quantizer_kernel_equals_the_reference_bit_for_bit(K, dtype):
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert s[1] == 1.0 and torch.equal(q[1].float(), torch.zeros(K, device=DEVICE))
     assert torch.all(q[2].float() == E4M3_MAX)  # an all-equal row is its own maximum
+
+
+def expert_weights(seed: int, G: int, N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """[G, N, K] with columns (the values quantized together) spanning 1e-3..1e3, a zero
+    column, an all-equal one and an outlier in each expert."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(G, N, K, generator=gen) * torch.logspace(-3, 3, K)
+    w[:, :, 1] = 0.0
+    w[:, :, 2] = -0.37
+    w[:, 7, 3] = 1e4
+    return w.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 3])
+def test_columnwise_quantizer_kernel_equals_the_transposed_copy_bit_for_bit(G, dtype):
+    # N and K past one block and no multiple of it (tiles of 64 x 64)
+    N, K = 131, 70
+    w = expert_weights(4, G, N, K, dtype)
+    if dtype == torch.float32:  # saturation's edge: a column of huge values and one of tiny
+        w[-1, :, 4] = torch.linspace(-1.0, 1.0, N) * 3e38
+        w[-1, :, 5] = torch.linspace(-1.0, 1.0, N) * 1e-36
+    assert_triton_path(w)
+    q, s = quantize_columnwise(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (G, K, N) and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == (G, K)
+    rq, rs = quantize_rowwise_reference(w.transpose(-2, -1).contiguous().view(G * K, N))
+    assert torch.equal(s.view(G * K), rs)
+    assert torch.equal(q.view(torch.uint8).view(G * K, N), rq.view(torch.uint8))
+    ref_q, ref_s = quantize_columnwise_reference(w)  # the reference is that same definition
+    assert torch.equal(ref_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ref_s, s)
+    zero = torch.zeros(G, N, dtype=torch.uint8, device=DEVICE)
+    assert torch.all(s[:, 1] == 1.0) and torch.equal(q[:, 1].view(torch.uint8), zero)  # +0
+    assert torch.all(q[:, 2].float() == -E4M3_MAX)  # an all-equal column is its own maximum
+    assert torch.all(q[:, 3, 7].float() == E4M3_MAX)  # the outlier maps to 448 exactly
+    assert torch.all(q.float().abs() <= E4M3_MAX)
+    w_view = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # the same weight, K strided
+    q_view, s_view = quantize_columnwise(w_view)
+    assert torch.equal(q_view.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_view, s)
 
 
 def test_rounding_is_to_nearest_even_with_subnormals_and_the_row_maximum_exact():
@@ -125,3 +167,19 @@ def test_fp8_grouped_mm_tracks_the_bf16_product_and_keeps_its_weight_gradient(si
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert 0 < rel < 0.05, rel  # quantized (so not equal), within E4M3's precision
     torch.testing.assert_close(dw8, dw)  # the weight gradient stays bf16: the same product
+
+
+def test_fp8_input_gradient_is_byte_identical_to_the_transposed_copy_path():
+    # dx once took w[g]^T as a contiguous copy quantized by rows; it now takes the columnwise
+    # quantizer's output: the same bytes, so the same gradient, bit for bit
+    gen = torch.Generator().manual_seed(5)
+    sizes, N, K = [19, 0, 40], 40, 70
+    offs = torch.tensor(sizes).cumsum(0).to(DEVICE, torch.int32)
+    x = torch.randn(sum(sizes), K, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = expert_weights(6, len(sizes), N, K, torch.bfloat16).requires_grad_()
+    dy = torch.randn(sum(sizes), N, generator=gen).to(DEVICE, torch.bfloat16)
+    assert_triton_path(w)
+    (dx,) = torch.autograd.grad(fp8_grouped_mm(x, w, offs), (x,), dy)
+    before = _scaled_mm(dy, w.detach().transpose(-2, -1).contiguous(), offs, torch.bfloat16)
+    assert dx.dtype == torch.bfloat16 and torch.equal(dx, before)
+    assert dx[:19].abs().sum() > 0 and dx[19:].abs().sum() > 0

@@ -1,6 +1,7 @@
 """The kernels at OLMoE-1B-7B sizes on a GPU (T=16384 tokens, top-8 of 64 experts, d 2048,
-expert hidden 1024, bf16): equal to the references, deterministic, free of host syncs, and
-capturable in a CUDA graph. Run with ``pytest -m gpu`` on a GPU machine."""
+expert hidden 1024, bf16): equal to the references (the FP8 quantizers byte for byte),
+deterministic, free of host syncs, and capturable in a CUDA graph. Run with ``pytest -m gpu``
+on a GPU machine."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from benchmarks.baselines.weighted_combine import (
     combine_from_slots_reference_backward,
 )
 from kernels import slot_permute_triton
+from kernels.fp8 import (
+    _scaled_mm,
+    fp8_grouped_mm,
+    quantize_columnwise,
+    quantize_columnwise_reference,
+)
 from kernels.grouped_gemm import grouped_mm
 from kernels.routing import expert_slots, expert_slots_reference
 from kernels.slot_permute import (
@@ -291,3 +298,26 @@ def test_moe_path_without_host_sync_and_in_a_cuda_graph_gpu():
         graph.replay()
         torch.cuda.synchronize()
     torch.testing.assert_close(captured, eager)  # the library GEMM need not be bitwise stable
+
+
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_fp8_weight_quantized_over_n_and_the_input_gradient_gpu(which):
+    """The columnwise quantizer equals the rowwise quantization of the transposed copy byte for
+    byte at the expert weights' sizes, and FP8 experts' input gradient is bit for bit the one
+    that copy gave (skewed routing: empty and overloaded experts)."""
+    N, Kw = (2 * F, D) if which == "gate_up" else (D, F)
+    w_ENK = bf16_randn(E, N, Kw, seed=20) * 0.02
+    w_ENK[:, :, 0] = 0.0  # a zero column in every expert
+    w_ENK[:, 5, 1] = 30.0  # an outlier
+    q, s = quantize_columnwise(w_ENK)
+    rq, rs = quantize_columnwise_reference(w_ENK)
+    assert q.shape == (E, Kw, N) and torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+    experts_TK, _ = olmoe_routing(skewed=True)
+    offs_E = torch.bincount(experts_TK.flatten(), minlength=E).cumsum(0).to(torch.int32)
+    x_MK = bf16_randn(T * K, Kw, seed=21).requires_grad_()
+    dy_MN = bf16_randn(T * K, N, seed=22)
+    (dx,) = torch.autograd.grad(fp8_grouped_mm(x_MK, w_ENK, offs_E), (x_MK,), dy_MN)
+    before = _scaled_mm(dy_MN, w_ENK.transpose(-2, -1).contiguous(), offs_E, BF16)
+    assert torch.isfinite(dx).all() and torch.equal(dx, before)
