@@ -56,6 +56,7 @@ class Services:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_HOME": str(state / "prefect"),
             "MOE_STOP_GRACE": "3",  # then a second TERM (a Prefect worker's "now"), then KILL
+            "PREFECT_WORKER_QUERY_SECONDS": "1",  # workers poll each second (default 10 s)
         }
         self.env.pop("PREFECT_API_URL", None)
         self.env.pop("MLFLOW_TRACKING_URI", None)
@@ -289,7 +290,7 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
     watched: dict[str, str] = {}
 
     def run(name: str, parameters: dict | None = None) -> dict:
-        cmd = ["prefect", "deployment", "run", f"pretrain/{name}", "--watch"]
+        cmd = ["prefect", "deployment", "run", f"pretrain/{name}", "--watch", "--watch-interval", "1"]
         if parameters is not None:
             cmd += ["--params", json.dumps(parameters)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
