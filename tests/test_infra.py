@@ -290,7 +290,15 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
     watched: dict[str, str] = {}
 
     def run(name: str, parameters: dict | None = None) -> dict:
-        cmd = ["prefect", "deployment", "run", f"pretrain/{name}", "--watch", "--watch-interval", "1"]
+        cmd = [
+            "prefect",
+            "deployment",
+            "run",
+            f"pretrain/{name}",
+            "--watch",
+            "--watch-interval",
+            "1",
+        ]
         if parameters is not None:
             cmd += ["--params", json.dumps(parameters)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
