@@ -6,7 +6,9 @@ Launch on a machine with N GPUs:
 
 On one GPU (N = 1, or plain `python benchmarks/moe_layer_ep.py` without torchrun) the rowwise
 dispatcher runs with one PE: its own overhead against the local path, with no link in between.
-`--fp8` adds each layer again with FP8 experts (`kernels.fp8`), same inputs.
+`--fp8` adds each layer again with FP8 experts (`kernels.fp8`), same inputs; `--unfused` each
+layer again with the experts' MLP unfused (`kernels.expert_mlp.set_fused(False)`: the SwiGLU
+as its own pass instead of in QuACK's GEMM epilogues; the same where QuACK does not run).
 
 Each rank routes its own 16,384 tokens (learned routing from a random router: skewed as at
 initialization, the same random inputs on every variant) through 64 experts, top-8, expert
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from shapes import olmoe
 from timing import cuda_times_ms
 
-from kernels import grouped_gemm
+from kernels import expert_mlp, grouped_gemm
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--capacity-factor", type=float, default=None, help="rowwise buffers")
     parser.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="torch")
     parser.add_argument("--fp8", action="store_true", help="also each layer with FP8 experts")
+    parser.add_argument("--unfused", action="store_true", help="also each layer MLP unfused")
     args = parser.parse_args()
     grouped_gemm.set_backend(args.expert_gemm)
 
@@ -141,9 +144,12 @@ def main() -> None:
     results = {}
     if args.fp8:  # the same layers again with FP8 experts, same inputs
         variants += [(f"{key}-fp8", ep, name, True) for key, ep, name in variants]
+    if args.unfused:
+        variants += [(f"{v[0]}-unfused", *v[1:]) for v in variants if len(v) == 3]
     for key, ep, dispatcher, *fp8 in variants:
         moe = build(ep, dist.group.WORLD, rank, dispatcher, args.capacity_factor)
         moe.experts.fp8 = bool(fp8)
+        expert_mlp.set_fused(not key.endswith("-unfused"))
         times = time_steps(moe, x, grad, args.warmup, args.iters)
         med = statistics.median(times)
         share, top = profile_steps(moe, x, grad)
@@ -151,6 +157,9 @@ def main() -> None:
             "ep": ep,
             "dispatcher": dispatcher,
             "fp8_experts": bool(fp8),
+            "mlp_fused": expert_mlp.fuses(
+                x.view(-1, CFG.d_model), moe.experts.w_gate_up, moe.experts.w_down
+            ),
             "median_ms": med,
             "tokens_per_s_per_gpu": TOKENS / (med / 1e3),
             "model_tflops_per_gpu": TOKENS * flops_per_token / (med / 1e3) / 1e12,

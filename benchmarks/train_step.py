@@ -38,7 +38,7 @@ from shapes import olmoe
 from timing import cuda_times_ms
 
 from benchmarks.baselines.adamw import AdamW
-from kernels import grouped_gemm
+from kernels import expert_mlp, grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
 from moe_core.model.attention import Attention
@@ -268,6 +268,11 @@ def parser() -> argparse.ArgumentParser:
         help="with --optimizer moe_core: bf16 moments, or fp32 master weights and moments",
     )
     add_kernel_options(p)
+    p.add_argument(
+        "--unfused-mlp",
+        action="store_true",
+        help="the experts' SwiGLU as its own pass, not in QuACK's GEMM epilogues",
+    )
     p.add_argument("--layers", type=int, default=olmoe().n_layers)
     p.add_argument("--layer-vs-dense", action="store_true", help="MoE layer vs dense GEMMs")
     p.add_argument("--experts-sweep", default="", help="e.g. 8,16,32,64,128 (one MoE layer)")
@@ -279,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     grouped_gemm.set_backend(args.expert_gemm)
+    expert_mlp.set_fused(not args.unfused_mlp)
     if args.layer_vs_dense:
         result = layer_vs_dense(args)
     elif args.experts_sweep:
@@ -289,6 +295,7 @@ def main() -> None:
         "expert_gemm": args.expert_gemm,
         "attention": args.attention,
         "gather_rows": args.gather_rows,
+        "expert_mlp": "unfused" if args.unfused_mlp else "fused where QuACK runs",
         "date": str(date.today()),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

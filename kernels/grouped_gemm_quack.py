@@ -18,9 +18,13 @@ package installed).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from quack.gemm_interface import gemm
+from quack.epilogue import gemm_epilogue
+from quack.gemm_config import GemmConfig
+from quack.gemm_interface import gemm, gemm_act, gemm_dgated
 
 
 def _cu(offs_G: torch.Tensor) -> torch.Tensor:
@@ -62,3 +66,96 @@ def gathered_wgrad(
     out_GNK = dy_MN.new_empty(offs_G.shape[0], dy_MN.shape[1], x_TK.shape[1])
     gemm(x_TK.t(), dy_MN, out=out_GNK.mT, cu_seqlens_k=cu, A_idx=idx_M, tuned=False)
     return out_GNK
+
+
+@functools.cache
+def _epilogue_config(device: torch.device) -> GemmConfig | None:
+    """The tile configuration of the SwiGLU epilogue GEMMs, pinned where measured: on sm90,
+    128 x 128 pingpong tiles in 1 x 2 clusters without the dynamic scheduler. On one H200 at
+    OLMoE-1B-7B's shapes (``benchmarks/expert_mlp.py --configs``, RESULTS.md) the SwiGLU
+    backward took 0.94 ms with it against 1.67 with QuACK's sm90 default (128 x 192, 2 x 1),
+    and the gate+up GEMM with the SwiGLU 1.48 against 1.66; the row-scaled down GEMM gained
+    nothing and keeps the default. Elsewhere (unmeasured) QuACK's default."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    return GemmConfig(
+        tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False
+    )
+
+
+@gemm_epilogue()
+def _scale_rows(acc, scale_M):
+    """Row m of the product times ``scale_M[m]`` (a column vector: one value per row)."""
+    return {"D": acc * scale_M}
+
+
+def swiglu_mm(
+    x_MK: torch.Tensor, w_G2FK: torch.Tensor, offs_G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x @ w[g]^T`` per group with the SwiGLU in the epilogue: returns the pre-activation
+    [M, 2F] with gate and up interleaved by column (h[:, 0::2] gate, h[:, 1::2] up) and
+    ``silu(gate) * up`` [M, F]. ``w_G2FK`` is the stored gate+up weight, gate rows first."""
+    return gemm_act(
+        x_MK,
+        w_G2FK.mT,
+        activation="swiglu",
+        cu_seqlens_m=_cu(offs_G),
+        concat_layout=("B",),
+        tuned=False,
+        config=_epilogue_config(x_MK.device),
+        dynamic_scheduler=False,
+    )
+
+
+def row_scaled_mm(
+    x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, scale_M: torch.Tensor
+) -> torch.Tensor:
+    """``y[m] = scale_M[m] * (x[m] @ w[g])`` for the rows m of group g; ``scale_M`` fp32 [M]."""
+    y_MN = x_MK.new_empty(x_MK.shape[0], w_GKN.shape[-1])
+    cu = _cu(offs_G)
+    _scale_rows(x_MK, w_GKN, out={"D": y_MN}, cu_seqlens_m=cu, tuned=False, scale_M=scale_M)
+    return y_MN
+
+
+def dswiglu_mm(
+    dy_MN: torch.Tensor,
+    w_GNF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs_G: torch.Tensor,
+    scale_M: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of ``y = scale * (swiglu(h) @ w_down[g]^T)`` from ``dy``, with ``w_GNF`` the
+    stored down weight [G, N, F]: ``da = dy @ w_GNF[g]`` stays in registers; returns the
+    interleaved pre-activation gradient [M, 2F] (the scale folded in), ``scale * swiglu(h)``
+    [M, F] recomputed (the down weight gradient's input) and, with a scale, its gradient
+    ``sum_f swiglu(h) * da`` fp32 [M]."""
+    out = gemm_dgated(
+        dy_MN,
+        w_GNF,
+        h_M2F,
+        activation="swiglu",
+        colvec_scale=scale_M,
+        colvec_reduce=scale_M is not None,
+        cu_seqlens_m=_cu(offs_G),
+        tuned=False,
+        config=_epilogue_config(dy_MN.device),
+        dynamic_scheduler=False,
+    )
+    dh_M2F, a_MF = out[0], out[1]
+    return dh_M2F, a_MF, (out[2] if scale_M is not None else None)
+
+
+def interleaved_dgrad(
+    dh_M2F: torch.Tensor, w_G2FK: torch.Tensor, offs_G: torch.Tensor
+) -> torch.Tensor:
+    """``dx = dh @ w[g]`` per group for the interleaved ``dh`` of ``swiglu_mm`` and the stored
+    (gate rows first) weight."""
+    return gemm(dh_M2F, w_G2FK, cu_seqlens_m=_cu(offs_G), concat_layout=("B",), tuned=False)
+
+
+def interleaved_wgrad(
+    x_MK: torch.Tensor, dh_M2F: torch.Tensor, offs_G: torch.Tensor
+) -> torch.Tensor:
+    """``dh[rows of g]^T @ x[rows of g]`` as the stored [G, 2F, K] layout (gate rows first) from
+    the interleaved ``dh`` of ``swiglu_mm``."""
+    return gemm(dh_M2F.t(), x_MK, cu_seqlens_k=_cu(offs_G), concat_layout=("out",), tuned=False)

@@ -177,3 +177,85 @@ def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
     for got, want in zip(results["auto"], results["torch"], strict=True):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2**-7 * scale)
+
+
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("extra_rows", [0, 100], ids=["exact", "rows-past-the-end"])
+@pytest.mark.parametrize("sizes", list(SIZES))
+def test_fused_expert_mlp_on_quack_equals_the_unfused_ops(sizes, extra_rows, with_weight):
+    """The experts' MLP with the SwiGLU, the router weights and their gradient in QuACK's GEMM
+    epilogues (``kernels.expert_mlp``) gives the unfused ops' output and every gradient (the
+    weights' included), on empty experts, all rows in one expert and rows past the last end;
+    it keeps no [M, F] SwiGLU output for backward."""
+    from kernels import expert_mlp as em
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    groups = SIZES[sizes]
+    M, F_ = sum(groups), N // 2
+    offs_G = torch.tensor(groups).cumsum(0).to("cuda", torch.int32)
+    x = bf16(M + extra_rows, K, gen=gen).requires_grad_()
+    w_gate_up = bf16(len(groups), 2 * F_, K, gen=gen, scale=0.1).requires_grad_()
+    w_down = bf16(len(groups), K, F_, gen=gen, scale=0.1).requires_grad_()
+    weight = None
+    if with_weight:
+        weight = torch.rand(M + extra_rows, device="cuda", generator=gen).requires_grad_()
+    dy = bf16(M + extra_rows, K, gen=gen)
+    inputs = [t for t in (x, w_gate_up, w_down, weight) if t is not None]
+    results = {}
+    try:
+        for fused in (True, False):
+            em.set_fused(fused)
+            assert em.fuses(x, w_gate_up, w_down) == fused
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
+            ):
+                y = em.expert_mlp(x, w_gate_up, w_down, offs_G, weight)
+            grads = torch.autograd.grad(y[:M], inputs, dy[:M])
+            results[fused] = ([y[:M], *(g[:M] if g.shape[0] > M else g for g in grads)], saved)
+    finally:
+        em.set_fused(True)
+    (got, saved), (want, saved_unfused) = results[True], results[False]
+    names = ["y", "dx", "dw_gate_up", "dw_down", "dweight"]
+    for name, g, w in zip(names, got, want, strict=False):
+        scale = w.float().abs().max().item()
+        torch.testing.assert_close(
+            g.float(), w.float(), rtol=1.6e-2, atol=2**-7 * max(scale, 1e-30), msg=name
+        )
+    empty = [g for g, n in enumerate(groups) if n == 0]
+    assert not got[2][empty].any() and not got[3][empty].any(), "empty experts got gradients"
+    assert (M + extra_rows, F_) in saved_unfused and (M + extra_rows, F_) not in saved, saved
+
+
+def test_moe_layer_runs_the_fused_mlp_under_quack_and_matches_unfused():
+    """Under ``auto`` the MoE layer's experts take the fused MLP (no SwiGLU kernel launched)
+    and give the unfused layer's output and gradients, router included."""
+    from helpers import small_config
+
+    from kernels import expert_mlp as em
+    from moe_core.model.moe import MoE
+
+    cfg = small_config(n_experts=8, top_k=2, d_model=256, expert_hidden=128)
+    torch.manual_seed(0)
+    layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(2, 64, cfg.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    params = [x, *layer.parameters()]
+    results = {}
+    try:
+        for fused in (True, False):
+            em.set_fused(fused)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                y, aux = layer(x)
+                grads = torch.autograd.grad(y.float().square().sum() + aux, params)
+                torch.cuda.synchronize()
+            kernels = " ".join(e.name for e in prof.events())
+            assert ("_swiglu_forward" in kernels) != fused, "SwiGLU pass launched (or not)"
+            results[fused] = (y, *grads)
+    finally:
+        em.set_fused(True)
+    for got, want in zip(results[True], results[False], strict=True):
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2**-7 * scale)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.expert_mlp import expert_mlp, fuses
 from kernels.fp8 import fp8_grouped_mm
 from kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
 from kernels.routing import expert_counts, expert_slots
@@ -187,7 +188,13 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends;
         ``weights_M`` an optional per-row output scale (the router weights, applied to the
-        down projection's input)."""
+        down projection's input). Where QuACK runs (bf16, not FP8) the whole MLP is one op with
+        the SwiGLU and the weights in GEMM epilogues (``kernels.expert_mlp``); it keeps no
+        SwiGLU output, so selective recompute has nothing left to recompute there."""
+        if not self.fp8:
+            w_gate_up, w_down = self.w_gate_up.to(x_MD.dtype), self.w_down.to(x_MD.dtype)
+            if fuses(x_MD, w_gate_up, w_down):
+                return expert_mlp(x_MD, w_gate_up, w_down, offs_E, weights_M)
         gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
