@@ -49,7 +49,8 @@ def fuses(x_MD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> 
     if not _fused or in_references_only() or not _quack_runs(x_MD):
         return False
     return (
-        x_MD.stride(-1) == 1
+        x_MD.shape[0] > 0  # an expert-parallel rank may receive no rows: the unfused ops then
+        and x_MD.stride(-1) == 1
         and _aligned(x_MD)
         and w_gate_up.is_contiguous()
         and w_down.is_contiguous()

@@ -113,6 +113,7 @@ def test_set_fused_off_and_references_only_take_the_unfused_path(fused):
     finally:
         em.set_fused(True)
     assert not em.fuses(x.t().contiguous().t(), w_gate_up, w_down)  # rows not contiguous
+    assert not em.fuses(x[:0], w_gate_up, w_down)  # no rows (an expert-parallel rank's share)
 
 
 @pytest.mark.parametrize(

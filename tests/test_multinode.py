@@ -11,14 +11,14 @@ import sys
 
 import pytest
 import torch
-from helpers import BASE, explain, losses, torchrun
+from helpers import BASE, losses
 
 from flows.launch import torchrun_command
 from moe_core.compose import compose_run
 from moe_core.config import to_dict
 from moe_core.convert.native import load_model_dir
 
-LAYOUT = ["parallel.ep=2", "parallel.dp=2", "train.steps=3"]
+LAYOUT = ["parallel.ep=2", "parallel.dp=2"]  # the session's one-node run (conftest)
 
 
 def free_port() -> int:
@@ -28,11 +28,8 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_nodes_match_one_node(tmp_path):
-    one = tmp_path / "one-node"
-    result = torchrun(4, ["-m", "moe_core.cli", "train", *BASE, *LAYOUT, f"out_dir={one}"])
-    assert result.returncode == 0, explain(result)
-
+def test_two_nodes_match_one_node(tmp_path, dp2_ep2_run):
+    one = dp2_ep2_run  # one node, 4 processes: the same BASE + LAYOUT
     two = tmp_path / "two-nodes"
     run = compose_run(
         [*BASE, *LAYOUT, "cluster.nodes=2", "cluster.procs_per_node=2", f"out_dir={two}"]
