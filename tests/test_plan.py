@@ -23,6 +23,7 @@ from moe_core.config import (
     RunConfig,
     TrainConfig,
 )
+from moe_core.model.moe import Experts
 from moe_core.model.transformer import build_model
 from moe_core.parallel.parallelize import DTYPES
 from moe_core.parallel.recompute import apply_recompute
@@ -36,6 +37,7 @@ from moe_core.plan import (
     max_in_flight,
     plan,
 )
+from moe_core.plan.memory import expert_activations
 
 
 def one_sentence(message: str) -> bool:
@@ -173,9 +175,14 @@ def test_in_flight_follows_the_1f1b_schedule(pp: int, n_mb: int):
     ]
 
 
-def _saved_bytes_per_token(m: ModelConfig, dtype: str, recompute: str, tokens: int) -> float:
+def _saved_bytes_per_token(
+    m: ModelConfig, dtype: str, recompute: str, tokens: int, gather_rows: bool = False
+) -> float:
     """Bytes autograd keeps for one block's backward (distinct storages, weights excluded)."""
     model = build_model(dataclasses.replace(m, n_layers=1))
+    for mod in model.modules():
+        if isinstance(mod, Experts):
+            mod.gather_rows = gather_rows
     pdt = DTYPES[dtype]
     for p in model.parameters():
         p.data = p.data.to(pdt)
@@ -223,6 +230,42 @@ def test_activation_formula_matches_what_autograd_keeps(dtype, recompute, shape)
     estimate = layer_activation_bytes(m, dtype, dtype, recompute)
     # Within a few percent (the formula leaves out scalars and the shared fp32 RoPE tables).
     assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
+
+
+@pytest.mark.parametrize("path", ["fused", "gather_rows"])
+def test_activation_formula_follows_the_experts_path(path, monkeypatch):
+    """The fused expert MLP keeps no SwiGLU output, gathered rows no expert-ordered copy: the
+    formula's keywords (``expert_activations``) match what autograd keeps on each path (run
+    on the CPU through the QuACK stand-in, ``tests/fake_quack.py``), and the plan takes them
+    from the run's options."""
+    from kernels import expert_mlp, grouped_gemm
+    from tests import fake_quack
+
+    m = ModelConfig(
+        vocab_size=512, d_model=256, n_layers=1, n_heads=4, n_experts=8, top_k=2,
+        expert_hidden=96, max_seq_len=64,
+    )  # fmt: skip
+    unfused = _saved_bytes_per_token(m, "bf16", "none", tokens=128)
+    with fake_quack.installed():
+        monkeypatch.setattr(expert_mlp, "_quack_runs", lambda x: True)
+        monkeypatch.setattr(grouped_gemm, "_quack_runs", lambda x: True)
+        gather = path == "gather_rows"
+        measured = _saved_bytes_per_token(m, "bf16", "none", tokens=128, gather_rows=gather)
+    run = compose_run(
+        ["model=tiny", "precision=pure-bf16", "parallel.expert_gemm=quack"]
+        + (["parallel.gather_rows=true"] if path == "gather_rows" else [])
+    )
+    kept = expert_activations(run)
+    assert kept == {"expert_rows_in": path != "gather_rows", "expert_swiglu_out": path != "fused"}
+    estimate = layer_activation_bytes(m, "bf16", "bf16", "none", **kept)
+    assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
+    # gathering keeps one copy of the tokens (with the padding slots' zero row) instead of k
+    saved = 2 * (m.d_model * (m.top_k - 1) if path == "gather_rows" else m.top_k * m.expert_hidden)
+    assert unfused - measured == pytest.approx(saved, rel=0.02), (unfused, measured)
+    auto = compose_run(["model=tiny", "precision=pure-bf16"])  # counted unfused: an upper bound
+    assert expert_activations(auto) == {"expert_rows_in": True, "expert_swiglu_out": True}
+    fp8 = compose_run(["model=tiny", "precision=fp8", "parallel.expert_gemm=quack"])
+    assert expert_activations(fp8)["expert_swiglu_out"], "FP8 experts run unfused"
 
 
 def test_block_recompute_keeps_only_block_inputs():

@@ -31,7 +31,7 @@ holds the same), in bytes:
   staging of ``RowwiseExchange.buffer_bytes`` for the rows ``rowwise_capacity`` allows, and,
   per layer, the expert-ordered buffers sized for its assignment capacity ``M`` instead of the
   ``T * k`` rows the exact-size dispatchers keep: ``(M - T k) (b_p (d + 3 h) + 4)`` more
-  activation bytes (``b_p h`` less per row under selective recompute).
+  activation bytes (``b_p h`` less per row under selective recompute or the fused MLP).
 - transient: the gradient of the stage's largest parameter in ``b_p`` (autograd writes it
   before the hook adds it to the fp32 buffer).
 - runtime reserve: ``RUNTIME_RESERVE_GIB`` for the CUDA context, NCCL communicators and
@@ -176,7 +176,13 @@ def optimizer_bytes(run: RunConfig, p: StageParameters) -> float:
 
 
 def layer_activation_bytes(
-    m: ModelConfig, param_dtype: str, compute_dtype: str, recompute: str = "none"
+    m: ModelConfig,
+    param_dtype: str,
+    compute_dtype: str,
+    recompute: str = "none",
+    *,
+    expert_rows_in: bool = True,
+    expert_swiglu_out: bool = True,
 ) -> int:
     """Bytes one transformer block keeps for backward per token (no recompute, or selective).
 
@@ -190,7 +196,10 @@ def layer_activation_bytes(
     - the router keeps its fp32 input, logits, scores and choices: ``4 d + 12 E + 20 k``;
     - routed experts keep rows in, gate+up out and SwiGLU out, plus each row's fp32 router
       weight (applied in the SwiGLU, so the plain-sum combine keeps no rows out):
-      ``b_p k (d + 3 h) + 4 k``, less ``b_p k h`` under selective recompute;
+      ``b_p k (d + 3 h) + 4 k``, less ``b_p k h`` under selective recompute or where the path
+      keeps no SwiGLU out (``expert_swiglu_out=False``), less ``b_p (k - 1) d`` where it keeps
+      no expert-ordered rows in but one copy of the tokens with a zero row for padding slots
+      (``expert_rows_in=False``); see ``expert_activations``;
     - a shared expert of width ``h_s`` keeps gate, up, SwiGLU and product, ``4 b_c h_s``, and
       its input, ``b_c d``, unless that is the router's fp32 input already (all fp32).
 
@@ -210,8 +219,10 @@ def layer_activation_bytes(
     attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
     router = 4 * d + 12 * e + 20 * k
     experts = bp * k * (d + 3 * h) + 4 * k
-    if recompute == "selective":
+    if recompute == "selective" or not expert_swiglu_out:
         experts -= bp * k * h
+    if not expert_rows_in:
+        experts -= bp * (k - 1) * d
     shared_input = 0 if bp == bc == 4 else bc * d
     shared = bc * 4 * h_shared + shared_input if h_shared else 0
     rope = 4 * m.head_dim * bc if bc < 4 else 0
@@ -227,6 +238,24 @@ def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
         live += 1 if action.kind == "F" else -1
         peak = max(peak, live)
     return peak
+
+
+def expert_activations(run: RunConfig) -> dict[str, bool]:
+    """Which of its rows in and SwiGLU out a layer's routed experts keep for backward, by the
+    path the run takes (``layer_activation_bytes``' keywords): with ``parallel.gather_rows``
+    the gate+up GEMM reads the token rows, so no expert-ordered copy is kept (one of the tokens
+    with a zero row appended, where slots are padded); the fused MLP
+    (``kernels.expert_mlp``: ``parallel.expert_gemm=quack``, bf16 experts, not FP8, not
+    gathering) keeps no SwiGLU output. ``expert_gemm=auto`` is counted unfused: whether QuACK
+    is installed is a property of the machine that runs, not of the plan (an upper bound)."""
+    par, prec = run.parallel, run.precision
+    fused = (
+        par.expert_gemm == "quack"
+        and prec.params == "bf16"
+        and "experts" not in prec.fp8_parts
+        and not par.gather_rows
+    )
+    return {"expert_rows_in": not par.gather_rows, "expert_swiglu_out": not fused}
 
 
 @dataclass(frozen=True)
@@ -251,8 +280,11 @@ def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
         par.ep, rows_cap, m.d_model, m.top_k, DTYPES[run.precision.params]
     )
     more_rows = assign_cap - tokens * m.top_k
-    extra_full = more_rows * (bp * (m.d_model + 3 * m.expert_hidden) + 4)
-    extra_layer = extra_full - more_rows * bp * m.expert_hidden * (par.recompute == "selective")
+    swiglu_out = expert_activations(run)["expert_swiglu_out"]  # gather_rows needs ep = 1
+    extra_full = more_rows * (bp * (m.d_model + (2 + swiglu_out) * m.expert_hidden) + 4)
+    extra_layer = extra_full - more_rows * bp * m.expert_hidden * (
+        swiglu_out and par.recompute == "selective"
+    )
     return RowwiseBuffers(symmetric, extra_full, extra_layer)
 
 
@@ -270,13 +302,14 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
     tokens = tokens_per_micro_batch(run)
     per_chunk = m.n_layers // (par.pp * par.virtual_stages)
     rowwise = rowwise_buffers(run)
+    kept = expert_activations(run)
     if par.recompute == "block":
-        a_full = layer_activation_bytes(m, prec.params, prec.compute, "none")
+        a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
         acts = (
             in_flight * per_chunk * tokens * m.d_model * bp + tokens * a_full + rowwise.extra_full
         )
     else:
-        a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute)
+        a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
         acts = in_flight * per_chunk * (tokens * a_layer + rowwise.extra_layer)
     if p.last:
         acts += head_activation_bytes(run)
