@@ -18,13 +18,13 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from trainer_step import child
+
 PRECISIONS = ("pure-bf16", "fp8")
 TAIL = 20  # steps averaged for the final loss
 
@@ -51,14 +51,7 @@ def overrides(precision: str, steps: int, data_dir: str, out_dir: str) -> list[s
 def run(precision: str, steps: int, data_dir: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "moe_core.cli", "train"]
-        done = subprocess.run(
-            [*cmd, *overrides(precision, steps, data_dir, out)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"{precision} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        child([*cmd, *overrides(precision, steps, data_dir, out)], f"moe train ({precision})")
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     timed = [r for r in rows if r["step"] >= 5]

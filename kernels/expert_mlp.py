@@ -106,7 +106,7 @@ class _FusedExpertMLP(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = quack.interleaved_dgrad(dh_M2F, w_gate_up, offs_G)
         if ctx.needs_input_grad[1]:
-            dw_gate_up = quack.interleaved_wgrad(x_MD, dh_M2F, offs_G).to(w_gate_up.dtype)
+            dw_gate_up = quack.interleaved_wgrad(x_MD, dh_M2F, offs_G)
         if ctx.needs_input_grad[2]:
             # [G, D, F] = dy^T @ (weight * a) per group, in the stored layout.
             dw_down = quack.grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)

@@ -24,6 +24,22 @@ def bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
 
+def bf16_moe_layer():
+    """A small bf16 MoE layer on the GPU (8 experts, top-2) and an input needing a gradient."""
+    from helpers import small_config
+
+    from moe_core.model.moe import MoE
+
+    cfg = small_config(n_experts=8, top_k=2, d_model=256, expert_hidden=128)
+    torch.manual_seed(0)
+    layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(2, 64, cfg.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return cfg, layer, x
+
+
 @pytest.mark.parametrize("extra_rows", [0, 100], ids=["exact", "rows-past-the-end"])
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_quack_grouped_gemms_equal_torch_grouped_mm(sizes, extra_rows):
@@ -151,18 +167,9 @@ def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
     """Asked to gather (``parallel.gather_rows``), the MoE layer takes the gathered GEMM
     exactly when QuACK runs (``auto``), not under ``torch``, and both give the same output and
     gradients."""
-    from helpers import small_config
-
     from kernels import grouped_gemm as gg
-    from moe_core.model.moe import MoE
 
-    cfg = small_config(n_experts=8, top_k=2, d_model=256, expert_hidden=128)
-    torch.manual_seed(0)
-    layer = MoE(cfg).cuda()
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    layer = layer.to(torch.bfloat16)
-    x = torch.randn(2, 64, cfg.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cfg, layer, x = bf16_moe_layer()
     params = [x, layer.experts.w_gate_up, layer.experts.w_down]
     layer.experts.gather_rows = True  # parallel.gather_rows
     results = {}
@@ -230,18 +237,9 @@ def test_fused_expert_mlp_on_quack_equals_the_unfused_ops(sizes, extra_rows, wit
 def test_moe_layer_runs_the_fused_mlp_under_quack_and_matches_unfused():
     """Under ``auto`` the MoE layer's experts take the fused MLP (no SwiGLU kernel launched)
     and give the unfused layer's output and gradients, router included."""
-    from helpers import small_config
-
     from kernels import expert_mlp as em
-    from moe_core.model.moe import MoE
 
-    cfg = small_config(n_experts=8, top_k=2, d_model=256, expert_hidden=128)
-    torch.manual_seed(0)
-    layer = MoE(cfg).cuda()
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    layer = layer.to(torch.bfloat16)
-    x = torch.randn(2, 64, cfg.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _, layer, x = bf16_moe_layer()
     params = [x, *layer.parameters()]
     results = {}
     try:
