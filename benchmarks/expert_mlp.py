@@ -7,8 +7,10 @@ The op: forward + backward on 16,384 tokens of d_model 2048 through experts of h
 64 experts top-8 (OLMoE-1B-7B) and 128 experts top-4 (the pool sweep's largest), learned-like
 skewed routing (counts drawn from a random router), router weights on, the same random inputs
 for every variant; median of CUDA-event timings after warm-up (``timing.cuda_times_ms``).
-``--configs`` also times each epilogue GEMM alone under candidate QuACK tile configurations
-(tile M x N, pingpong or cooperative, cluster, dynamic scheduler), to pick the pinned ones.
+``--configs`` also times each GEMM of the fused op alone (the three with epilogues and the
+three plain ones of the backward: the interleaved gate+up input and weight gradients and the
+down weight gradient) under candidate QuACK tile configurations (tile M x N, pingpong or
+cooperative, cluster), at both shapes, to pick the pinned ones.
 """
 
 from __future__ import annotations
@@ -76,11 +78,10 @@ def candidate_configs() -> list:
 
     shapes = [
         (128, 192, True, 2, 1),  # QuACK's sm90 default
-        (128, 128, True, 2, 1),
         (128, 128, True, 1, 2),
+        (128, 128, True, 2, 1),
         (128, 256, False, 2, 1),
         (256, 128, False, 2, 1),
-        (256, 192, False, 2, 1),
     ]
     return [
         GemmConfig(
@@ -90,9 +91,11 @@ def candidate_configs() -> list:
     ]
 
 
-def sweep_configs(ops: dict, warmup: int, iters: int) -> list[dict]:
-    """Each epilogue GEMM of the fused op alone, per candidate config (and scheduler)."""
-    from quack.gemm_interface import gemm_act, gemm_dgated
+def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]:
+    """Each GEMM of the fused op alone, per candidate config (static scheduler), ``rounds``
+    times over all configs in turn (so clock drift reaches every config alike); each row has
+    the median over rounds and the rounds' times."""
+    from quack.gemm_interface import gemm_act, gemm_dgated, gemm_tuned
 
     from kernels import grouped_gemm_quack as quack
 
@@ -101,59 +104,69 @@ def sweep_configs(ops: dict, warmup: int, iters: int) -> list[dict]:
     scale = ops["weight"].detach().float().clone()
     h, a = quack.swiglu_mm(x, wgu, ops["offs"])
     dy = ops["dy"]
-    F_ = wd.shape[-1]
-    flops = {
-        "gate_up_swiglu": 2 * x.shape[0] * x.shape[1] * 2 * F_,
-        "down_dswiglu": 2 * x.shape[0] * x.shape[1] * F_,
-        "down_scaled": 2 * x.shape[0] * x.shape[1] * F_,
-    }
-    rows = []
-    for cfg in candidate_configs():
-        for dynamic in (False, True):
-            kernels = {
-                "gate_up_swiglu": lambda cfg=cfg, dyn=dynamic: gemm_act(
-                    x,
-                    wgu.mT,
-                    activation="swiglu",
-                    cu_seqlens_m=cu,
-                    concat_layout=("B",),
-                    config=cfg,
-                    dynamic_scheduler=dyn,
-                ),
-                "down_dswiglu": lambda cfg=cfg, dyn=dynamic: gemm_dgated(
-                    dy,
-                    wd,
-                    h,
-                    activation="swiglu",
-                    colvec_scale=scale,
-                    colvec_reduce=True,
-                    cu_seqlens_m=cu,
-                    config=cfg,
-                    dynamic_scheduler=dyn,
-                ),
-                "down_scaled": lambda cfg=cfg, dyn=dynamic: quack._scale_rows(
-                    a, wd.mT, cu_seqlens_m=cu, config=cfg, dynamic_scheduler=dyn, scale_M=scale
-                ),
-            }
-            for name, fn in kernels.items():
+    dh = torch.randn_like(h)
+    G, F_ = wd.shape[0], wd.shape[-1]
+    M, D = x.shape
+    flops = dict.fromkeys(("gate_up_swiglu", "dgrad_gate_up", "wgrad_gate_up"), 4 * M * D * F_)
+    flops |= dict.fromkeys(("down_dswiglu", "down_scaled", "wgrad_down"), 2 * M * D * F_)
+    dx = x.new_empty(M, D)
+    dw_gu, dw_d = wgu.new_empty(G, 2 * F_, D), wd.new_empty(G, D, F_)
+
+    def gemm_calls(cfg) -> dict:
+        return {
+            "gate_up_swiglu": lambda: gemm_act(
+                x, wgu.mT, activation="swiglu", cu_seqlens_m=cu, concat_layout=("B",), config=cfg
+            ),
+            "down_dswiglu": lambda: gemm_dgated(
+                dy,
+                wd,
+                h,
+                activation="swiglu",
+                colvec_scale=scale,
+                colvec_reduce=True,
+                cu_seqlens_m=cu,
+                config=cfg,
+            ),
+            "down_scaled": lambda: quack._scale_rows(
+                a, wd.mT, cu_seqlens_m=cu, config=cfg, scale_M=scale
+            ),
+            "dgrad_gate_up": lambda: gemm_tuned.fn(
+                dh, wgu, dx, cu_seqlens_m=cu, concat_layout=("B",), config=cfg
+            ),
+            "wgrad_gate_up": lambda: gemm_tuned.fn(
+                dh.t(), x, dw_gu, cu_seqlens_k=cu, concat_layout=("out",), config=cfg
+            ),
+            "wgrad_down": lambda: gemm_tuned.fn(dy.t(), a, dw_d, cu_seqlens_k=cu, config=cfg),
+        }
+
+    times: dict[tuple[str, int], list[float]] = {}
+    errors: dict[tuple[str, int], str] = {}
+    configs = candidate_configs()
+    for _ in range(rounds):
+        for i, cfg in enumerate(configs):
+            for name, fn in gemm_calls(cfg).items():
                 try:
                     ms = statistics.median(cuda_times_ms(fn, warmup, iters))
-                    err = None
+                    times.setdefault((name, i), []).append(ms)
                 except Exception as e:  # a config a kernel cannot take: recorded, not fatal
-                    ms, err = None, f"{type(e).__name__}: {str(e)[:160]}"
-                rows.append(
-                    {
-                        "kernel": name,
-                        "tile": f"{cfg.tile_m}x{cfg.tile_n}",
-                        "pingpong": cfg.pingpong,
-                        "cluster": f"{cfg.cluster_m}x{cfg.cluster_n}",
-                        "dynamic_scheduler": dynamic,
-                        "ms": ms,
-                        "tflops": None if ms is None else flops[name] / ms / 1e9,
-                        "error": err,
-                    }
-                )
-                print(json.dumps(rows[-1]))
+                    errors[(name, i)] = f"{type(e).__name__}: {str(e)[:160]}"
+    rows = []
+    for name in flops:
+        for i, cfg in enumerate(configs):
+            ms = statistics.median(times[(name, i)]) if (name, i) in times else None
+            rows.append(
+                {
+                    "kernel": name,
+                    "tile": f"{cfg.tile_m}x{cfg.tile_n}",
+                    "pingpong": cfg.pingpong,
+                    "cluster": f"{cfg.cluster_m}x{cfg.cluster_n}",
+                    "ms": ms,
+                    "ms_rounds": times.get((name, i), []),
+                    "tflops": None if ms is None else flops[name] / ms / 1e9,
+                    "error": errors.get((name, i)),
+                }
+            )
+            print(json.dumps(rows[-1]))
     return rows
 
 
@@ -161,7 +174,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--configs", action="store_true", help="also sweep epilogue GEMM configs")
+    p.add_argument("--configs", action="store_true", help="also sweep the GEMMs' tile configs")
+    p.add_argument("--rounds", type=int, default=3, help="--configs: rounds over all configs")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -183,8 +197,8 @@ def main() -> None:
             "speedup": unfused / fused,
         }
         print(key, json.dumps(results[key]))
-        if args.configs and n_experts == CFG.n_experts:
-            results[key]["configs"] = sweep_configs(ops, args.warmup, args.iters)
+        if args.configs:
+            results[key]["configs"] = sweep_configs(ops, args.warmup, args.iters, args.rounds)
     report = {
         "benchmark": "expert_mlp",
         "date": str(date.today()),

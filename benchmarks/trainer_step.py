@@ -18,7 +18,8 @@ In one run on one GPU, one after the other, each in its own process:
 ``--ep N --dispatcher D`` runs ``moe train`` under torchrun with expert parallelism over N
 GPUs (one micro-batch per rank and step; the printed figure is per GPU) against the one-GPU
 bare step: what the multi-GPU runs compare (target: >= 0.97x). ``--cuda-graph true|false``
-sets ``parallel.cuda_graph`` for ``moe train`` (default: the config's, on for rowwise EP).
+sets ``parallel.cuda_graph`` for ``moe train`` (default: the config's, on in one process and
+for rowwise EP).
 
 Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master) and ``bf16`` (bf16
 weights; fp32 gradient buffers, master weights and moments). ``--accumulate`` also times

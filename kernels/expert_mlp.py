@@ -109,7 +109,7 @@ class _FusedExpertMLP(torch.autograd.Function):
             dw_gate_up = quack.interleaved_wgrad(x_MD, dh_M2F, offs_G)
         if ctx.needs_input_grad[2]:
             # [G, D, F] = dy^T @ (weight * a) per group, in the stored layout.
-            dw_down = quack.grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
+            dw_down = quack.down_wgrad(a_MF, dy_MD, offs_G)
         if ctx.needs_input_grad[4]:
             dweight = dscale_M.to(ctx.weight_dtype)
         return dx, dw_gate_up, dw_down, None, dweight

@@ -145,6 +145,24 @@ def dswiglu_mm(
     return dh_M2F, a_MF, (out[2] if scale_M is not None else None)
 
 
+def down_wgrad(a_MF: torch.Tensor, dy_MD: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """The down projection's weight gradient ``dy[rows of g]^T @ a[rows of g]`` in its stored
+    [G, D, F] layout (``grouped_wgrad(a, dy, offs, transposed=True)``), in the pinned tile
+    configuration where there is one: QuACK's sm90 default tile is 192 columns wide, which
+    covers F = 1024 in 6 tiles of which 1/9 is padding; 128 x 128 tiles measured 0.73-0.85 ms
+    against 0.91-0.93 at OLMoE's 64 experts and 0.49 against 0.53 at 128 experts top-4 (one
+    H200, ``benchmarks/expert_mlp.py --configs``). The pin goes through QuACK's untuned entry
+    (``gemm_tuned.fn``), the call ``gemm(..., tuned=False)`` makes with no config."""
+    config = _epilogue_config(a_MF.device)
+    if config is None:
+        return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
+    from quack.gemm_interface import gemm_tuned
+
+    out_GDF = a_MF.new_empty(offs_G.shape[0], dy_MD.shape[1], a_MF.shape[1])
+    gemm_tuned.fn(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G), config=config)
+    return out_GDF
+
+
 def interleaved_dgrad(
     dh_M2F: torch.Tensor, w_G2FK: torch.Tensor, offs_G: torch.Tensor
 ) -> torch.Tensor:

@@ -322,7 +322,9 @@ class ParallelConfig:
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
     compile: bool | None = None  # torch.compile each block (dispatch stays eager); None: on CUDA
     # Replay each step's device work as CUDA graphs (``moe_core.train.step_graph``); None: on
-    # for CUDA with expert parallelism over nvshmem_rowwise (many small kernels, no host read).
+    # for CUDA in one process (the CPU falls behind QuACK's launches: 32 ms of idle GPU per
+    # OLMoE-1B-7B step eager, 4 ms replayed) and with expert parallelism over nvshmem_rowwise
+    # (many small kernels, no host read).
     cuda_graph: bool | None = None
     # The experts' grouped GEMMs on CUDA: torch._grouped_mm, QuACK's (the [gpu] extra), or auto:
     # QuACK where installed (sm90+), else torch (``kernels.grouped_gemm``, measured there).
@@ -342,12 +344,12 @@ class ParallelConfig:
         return self.compile if self.compile is not None else device_type == "cuda"
 
     def cuda_graph_on(self, device_type: str) -> bool:
-        """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA
-        with ``ep > 1`` over ``nvshmem_rowwise`` and no pipeline."""
+        """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA in
+        one process, and with ``ep > 1`` over ``nvshmem_rowwise`` and no pipeline."""
         if self.cuda_graph is not None:
             return self.cuda_graph
         rowwise = self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
-        return device_type == "cuda" and rowwise and self.pp == 1
+        return device_type == "cuda" and self.pp == 1 and (rowwise or self.world_size == 1)
 
     def __post_init__(self) -> None:
         p = "parallel."

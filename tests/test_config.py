@@ -132,12 +132,15 @@ def test_compile_is_on_by_default_on_cuda_only():
     assert not off.compile_on("cuda") and on.compile_on("cpu")
 
 
-def test_cuda_graphs_are_on_by_default_for_rowwise_expert_parallelism_on_cuda_only():
+def test_cuda_graphs_are_on_by_default_in_one_process_and_for_rowwise_ep_on_cuda_only():
     ep = ["parallel.ep=2", "train.micro_batch_size=4"]
     rowwise = compose_run([*ep, "parallel.dispatcher=nvshmem_rowwise"]).parallel
-    assert rowwise.cuda_graph_on("cuda") and not rowwise.cuda_graph_on("cpu")
-    for other in (compose_run(ep).parallel, compose_run([]).parallel):
-        assert not other.cuda_graph_on("cuda")
+    one = compose_run([]).parallel
+    for on in (rowwise, one):
+        assert on.cuda_graph_on("cuda") and not on.cuda_graph_on("cpu")
+    for other in (ep, ["parallel.dp=2", "train.micro_batch_size=4"], ["parallel.pp=2"]):
+        assert not compose_run(other).parallel.cuda_graph_on("cuda"), other
+    assert not compose_run(["parallel.cuda_graph=false"]).parallel.cuda_graph_on("cuda")
     assert compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda")
 
 

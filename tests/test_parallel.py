@@ -254,3 +254,27 @@ def test_wrong_process_count_fails_before_any_process_group():
     assert result.returncode != 0
     assert "needs 4 processes, but 2 were launched" in result.stdout
     assert "ProcessGroup" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sum_of_squares_takes_large_and_small_tensors_alike(dtype):
+    """The gradient norm's sum: tensors at or over ``LARGE`` elements reduce on their own,
+    smaller ones in one multi-tensor pass; both halves (and neither) count every element."""
+    from moe_core.parallel.optimizer import LARGE, global_norm, sum_of_squares
+
+    gen = torch.Generator().manual_seed(0)
+    large = [torch.randn(LARGE, generator=gen), torch.randn(2, LARGE // 2 + 3, generator=gen)]
+    small = [torch.randn(5, 7, generator=gen).bfloat16(), torch.randn(LARGE - 1, generator=gen)]
+    # The CPU sums fp32 in order: ~2e-5 lost over a million squares (why the trainer sums in
+    # fp64 on the CPU); a dropped tensor would be off by more than 1e-2 here.
+    rtol = 1e-4 if dtype == torch.float32 else 1e-12
+    for tensors in (large + small, large, small):
+        exact = sum(t.double().square().sum() for t in tensors)
+        got = sum_of_squares(tensors, dtype)
+        assert got.dtype == dtype and got.dim() == 0
+        torch.testing.assert_close(got.double(), exact, rtol=rtol, atol=0)
+    assert sum_of_squares([], dtype).item() == 0.0
+    norm = global_norm(large + small)
+    assert norm.dtype == torch.float32
+    exact = sum(t.double().square().sum() for t in large + small)
+    torch.testing.assert_close(norm.double() ** 2, exact, rtol=1e-4, atol=0)

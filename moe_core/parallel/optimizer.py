@@ -5,8 +5,9 @@ an fp32 master copy of this rank's shard (fp32 weights are their own masters); `
 bf16 moments and no master: the bf16 weights are updated in place (math in fp32).
 
 Per step: the gradient buckets have been reduce-scattered (``ddp.GradBuckets``); the global
-gradient norm comes from one multi-tensor pass over this rank's shards (``torch._foreach_norm``,
-fp32 accumulation) summed over every shard of every stage; each rank updates its shards with the
+gradient norm comes from one pass over this rank's shards (``sum_of_squares``: one reduction
+per large shard, one multi-tensor pass over the small ones; fp32 accumulation) summed over every
+shard of every stage; each rank updates its shards with the
 fused AdamW update of ``kernels.adamw`` (one pass per shard on the GPU: gradient, master and
 moments read once, master and moments written once, the clipping scale applied inside it, and
 the bf16 model weights written from the fp32 masters in the same pass) and all-gathers the
@@ -24,6 +25,31 @@ from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
 from moe_core.parallel.mesh import Mesh, all_gather_flat, gather_experts
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+# Tensors of at least this many elements get a reduction of their own in ``sum_of_squares``.
+LARGE = 1 << 20
+
+
+def sum_of_squares(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors``, accumulated in ``dtype``, as a
+    0-d tensor on their device (zero for none). Each large tensor is one reduction kernel, which
+    reads at close to copy bandwidth; the many small ones (norms, router, biases) share one
+    ``torch._foreach_norm`` pass, which is launch-bound rather than bandwidth-bound for them
+    (``benchmarks/grad_norm.py``: one pass over all of OLMoE-1B-7B's gradients read at about
+    half the bandwidth)."""
+    large = [t for t in tensors if t.numel() >= LARGE]
+    small = [t for t in tensors if t.numel() < LARGE]
+    parts = [torch.linalg.vector_norm(t, dtype=dtype).square() for t in large]
+    if small:
+        parts.append(torch.stack(torch._foreach_norm(small, 2, dtype=dtype)).square().sum())
+    if not parts:
+        return torch.zeros((), dtype=dtype, device=tensors[0].device if tensors else None)
+    return torch.stack(parts).sum()
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of ``tensors`` together, fp32 (``sum_of_squares`` in fp32)."""
+    return sum_of_squares(tensors, torch.float32).sqrt()
 
 
 class ShardedAdamW:
@@ -62,9 +88,7 @@ class ShardedAdamW:
         # fp32 accumulation on the GPU (tree reductions); the CPU's norm kernel sums in order,
         # which loses ~1e-5 over a million fp32 squares, so it accumulates in fp64 there.
         acc = torch.float32 if self.mesh.device.type == "cuda" else torch.float64
-        norms = torch._foreach_norm(shards, 2, dtype=acc) if shards else []
-        zero = torch.zeros((), dtype=acc, device=self.mesh.device)
-        sq = torch.stack([*norms, zero]).square().sum().float()
+        sq = sum_of_squares(shards, acc).to(self.mesh.device).float()
         if self.mesh.distributed:
             dist.all_reduce(sq)
         return sq.sqrt()

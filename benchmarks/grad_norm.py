@@ -1,0 +1,97 @@
+"""The global gradient norm over OLMoE-1B-7B's gradients (one GPU, bf16): the trainer's pass
+before every optimizer step (``ShardedAdamW.grad_norm``), and the alternatives.
+
+    python benchmarks/grad_norm.py --out results.json
+
+Gradients are random bf16 tensors with the model's parameter shapes (built on the meta device
+from ``conf/model/olmoe-1b-7b.yaml``, 16 layers), the same for every variant. Each variant
+returns the fp32 global L2 norm; all are checked against an fp64 reference, then timed with
+CUDA events after warm-up (median), against the time to read the bytes at the GPU's measured
+copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from datetime import date
+
+import torch
+from shapes import olmoe
+from timing import cuda_times_ms
+
+from moe_core.model import Transformer
+from moe_core.parallel.optimizer import global_norm
+
+
+def foreach(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One ``torch._foreach_norm`` pass (the trainer before this benchmark)."""
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum().sqrt()
+
+
+def per_tensor(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One ``torch.linalg.vector_norm`` reduction per tensor."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return torch.stack(norms).square().sum().sqrt()
+
+
+def copy_time_ms(warmup: int, iters: int) -> tuple[float, int]:
+    """Median ms of copying 2 GiB on the GPU, and the bytes it reads and writes."""
+    src, dst = torch.empty(2, 1 << 30, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(cuda_times_ms(lambda: dst.copy_(src), warmup, iters))
+    return ms, 2 * src.numel() * src.element_size()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    with torch.device("meta"):
+        model = Transformer(olmoe())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grads = [
+        torch.randn(q.shape, device="cuda", generator=gen).to(torch.bfloat16)
+        for q in model.parameters()
+    ]
+    n_bytes = sum(g.numel() * g.element_size() for g in grads)
+    ref = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().item()
+    copy_ms, copy_bytes = copy_time_ms(args.warmup, args.iters)
+    variants = {
+        "foreach_norm": foreach,
+        "vector_norm_per_tensor": per_tensor,
+        "moe_core": global_norm,
+    }
+    rows = {}
+    for name, fn in variants.items():
+        got = fn(grads).item()
+        ms = statistics.median(cuda_times_ms(lambda fn=fn: fn(grads), args.warmup, args.iters))
+        rows[name] = {
+            "ms": ms,
+            "read_gb_per_s": n_bytes / ms / 1e6,
+            "rel_err_vs_fp64": abs(got - ref) / ref,
+        }
+        print(name, json.dumps(rows[name]))
+    report = {
+        "benchmark": "grad_norm",
+        "tensors": len(grads),
+        "gradient_gib": n_bytes / 2**30,
+        "copy_gb_per_s": copy_bytes / copy_ms / 1e6,  # bytes read + written per second
+        "variants": rows,
+        "date": str(date.today()),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": args.commit,
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "variants"}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
