@@ -22,7 +22,7 @@ from datetime import date
 
 import torch
 from shapes import olmoe
-from timing import cuda_times_ms
+from timing import cuda_phase_times_ms, cuda_times_ms
 
 from kernels import expert_mlp, grouped_gemm
 
@@ -92,9 +92,10 @@ def candidate_configs() -> list:
 
 
 def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]:
-    """Each GEMM of the fused op alone, per candidate config (static scheduler), ``rounds``
-    times over all configs in turn (so clock drift reaches every config alike); each row has
-    the median over rounds and the rounds' times."""
+    """Each GEMM of the fused op alone, per candidate config (static scheduler): the median of
+    ``iters x rounds`` timings taken with the configs interleaved (one of each per iteration).
+    Timed config after config instead, the GPU's clocks drifted by up to 15 % between the first
+    configs and the last (the 3-round sweep of 2026-12-02 in RESULTS.md)."""
     from quack.gemm_interface import gemm_act, gemm_dgated, gemm_tuned
 
     from kernels import grouped_gemm_quack as quack
@@ -139,21 +140,21 @@ def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]
             "wgrad_down": lambda: gemm_tuned.fn(dy.t(), a, dw_d, cu_seqlens_k=cu, config=cfg),
         }
 
-    times: dict[tuple[str, int], list[float]] = {}
-    errors: dict[tuple[str, int], str] = {}
     configs = candidate_configs()
-    for _ in range(rounds):
-        for i, cfg in enumerate(configs):
-            for name, fn in gemm_calls(cfg).items():
-                try:
-                    ms = statistics.median(cuda_times_ms(fn, warmup, iters))
-                    times.setdefault((name, i), []).append(ms)
-                except Exception as e:  # a config a kernel cannot take: recorded, not fatal
-                    errors[(name, i)] = f"{type(e).__name__}: {str(e)[:160]}"
     rows = []
     for name in flops:
+        phases, errors = [], {}
         for i, cfg in enumerate(configs):
-            ms = statistics.median(times[(name, i)]) if (name, i) in times else None
+            fn = gemm_calls(cfg)[name]
+            try:
+                fn()  # compiles; a config a kernel cannot take is recorded, not fatal
+                phases.append((str(i), fn))
+            except Exception as e:
+                errors[i] = f"{type(e).__name__}: {str(e)[:160]}"
+        # Every iteration runs each config once in turn: clock and power drift reach all alike.
+        times = cuda_phase_times_ms(phases, warmup, iters * rounds)
+        for i, cfg in enumerate(configs):
+            ms = statistics.median(times[str(i)]) if str(i) in times else None
             rows.append(
                 {
                     "kernel": name,
@@ -161,9 +162,8 @@ def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]
                     "pingpong": cfg.pingpong,
                     "cluster": f"{cfg.cluster_m}x{cfg.cluster_n}",
                     "ms": ms,
-                    "ms_rounds": times.get((name, i), []),
                     "tflops": None if ms is None else flops[name] / ms / 1e9,
-                    "error": errors.get((name, i)),
+                    "error": errors.get(i),
                 }
             )
             print(json.dumps(rows[-1]))
@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--configs", action="store_true", help="also sweep the GEMMs' tile configs")
-    p.add_argument("--rounds", type=int, default=3, help="--configs: rounds over all configs")
+    p.add_argument("--rounds", type=int, default=3, help="--configs: iterations x this")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()

@@ -1,12 +1,13 @@
 """AdamW's update of one tensor: parameter, gradient and moments in any float dtype, fp32 math.
 
 Decoupled weight decay, then the bias-corrected Adam step, as ``torch.optim.AdamW`` computes
-it. ``lr``, ``step`` (already counting this step) and the optional gradient ``scale`` (global
-norm clipping) are device scalars, so a step needs no host value and can be captured in a CUDA
-graph. ``out`` (optional) receives the updated parameter in its own dtype in the same pass: the
-model's bf16 weights written from fp32 master weights without a second pass over them. Triton on
-CUDA tensors (one pass: each tensor read once and written once); the PyTorch reference below
-elsewhere.
+it. ``lr``, ``step`` (already counting this step), the optional gradient ``scale`` (global
+norm clipping) and the optional ``apply`` flag (false: the call changes nothing, a step the
+guards skip, decided on the device) are device scalars, so a step needs no host value and can be
+captured in a CUDA graph. ``out`` (optional) receives the updated parameter in its own dtype in
+the same pass: the model's bf16 weights written from fp32 master weights without a second pass
+over them. Triton on CUDA tensors (one pass: each tensor read once and written once); the
+PyTorch reference below elsewhere.
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ def adamw_reference_(
     eps: float,
     weight_decay: float,
     out: torch.Tensor | None = None,
+    apply: torch.Tensor | None = None,
 ) -> None:
     """The definition, in PyTorch (fp32 math, results cast back to each tensor's dtype)."""
+    if apply is not None:  # every tensor keeps its value where the step is not applied
+        keep = [t.clone() for t in (p, m, v, *(() if out is None else (out,)))]
+        adamw_reference_(p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay, out)
+        for t, old in zip((p, m, v, *(() if out is None else (out,))), keep, strict=True):
+            t.copy_(torch.where(apply.bool(), t, old))
+        return
     lr32, step32 = lr.float(), step.float()
     g32 = g.float() if scale is None else g.float() * scale.float()
     p32 = p.float() * (1 - lr32 * weight_decay)
@@ -59,15 +67,19 @@ def adamw_step_(
     eps: float,
     weight_decay: float,
     out: torch.Tensor | None = None,
+    apply: torch.Tensor | None = None,
 ) -> None:
     """Update ``p``, ``m``, ``v`` in place from gradient ``g`` (all the same shape); also write
-    the updated ``p`` into ``out`` (same shape, any float dtype) when given."""
+    the updated ``p`` into ``out`` (same shape, any float dtype) when given; change nothing
+    where the 0-d ``apply`` (bool or number, on the device) is false."""
     if not (p.shape == g.shape == m.shape == v.shape) or (out is not None and out.shape != p.shape):
         extra = "" if out is None else f", out {out.shape}"
         raise ValueError(
             f"shapes differ: p {p.shape}, g {g.shape}, m {m.shape}, v {v.shape}{extra}"
         )
-    args = (p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay, out)
+    if apply is not None and apply.numel() != 1:
+        raise ValueError(f"apply must be one value, got shape {tuple(apply.shape)}")
+    args = (p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay, out, apply)
     tensors = (p, g, m, v) if out is None else (p, g, m, v, out)
     if use_triton(p) and all(t.is_contiguous() for t in tensors):
         from kernels import adamw_triton

@@ -2,7 +2,8 @@
 moments, math in fp32, each written back once in its own dtype (and the parameter a second time
 into ``out``, the model's copy in its dtype, when given).
 
-The step count, learning rate and gradient scale (clipping) are read from device scalars, so
+The step count, learning rate, gradient scale (clipping) and apply flag (a skipped step stores
+nothing) are read from device scalars, so
 the kernel never needs a host value that changes between steps: a CUDA graph can replay it and
 nothing recompiles. Programs own BLOCK contiguous elements with 64-bit offsets.
 """
@@ -31,6 +32,7 @@ def _adamw(
     lr_ptr,
     step_ptr,
     scale_ptr,
+    apply_ptr,
     beta1,
     beta2,
     log2_beta1,
@@ -39,8 +41,11 @@ def _adamw(
     weight_decay,
     HAS_SCALE: tl.constexpr,
     HAS_OUT: tl.constexpr,
+    HAS_APPLY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    if HAS_APPLY:  # not applied: no element is in range, nothing is read or written
+        n = n * (tl.load(apply_ptr).to(tl.float32) != 0.0).to(tl.int64)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     lr = tl.load(lr_ptr).to(tl.float32)
@@ -79,6 +84,7 @@ def adamw_step_(
     eps: float,
     weight_decay: float,
     out: torch.Tensor | None = None,
+    apply: torch.Tensor | None = None,
     block: int = BLOCK,
 ) -> None:
     """In place on contiguous ``p``, ``m``, ``v`` (see ``adamw.adamw_step_``)."""
@@ -93,6 +99,7 @@ def adamw_step_(
         lr,
         step,
         scale if scale is not None else lr,
+        apply if apply is not None else lr,
         beta1,
         beta2,
         math.log2(beta1) if beta1 > 0 else -math.inf,
@@ -101,6 +108,7 @@ def adamw_step_(
         weight_decay,
         HAS_SCALE=scale is not None,
         HAS_OUT=out is not None,
+        HAS_APPLY=apply is not None,
         BLOCK=block,
         num_warps=8,
     )

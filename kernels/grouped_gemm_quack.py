@@ -70,12 +70,15 @@ def gathered_wgrad(
 
 @functools.cache
 def _epilogue_config(device: torch.device) -> GemmConfig | None:
-    """The tile configuration of the SwiGLU epilogue GEMMs, pinned where measured: on sm90,
-    128 x 128 pingpong tiles in 1 x 2 clusters without the dynamic scheduler. On one H200 at
-    OLMoE-1B-7B's shapes (``benchmarks/expert_mlp.py --configs``, RESULTS.md) the SwiGLU
-    backward took 0.94 ms with it against 1.67 with QuACK's sm90 default (128 x 192, 2 x 1),
-    and the gate+up GEMM with the SwiGLU 1.48 against 1.66; the row-scaled down GEMM gained
-    nothing and keeps the default. Elsewhere (unmeasured) QuACK's default."""
+    """The tile configuration of the SwiGLU epilogue GEMMs (and of ``down_wgrad``), pinned
+    where measured: on sm90, 128 x 128 pingpong tiles in 1 x 2 clusters without the dynamic
+    scheduler. On one H200 at OLMoE-1B-7B's shapes (``benchmarks/expert_mlp.py --configs``,
+    RESULTS.md) the SwiGLU backward took 0.94-1.11 ms with it against 1.44-1.82 with QuACK's
+    sm90 default (128 x 192, 2 x 1) in three sweeps. For the gate+up GEMM with the SwiGLU the
+    sweeps disagree (1.48 pinned against 1.66 default in the first; 1.64-1.71 against
+    1.52-1.57 in the two later ones, whose timing drifted), so its pin is unsettled; the
+    row-scaled down GEMM gained nothing and keeps the default. Elsewhere (unmeasured) QuACK's
+    default."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     return GemmConfig(
@@ -149,10 +152,11 @@ def down_wgrad(a_MF: torch.Tensor, dy_MD: torch.Tensor, offs_G: torch.Tensor) ->
     """The down projection's weight gradient ``dy[rows of g]^T @ a[rows of g]`` in its stored
     [G, D, F] layout (``grouped_wgrad(a, dy, offs, transposed=True)``), in the pinned tile
     configuration where there is one: QuACK's sm90 default tile is 192 columns wide, which
-    covers F = 1024 in 6 tiles of which 1/9 is padding; 128 x 128 tiles measured 0.73-0.85 ms
-    against 0.91-0.93 at OLMoE's 64 experts and 0.49 against 0.53 at 128 experts top-4 (one
-    H200, ``benchmarks/expert_mlp.py --configs``). The pin goes through QuACK's untuned entry
-    (``gemm_tuned.fn``), the call ``gemm(..., tuned=False)`` makes with no config."""
+    covers F = 1024 in 6 tiles of which 1/9 is padding. 128 x 128 tiles measured 0.73 against
+    0.91 ms and 0.85 against 0.93 at OLMoE's 64 experts, 0.48-0.50 against 0.48-0.53 at 128
+    experts top-4 (two sweeps on one H200, ``benchmarks/expert_mlp.py --configs``). The pin goes
+    through QuACK's untuned entry (``gemm_tuned.fn``), which ``gemm(..., tuned=False)`` calls
+    with no config."""
     config = _epilogue_config(a_MF.device)
     if config is None:
         return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)

@@ -31,21 +31,29 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.chunks[0].state_dict().items()}
 
 
+def moments(trainer: Trainer) -> list[torch.Tensor]:
+    return [v.clone() for bucket in trainer.optimizer.moments for v in bucket.values()]
+
+
 @pytest.mark.slow
 def test_nan_loss_step_is_skipped_counted_and_training_continues(monkeypatch, tmp_path):
     trainer = Trainer(compose_run([*BASE, "train.steps=6", f"out_dir={tmp_path}"]))
     poison_loss_at(monkeypatch, trainer, {3})
     history = []
     for _ in range(6):
-        before = weights(trainer)
+        before, moments_before = weights(trainer), moments(trainer)
         adam_step = trainer.optimizer.step_count
         m = trainer.train_step()
         history.append(m)
         if m.step == 3:
+            # The update was queued with the verdict on the device: it changed nothing.
             assert m.skipped and math.isnan(m.loss)
             assert trainer.optimizer.step_count == adam_step, "optimizer state must not change"
             after = weights(trainer)
             assert all(torch.equal(before[k], after[k]) for k in before)
+            assert moments_before and all(
+                torch.equal(a, b) for a, b in zip(moments_before, moments(trainer), strict=True)
+            )
     assert [m.skipped for m in history] == [False, False, False, True, False, False]
     assert trainer.guards.skipped_total == 1 and trainer.guards.consecutive_skips == 0
     assert all(math.isfinite(m.loss) for m in history if m.step != 3)

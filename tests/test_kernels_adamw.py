@@ -60,3 +60,42 @@ def test_adamw_step_rejects_mismatched_shapes():
     p = torch.zeros(4)
     with pytest.raises(ValueError, match="shapes differ"):
         adamw_step_(p, torch.zeros(5), p, p, torch.tensor(1.0), torch.tensor(1.0), **HYPER)
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])
+@pytest.mark.parametrize("flag_dtype", [torch.bool, torch.float32], ids=["bool", "float"])
+def test_adamw_apply_flag_decides_on_the_device_whether_anything_changes(applied, flag_dtype):
+    """``apply`` (a skipped step decided on the device): true is the plain update, false leaves
+    parameter, moments and ``out`` exactly as they were, in the kernel and the reference."""
+    n = 3 * 64 + 5
+    lr, step = torch.tensor(1e-2, device=DEVICE), torch.tensor(2.0, device=DEVICE)
+    flag = torch.tensor(applied, dtype=flag_dtype, device=DEVICE)
+    start = _state(n, torch.float32, 9)
+    plain = [t.clone() for t in start]
+    adamw_reference_(*plain, lr, step, None, *HYPER.values())
+    fused, ref = [t.clone() for t in start], [t.clone() for t in start]
+    out_fused = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out_ref = out_fused.clone()
+    assert_triton_path(fused[0])
+    adamw_triton.adamw_step_(
+        *fused, lr, step, None, *HYPER.values(), out=out_fused, apply=flag, block=64
+    )
+    adamw_reference_(*ref, lr, step, None, *HYPER.values(), out=out_ref, apply=flag)
+    expected = plain if applied else start
+    for name, a, b, want in zip(["p", "g", "m", "v"], fused, ref, expected, strict=True):
+        if applied:
+            assert_matches(a, want)
+        else:
+            assert torch.equal(a, want), name
+        assert torch.equal(b, want), name
+    if applied:
+        assert_cast_once(out_fused, fused[0])
+        assert_cast_once(out_ref, ref[0])
+    else:
+        assert out_fused.isnan().all() and out_ref.isnan().all()
+
+
+def test_adamw_apply_flag_must_be_one_value():
+    p = torch.zeros(4)
+    with pytest.raises(ValueError, match="apply must be one value"):
+        adamw_step_(p, p, p, p, torch.tensor(1.0), torch.tensor(1.0), apply=torch.ones(2), **HYPER)

@@ -12,7 +12,8 @@ fused AdamW update of ``kernels.adamw`` (one pass per shard on the GPU: gradient
 moments read once, master and moments written once, the clipping scale applied inside it, and
 the bf16 model weights written from the fp32 masters in the same pass) and all-gathers the
 updated weights into the bucket's flat parameter buffer, which the model's parameters view.
-Step count, learning rate and clipping scale stay on the device: the update reads nothing back.
+Step count, learning rate, clipping scale and whether the step applies at all stay on the
+device: the update reads nothing back.
 """
 
 from __future__ import annotations
@@ -93,13 +94,17 @@ class ShardedAdamW:
             dist.all_reduce(sq)
         return sq.sqrt()
 
-    def update(self, norm: torch.Tensor, max_norm: float) -> None:
+    def update(
+        self, norm: torch.Tensor, max_norm: float, apply: torch.Tensor | None = None
+    ) -> None:
         """Apply the step given the global gradient norm (see ``grad_norm``): clip to
-        ``max_norm`` (inf: no clipping), update the shards, gather the weights."""
+        ``max_norm`` (inf: no clipping), update the shards, gather the weights. Where the 0-d
+        device flag ``apply`` is false nothing changes (the step count neither): the trainer
+        queues the update before reading whether the guards skip the step."""
         scale = None
         if max_norm != float("inf"):
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        self.step_t += 1
+        self.step_t += 1 if apply is None else apply.to(self.step_t.dtype)
         for i, (m, b) in enumerate(zip(self.masters, self.buckets, strict=True)):
             state = self.shards(i, allocate=True)
             weights = b.param_flat[b.shard]
@@ -119,6 +124,7 @@ class ShardedAdamW:
                     eps=self.eps,
                     weight_decay=self.weight_decay if b.decay else 0.0,
                     out=weights[part] if copy else None,
+                    apply=apply,
                 )
             b.release_gradients()
         self._gather_weights()

@@ -2,8 +2,9 @@
 
 Two graphs, replayed in the order they were captured: ``compute`` (every micro-batch's forward
 and backward, the gradient reduction, the gradient norm) and ``update`` (the optimizer). The
-step's single host read and the guards' verdict sit between them, so a skipped step replays
-``compute`` only. Replaying removes the CPU's launch work, which dominates when expert
+step's single host read starts between them and is waited for after ``update`` is queued; the
+guards' verdict reaches ``update`` as a device flag (a skipped step's update changes nothing).
+Replaying removes the CPU's launch work, which dominates when expert
 parallelism runs many small kernels per layer; the graphs hold no host read, so capture needs a
 step that has none (the rowwise dispatcher, or no expert parallelism).
 

@@ -5,11 +5,14 @@ rows, the stop flag, peak memory, the gradient norm); each field says how ranks 
 ``all_reduce`` packs them into one float64 vector and reduces it in one collective (a sum over
 all ranks: a maximum travels as one slot per rank, taken after the sum); ``read`` brings the
 result to the host in one transfer (the step's only host read), as the same structure on the
-CPU, so the trainer reads each value by name. ``StepMetrics`` is the logged record of a step.
+CPU, so the trainer reads each value by name; ``start_read`` starts that transfer without
+waiting for it, so the trainer queues the optimizer before it waits. ``StepMetrics`` is the
+logged record of a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -84,15 +87,36 @@ class StepValues:
 
     def read(self) -> StepValues:
         """Every field on the host as float64, in one device-to-host transfer."""
+        return self.start_read()()
+
+    def start_read(self) -> Callable[[], StepValues]:
+        """Start ``read``'s one transfer and return what finishes it: on CUDA a non-blocking
+        copy into pinned memory and an event after it, which the returned function waits for,
+        so device work queued in between (the optimizer) runs while the host waits only for the
+        values."""
         names = [f.name for f in fields(self)]
         values = [getattr(self, n) for n in names]
         device = self.grad_norm.device
-        flat = torch.cat([v.double().flatten().to(device) for v in values]).cpu()
-        out, at = {}, 0
-        for n, v in zip(names, values, strict=True):
-            out[n] = flat[at : at + v.numel()].view(v.shape)
-            at += v.numel()
-        return StepValues(**out)
+        flat = torch.cat([v.double().flatten().to(device) for v in values])
+        done = None
+        if device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = flat.cpu()
+
+        def finish() -> StepValues:
+            if done is not None:
+                done.synchronize()
+            out, at = {}, 0
+            for n, v in zip(names, values, strict=True):
+                out[n] = host[at : at + v.numel()].view(v.shape)
+                at += v.numel()
+            return StepValues(**out)
+
+        return finish
 
 
 @dataclass

@@ -5,15 +5,18 @@ micro-batches (through the pipeline when ``pp > 1``), each loss scaled so the st
 that of the mean loss over the whole global batch; gradients are reduce-scattered in buckets
 during backward. Before the optimizer applies the step, all ranks agree on the loss and the
 global gradient norm: a non-finite one skips the step (nothing changes), too many in a row stop
-the run with a checkpoint. Router statistics summed over the step drive the expert bias and the
-router-health metrics. Checkpoints are sharded and atomic; a restarted run resumes from the
-newest valid one and reproduces the uninterrupted run bit for bit (deterministic kernels).
+the run with a checkpoint. That verdict is computed on the device, so the update is queued
+before the host reads the step and changes nothing where the step is skipped. Router
+statistics summed over the step drive the expert bias and the router-health metrics.
+Checkpoints are sharded and atomic; a restarted run resumes from the newest valid one and
+reproduces the uninterrupted run bit for bit (deterministic kernels).
 
 Keeping the GPU busy: the next step's micro-batches are produced on a background thread while
 the GPU runs this one (``data.prefetch``); the step reads the host once (loss, norm, router
-statistics and memory in one transfer), after which the optimizer is queued and the metrics are
-logged while the GPU runs it. A step's time is wall time from the previous step's host read to
-its own (data, optimizer and logging included), so TFLOP/s over steps is the run's real rate.
+statistics and memory in one transfer), started before the optimizer is queued, so the host
+waits only for the transfer and logs the metrics while the GPU runs the optimizer. A step's
+time is wall time from the previous step's host read to its own (data, optimizer and logging
+included), so TFLOP/s over steps is the run's real rate.
 
 This module is the loop and the build; its parts live beside it: ``step_metrics`` (the step's
 values, reduced in one collective and read in one transfer, and the logged ``StepMetrics``),
@@ -154,6 +157,8 @@ class Trainer:
             tc.weight_decay,
             state_dtype=state_dtype,
         )
+        # Whether this step's update applies (the guards' rule on the device; a graph reads it).
+        self._apply = torch.ones((), dtype=torch.bool, device=self.device)
         # Autocast only where it changes something: bf16 compute over fp32 weights. bf16 weights
         # compute in bf16 as they are (norms, router and loss keep fp32 inside the model).
         bf16_over_fp32 = cfg.precision.compute == "bf16" and cfg.precision.params == "fp32"
@@ -363,20 +368,25 @@ class Trainer:
         world = dist.get_world_size() if self.mesh.distributed else 1
         reduced = local.all_reduce(self.mesh.rank, world)
         bias = routers.bias_rows(reduced.router_table)
-        host = replace(reduced, expert_bias=bias).read()  # the step's one host read
+        read = replace(reduced, expert_bias=bias).start_read()  # the step's one host read
+        # The guards' skip rule and the dropped-row stop, decided on the device from the values
+        # the host is about to read: the update is queued now and changes nothing when the step
+        # is not applied, so the GPU goes on to it without waiting for the host.
+        ok = torch.isfinite(reduced.ce) & torch.isfinite(reduced.grad_norm) & (reduced.dropped == 0)
+        self._apply.copy_(ok)
+        clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        if self.graphs is None:
+            self.optimizer.update(grad_norm, clip, self._apply)
+        else:
+            update = functools.partial(self.optimizer.update, grad_norm, clip, self._apply)
+            self.graphs.update(update, prepare=self.optimizer.allocate_state)
+        host = read()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
         routers.check_dropped(host.dropped.item(), f"step {self.step}")
         n_micro = len(batches) * pc.data_parallel
         loss, norm = host.ce.item() / n_micro, host.grad_norm.item()
-        verdict = self.guards.check(loss, norm)
-        if not verdict.skip:
-            clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-            if self.graphs is None:
-                self.optimizer.update(grad_norm, clip)
-            else:
-                update = functools.partial(self.optimizer.update, grad_norm, clip)
-                self.graphs.update(update, prepare=self.optimizer.allocate_state)
+        verdict = self.guards.check(loss, norm)  # skips exactly where ``ok`` was false
         health = routers.finish_step(
             bias, host.router_table, host.expert_bias, applied=not verdict.skip
         )
