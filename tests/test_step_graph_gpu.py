@@ -4,6 +4,8 @@ symmetric memory (the expert-parallel step, forward, backward and optimizer, cap
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,3 +77,36 @@ def test_step_replayed_as_cuda_graphs_trains_like_the_eager_step(dispatch, tmp_p
         eager.chunks[0].state_dict().items(), graphed.chunks[0].state_dict().items(), strict=True
     ):
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-3, msg=name)
+
+
+def test_a_non_finite_step_replayed_as_graphs_changes_nothing(tmp_path):
+    """The guards' verdict reaches the captured update as a device flag: a step whose loss is
+    NaN (one weight poisoned after capture) is reported skipped and leaves every weight, moment
+    and the step count as they were; with the weight restored, training goes on."""
+    cfg = compose_run([*ARGS, "parallel.cuda_graph=true", f"out_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    for _ in range(4):  # two eager warm-up steps, then both graphs captured and replayed
+        assert not trainer.train_step().skipped
+    assert trainer.graphs is not None and trainer.graphs.captured
+    model = trainer.chunks[0]
+    poisoned = model.get_parameter("lm_head.weight")  # every token's logits read row 0
+    clean = poisoned.detach().clone()
+    with torch.no_grad():
+        poisoned[0].fill_(float("nan"))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [v.clone() for bucket in trainer.optimizer.moments for v in bucket.values()]
+    steps = trainer.optimizer.step_count
+    m = trainer.train_step()
+    assert m.skipped and not math.isfinite(m.loss)
+    assert trainer.optimizer.step_count == steps
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, weights[k], rtol=0, atol=0, equal_nan=True, msg=k)
+    after = [v for bucket in trainer.optimizer.moments for v in bucket.values()]
+    assert moments and len(after) == len(moments)
+    for a, b in zip(moments, after, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    with torch.no_grad():
+        poisoned.copy_(clean)
+    m = trainer.train_step()
+    assert not m.skipped and math.isfinite(m.loss)
+    assert trainer.optimizer.step_count == steps + 1
