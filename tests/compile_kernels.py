@@ -113,10 +113,11 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         ("*fp32", "*fp32", "*fp32", "*bf16"),
     ):
         ptrs = {"p_ptr": p, "g_ptr": g, "m_ptr": mv, "v_ptr": mv, "out_ptr": copy or p}
-        ptrs |= {"lr_ptr": "*fp32", "step_ptr": "*fp32", "scale_ptr": "*fp32"}
+        ptrs |= {"lr_ptr": "*fp32", "step_ptr": "*fp32", "scale_ptr": "*fp32", "apply_ptr": "*i1"}
         ptrs |= {k: "fp32" for k in ("beta1", "beta2", "log2_beta1", "log2_beta2", "eps")}
         ptrs["weight_decay"] = "fp32"
         flags = {"HAS_SCALE": [False, True], "HAS_OUT": [copy is not None], "BLOCK": [4096]}
+        flags["HAS_APPLY"] = [False, True]  # the trainer's skip flag is a bool tensor
         for c in variants(flags):
             out.append((adamw_triton._adamw, ptrs, c))
     return out
