@@ -9,6 +9,9 @@ dispatcher runs with one PE: its own overhead against the local path, with no li
 `--fp8` adds each layer again with FP8 experts (`kernels.fp8`), same inputs; `--unfused` each
 layer again with the experts' MLP unfused (`kernels.expert_mlp.set_fused(False)`: the SwiGLU
 as its own pass instead of in QuACK's GEMM epilogues; the same where QuACK does not run).
+`--experts 8,16,32,64,128 --top-k 4` sweeps the expert pool at fixed active parameters (each
+count a layer of its own, expert hidden and top-k fixed), EP=1 against EP=N at each: the
+pool-scaling claim made at scale (issue 21).
 
 Each rank routes its own 16,384 tokens (learned routing from a random router: skewed as at
 initialization, the same random inputs on every variant) through 64 experts, top-8, expert
@@ -22,6 +25,7 @@ expert matmul parameters per token), and the share of the step the GPU spends in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,16 +50,16 @@ CFG = olmoe()
 TOKENS = 16384
 
 
-def build(ep: int, group, ep_rank: int, dispatcher: str, factor: float | None) -> MoE:
+def build(cfg, ep: int, group, ep_rank: int, dispatcher: str, factor: float | None) -> MoE:
     torch.manual_seed(0)
-    moe = MoE(CFG)
+    moe = MoE(cfg)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0.0, 0.02)
     if dispatcher != "local":
-        n_local = CFG.n_experts // ep
+        n_local = cfg.n_experts // ep
         full = moe.experts
-        local = Experts(n_local, CFG.d_model, CFG.expert_hidden)
+        local = Experts(n_local, cfg.d_model, cfg.expert_hidden)
         sl = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
         with torch.no_grad():
             local.w_gate_up.copy_(full.w_gate_up[sl])
@@ -66,9 +70,9 @@ def build(ep: int, group, ep_rank: int, dispatcher: str, factor: float | None) -
             moe.dispatcher = AllToAllDispatcher(group, ep, n_local)
         else:
             heap = CudaSymmetricHeap(group, torch.device("cuda"))
-            rows, assignments = rowwise_capacity(CFG.n_experts, CFG.top_k, ep, TOKENS, factor)
+            rows, assignments = rowwise_capacity(cfg.n_experts, cfg.top_k, ep, TOKENS, factor)
             exchange = RowwiseExchange(
-                heap, rows, assignments, CFG.d_model, CFG.top_k, torch.bfloat16
+                heap, rows, assignments, cfg.d_model, cfg.top_k, torch.bfloat16
             )
             moe.dispatcher = RowwiseDispatcher(exchange, n_local)
     return moe.cuda().to(torch.bfloat16)
@@ -115,7 +119,18 @@ def main() -> None:
     parser.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="torch")
     parser.add_argument("--fp8", action="store_true", help="also each layer with FP8 experts")
     parser.add_argument("--unfused", action="store_true", help="also each layer MLP unfused")
+    parser.add_argument("--experts", default=str(CFG.n_experts), help="comma-separated counts")
+    parser.add_argument("--top-k", type=int, default=CFG.top_k)
     args = parser.parse_args()
+    try:
+        counts = [int(e) for e in args.experts.split(",")]
+    except ValueError:
+        bad_list = f"--experts {args.experts!r} is not allowed: comma-separated counts."
+        raise SystemExit(bad_list) from None
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    bad = [e for e in counts if e < 1 or e % gpus]
+    if bad:  # before any process group or GPU memory
+        raise SystemExit(f"--experts {bad} is not allowed: counts divisible by the {gpus} GPUs.")
     grouped_gemm.set_backend(args.expert_gemm)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -135,7 +150,7 @@ def main() -> None:
     x = torch.randn(1, TOKENS, CFG.d_model, device="cuda", generator=gen).to(torch.bfloat16)
     x.requires_grad_()
     grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    flops_per_token = 6 * CFG.top_k * 3 * CFG.d_model * CFG.expert_hidden
+    flops_per_token = 6 * args.top_k * 3 * CFG.d_model * CFG.expert_hidden
 
     variants = [("ep1", 1, "local")]
     for name in args.dispatchers.split(","):
@@ -146,14 +161,22 @@ def main() -> None:
         variants += [(f"{key}-fp8", ep, name, True) for key, ep, name in variants]
     if args.unfused:
         variants += [(f"{v[0]}-unfused", *v[1:]) for v in variants if len(v) == 3]
-    for key, ep, dispatcher, *fp8 in variants:
-        moe = build(ep, dist.group.WORLD, rank, dispatcher, args.capacity_factor)
+    sweep = [
+        (f"{e}e-{key}" if len(counts) > 1 else key, e, ep, dispatcher, *fp8)
+        for e in counts
+        for key, ep, dispatcher, *fp8 in variants
+    ]
+    for key, n_experts, ep, dispatcher, *fp8 in sweep:
+        cfg = dataclasses.replace(CFG, n_experts=n_experts, top_k=args.top_k)
+        moe = build(cfg, ep, dist.group.WORLD, rank, dispatcher, args.capacity_factor)
         moe.experts.fp8 = bool(fp8)
         expert_mlp.set_fused(not key.endswith("-unfused"))
         times = time_steps(moe, x, grad, args.warmup, args.iters)
         med = statistics.median(times)
         share, top = profile_steps(moe, x, grad)
         row = {
+            "experts": n_experts,
+            "top_k": args.top_k,
             "ep": ep,
             "dispatcher": dispatcher,
             "fp8_experts": bool(fp8),
@@ -183,8 +206,8 @@ def main() -> None:
             "shape": {
                 "tokens_per_gpu": TOKENS,
                 "d_model": CFG.d_model,
-                "experts": CFG.n_experts,
-                "top_k": CFG.top_k,
+                "experts": counts,
+                "top_k": args.top_k,
                 "expert_hidden": CFG.expert_hidden,
             },
             "routing": "learned (random router init)",
@@ -193,11 +216,21 @@ def main() -> None:
             "expert_gemm": args.expert_gemm,
             "results": results,
         }
-        ep1 = statistics.mean(r["tokens_per_s_per_gpu"] for r in results["ep1"])
+
+        def rate(rows: list[dict]) -> float:
+            return statistics.mean(r["tokens_per_s_per_gpu"] for r in rows)
+
+        def ep1_key(key: str) -> str:  # the same expert count's EP=1 layer
+            return f"{key.split('-')[0]}-ep1" if len(counts) > 1 else "ep1"
+
         report["over_ep1"] = {
-            key: statistics.mean(r["tokens_per_s_per_gpu"] for r in rows) / ep1
-            for key, rows in results.items()
+            key: rate(rows) / rate(results[ep1_key(key)]) for key, rows in results.items()
         }
+        if len(counts) > 1:  # each layout against its own smallest pool
+            report["pool_relative_to_first"] = {
+                key: rate(rows) / rate(results[key.replace(key.split("-")[0], f"{counts[0]}e", 1)])
+                for key, rows in results.items()
+            }
         head = f"{'layout':<26}{'ms':>9}{'tokens/s/GPU':>15}{'TFLOP/s/GPU':>13}{'NCCL share':>12}"
         print(head)
         for key, rows in results.items():

@@ -15,11 +15,11 @@ In one run on one GPU, one after the other, each in its own process:
    TFLOP/s it prints and writes to ``metrics.jsonl`` over the steps after warm-up (both are
    checked to agree).
 
-``--ep N --dispatcher D`` runs ``moe train`` under torchrun with expert parallelism over N
-GPUs (one micro-batch per rank and step; the printed figure is per GPU) against the one-GPU
-bare step: what the multi-GPU runs compare (target: >= 0.97x). ``--cuda-graph true|false``
-sets ``parallel.cuda_graph`` for ``moe train`` (default: the config's, on in one process and
-for rowwise EP).
+``--ep N --dispatcher D`` (and ``--dp M``) runs ``moe train`` under torchrun on N x M GPUs,
+expert parallelism over N, M data-parallel replicas (one micro-batch per rank and step; the
+printed figure is per GPU) against the one-GPU bare step: what the multi-GPU runs compare
+(target: >= 0.97x). ``--cuda-graph true|false`` sets ``parallel.cuda_graph`` for ``moe train``
+(default: the config's, on in one process and for rowwise EP).
 
 Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master) and ``bf16`` (bf16
 weights; fp32 gradient buffers, master weights and moments). ``--accumulate`` also times
@@ -89,8 +89,9 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         "train=default",
         *data,
         f"train.micro_batch_size={args.mbs}",
-        f"train.global_batch_size={args.mbs * args.micro_batches * args.ep}",
+        f"train.global_batch_size={args.mbs * args.micro_batches * args.ep * args.dp}",
         f"parallel.ep={args.ep}",
+        f"parallel.dp={args.dp}",
         f"parallel.dispatcher={args.dispatcher}",
         *([] if args.cuda_graph is None else [f"parallel.cuda_graph={args.cuda_graph}"]),
         f"parallel.expert_gemm={args.expert_gemm}",
@@ -112,9 +113,9 @@ def trainer_run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
         overrides = trainer_overrides(args, out, str(Path(args.data_dir).resolve()))
         launch = [sys.executable, "-m", "moe_core.cli"]
-        if args.ep > 1:
+        if args.ep * args.dp > 1:
             run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            launch = [*run, f"--nproc-per-node={args.ep}", "-m", "moe_core.cli"]
+            launch = [*run, f"--nproc-per-node={args.ep * args.dp}", "-m", "moe_core.cli"]
         done = child([*launch, "train", *overrides], "moe train")
         shown = trainer_overrides(args, "OUT", "DIR")  # no machine paths in the record
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -169,6 +170,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel GPUs for moe train")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas for moe train")
     p.add_argument("--dispatcher", choices=["all_to_all", "nvshmem_rowwise"], default="all_to_all")
     p.add_argument(
         "--cuda-graph",
@@ -196,6 +198,7 @@ def main() -> None:
         "mbs": args.mbs,
         "micro_batches": args.micro_batches,
         "ep": args.ep,
+        "dp": args.dp,
         "dispatcher": args.dispatcher,
         "cuda_graph": args.cuda_graph,
         "expert_gemm": args.expert_gemm,

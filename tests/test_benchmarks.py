@@ -4,7 +4,9 @@ library or the baselines), and the benchmarked OLMoE shape comes from the config
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,56 @@ def test_every_benchmark_imports_and_takes_the_olmoe_shape_from_the_config(scrip
     assert list(scripts("grouped_gemm").libraries("triton")) == ["triton"]  # imported lazily
     ep = scripts("ep_dispatch")
     assert (olmoe.d_model, olmoe.n_experts, olmoe.top_k) == (ep.D, ep.E, ep.K)
+
+
+def test_multi_gpu_runbook_covers_issue_21_in_calls_that_check_clean(scripts):
+    """Every run of issue 21 is in a call of at most 10 minutes on a 2- or 8-GPU machine, and
+    what can be checked without those GPUs holds: scripts exist, each trained or planned config
+    composes, matches its cluster and fits an H200 by ``moe plan``."""
+    runbook = scripts("multi_gpu")
+    calls = runbook.calls()
+    assert len({c.name for c in calls}) == len(calls)
+    assert {c.gpus for c in calls} == {2, 8} and all(c.minutes <= 10 for c in calls)
+    covered = {int(n) for c in calls for n in c.what.split(".")[0].split("-")}
+    assert covered == set(range(1, 9)), covered
+    assert runbook.check() == []
+
+
+def test_multi_gpu_runbook_refuses_before_starting_anything(scripts, tmp_path):
+    runbook = scripts("multi_gpu")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as err:
+        runbook.run_call(runbook.by_name("x2-peer"), {"out": str(out), "peer_kit": None})
+    assert str(err.value).startswith("x2-peer needs --peer-kit and --peer-wheels: ")
+    if runbook.gpu_count() < 2:
+        with pytest.raises(SystemExit) as err:
+            runbook.run_call(runbook.by_name("x2-step"), {"out": str(out)})
+        assert str(err.value) == (
+            f"x2-step needs 2 GPUs and this machine has {runbook.gpu_count()}: run it on "
+            "nvidia-h200-x2."
+        )
+    with pytest.raises(SystemExit, match="call 'x4-step' is not allowed: one of x2-tests, "):
+        runbook.by_name("x4-step")
+    assert not out.exists()
+
+
+def test_pipeline_kill_finds_the_train_stage_ranks_not_torchrun(scripts, tmp_path):
+    """The rank to kill: a process whose command line names the stage's config, not the
+    torchrun launcher that names it too; the newest logged step tolerates a half-written line."""
+    runbook = scripts("multi_gpu")
+    config = tmp_path / "train" / "config.json"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    rank = subprocess.Popen([*sleep, "-m", "moe_core.cli", "train", "--config", str(config)])
+    launcher = subprocess.Popen([*sleep, "torch.distributed.run", str(config)])
+    try:
+        deadline = time.time() + 10
+        while runbook.training_ranks(tmp_path) != [rank.pid] and time.time() < deadline:
+            time.sleep(0.05)
+        assert runbook.training_ranks(tmp_path) == [rank.pid]
+    finally:
+        rank.kill(), launcher.kill()
+        rank.wait(), launcher.wait()
+    assert runbook.newest_step(tmp_path) == -1
+    config.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "train" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"st')
+    assert runbook.newest_step(tmp_path) == 1  # the last line is not whole yet
