@@ -22,6 +22,7 @@ from shapes import olmoe
 from timing import cuda_times_ms
 
 from moe_core.model import Transformer
+from moe_core.model.meta import on_meta
 from moe_core.parallel.optimizer import global_norm
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(olmoe())
     gen = torch.Generator(device="cuda").manual_seed(0)
     grads = [

@@ -298,8 +298,7 @@ def moe_overrides(command: list[str]) -> tuple[list[str], str] | None:
 
 def check() -> list[str]:
     """What each call needs that can be checked here (see the module doc): the problems."""
-    from flows.pretrain import resolve
-    from moe_core.compose import compose_dict, compose_run
+    from moe_core.compose import compose_run
     from moe_core.plan import check_cluster, fit_refusal, plan
 
     problems = []
@@ -316,10 +315,7 @@ def check() -> list[str]:
                 continue
             overrides, name = found
             try:
-                if "pipeline-kill" in command:  # as the pipeline resolves it, in its run folder
-                    run = resolve(compose_dict(overrides, config_name=name), ROOT / "RUN")
-                else:
-                    run = compose_run(overrides, config_name=name)
+                run = compose_run(overrides, config_name=name)
             except Exception as err:  # the refusal, in its own words
                 problems.append(f"{call.name}: {shlex.join(command)}: {err}")
                 continue

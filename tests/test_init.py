@@ -49,3 +49,20 @@ print(count(run.model).total_params * 4, before * 1024, peak * 1024)
     model_bytes, before, peak = map(int, out.stdout.split())
     assert model_bytes > 1.5e9
     assert peak - before < 0.15 * model_bytes, f"grew {(peak - before) / 2**20:.0f} MiB"
+
+
+def test_on_meta_builds_without_filling_and_restores_the_initializers():
+    from moe_core.model.meta import FILLS, on_meta
+
+    before = {name: getattr(torch.nn.init, name) for name in FILLS}
+    with on_meta():
+        layer = torch.nn.Linear(3, 4)
+        assert torch.nn.init.normal_(layer.weight) is layer.weight  # a no-op inside
+    assert layer.weight.is_meta and layer.bias.is_meta
+    assert {name: getattr(torch.nn.init, name) for name in FILLS} == before
+    with pytest.raises(RuntimeError, match="inside"), on_meta():
+        raise RuntimeError("inside")
+    assert {name: getattr(torch.nn.init, name) for name in FILLS} == before
+    real = torch.empty(3)
+    torch.nn.init.ones_(real)
+    assert torch.equal(real, torch.ones(3))

@@ -119,11 +119,17 @@ def test_the_library_never_imports_the_orchestration_and_only_compose_imports_hy
             assert not tops & {"hydra", "omegaconf"}, f"{name} imports Hydra/OmegaConf"
 
 
-def test_importing_the_library_does_not_import_torchdynamo():
-    """TorchDynamo costs 1.3-1.7 s per process that imports it: only compiling loads it
-    (``model.eager``), not importing the trainer or the CLI (every rank of a launch does)."""
+def test_importing_the_library_and_building_a_model_do_not_import_torchdynamo():
+    """TorchDynamo costs about 2 s per process that imports it: only compiling loads it
+    (``model.eager``), not importing the trainer or the CLI (every rank of a launch does), nor
+    building a model on the meta device and planning it (``model.meta.on_meta``: PyTorch's fill
+    of a meta tensor would import it)."""
     code = (
         "import sys, moe_core.cli, moe_core.train.trainer, flows.pretrain; "
+        "from moe_core.compose import compose_run; from moe_core.plan import plan; "
+        "from moe_core.model import build_model; from moe_core.model.flops import count; "
+        "run = compose_run(['model=tiny']); plan(run); count(run.model, 64); "
+        "build_model(run.model, 'cpu'); "
         "print('torch._dynamo' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

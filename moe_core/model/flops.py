@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from moe_core.config import ModelConfig
+from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, Router
 from moe_core.model.norm import RMSNorm
 from moe_core.model.transformer import Transformer
@@ -50,7 +49,7 @@ def _human(n: int) -> str:
 def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     """Counts for ``cfg`` at ``seq_len`` (default: ``cfg.max_seq_len``)."""
     seq_len = seq_len or cfg.max_seq_len
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(

@@ -16,6 +16,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, RotaryEmbedding
+from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE, Router
 from moe_core.model.norm import RMSNorm
 
@@ -128,7 +129,7 @@ def seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> None:
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
     """Construct on the meta device, allocate on ``device``, initialize once (fp32)."""
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
@@ -138,7 +139,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's full (unsharded) shape under ``cfg``, read off a meta-device model."""
-    with torch.device("meta"):
+    with on_meta():
         return {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
 
 

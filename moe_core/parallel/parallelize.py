@@ -21,6 +21,7 @@ from moe_core.config import (
 )
 from moe_core.model import Transformer
 from moe_core.model.attention import Attention, flash4_installed
+from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.compile import apply_compile
 from moe_core.parallel.dispatch import (
@@ -99,7 +100,7 @@ def build_chunk(
     """Chunk ``chunk`` of ``pp x virtual_stages``, with this rank's experts, on the meta device
     (``exchange``: the rowwise dispatchers' buffers, when that is the dispatcher)."""
     n_chunks = pcfg.pp * pcfg.virtual_stages
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     keep = {str(i) for i in chunk_layers(cfg.n_layers, n_chunks, chunk)}
     for name in [n for n in model.layers if n not in keep]:
@@ -112,7 +113,7 @@ def build_chunk(
     if pcfg.ep > 1:
         n_local = cfg.n_experts // pcfg.ep
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            with torch.device("meta"):
+            with on_meta():
                 moe.experts = Experts(n_local, cfg.d_model, cfg.expert_hidden)
             moe.experts.expert_offset = mesh.ep_rank * n_local
             if exchange is not None:

@@ -43,9 +43,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from moe_core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts
 from moe_core.model.transformer import Transformer
 from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
@@ -90,7 +89,7 @@ class ParameterCounts:
 
 
 def parameter_counts(m: ModelConfig) -> ParameterCounts:
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(dataclasses.replace(m, n_layers=1))
     block = model.layers["0"]
     experts = [p for mod in block.modules() if isinstance(mod, Experts) for p in mod.parameters()]

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from moe_core.config import ParallelConfig, RunConfig, to_dict
+from moe_core.model.meta import on_meta
 from moe_core.model.transformer import Transformer, init_plan, seeded_normal_
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.checkpoint import Checkpointer, buffer_key, state_key
@@ -40,7 +41,7 @@ class _LazySavePlanner(DefaultSavePlanner):
 def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Callable]]:
     """(meta placeholders, makers) for every parameter chunk of the full model."""
     cfg, seed = run.model, run.train.seed
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     placeholders: dict[str, torch.Tensor] = {}
     makers: dict[str, Callable[[], torch.Tensor]] = {}
