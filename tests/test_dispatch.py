@@ -54,13 +54,13 @@ def test_all_to_all_dispatcher_reads_the_host_once_per_forward_and_never_in_back
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, mode",
-    [(2, "reference"), (2, "interpret"), (4, "reference"), (8, "reference")],
-    ids=["ep2", "ep2-interpret", "ep4", "ep8"],
+    [(2, "reference"), (2, "interpret"), (8, "reference")],
+    ids=["ep2", "ep2-interpret", "ep8"],  # the code is the same for every size: 2 and 8 bracket 4
 )
 def test_rowwise_dispatcher_equals_all_to_all_and_counts_every_dropped_row(
     nproc, mode, tmp_path, monkeypatch
 ):
-    """EP = 2, 4, 8 processes (gloo) with a shared-memory symmetric heap: the rowwise
+    """EP = 2 and 8 processes (gloo) with a shared-memory symmetric heap: the rowwise
     dispatcher (routing metadata exchanged through the heap, rows written into the owners'
     buffers, results read back) gives the all-to-all dispatcher's outputs and gradients of
     tokens, routing weights and expert weights, incl. a rank receiving nothing and a rank with
