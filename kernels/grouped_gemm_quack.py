@@ -157,13 +157,14 @@ def down_wgrad(a_MF: torch.Tensor, dy_MD: torch.Tensor, offs_G: torch.Tensor) ->
     experts top-4 (two sweeps on one H200, ``benchmarks/expert_mlp.py --configs``). The pin goes
     through QuACK's untuned entry (``gemm_tuned.fn``), which ``gemm(..., tuned=False)`` calls
     with no config."""
-    config = _epilogue_config(a_MF.device)
-    if config is None:
-        return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
-    from quack.gemm_interface import gemm_tuned
+    from quack import gemm_interface
 
+    config = _epilogue_config(a_MF.device)
+    untuned = getattr(getattr(gemm_interface, "gemm_tuned", None), "fn", None)
+    if config is None or untuned is None:  # a QuACK without that entry: its default tiles
+        return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
     out_GDF = a_MF.new_empty(offs_G.shape[0], dy_MD.shape[1], a_MF.shape[1])
-    gemm_tuned.fn(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G), config=config)
+    untuned(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G), config=config)
     return out_GDF
 
 
