@@ -19,8 +19,10 @@ either side, which is where a host wait or a launch gap shows.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import re
+import shutil
 import statistics
 import tempfile
 from collections import defaultdict
@@ -115,27 +117,23 @@ def gpu_timeline(events: list[dict], steps: int, top: int = 12) -> dict:
 def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[float]]:
     """``Trainer.train_step`` at OLMoE-1B-7B width (``moe train``'s step, built in-process),
     after ``args.warmup`` steps; the list collects the wall step times it reports (ms)."""
+    from trainer_step import trainer_overrides
+
     from moe_core.compose import compose_run
     from moe_core.train.trainer import Trainer
 
     out = tempfile.mkdtemp()
-    overrides = [
-        "model=olmoe-1b-7b",
-        f"model.n_layers={args.layers}",
-        f"precision={args.precision}",
-        "train=default",
-        "data=synthetic",
-        f"train.micro_batch_size={args.mbs}",
-        f"train.global_batch_size={args.mbs}",
-        f"parallel.expert_gemm={args.expert_gemm}",
-        f"parallel.attention={args.attention}",
-        *([] if args.cuda_graph is None else [f"parallel.cuda_graph={args.cuda_graph}"]),
-        f"train.steps={args.warmup + args.iters + args.profile_steps}",
-        "train.checkpoint_at_end=false",
-        "train.save_model=false",
-        "train.resume=false",
-        f"out_dir={out}",
-    ]
+    atexit.register(shutil.rmtree, out, True)
+    shape = argparse.Namespace(  # the run trainer_step.py launches, one GPU, synthetic data
+        **vars(args),
+        data="synthetic",
+        micro_batches=1,
+        ep=1,
+        dp=1,
+        dispatcher="all_to_all",
+        steps=args.iters + args.profile_steps,
+    )
+    overrides = trainer_overrides(shape, out, data_dir="")
     trainer = Trainer(compose_run(overrides))
     for _ in range(args.warmup):
         trainer.train_step()

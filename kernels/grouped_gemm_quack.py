@@ -22,9 +22,14 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from quack import gemm_interface
 from quack.epilogue import gemm_epilogue
 from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm, gemm_act, gemm_dgated
+
+# QuACK's untuned GEMM entry, which takes a tile config (``gemm`` does not): internal, so looked
+# up once and optional (``down_wgrad``).
+_UNTUNED = getattr(getattr(gemm_interface, "gemm_tuned", None), "fn", None)
 
 
 def _cu(offs_G: torch.Tensor) -> torch.Tensor:
@@ -157,14 +162,11 @@ def down_wgrad(a_MF: torch.Tensor, dy_MD: torch.Tensor, offs_G: torch.Tensor) ->
     experts top-4 (two sweeps on one H200, ``benchmarks/expert_mlp.py --configs``). The pin goes
     through QuACK's untuned entry (``gemm_tuned.fn``), which ``gemm(..., tuned=False)`` calls
     with no config."""
-    from quack import gemm_interface
-
     config = _epilogue_config(a_MF.device)
-    untuned = getattr(getattr(gemm_interface, "gemm_tuned", None), "fn", None)
-    if config is None or untuned is None:  # a QuACK without that entry: its default tiles
+    if config is None or _UNTUNED is None:  # a QuACK without that entry: its default tiles
         return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
     out_GDF = a_MF.new_empty(offs_G.shape[0], dy_MD.shape[1], a_MF.shape[1])
-    untuned(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G), config=config)
+    _UNTUNED(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G), config=config)
     return out_GDF
 
 
