@@ -76,23 +76,25 @@ def time_op(ops: dict, fused: bool, warmup: int, iters: int) -> float:
 def candidate_configs() -> list:
     from quack.gemm_config import GemmConfig
 
-    shapes = [
-        (128, 192, True, 2, 1),  # QuACK's sm90 default
-        (128, 128, True, 1, 2),
-        (128, 128, True, 2, 1),
-        (128, 256, False, 2, 1),
-        (256, 128, False, 2, 1),
+    shapes = [  # tile M, tile N, pingpong, cluster M, cluster N, dynamic persistent scheduler
+        (128, 192, True, 2, 1, False),  # QuACK's sm90 default
+        (128, 192, True, 2, 1, True),  # ... with the dynamic scheduler
+        (128, 128, True, 1, 2, False),  # the pin
+        (128, 128, True, 1, 2, True),
+        (128, 128, True, 2, 1, False),
+        (128, 256, False, 2, 1, False),
+        (256, 128, False, 2, 1, False),
     ]
     return [
         GemmConfig(
-            tile_m=m, tile_n=n, pingpong=pp, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False
+            tile_m=m, tile_n=n, pingpong=pp, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=dyn
         )
-        for m, n, pp, cm, cn in shapes
+        for m, n, pp, cm, cn, dyn in shapes
     ]
 
 
 def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]:
-    """Each GEMM of the fused op alone, per candidate config (static scheduler): the median of
+    """Each GEMM of the fused op alone, per candidate config (and scheduler): the median of
     ``iters x rounds`` timings taken with the configs interleaved (one of each per iteration).
     Timed config after config instead, the GPU's clocks drifted by up to 15 % between the first
     configs and the last (the 3-round sweep of 2026-12-02 in RESULTS.md)."""
@@ -161,6 +163,7 @@ def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]
                     "tile": f"{cfg.tile_m}x{cfg.tile_n}",
                     "pingpong": cfg.pingpong,
                     "cluster": f"{cfg.cluster_m}x{cfg.cluster_n}",
+                    "dynamic": cfg.is_dynamic_persistent,
                     "ms": ms,
                     "tflops": None if ms is None else flops[name] / ms / 1e9,
                     "error": errors.get(i),

@@ -35,6 +35,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from train_step import moe_layer_step, parser, train_step_parts
 
+from kernels import expert_mlp, grouped_gemm
+
 CATEGORIES = [
     ("optimizer", r"multi_tensor|adam"),
     ("attention", r"flash|fmha|attention|sdpa"),
@@ -155,6 +157,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args()
+    grouped_gemm.set_backend(args.expert_gemm)  # as train_step.py (the trainer sets its own)
+    expert_mlp.set_fused(not args.unfused_mlp)
     if args.trainer:
         whole, step_ms = trainer_step_fn(args)
         for _ in range(args.iters):
