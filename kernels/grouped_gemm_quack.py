@@ -11,8 +11,9 @@ wants ``cu_seqlens`` of G + 1 entries), no host read.
   varlen-K weight gradient A's columns, for A given as ``x^T``), so no expert-ordered copy of
   the token rows is ever written.
 
-Default (untuned) tile configs: the autotuner picked slower ones in a measured run and costs
-minutes per shape. Imported only where ``kernels.grouped_gemm`` selects it (CUDA, sm90+,
+Untuned tile configs: the autotuner picked slower ones in a measured run and costs minutes per
+shape. The fused expert MLP's six GEMMs take one pinned config where it was measured
+(``_tile_config``); the rest QuACK's default. Imported only where ``kernels.grouped_gemm`` selects it (CUDA, sm90+,
 package installed).
 """
 
@@ -28,7 +29,7 @@ from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm, gemm_act, gemm_dgated
 
 # QuACK's untuned GEMM entry, which takes a tile config (``gemm`` does not): internal, so looked
-# up once and optional (``down_wgrad``).
+# up once and optional (``_pinned_gemm``).
 _UNTUNED = getattr(getattr(gemm_interface, "gemm_tuned", None), "fn", None)
 
 
@@ -74,21 +75,34 @@ def gathered_wgrad(
 
 
 @functools.cache
-def _epilogue_config(device: torch.device) -> GemmConfig | None:
-    """The tile configuration of the SwiGLU epilogue GEMMs (and of ``down_wgrad``), pinned
-    where measured: on sm90, 128 x 128 pingpong tiles in 1 x 2 clusters without the dynamic
-    scheduler. On one H200 at OLMoE-1B-7B's shapes (``benchmarks/expert_mlp.py --configs``,
-    RESULTS.md) the SwiGLU backward took 0.94-1.11 ms with it against 1.44-1.82 with QuACK's
-    sm90 default (128 x 192, 2 x 1) in three sweeps. For the gate+up GEMM with the SwiGLU the
-    sweeps disagree (1.48 pinned against 1.66 default in the first; 1.64-1.71 against
-    1.52-1.57 in the two later ones, whose timing drifted), so its pin is unsettled; the
-    row-scaled down GEMM gained nothing and keeps the default. Elsewhere (unmeasured) QuACK's
-    default."""
+def _tile_config(device: torch.device) -> GemmConfig | None:
+    """The tile configuration of the fused expert MLP's six GEMMs (``kernels.expert_mlp``),
+    pinned where measured: on sm90, 128 x 128 pingpong tiles in 1 x 2 clusters with the static
+    scheduler. On one H200 at OLMoE-1B-7B's shapes (131,072 rows over 64 experts) and at 128
+    experts top-4, each GEMM alone with seven candidate configs timed interleaved
+    (``benchmarks/expert_mlp.py --configs``, RESULTS.md), it was the fastest or within 1 % of it
+    for all six, against QuACK's sm90 default (128 x 192 pingpong, 2 x 1), in ms at 64 experts:
+    gate+up with the SwiGLU 1.69 / 1.76, the SwiGLU backward 0.96 / 1.60, the row-scaled down
+    0.84 / 0.86, the gate+up input gradient 1.66 / 1.74 and weight gradient 1.62 / 1.68, the
+    down weight gradient 0.82 / 0.92 (QuACK's 192-wide tile pads its 1,024 columns by 1/9).
+    The dynamic scheduler gained nothing. Elsewhere (unmeasured) QuACK's default."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     return GemmConfig(
         tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False
     )
+
+
+def _pinned_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, **kwargs) -> torch.Tensor:
+    """QuACK's plain GEMM ``out = a @ b`` in the pinned tile config (``_tile_config``) through
+    its untuned entry, which takes a config (``gemm`` does not); its default tiles where there
+    is no pin or a QuACK release lacks that entry."""
+    config = _tile_config(out.device)
+    if config is None or _UNTUNED is None:
+        gemm(a, b, out=out, tuned=False, **kwargs)
+    else:
+        _UNTUNED(a, b, out, config=config, **kwargs)
+    return out
 
 
 @gemm_epilogue()
@@ -110,7 +124,7 @@ def swiglu_mm(
         cu_seqlens_m=_cu(offs_G),
         concat_layout=("B",),
         tuned=False,
-        config=_epilogue_config(x_MK.device),
+        config=_tile_config(x_MK.device),
         dynamic_scheduler=False,
     )
 
@@ -121,7 +135,10 @@ def row_scaled_mm(
     """``y[m] = scale_M[m] * (x[m] @ w[g])`` for the rows m of group g; ``scale_M`` fp32 [M]."""
     y_MN = x_MK.new_empty(x_MK.shape[0], w_GKN.shape[-1])
     cu = _cu(offs_G)
-    _scale_rows(x_MK, w_GKN, out={"D": y_MN}, cu_seqlens_m=cu, tuned=False, scale_M=scale_M)
+    config = _tile_config(x_MK.device)  # None: QuACK's default (tuned=False: no autotuning)
+    _scale_rows(
+        x_MK, w_GKN, out={"D": y_MN}, cu_seqlens_m=cu, tuned=False, config=config, scale_M=scale_M
+    )
     return y_MN
 
 
@@ -146,7 +163,7 @@ def dswiglu_mm(
         colvec_reduce=scale_M is not None,
         cu_seqlens_m=_cu(offs_G),
         tuned=False,
-        config=_epilogue_config(dy_MN.device),
+        config=_tile_config(dy_MN.device),
         dynamic_scheduler=False,
     )
     dh_M2F, a_MF = out[0], out[1]
@@ -155,32 +172,25 @@ def dswiglu_mm(
 
 def down_wgrad(a_MF: torch.Tensor, dy_MD: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
     """The down projection's weight gradient ``dy[rows of g]^T @ a[rows of g]`` in its stored
-    [G, D, F] layout (``grouped_wgrad(a, dy, offs, transposed=True)``), in the pinned tile
-    configuration where there is one: QuACK's sm90 default tile is 192 columns wide, which
-    covers F = 1024 in 6 tiles of which 1/9 is padding. 128 x 128 tiles measured 0.73 against
-    0.91 ms and 0.85 against 0.93 at OLMoE's 64 experts, 0.48-0.50 against 0.48-0.53 at 128
-    experts top-4 (two sweeps on one H200, ``benchmarks/expert_mlp.py --configs``). The pin goes
-    through QuACK's untuned entry (``gemm_tuned.fn``), which ``gemm(..., tuned=False)`` calls
-    with no config."""
-    config = _epilogue_config(a_MF.device)
-    if config is None or _UNTUNED is None:  # a QuACK without that entry: its default tiles
-        return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
+    [G, D, F] layout (``grouped_wgrad(a, dy, offs, transposed=True)``) in the pinned tiles."""
     out_GDF = a_MF.new_empty(offs_G.shape[0], dy_MD.shape[1], a_MF.shape[1])
-    _UNTUNED(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G), config=config)
-    return out_GDF
+    return _pinned_gemm(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G))
 
 
 def interleaved_dgrad(
     dh_M2F: torch.Tensor, w_G2FK: torch.Tensor, offs_G: torch.Tensor
 ) -> torch.Tensor:
     """``dx = dh @ w[g]`` per group for the interleaved ``dh`` of ``swiglu_mm`` and the stored
-    (gate rows first) weight."""
-    return gemm(dh_M2F, w_G2FK, cu_seqlens_m=_cu(offs_G), concat_layout=("B",), tuned=False)
+    (gate rows first) weight, in the pinned tiles."""
+    dx_MK = dh_M2F.new_empty(dh_M2F.shape[0], w_G2FK.shape[-1])
+    return _pinned_gemm(dh_M2F, w_G2FK, dx_MK, cu_seqlens_m=_cu(offs_G), concat_layout=("B",))
 
 
 def interleaved_wgrad(
     x_MK: torch.Tensor, dh_M2F: torch.Tensor, offs_G: torch.Tensor
 ) -> torch.Tensor:
     """``dh[rows of g]^T @ x[rows of g]`` as the stored [G, 2F, K] layout (gate rows first) from
-    the interleaved ``dh`` of ``swiglu_mm``."""
-    return gemm(dh_M2F.t(), x_MK, cu_seqlens_k=_cu(offs_G), concat_layout=("out",), tuned=False)
+    the interleaved ``dh`` of ``swiglu_mm``, in the pinned tiles."""
+    dw_G2FK = x_MK.new_empty(offs_G.shape[0], dh_M2F.shape[1], x_MK.shape[1])
+    cu = _cu(offs_G)
+    return _pinned_gemm(dh_M2F.t(), x_MK, dw_G2FK, cu_seqlens_k=cu, concat_layout=("out",))

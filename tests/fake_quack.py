@@ -45,6 +45,12 @@ def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(itertools.pairwise(ends))
 
 
+def _untuned(tuned: bool, config) -> None:
+    """The real entry points autotune when ``tuned`` and no ``config`` is given (minutes per
+    shape, and slower picks in a measured run): every call here must avoid that."""
+    assert not tuned or config is not None, "this call would autotune: pass tuned=False"
+
+
 def _nan(shape, dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype)
 
@@ -77,8 +83,10 @@ def gemm(
     A_idx=None,
     concat_layout=None,
     tuned=True,
+    config=None,
     **_,
 ):
+    _untuned(tuned, config)
     concat_layout = concat_layout or ()
     if "A" in concat_layout:
         A = _interleave(A)
@@ -95,7 +103,10 @@ def gemm(
     return out
 
 
-def gemm_act(A, B, activation=None, cu_seqlens_m=None, concat_layout=None, tuned=True, **_):
+def gemm_act(
+    A, B, activation=None, cu_seqlens_m=None, concat_layout=None, tuned=True, config=None, **_
+):
+    _untuned(tuned, config)
     assert activation == "swiglu"
     if "B" in (concat_layout or ()):
         B = _interleave(B)
@@ -113,8 +124,10 @@ def gemm_dgated(
     colvec_reduce=False,
     cu_seqlens_m=None,
     tuned=True,
+    config=None,
     **_,
 ):
+    _untuned(tuned, config)
     assert activation == "swiglu"
     acc = _product(A, B, cu_seqlens_m, None, None)  # dout of the activation, unscaled
     x, y = PreAct[:, 0::2].float(), PreAct[:, 1::2].float()
@@ -137,7 +150,10 @@ class _EpiMod:
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def __call__(self, A, B, C=None, *, out=None, cu_seqlens_m=None, tuned=True, **operands):
+    def __call__(
+        self, A, B, C=None, *, out=None, cu_seqlens_m=None, tuned=True, config=None, **operands
+    ):
+        _untuned(tuned, config)
         acc = _product(A, B, cu_seqlens_m, None, None)
         args = {k: v.float().unsqueeze(1) if v.dim() == 1 else v for k, v in operands.items()}
         d = self.fn(acc, **args)["D"]
