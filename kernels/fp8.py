@@ -18,6 +18,10 @@ computes with fp32 accumulation and a bf16 output.
 - weight gradient: bf16 ``kernels.grouped_gemm`` (contracting over each group's rows would need
   per-group scales along M: a measured follow-up).
 
+``fp8_expert_mlp`` is the experts' whole SwiGLU MLP on these GEMMs as one op, which keeps x and
+the pre-activation h for backward but not the SwiGLU output: the SwiGLU backward writes it
+again in its pass (``kernels.swiglu.swiglu_grads``) for the down weight gradient.
+
 MX scaling (``scaling="mx"``, OCP Microscaling MXFP8): each block of 32 consecutive values along
 K gets a power-of-two scale stored as E8M0 (a biased exponent byte, ``2^(byte - 127)``). The
 exponent is ``ceil(log2(amax / 448))`` (NVIDIA's round-up recipe rather than the spec's floor, so
@@ -41,6 +45,7 @@ import torch
 
 from kernels._triton import use_triton
 from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad
+from kernels.swiglu import swiglu_grads, swiglu_values
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -180,6 +185,21 @@ def _rowwise_mm(
     return grouped_mm_reference(dequantize(qa, sa), w_GKN.transpose(-2, -1), offs_G).to(out_dtype)
 
 
+def _input_grad(dy_MN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str):
+    """``dy @ w[g]`` per group, the input gradient of ``x @ w[g]^T``, both quantized over N."""
+    if scaling == "mx":  # over N: the transposed copy
+        w_GKN = w_GNK.transpose(-2, -1).contiguous()
+        return _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, scaling)
+    qw_GKN, sw_GK = quantize_columnwise(w_GNK)  # written transposed by the quantizer: no copy
+    return _rowwise_mm(dy_MN, qw_GKN, sw_GK, offs_G, dy_MN.dtype)
+
+
+def _weight_grad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GNK):
+    """``dy[rows of g]^T @ x[rows of g]`` in bf16, in the weight's own [G, N, K] layout."""
+    w_GKN = w_GNK.transpose(-2, -1)
+    return grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).transpose(-2, -1).to(w_GNK.dtype)
+
+
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str):  # type: ignore[override]
@@ -192,16 +212,18 @@ class _FP8GroupedMM(torch.autograd.Function):
         x_MK, w_GNK, offs_G = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0] and ctx.scaling == "mx":  # over N: the transposed copy
-            w_GKN = w_GNK.transpose(-2, -1).contiguous()
-            dx = _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, ctx.scaling)
-        elif ctx.needs_input_grad[0]:  # over N, written transposed by the quantizer: no copy
-            qw_GKN, sw_GK = quantize_columnwise(w_GNK)
-            dx = _rowwise_mm(dy_MN, qw_GKN, sw_GK, offs_G, dy_MN.dtype)
-        if ctx.needs_input_grad[1]:  # bf16, in the weight's own [G, N, K] layout
-            w_GKN = w_GNK.transpose(-2, -1)
-            dw = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).transpose(-2, -1).to(w_GNK.dtype)
+        if ctx.needs_input_grad[0]:
+            dx = _input_grad(dy_MN, w_GNK, offs_G, ctx.scaling)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(x_MK, dy_MN, offs_G, w_GNK)
         return dx, dw, None, None
+
+
+def _check_scaling(offs_G: torch.Tensor, scaling: str) -> None:
+    if offs_G.dtype != torch.int32:
+        raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
+    if scaling not in ("rowwise", "mx"):
+        raise ValueError(f"scaling={scaling!r} is not allowed: 'rowwise' or 'mx'")
 
 
 def fp8_grouped_mm(
@@ -210,8 +232,56 @@ def fp8_grouped_mm(
     """``y[rows of g] = x[rows of g] @ w[g]^T`` for experts stored [G, N, K], forward and input
     gradient in FP8 (module doc) with ``scaling`` "rowwise" or "mx"; int32 cumulative
     ``offs_G`` as ``grouped_mm`` takes them."""
-    if offs_G.dtype != torch.int32:
-        raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
-    if scaling not in ("rowwise", "mx"):
-        raise ValueError(f"scaling={scaling!r} is not allowed: 'rowwise' or 'mx'")
+    _check_scaling(offs_G, scaling)
     return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G, scaling)
+
+
+class _FP8ExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str):  # type: ignore[override]
+        h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
+        a_MF = swiglu_values(h_M2F, weight_M)
+        ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
+        ctx.scaling = scaling
+        return _scaled_mm(a_MF, w_down, offs_G, x_MD.dtype, scaling)
+
+    @staticmethod
+    def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]
+        x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M = ctx.saved_tensors
+        dy_MD = dy_MD.contiguous()
+        need = ctx.needs_input_grad
+        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling)
+        dh_M2F, dweight, a_MF = swiglu_grads(h_M2F, da_MF, weight_M, activation=need[2])
+        del da_MF
+        dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down) if need[2] else None
+        del a_MF
+        dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling) if need[0] else None
+        dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up) if need[1] else None
+        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None
+
+
+def fp8_expert_mlp(
+    x_MD: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs_G: torch.Tensor,
+    weight_M: torch.Tensor | None = None,
+    scaling: str = "rowwise",
+) -> torch.Tensor:
+    """The experts' SwiGLU MLP ``weight_M * (swiglu(x @ w_gate_up[g]^T) @ w_down[g]^T)`` per
+    expert segment (``kernels.expert_mlp``'s function) with both projections as
+    ``fp8_grouped_mm``: equal to that composition with ``kernels.swiglu`` between them, in
+    output and every gradient, but keeping only x and the pre-activation h for backward. The
+    SwiGLU output, the down projection's input, is written again by the SwiGLU backward's pass
+    for the down weight gradient instead of being kept: a [M, F] tensor per layer less (the
+    fused bf16 path keeps none either)."""
+    _check_scaling(offs_G, scaling)
+    G, two_f, d = w_gate_up.shape
+    if two_f % 2 or w_down.shape != (G, d, two_f // 2) or x_MD.shape[-1] != d:
+        raise ValueError(
+            f"w_gate_up {tuple(w_gate_up.shape)} must be [G, 2F, D] and w_down "
+            f"{tuple(w_down.shape)} [G, D, F] for x_MD {tuple(x_MD.shape)}"
+        )
+    if weight_M is not None and weight_M.shape != (x_MD.shape[0],):
+        raise ValueError(f"weight_M must be [M] = [{x_MD.shape[0]}], got {tuple(weight_M.shape)}")
+    return _FP8ExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M, scaling)

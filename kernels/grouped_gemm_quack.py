@@ -13,8 +13,8 @@ wants ``cu_seqlens`` of G + 1 entries), no host read.
 
 Untuned tile configs: the autotuner picked slower ones in a measured run and costs minutes per
 shape. The fused expert MLP's six GEMMs take one pinned config where it was measured
-(``_tile_config``); the rest QuACK's default. Imported only where ``kernels.grouped_gemm`` selects it (CUDA, sm90+,
-package installed).
+(``_tile_config``); the rest QuACK's default. Imported only where ``kernels.grouped_gemm``
+selects it (CUDA, sm90+, package installed).
 """
 
 from __future__ import annotations

@@ -60,27 +60,47 @@ def swiglu_reference_backward(
     return dh_M2F, dweight_M
 
 
+def swiglu_values(h_M2F: torch.Tensor, weight_M: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward alone, no autograd (Triton where it runs, else the reference)."""
+    if use_triton(h_M2F):
+        from kernels import swiglu_triton
+
+        return swiglu_triton.swiglu_forward(h_M2F, weight_M)
+    return swiglu_reference(h_M2F, weight_M)
+
+
+def swiglu_grads(
+    h_M2F: torch.Tensor,
+    da_MF: torch.Tensor,
+    weight_M: torch.Tensor | None = None,
+    activation: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backward alone: (dh, dweight in the weight's dtype or None, and with ``activation``
+    the forward's output ``swiglu_values(h, weight)`` written again, bit for bit, in the same
+    pass (else None)) for a caller that keeps h but not the activation."""
+    if use_triton(h_M2F):
+        from kernels import swiglu_triton
+
+        dh_M2F, dweight_M, a_MF = swiglu_triton.swiglu_backward(
+            h_M2F, da_MF, weight_M, activation=activation
+        )
+        if dweight_M is not None:
+            dweight_M = dweight_M.to(weight_M.dtype)
+        return dh_M2F, dweight_M, a_MF
+    dh_M2F, dweight_M = swiglu_reference_backward(h_M2F, da_MF, weight_M)
+    return dh_M2F, dweight_M, swiglu_reference(h_M2F, weight_M) if activation else None
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_M2F: torch.Tensor, weight_M: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(h_M2F, weight_M)
-        if use_triton(h_M2F):
-            from kernels import swiglu_triton
-
-            return swiglu_triton.swiglu_forward(h_M2F, weight_M)
-        return swiglu_reference(h_M2F, weight_M)
+        return swiglu_values(h_M2F, weight_M)
 
     @staticmethod
     def backward(ctx, da_MF: torch.Tensor):  # type: ignore[override]
         h_M2F, weight_M = ctx.saved_tensors
-        if use_triton(h_M2F):
-            from kernels import swiglu_triton
-
-            dh_M2F, dweight_M = swiglu_triton.swiglu_backward(h_M2F, da_MF, weight_M)
-            if dweight_M is not None:
-                dweight_M = dweight_M.to(weight_M.dtype)
-        else:
-            dh_M2F, dweight_M = swiglu_reference_backward(h_M2F, da_MF, weight_M)
+        dh_M2F, dweight_M, _ = swiglu_grads(h_M2F, da_MF, weight_M)
         return dh_M2F, dweight_M
 
 

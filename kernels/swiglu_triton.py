@@ -7,8 +7,11 @@ over rows and columns and every access is a contiguous run along F.
 
 Backward: a program owns BLOCK_M whole rows and walks F in chunks of BLOCK_F, so the row
 weight's gradient ``sum_f da * silu(gate) * up`` accumulates in registers and is stored once per
-row: no atomics, no partial sums, deterministic. Chunks of 256 columns keep each row inside one
-warp (4 warps, 16 rows), so the final sum over columns needs no cross-warp exchange.
+row: no atomics, no partial sums, deterministic. It can also write the forward's output again
+(the same fp32 operations in the same order, so the same bits) for a caller that did not keep it
+(``kernels.fp8``'s expert MLP: the down weight gradient's input). Chunks of 256 columns keep
+each row inside one warp (4 warps, 16 rows), so the final sum over columns needs no cross-warp
+exchange.
 """
 
 from __future__ import annotations
@@ -56,12 +59,15 @@ def _swiglu_backward(
     da_ptr,
     dh_ptr,
     dw_ptr,
+    a_ptr,
     M,
     F,
     stride_h,
     stride_da,
     stride_dh,
+    stride_a,
     HAS_W: tl.constexpr,
+    EMIT_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -79,6 +85,12 @@ def _swiglu_backward(
         da = da.to(tl.float32)
         sig = tl.sigmoid(g)
         silu = g * sig
+        if EMIT_A:  # as _swiglu_forward: (g * sigmoid(g)) * u, then the weight
+            a = silu * u
+            if HAS_W:
+                a = a * w
+            a_ptrs = a_ptr + rows[:, None] * stride_a + cols[None, :]
+            tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=m)
         if HAS_W:
             acc += da * silu * u
             da = da * w
@@ -139,12 +151,14 @@ def swiglu_backward(
     weight_M: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    activation: bool = False,
     block_m: int | None = None,
     block_f: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dh_M2F, dweight_M): with ``w`` the row weight (1 without one), ``dh = [w * da * up *
-    silu'(gate) | w * da * silu(gate)]`` and ``dweight = sum_f da * silu(gate) * up`` (None
-    without a weight); fp32 math, dh in h's dtype, dweight fp32."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dh_M2F, dweight_M, a_MF): with ``w`` the row weight (1 without one), ``dh = [w * da *
+    up * silu'(gate) | w * da * silu(gate)]``, ``dweight = sum_f da * silu(gate) * up`` (None
+    without a weight) and, with ``activation``, the forward's output ``a`` (else None); fp32
+    math, dh and a in h's dtype, dweight fp32."""
     h_M2F, da_MF = _row_major(h_M2F), _row_major(da_MF)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     if out is None:
@@ -155,20 +169,24 @@ def swiglu_backward(
     if weight_M is not None:
         w = weight_M.contiguous()
         dw = torch.empty(M, dtype=torch.float32, device=h_M2F.device)
+    a = torch.empty(M, F, dtype=h_M2F.dtype, device=h_M2F.device) if activation else h_M2F
     _swiglu_backward[grid](
         h_M2F,
         w,
         da_MF,
         out,
         dw,
+        a,
         M,
         F,
         h_M2F.stride(0),
         da_MF.stride(0),
         out.stride(0),
+        a.stride(0),
         HAS_W=weight_M is not None,
+        EMIT_A=activation,
         BLOCK_M=bm,
         BLOCK_F=bf,
         num_warps=4,
     )
-    return out, None if weight_M is None else dw
+    return out, None if weight_M is None else dw, a if activation else None

@@ -66,7 +66,8 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         for c in variants(blocks):
             out.append((swiglu_triton._swiglu_forward, ptrs, c))
         ptrs = {"h_ptr": act, "w_ptr": "*fp32", "da_ptr": act, "dh_ptr": act, "dw_ptr": "*fp32"}
-        for c in variants(blocks):
+        ptrs["a_ptr"] = act
+        for c in variants({**blocks, "EMIT_A": [False, True]}):
             out.append((swiglu_triton._swiglu_backward, ptrs, c))
         gg = grouped_gemm_triton
         ptrs = {"x_ptr": act, "w_ptr": act, "y_ptr": act, "offs_ptr": "*i32"}

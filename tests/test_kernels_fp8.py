@@ -14,6 +14,7 @@ from kernels.fp8 import (
     _scaled_mm,
     dequantize,
     dequantize_mx,
+    fp8_expert_mlp,
     fp8_grouped_mm,
     quantize_columnwise,
     quantize_columnwise_reference,
@@ -23,6 +24,7 @@ from kernels.fp8 import (
     quantize_rowwise_reference,
 )
 from kernels.grouped_gemm import grouped_mm
+from kernels.swiglu import swiglu
 
 
 def rows(seed: int, M: int, K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,3 +186,58 @@ def test_fp8_input_gradient_is_byte_identical_to_the_transposed_copy_path():
     before = _scaled_mm(dy, w.detach().transpose(-2, -1).contiguous(), offs, torch.bfloat16)
     assert dx.dtype == torch.bfloat16 and torch.equal(dx, before)
     assert dx[:19].abs().sum() > 0 and dx[19:].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "sizes", [[30, 0, 51, 17], [0, 98, 0, 0]], ids=["with-an-empty-expert", "all-in-one"]
+)
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("scaling", ["rowwise", "mx"])
+def test_fp8_expert_mlp_equals_its_composition_and_keeps_no_activation(sizes, weighted, scaling):
+    """One op (``fp8_expert_mlp``) against ``fp8_grouped_mm``, the SwiGLU, ``fp8_grouped_mm``:
+    the same output and gradients (x, both weights, the router weights) bit for bit, while
+    autograd keeps no [M, F] tensor for backward (the SwiGLU output is written again there)."""
+    gen = torch.Generator().manual_seed(3)
+    G, D, F, M = len(sizes), 64, 32, sum(sizes)  # MX blocks: D and F multiples of 32
+    offs = torch.tensor(sizes).cumsum(0).to(DEVICE, torch.int32)
+
+    def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen) * scale
+        return t.to(DEVICE, torch.bfloat16).requires_grad_()
+
+    x, w_gu, w_d = leaf(M, D), leaf(G, 2 * F, D, scale=0.1), leaf(G, D, F, scale=0.1)
+    weight = torch.rand(M, generator=gen).to(DEVICE).requires_grad_() if weighted else None
+    dy = torch.randn(M, D, generator=gen).to(DEVICE, torch.bfloat16)
+    leaves = [t for t in (x, w_gu, w_d, weight) if t is not None]
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fp8_expert_mlp(x, w_gu, w_d, offs, weight, scaling)
+    got = (y, *torch.autograd.grad(y, leaves, dy))
+    assert (M, F) not in shapes and (M, 2 * F) in shapes
+    shapes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = fp8_grouped_mm(x, w_gu, offs, scaling)
+        y = fp8_grouped_mm(swiglu(h, weight), w_d, offs, scaling)
+    assert (M, F) in shapes, "the composition keeps the SwiGLU output"
+    ref = (y, *torch.autograd.grad(y, leaves, dy))
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype and torch.equal(g, r)
+    assert got[0].abs().sum() > 0 and all(g.abs().sum() > 0 for g in got[1:])
+
+
+def test_fp8_expert_mlp_refuses_a_bad_scaling_offsets_or_shapes():
+    x, w_gu, w_d = torch.zeros(4, 32), torch.zeros(2, 64, 32), torch.zeros(2, 32, 32)
+    offs = torch.tensor([1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="scaling='blockwise' is not allowed"):
+        fp8_expert_mlp(x, w_gu, w_d, offs, scaling="blockwise")
+    with pytest.raises(TypeError, match="int32"):
+        fp8_expert_mlp(x, w_gu, w_d, offs.long())
+    with pytest.raises(ValueError, match=r"w_down \(2, 32, 16\) \[G, D, F\]"):
+        fp8_expert_mlp(x, w_gu, torch.zeros(2, 32, 16), offs)
+    with pytest.raises(ValueError, match="weight_M must be"):
+        fp8_expert_mlp(x, w_gu, w_d, offs, torch.ones(3))

@@ -3,6 +3,8 @@ backward, and the reference backward is the derivative of the reference forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from kernel_cases import (
@@ -16,7 +18,13 @@ from kernel_cases import (
 
 from kernels import swiglu_triton
 from kernels._triton import references_only, use_triton
-from kernels.swiglu import swiglu, swiglu_reference, swiglu_reference_backward
+from kernels.swiglu import (
+    swiglu,
+    swiglu_grads,
+    swiglu_reference,
+    swiglu_reference_backward,
+    swiglu_values,
+)
 
 M, F = 33, 20  # neither a power of two nor a block multiple
 
@@ -74,10 +82,35 @@ def test_row_weighted_swiglu_sums_its_weight_gradient_over_column_blocks():
     h = randn(M, 2 * F, dtype=torch.float32, seed=7)
     da = randn(M, F, dtype=torch.float32, seed=8)
     w = rand_weights(M, 1, seed=9)[:, 0]
-    dh, dw = swiglu_triton.swiglu_backward(h, da, w, block_m=8, block_f=8)
+    dh, dw, _ = swiglu_triton.swiglu_backward(h, da, w, block_m=8, block_f=8)
     ref_dh, ref_dw = swiglu_reference_backward(h, da, w)
     assert_matches(dh, ref_dh)
     assert_matches(dw, ref_dw)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swiglu_grads_write_the_forward_output_again_bit_for_bit(dtype, weighted):
+    """``swiglu_grads(..., activation=True)`` (what the FP8 expert MLP uses instead of keeping
+    the activation) returns the forward's exact bytes with the same gradients, on the Triton
+    path over several column blocks and on the reference path."""
+    h = randn(M, 2 * F, dtype=dtype, seed=11)
+    da = randn(M, F, dtype=dtype, seed=12)
+    w = rand_weights(M, 1, seed=13)[:, 0] if weighted else None
+    assert_triton_path(h)
+    dh, dw, a = swiglu_triton.swiglu_backward(h, da, w, activation=True, block_m=8, block_f=8)
+    assert torch.equal(a, swiglu_triton.swiglu_forward(h, w))
+    assert_matches(dh, swiglu_reference_backward(h, da, w)[0])
+    for refs in (False, True):
+        with references_only() if refs else contextlib.nullcontext():
+            dh, dw, a = swiglu_grads(h, da, w, activation=True)
+            assert torch.equal(a, swiglu_values(h, w))
+            ref_dh, ref_dw = swiglu_reference_backward(h, da, w)
+            assert_matches(dh, ref_dh)
+            assert (dw is None) == (w is None)
+            if w is not None:
+                assert_matches(dw, ref_dw)
+    assert swiglu_grads(h, da, w)[2] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

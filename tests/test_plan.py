@@ -176,13 +176,18 @@ def test_in_flight_follows_the_1f1b_schedule(pp: int, n_mb: int):
 
 
 def _saved_bytes_per_token(
-    m: ModelConfig, dtype: str, recompute: str, tokens: int, gather_rows: bool = False
+    m: ModelConfig,
+    dtype: str,
+    recompute: str,
+    tokens: int,
+    gather_rows: bool = False,
+    fp8: bool = False,
 ) -> float:
     """Bytes autograd keeps for one block's backward (distinct storages, weights excluded)."""
     model = build_model(dataclasses.replace(m, n_layers=1))
     for mod in model.modules():
         if isinstance(mod, Experts):
-            mod.gather_rows = gather_rows
+            mod.gather_rows, mod.fp8 = gather_rows, fp8
     pdt = DTYPES[dtype]
     for p in model.parameters():
         p.data = p.data.to(pdt)
@@ -232,12 +237,12 @@ def test_activation_formula_matches_what_autograd_keeps(dtype, recompute, shape)
     assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
 
 
-@pytest.mark.parametrize("path", ["fused", "gather_rows"])
+@pytest.mark.parametrize("path", ["fused", "gather_rows", "fp8"])
 def test_activation_formula_follows_the_experts_path(path, monkeypatch):
-    """The fused expert MLP keeps no SwiGLU output, gathered rows no expert-ordered copy: the
-    formula's keywords (``expert_activations``) match what autograd keeps on each path (run
-    on the CPU through the QuACK stand-in, ``tests/fake_quack.py``), and the plan takes them
-    from the run's options."""
+    """The fused expert MLP and FP8 experts keep no SwiGLU output, gathered rows no
+    expert-ordered copy: the formula's keywords (``expert_activations``) match what autograd
+    keeps on each path (run on the CPU, through the QuACK stand-in, ``tests/fake_quack.py``,
+    where QuACK is named), and the plan takes them from the run's options."""
     from kernels import expert_mlp, grouped_gemm
     from tests import fake_quack
 
@@ -250,13 +255,19 @@ def test_activation_formula_follows_the_experts_path(path, monkeypatch):
         monkeypatch.setattr(expert_mlp, "_quack_runs", lambda x: True)
         monkeypatch.setattr(grouped_gemm, "_quack_runs", lambda x: True)
         gather = path == "gather_rows"
-        measured = _saved_bytes_per_token(m, "bf16", "none", tokens=128, gather_rows=gather)
-    run = compose_run(
-        ["model=tiny", "precision=pure-bf16", "parallel.expert_gemm=quack"]
-        + (["parallel.gather_rows=true"] if path == "gather_rows" else [])
-    )
+        measured = _saved_bytes_per_token(
+            m, "bf16", "none", tokens=128, gather_rows=gather, fp8=path == "fp8"
+        )
+    quack = ["precision=pure-bf16", "parallel.expert_gemm=quack"]
+    options = {
+        "fused": quack,
+        "gather_rows": [*quack, "parallel.gather_rows=true"],
+        "fp8": ["precision=fp8"],  # expert_gemm=auto: FP8 experts keep no SwiGLU output anyway
+    }
+    run = compose_run(["model=tiny", *options[path]])
     kept = expert_activations(run)
-    assert kept == {"expert_rows_in": path != "gather_rows", "expert_swiglu_out": path != "fused"}
+    gathering = path == "gather_rows"
+    assert kept == {"expert_rows_in": not gathering, "expert_swiglu_out": gathering}
     estimate = layer_activation_bytes(m, "bf16", "bf16", "none", **kept)
     assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
     # gathering keeps one copy of the tokens (with the padding slots' zero row) instead of k
@@ -264,8 +275,11 @@ def test_activation_formula_follows_the_experts_path(path, monkeypatch):
     assert unfused - measured == pytest.approx(saved, rel=0.02), (unfused, measured)
     auto = compose_run(["model=tiny", "precision=pure-bf16"])  # counted unfused: an upper bound
     assert expert_activations(auto) == {"expert_rows_in": True, "expert_swiglu_out": True}
-    fp8 = compose_run(["model=tiny", "precision=fp8", "parallel.expert_gemm=quack"])
-    assert expert_activations(fp8)["expert_swiglu_out"], "FP8 experts run unfused"
+    # FP8 experts ignore parallel.gather_rows (they quantize a permuted copy): counted kept
+    fp8_gather = compose_run(
+        ["model=tiny", "precision=fp8", "parallel.expert_gemm=quack", "parallel.gather_rows=true"]
+    )
+    assert expert_activations(fp8_gather)["expert_rows_in"]
 
 
 def test_block_recompute_keeps_only_block_inputs():

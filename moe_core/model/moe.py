@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.expert_mlp import expert_mlp, fuses
-from kernels.fp8 import fp8_grouped_mm
+from kernels.fp8 import fp8_expert_mlp
 from kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
 from kernels.routing import expert_counts, expert_slots
 from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
@@ -179,7 +179,7 @@ class Experts(nn.Module):
         self.expert_offset = 0
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.fp8 = False  # forward and input gradient in FP8 (``kernels.fp8``; set from outside)
+        self.fp8 = False  # GEMMs' forward and input gradient in FP8 (``kernels.fp8``; from outside)
         self.fp8_scaling = "rowwise"  # or "mx" (precision.fp8_scaling)
         self.gather_rows = False  # gate+up GEMM reads token rows by index (parallel.gather_rows)
 
@@ -188,13 +188,15 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends;
         ``weights_M`` an optional per-row output scale (the router weights, applied to the
-        down projection's input). Where QuACK runs (bf16, not FP8) the whole MLP is one op with
-        the SwiGLU and the weights in GEMM epilogues (``kernels.expert_mlp``); it keeps no
-        SwiGLU output, so selective recompute has nothing left to recompute there."""
-        if not self.fp8:
-            w_gate_up, w_down = self.w_gate_up.to(x_MD.dtype), self.w_down.to(x_MD.dtype)
-            if fuses(x_MD, w_gate_up, w_down):
-                return expert_mlp(x_MD, w_gate_up, w_down, offs_E, weights_M)
+        down projection's input). FP8 experts (``kernels.fp8.fp8_expert_mlp``) and, where
+        QuACK runs, bf16 ones (``kernels.expert_mlp``: the SwiGLU and the weights in GEMM
+        epilogues) run the whole MLP as one op that keeps no SwiGLU output, so selective
+        recompute has nothing left to recompute there."""
+        w_gate_up, w_down = self.w_gate_up.to(x_MD.dtype), self.w_down.to(x_MD.dtype)
+        if self.fp8:
+            return fp8_expert_mlp(x_MD, w_gate_up, w_down, offs_E, weights_M, self.fp8_scaling)
+        if fuses(x_MD, w_gate_up, w_down):
+            return expert_mlp(x_MD, w_gate_up, w_down, offs_E, weights_M)
         gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
@@ -233,10 +235,7 @@ class Experts(nn.Module):
 
     def _project(self, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_E: torch.Tensor):
         """Each expert's rows times its weight (stored [E, N, K], used transposed)."""
-        w_GNK = w_GNK.to(x_MK.dtype)
-        if self.fp8:
-            return fp8_grouped_mm(x_MK, w_GNK, offs_E, self.fp8_scaling)
-        return grouped_mm(x_MK, w_GNK.transpose(-2, -1), offs_E)
+        return grouped_mm(x_MK, w_GNK.to(x_MK.dtype).transpose(-2, -1), offs_E)
 
 
 class TokenDispatcher(Protocol):

@@ -242,19 +242,17 @@ def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
 def expert_activations(run: RunConfig) -> dict[str, bool]:
     """Which of its rows in and SwiGLU out a layer's routed experts keep for backward, by the
     path the run takes (``layer_activation_bytes``' keywords): with ``parallel.gather_rows``
-    the gate+up GEMM reads the token rows, so no expert-ordered copy is kept (one of the tokens
-    with a zero row appended, where slots are padded); the fused MLP
-    (``kernels.expert_mlp``: ``parallel.expert_gemm=quack``, bf16 experts, not FP8, not
-    gathering) keeps no SwiGLU output. ``expert_gemm=auto`` is counted unfused: whether QuACK
-    is installed is a property of the machine that runs, not of the plan (an upper bound)."""
+    (bf16 experts) the gate+up GEMM reads the token rows, so no expert-ordered copy is kept
+    (one of the tokens with a zero row appended, where slots are padded); FP8 experts
+    (``kernels.fp8.fp8_expert_mlp``) and the fused bf16 MLP (``kernels.expert_mlp``:
+    ``parallel.expert_gemm=quack``, not gathering) keep no SwiGLU output. ``expert_gemm=auto``
+    is counted unfused: whether QuACK is installed is a property of the machine that runs, not
+    of the plan (an upper bound)."""
     par, prec = run.parallel, run.precision
-    fused = (
-        par.expert_gemm == "quack"
-        and prec.params == "bf16"
-        and "experts" not in prec.fp8_parts
-        and not par.gather_rows
-    )
-    return {"expert_rows_in": not par.gather_rows, "expert_swiglu_out": not fused}
+    fp8 = "experts" in prec.fp8_parts
+    gathers = par.gather_rows and not fp8  # FP8 experts quantize a permuted copy
+    fused = fp8 or (par.expert_gemm == "quack" and prec.params == "bf16" and not gathers)
+    return {"expert_rows_in": not gathers, "expert_swiglu_out": not fused}
 
 
 @dataclass(frozen=True)
