@@ -57,16 +57,20 @@ def _quantize_rows(
         tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
 
 
-def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(
+    x_MK: torch.Tensor, block_m: int = 0, block_k: int = 0, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks: ``block_k`` columns per chunk (default up to 1024), ``block_m`` rows (default:
+    4096-value tiles); ``benchmarks/fp8_quantize.py`` sweeps them."""
     M, K = x_MK.shape
     x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
     q_MK = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale_M = torch.empty(M, dtype=torch.float32, device=x.device)
-    block_k = min(1024, next_pow2(K))
-    block_m = max(1, min(4096 // block_k, next_pow2(M)))
+    block_k = block_k or min(1024, next_pow2(K))
+    block_m = block_m or max(1, min(4096 // block_k, next_pow2(M)))
     _quantize_rows[(cdiv(M, block_m),)](
         x, q_MK, scale_M, M, K, x.stride(0), q_MK.stride(0),
-        BLOCK_M=block_m, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,
+        BLOCK_M=block_m, BLOCK_K=block_k, FP8_MAX=E4M3_MAX, num_warps=num_warps,
     )  # fmt: skip
     return q_MK, scale_M
 
@@ -104,16 +108,20 @@ def _quantize_columns_transposed(
         tl.store(q_g + cols[:, None] * stride_qk + r[None, :], q_KN, mask=m_KN)
 
 
-def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_columnwise(
+    w_GNK: torch.Tensor, block_n: int = 0, block_k: int = 0, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks: ``block_k`` columns per program (default 64: 128-byte loads along K for bf16;
+    the transposed stores run along N), ``block_n`` rows per tile (default 64: 4096-value
+    tiles, as ``_quantize_rows``); ``benchmarks/fp8_quantize.py`` sweeps them."""
     G, N, K = w_GNK.shape
     q_GKN = torch.empty(G, K, N, dtype=torch.float8_e4m3fn, device=w_GNK.device)
     scale_GK = torch.empty(G, K, dtype=torch.float32, device=w_GNK.device)
-    # 64 columns: 128-byte loads along K for bf16; the transposed stores run along N
-    block_k = min(64, next_pow2(K))
-    block_n = min(64, next_pow2(N))  # 4096-value tiles, as _quantize_rows
+    block_k = block_k or min(64, next_pow2(K))
+    block_n = block_n or min(64, next_pow2(N))
     _quantize_columns_transposed[(G, cdiv(K, block_k))](
         w_GNK, q_GKN, scale_GK, N, K, *w_GNK.stride(), q_GKN.stride(0), q_GKN.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=E4M3_MAX,
+        BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=E4M3_MAX, num_warps=num_warps,
     )  # fmt: skip
     return q_GKN, scale_GK
 

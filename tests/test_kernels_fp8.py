@@ -50,6 +50,24 @@ def test_quantizer_kernel_equals_the_reference_bit_for_bit(K, dtype):
     assert torch.all(q[2].float() == E4M3_MAX)  # an all-equal row is its own maximum
 
 
+def test_quantizers_give_the_same_bytes_in_every_block_configuration():
+    """The block sizes ``benchmarks/fp8_quantize.py`` sweeps change the schedule, never the
+    bytes: rows and columns past one block and no multiple of it."""
+    from kernels import fp8_triton
+
+    x = rows(1, 37, 300, torch.bfloat16)
+    w = expert_weights(2, 2, 75, 70, torch.bfloat16)
+    assert_triton_path(x)
+    rq, rs = quantize_rowwise_reference(x)
+    for bm, bk, warps in ((1, 64, 4), (8, 128, 8), (2, 512, 4)):
+        q, s = fp8_triton.quantize_rowwise(x, block_m=bm, block_k=bk, num_warps=warps)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    cq, cs = quantize_columnwise_reference(w)
+    for bn, bk, warps in ((32, 16, 4), (128, 64, 8), (16, 128, 4)):
+        q, s = fp8_triton.quantize_columnwise(w, block_n=bn, block_k=bk, num_warps=warps)
+        assert torch.equal(q.view(torch.uint8), cq.view(torch.uint8)) and torch.equal(s, cs)
+
+
 def expert_weights(seed: int, G: int, N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
     """[G, N, K] with columns (the values quantized together) spanning 1e-3..1e3, a zero
     column, an all-equal one and an outlier in each expert."""
