@@ -20,7 +20,10 @@ computes with fp32 accumulation and a bf16 output.
 
 ``fp8_expert_mlp`` is the experts' whole SwiGLU MLP on these GEMMs as one op, which keeps x and
 the pre-activation h for backward but not the SwiGLU output: the SwiGLU backward writes it
-again in its pass (``kernels.swiglu.swiglu_grads``) for the down weight gradient.
+again in its pass (``kernels.swiglu.swiglu_grads``) for the down weight gradient. With rowwise
+scales its forward never writes that output at all: one Triton pass computes the SwiGLU and
+quantizes it (``fp8_triton.swiglu_quantize_rowwise``: the bytes of ``quantize_rowwise`` of the
+SwiGLU kernel's output), the down GEMM's operand.
 
 MX scaling (``scaling="mx"``, OCP Microscaling MXFP8): each block of 32 consecutive values along
 K gets a power-of-two scale stored as E8M0 (a biased exponent byte, ``2^(byte - 127)``). The
@@ -176,13 +179,39 @@ def _rowwise_mm(
     """``a @ b[g]^T`` per group for ``b`` already quantized over K (rowwise: values [G, N, K]
     row-major, scales [G, N]); ``a`` is quantized here, by rows."""
     qa, sa = quantize_rowwise(a_MK)
-    if scaled_grouped_mm_supported(a_MK):
+    return _quantized_mm(qa, sa, qb_GNK, sb_GN, offs_G, out_dtype)
+
+
+def _quantized_mm(
+    qa_MK: torch.Tensor,
+    sa_M: torch.Tensor,
+    qb_GNK: torch.Tensor,
+    sb_GN: torch.Tensor,
+    offs_G: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b[g]^T`` per group from both operands quantized rowwise over K."""
+    if scaled_grouped_mm_supported(qa_MK):
         return torch._scaled_grouped_mm(
-            qa, qb_GNK.transpose(-2, -1), sa, sb_GN, offs=offs_G, out_dtype=out_dtype
+            qa_MK, qb_GNK.transpose(-2, -1), sa_M, sb_GN, offs=offs_G, out_dtype=out_dtype
         )
     G, N, K = qb_GNK.shape
     w_GKN = dequantize(qb_GNK.view(G * N, K), sb_GN.reshape(G * N)).view(G, N, K)
-    return grouped_mm_reference(dequantize(qa, sa), w_GKN.transpose(-2, -1), offs_G).to(out_dtype)
+    a_MK = dequantize(qa_MK, sa_M)
+    return grouped_mm_reference(a_MK, w_GKN.transpose(-2, -1), offs_G).to(out_dtype)
+
+
+def _swiglu_quantized(
+    h_M2F: torch.Tensor, weight_M: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(swiglu_values(h, weight))``: one pass in Triton where the rows fit,
+    else the two kernels (the same bytes)."""
+    if use_triton(h_M2F):
+        from kernels import fp8_triton
+
+        if h_M2F.shape[1] // 2 <= fp8_triton.SWIGLU_QUANTIZE_MAX_F:
+            return fp8_triton.swiglu_quantize_rowwise(h_M2F, weight_M)
+    return quantize_rowwise(swiglu_values(h_M2F, weight_M))
 
 
 def _input_grad(dy_MN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str):
@@ -240,10 +269,14 @@ class _FP8ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str):  # type: ignore[override]
         h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
-        a_MF = swiglu_values(h_M2F, weight_M)
         ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
         ctx.scaling = scaling
-        return _scaled_mm(a_MF, w_down, offs_G, x_MD.dtype, scaling)
+        if scaling == "mx":
+            return _scaled_mm(swiglu_values(h_M2F, weight_M), w_down, offs_G, x_MD.dtype, "mx")
+        qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)  # the SwiGLU output is never written
+        G, D, F = w_down.shape
+        qw, sw = quantize_rowwise(w_down.reshape(G * D, F))
+        return _quantized_mm(qa_MF, sa_M, qw.view(G, D, F), sw.view(G, D), offs_G, x_MD.dtype)
 
     @staticmethod
     def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]

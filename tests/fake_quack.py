@@ -170,15 +170,18 @@ def gemm_epilogue(**_):
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
     """``import quack...`` resolves to this stand-in inside (and a fresh
-    ``kernels.grouped_gemm_quack`` is imported against it)."""
-    names = (
-        "quack",
-        "quack.gemm_interface",
-        "quack.epilogue",
-        "quack.gemm_config",
-        "kernels.grouped_gemm_quack",
-    )
-    saved = {n: sys.modules.get(n) for n in names}
+    ``kernels.grouped_gemm_quack`` is imported against it). Where the real library was
+    imported before (a GPU machine running CPU and GPU tests in one process), all of it is set
+    aside meanwhile and put back after: its submodules, and the ``kernels`` package's
+    attribute, which ``from kernels import grouped_gemm_quack`` reads before ``sys.modules``."""
+    import kernels
+
+    ours = "kernels.grouped_gemm_quack"
+    saved = {n: m for n, m in sys.modules.items() if n == "quack" or n.startswith("quack.")}
+    saved_ours = sys.modules.get(ours)
+    attribute = kernels.__dict__.get("grouped_gemm_quack")
+    for n in saved:
+        del sys.modules[n]
     root = types.ModuleType("quack")
     iface = types.ModuleType("quack.gemm_interface")
     iface.gemm, iface.gemm_act, iface.gemm_dgated = gemm, gemm_act, gemm_dgated
@@ -187,16 +190,20 @@ def installed() -> Iterator[None]:
     config = types.ModuleType("quack.gemm_config")
     config.GemmConfig = lambda **fields: types.SimpleNamespace(**fields)
     root.gemm_interface, root.epilogue, root.gemm_config = iface, epi, config
-    sys.modules.update(
-        {"quack": root, "quack.gemm_interface": iface, "quack.epilogue": epi}
-        | {"quack.gemm_config": config}
-    )
-    sys.modules.pop("kernels.grouped_gemm_quack", None)
+    stand_ins = {"quack": root, "quack.gemm_interface": iface, "quack.epilogue": epi}
+    stand_ins["quack.gemm_config"] = config
+    sys.modules.update(stand_ins)
+    sys.modules.pop(ours, None)
+    kernels.__dict__.pop("grouped_gemm_quack", None)
     try:
         yield
     finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
+        for n in [n for n in sys.modules if n == "quack" or n.startswith("quack.")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+        sys.modules.pop(ours, None)
+        kernels.__dict__.pop("grouped_gemm_quack", None)
+        if saved_ours is not None:
+            sys.modules[ours] = saved_ours
+        if attribute is not None:
+            kernels.grouped_gemm_quack = attribute

@@ -170,3 +170,35 @@ def test_moe_layer_takes_the_fused_mlp_where_it_fuses_and_matches_unfused(fused,
     torch.testing.assert_close(dx_fused, dx_ref, rtol=1e-5, atol=1e-6)
     for name in g_ref:
         torch.testing.assert_close(g_fused[name], g_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_quack_stand_in_sets_an_imported_real_library_aside_and_restores_it():
+    """On a GPU machine the real QuACK may be imported by an earlier test of the same process:
+    inside ``fake_quack.installed()`` no part of it may answer (its submodules, the
+    ``kernels`` package's attribute that ``from kernels import ...`` reads first), and after
+    it everything is as before."""
+    import sys
+    import types
+
+    import kernels
+
+    real_sub, real_ours = types.ModuleType("quack.epilogue.library"), types.ModuleType("ours")
+    had = kernels.__dict__.get("grouped_gemm_quack")
+    sys.modules["quack.epilogue.library"] = real_sub
+    sys.modules["kernels.grouped_gemm_quack"] = kernels.grouped_gemm_quack = real_ours
+    try:
+        with fake_quack.installed():
+            from kernels import grouped_gemm_quack as inside
+
+            assert inside is not real_ours and inside.gemm is fake_quack.gemm
+            assert "quack.epilogue.library" not in sys.modules
+        assert sys.modules["quack.epilogue.library"] is real_sub
+        from kernels import grouped_gemm_quack as after
+
+        assert after is real_ours and sys.modules["kernels.grouped_gemm_quack"] is real_ours
+    finally:
+        sys.modules.pop("quack.epilogue.library", None)
+        sys.modules.pop("kernels.grouped_gemm_quack", None)
+        kernels.__dict__.pop("grouped_gemm_quack", None)
+        if had is not None:
+            kernels.grouped_gemm_quack = had

@@ -259,3 +259,21 @@ def test_fp8_expert_mlp_refuses_a_bad_scaling_offsets_or_shapes():
         fp8_expert_mlp(x, w_gu, torch.zeros(2, 32, 16), offs)
     with pytest.raises(ValueError, match="weight_M must be"):
         fp8_expert_mlp(x, w_gu, w_d, offs, torch.ones(3))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_quantizer_equals_the_two_kernels_bit_for_bit(dtype, weighted):
+    """The one-pass SwiGLU + rowwise quantization gives the bytes of the SwiGLU kernel's output
+    quantized by the rowwise kernel, its definition (each of those equals its reference in its
+    own tests); F not a power of two, a zero row, several row blocks."""
+    from kernels import fp8_triton, swiglu_triton
+
+    h = rows(4, 37, 2 * 20, dtype)
+    h[6] = 0.0
+    w = torch.rand(37, generator=torch.Generator().manual_seed(5)).to(DEVICE) if weighted else None
+    assert_triton_path(h)
+    q, s = fp8_triton.swiglu_quantize_rowwise(h, w)
+    rq, rs = quantize_rowwise(swiglu_triton.swiglu_forward(h, w))
+    assert q.shape == (37, 20) and torch.equal(s, rs) and s[6] == 1.0
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
