@@ -129,13 +129,14 @@ def _quantize_columns_transposed(
 def quantize_columnwise(
     w_GNK: torch.Tensor, block_n: int = 0, block_k: int = 0, num_warps: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks: ``block_k`` columns per program, ``block_n`` rows per tile; 32 x 64 by default
-    (``benchmarks/fp8_quantize.py``: on one H200 at OLMoE's expert weights 0.84 / 0.45 ms
-    against 0.99 / 0.51 with the 64 x 64 of before, the best of 24 candidates)."""
+    """Blocks: ``block_k`` columns per program, ``block_n`` rows per tile; 16 x 64 by default
+    (``benchmarks/fp8_quantize.py`` on one H200 at OLMoE's two expert weights: the 64 x 64 of
+    before took 0.99 / 0.51 ms, 32 x 64 0.85 / 0.46 and 16 x 64, the best of 19 candidates in
+    a second sweep, 0.81 / 0.42; still a quarter of a copy's rate)."""
     G, N, K = w_GNK.shape
     q_GKN = torch.empty(G, K, N, dtype=torch.float8_e4m3fn, device=w_GNK.device)
     scale_GK = torch.empty(G, K, dtype=torch.float32, device=w_GNK.device)
-    block_k = block_k or min(32, next_pow2(K))
+    block_k = block_k or min(16, next_pow2(K))
     block_n = block_n or min(64, next_pow2(N))
     _quantize_columns_transposed[(G, cdiv(K, block_k))](
         w_GNK, q_GKN, scale_GK, N, K, *w_GNK.stride(), q_GKN.stride(0), q_GKN.stride(1),
