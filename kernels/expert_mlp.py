@@ -115,6 +115,27 @@ class _FusedExpertMLP(torch.autograd.Function):
         return dx, dw_gate_up, dw_down, None, dweight
 
 
+def check_operands(
+    x_MD: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs_G: torch.Tensor,
+    weight_M: torch.Tensor | None,
+) -> None:
+    """Refuses, in one sentence, operands that are not an expert MLP's (this op's and
+    ``kernels.fp8.fp8_expert_mlp``'s)."""
+    if offs_G.dtype != torch.int32:
+        raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
+    G, two_f, d = w_gate_up.shape
+    if two_f % 2 or w_down.shape != (G, d, two_f // 2) or x_MD.shape[-1] != d:
+        raise ValueError(
+            f"w_gate_up {tuple(w_gate_up.shape)} must be [G, 2F, D] and w_down "
+            f"{tuple(w_down.shape)} [G, D, F] for x_MD {tuple(x_MD.shape)}"
+        )
+    if weight_M is not None and weight_M.shape != (x_MD.shape[0],):
+        raise ValueError(f"weight_M must be [M] = [{x_MD.shape[0]}], got {tuple(weight_M.shape)}")
+
+
 def expert_mlp(
     x_MD: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -126,16 +147,7 @@ def expert_mlp(
     (see the module doc). x_MD: rows sorted by expert; offs_G: int32 cumulative row ends on x's
     device; weight_M: optional per-row scale (the router weights), fp32 math, which gets a
     gradient when it needs one. Weights in x's dtype. No host read."""
-    if offs_G.dtype != torch.int32:
-        raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
-    G, two_f, d = w_gate_up.shape
-    if two_f % 2 or w_down.shape != (G, d, two_f // 2) or x_MD.shape[-1] != d:
-        raise ValueError(
-            f"w_gate_up {tuple(w_gate_up.shape)} must be [G, 2F, D] and w_down "
-            f"{tuple(w_down.shape)} [G, D, F] for x_MD {tuple(x_MD.shape)}"
-        )
-    if weight_M is not None and weight_M.shape != (x_MD.shape[0],):
-        raise ValueError(f"weight_M must be [M] = [{x_MD.shape[0]}], got {tuple(weight_M.shape)}")
+    check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
     if fuses(x_MD, w_gate_up, w_down):
         return _FusedExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M)
     return expert_mlp_reference(x_MD, w_gate_up, w_down, offs_G, weight_M)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import use_triton
+from kernels.expert_mlp import check_operands
 from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad
 from kernels.swiglu import swiglu_grads, swiglu_values
 
@@ -309,12 +310,5 @@ def fp8_expert_mlp(
     for the down weight gradient instead of being kept: a [M, F] tensor per layer less (the
     fused bf16 path keeps none either)."""
     _check_scaling(offs_G, scaling)
-    G, two_f, d = w_gate_up.shape
-    if two_f % 2 or w_down.shape != (G, d, two_f // 2) or x_MD.shape[-1] != d:
-        raise ValueError(
-            f"w_gate_up {tuple(w_gate_up.shape)} must be [G, 2F, D] and w_down "
-            f"{tuple(w_down.shape)} [G, D, F] for x_MD {tuple(x_MD.shape)}"
-        )
-    if weight_M is not None and weight_M.shape != (x_MD.shape[0],):
-        raise ValueError(f"weight_M must be [M] = [{x_MD.shape[0]}], got {tuple(weight_M.shape)}")
+    check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
     return _FP8ExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M, scaling)
