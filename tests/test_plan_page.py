@@ -114,6 +114,7 @@ LAYOUTS = [
     layout(micro_batch_size=3, global_batch_size=8),
     layout(virtual_stages=2),  # interleaving needs two stages
     layout(gpus_per_node=4, dp=2, ep=2, precision=AUTOCAST, global_batch_size=8, seq_len=256),
+    layout(gpus_per_node=8, ep=8, precision="fp8", global_batch_size=16, seq_len=256),
 ]  # fmt: skip
 
 

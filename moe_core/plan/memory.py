@@ -241,17 +241,24 @@ def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
 
 def expert_activations(run: RunConfig) -> dict[str, bool]:
     """Which of its rows in and SwiGLU out a layer's routed experts keep for backward, by the
-    path the run takes (``layer_activation_bytes``' keywords): with ``parallel.gather_rows``
-    (bf16 experts) the gate+up GEMM reads the token rows, so no expert-ordered copy is kept
-    (one of the tokens with a zero row appended, where slots are padded); FP8 experts
-    (``kernels.fp8.fp8_expert_mlp``) and the fused bf16 MLP (``kernels.expert_mlp``:
-    ``parallel.expert_gemm=quack``, not gathering) keep no SwiGLU output. ``expert_gemm=auto``
-    is counted unfused: whether QuACK is installed is a property of the machine that runs, not
-    of the plan (an upper bound)."""
+    path the run takes (``layer_activation_bytes``' keywords; ``experts_keep``)."""
     par, prec = run.parallel, run.precision
-    fp8 = "experts" in prec.fp8_parts
-    gathers = par.gather_rows and not fp8  # FP8 experts quantize a permuted copy
-    fused = fp8 or (par.expert_gemm == "quack" and prec.params == "bf16" and not gathers)
+    quack_bf16 = par.expert_gemm == "quack" and prec.params == "bf16"
+    return experts_keep("experts" in prec.fp8_parts, quack_bf16, par.gather_rows)
+
+
+def experts_keep(
+    fp8_experts: bool, quack_bf16: bool = False, gather_rows: bool = False
+) -> dict[str, bool]:
+    """With ``parallel.gather_rows`` (bf16 experts) the gate+up GEMM reads the token rows, so
+    no expert-ordered copy is kept (one of the tokens with a zero row appended, where slots are
+    padded); FP8 experts (``kernels.fp8.fp8_expert_mlp``; they ignore ``gather_rows`` and
+    quantize a permuted copy) and the fused bf16 MLP (``kernels.expert_mlp``:
+    ``parallel.expert_gemm=quack`` with bf16 weights, not gathering) keep no SwiGLU output.
+    ``expert_gemm=auto`` is counted unfused: whether QuACK is installed is a property of the
+    machine that runs, not of the plan (an upper bound)."""
+    gathers = gather_rows and not fp8_experts
+    fused = fp8_experts or (quack_bf16 and not gathers)
     return {"expert_rows_in": not gathers, "expert_swiglu_out": not fused}
 
 

@@ -45,6 +45,7 @@ from moe_core.plan import (
     RUNTIME_RESERVE_GIB,
     all_to_all_rows_per_token,
     check_cluster,
+    experts_keep,
     fit_refusal,
     layer_activation_bytes,
     parameter_counts,
@@ -172,9 +173,11 @@ def model_data(
         "total_params": counts.total_params,
         "active_params": counts.active_params,
         "flops_per_token": {s: count(m, s).flops_per_token for s in seq_lens if s <= m.max_seq_len},
-        "activation": {
+        "activation": {  # the page's runs: parallel.expert_gemm=auto, no gathered rows
             name: {
-                r: layer_activation_bytes(m, p["params"], p["compute"], r)
+                r: layer_activation_bytes(
+                    m, p["params"], p["compute"], r, **experts_keep("experts" in p["fp8_parts"])
+                )
                 for r in ("none", "selective")
             }
             for name, p in precisions.items()

@@ -324,8 +324,10 @@ function modelCounts(c, seqLen) {
   };
 }
 
-// plan.memory.layer_activation_bytes (recompute "none" or "selective"), term by term.
-function layerActivationBytes(data, c, paramDtype, computeDtype, recompute) {
+// plan.memory.layer_activation_bytes (recompute "none" or "selective"), term by term, with
+// plan.memory.experts_keep for the page's runs (expert_gemm auto, no gathered rows): FP8
+// experts keep no SwiGLU output.
+function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8Experts) {
   const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
   const hd = c.d_model / c.n_heads;
   const d = c.d_model, dKv = c.n_kv_heads * hd, h = c.expert_hidden, k = c.top_k, e = c.n_experts;
@@ -334,7 +336,7 @@ function layerActivationBytes(data, c, paramDtype, computeDtype, recompute) {
   const attention = bc * (3 * d + 2 * dKv) + 4 * c.n_heads;
   const router = 4 * d + 12 * e + 20 * k;
   let experts = bp * k * (d + 3 * h) + 4 * k;
-  if (recompute === "selective") experts -= bp * k * h;
+  if (recompute === "selective" || fp8Experts) experts -= bp * k * h;
   const sharedInput = bp === 4 && bc === 4 ? 0 : bc * d;
   const shared = hShared ? bc * 4 * hShared + sharedInput : 0;
   const rope = bc < 4 ? 4 * hd * bc : 0;
@@ -367,7 +369,8 @@ function modelData(data, c) {
   for (const [name, p] of Object.entries(data.precisions)) {
     activation[name] = {};
     for (const r of ["none", "selective"])
-      activation[name][r] = layerActivationBytes(data, config, p.params, p.compute, r);
+      activation[name][r] = layerActivationBytes(
+        data, config, p.params, p.compute, r, p.fp8_parts.includes("experts"));
   }
   const divisors = [];
   for (let i = 1; i * i <= config.n_experts; i++)
