@@ -166,8 +166,14 @@ def _scaled_mm(
         qb, sb = quantize_mx(b_GNK.reshape(G * N, K))
         w_GKN = dequantize_mx(qb, sb).view(G, N, K).transpose(-2, -1)
         return grouped_mm_reference(dequantize_mx(qa, sa), w_GKN, offs_G).to(out_dtype)
+    return _rowwise_mm(a_MK, *_quantize_weight_rows(b_GNK), offs_G, out_dtype)
+
+
+def _quantize_weight_rows(b_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's weight quantized over K, by rows: values [G, N, K], scales [G, N]."""
+    G, N, K = b_GNK.shape
     qb, sb = quantize_rowwise(b_GNK.reshape(G * N, K))
-    return _rowwise_mm(a_MK, qb.view(G, N, K), sb.view(G, N), offs_G, out_dtype)
+    return qb.view(G, N, K), sb.view(G, N)
 
 
 def _rowwise_mm(
@@ -275,9 +281,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
         if scaling == "mx":
             return _scaled_mm(swiglu_values(h_M2F, weight_M), w_down, offs_G, x_MD.dtype, "mx")
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)  # the SwiGLU output is never written
-        G, D, F = w_down.shape
-        qw, sw = quantize_rowwise(w_down.reshape(G * D, F))
-        return _quantized_mm(qa_MF, sa_M, qw.view(G, D, F), sw.view(G, D), offs_G, x_MD.dtype)
+        return _quantized_mm(qa_MF, sa_M, *_quantize_weight_rows(w_down), offs_G, x_MD.dtype)
 
     @staticmethod
     def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]
