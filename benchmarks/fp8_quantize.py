@@ -8,9 +8,11 @@ the SwiGLU output [M, F], the output gradient [M, D], the pre-activation gradien
 16,384 tokens x top-8) and the forward's weights ([G N, K]). Columnwise
 (``quantize_columnwise``): both expert weights [G, N, K], quantized over N and stored
 transposed. A rowwise candidate whose ``block_k`` covers the row reads it once (the kernel's
-one-pass form). Every candidate's output is checked equal, byte for byte, to the default's; the
-candidates of one tensor are timed interleaved (one of each per iteration, CUDA events, median),
-and the rate counts bf16 read once plus E4M3 written once.
+one-pass form); ``hw_cast: false`` rounds in fp32 before an exact cast (the interpreter's way)
+instead of the GPU's conversion instruction. Every candidate's output is checked equal, byte for
+byte, to the PyTorch reference's (``kernels.fp8``) on the same tensor; the candidates of one
+tensor are timed interleaved (one of each per iteration, CUDA events, median), and the rate
+counts bf16 read once plus E4M3 written once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 
-from kernels import fp8_triton
+from kernels import fp8, fp8_triton
 
 CFG = olmoe()
 M = 16384 * CFG.top_k
@@ -47,8 +49,8 @@ def columnwise_cases() -> list[tuple[str, tuple[int, ...]]]:
     return [("w_gate_up [E, 2F, D]", (E, 2 * F, D)), ("w_down [E, D, F]", (E, D, F))]
 
 
-def sweep(fn, x: torch.Tensor, candidates: list[dict], warmup: int, iters: int) -> list[dict]:
-    ref_q, ref_s = fn(x)
+def sweep(fn, ref, x: torch.Tensor, candidates: list[dict], warmup: int, iters: int) -> list[dict]:
+    ref_q, ref_s = ref(x)
     phases = []
     for i, c in enumerate(candidates):
         q, s = fn(x, **c)
@@ -76,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results: dict[str, list[dict]] = {}
-    rowwise = [{}] + [
+    rowwise = [{}, {"hw_cast": False}] + [
         {"block_m": bm, "block_k": bk, "num_warps": w}
         for bm, bk, w in itertools.product([1, 2, 4, 8], [512, 1024, 2048], [4, 8])
         if bm * bk <= 8192
@@ -85,18 +87,28 @@ def main() -> None:
         x = torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
         cands = [c for c in rowwise if c.get("block_k", 0) <= shape[1]]
         results["rowwise " + name] = sweep(
-            fp8_triton.quantize_rowwise, x, cands, args.warmup, args.iters
+            fp8_triton.quantize_rowwise,
+            fp8.quantize_rowwise_reference,
+            x,
+            cands,
+            args.warmup,
+            args.iters,
         )
         print(name, json.dumps(results["rowwise " + name][:4]))
         del x
-    columnwise = [{}] + [
+    columnwise = [{}, {"hw_cast": False}] + [
         {"block_n": bn, "block_k": bk, "num_warps": w}
         for bn, bk, w in itertools.product([32, 64, 128], [16, 32, 64], [4, 8])
     ]
     for name, shape in columnwise_cases():
         w = (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         results["columnwise " + name] = sweep(
-            fp8_triton.quantize_columnwise, w, columnwise, args.warmup, args.iters
+            fp8_triton.quantize_columnwise,
+            fp8.quantize_columnwise_reference,
+            w,
+            columnwise,
+            args.warmup,
+            args.iters,
         )
         print(name, json.dumps(results["columnwise " + name][:4]))
         del w

@@ -2,9 +2,11 @@
 FP8 on Hopper tensor cores, the weight gradient in bf16.
 
 Scaling: each row of an operand, along the dimension the product contracts, gets its own fp32
-scale ``amax / 448`` (448 is E4M3's largest finite value; an all-zero row takes scale 1), and
-its values ``x / scale`` are rounded to nearest E4M3 (ties to even), saturating at +-448; a
-value that rounds to zero is stored +0 (never -0, so every path gives the same bytes). The
+scale ``amax / 448`` (448 is E4M3's largest finite value; an all-zero row takes scale 1; amax is
+floored at 2^-116 so that its inverse stays finite), and its values ``x * (448 / amax)`` (one
+IEEE division per row, an exact fp32 product per value, as torchao's quantizers do) are rounded
+to nearest E4M3 (ties to even), saturating at +-448; a value that rounds to zero is stored +0
+(never -0, so every path gives the same bytes). The
 product is then ``(q_a @ q_b) * scale_a[row] * scale_b[col]``, which ``torch._scaled_grouped_mm``
 computes with fp32 accumulation and a bf16 output.
 
@@ -23,7 +25,9 @@ the pre-activation h for backward but not the SwiGLU output: the SwiGLU backward
 again in its pass (``kernels.swiglu.swiglu_grads``) for the down weight gradient. With rowwise
 scales its forward never writes that output at all: one Triton pass computes the SwiGLU and
 quantizes it (``fp8_triton.swiglu_quantize_rowwise``: the bytes of ``quantize_rowwise`` of the
-SwiGLU kernel's output), the down GEMM's operand.
+SwiGLU kernel's output), the down GEMM's operand; in backward the SwiGLU's pass also quantizes
+dh by rows for the gate+up input gradient (``swiglu_grads(quantize_into=...)``), so dh is not
+read again for it.
 
 MX scaling (``scaling="mx"``, OCP Microscaling MXFP8): each block of 32 consecutive values along
 K gets a power-of-two scale stored as E8M0 (a biased exponent byte, ``2^(byte - 127)``). The
@@ -35,11 +39,12 @@ dequantized product everywhere (on CPU: its tested emulation), and
 ``moe_core.parallel.parallelize.choose_kernels`` refuses it on a GPU.
 
 ``quantize_rowwise`` is the one quantizer (Triton: amax, scale and cast in one kernel per row
-block, reading the row twice; the reference below defines it); ``quantize_columnwise`` applies
-its rules to the weight's columns (Triton: a program per expert and block of K, the amax over
-N tiles, then each tile scaled, rounded and stored transposed). Where ``_scaled_grouped_mm``
-cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same function from the
-dequantized operands: its numerics are those of the GPU path up to fp32 summation order.
+block, reading a row once where it fits; the reference below defines it);
+``quantize_columnwise`` applies its rules to the weight's columns (Triton: a program per expert
+and block of K, the amax over N tiles, then each tile scaled, rounded and stored transposed).
+Where ``_scaled_grouped_mm`` cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same
+function from the dequantized operands: its numerics are those of the GPU path up to fp32
+summation order.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from kernels.swiglu import swiglu_grads, swiglu_values
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+AMAX_FLOOR = 2.0**-116  # 448 / 2^-116 is finite in fp32
 E8M0 = torch.float8_e8m0fnu
 MX_BLOCK = 32
 
@@ -61,10 +67,13 @@ def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.
     """(E4M3 values [M, K], fp32 scales [M]) with ``x ~= q * scale[:, None]`` (module doc)."""
     x32 = x_MK.float()
     amax_M = x32.abs().amax(dim=1)
+    floored_M = amax_M.clamp_min(AMAX_FLOOR)
+    fp8_max_M = torch.full_like(amax_M, E4M3_MAX)
     # Tensor by tensor: correctly rounded on the GPU too (torch divides by a Python number
     # through its reciprocal there, an ulp off).
-    scale_M = torch.where(amax_M > 0, amax_M / torch.full_like(amax_M, E4M3_MAX), 1.0)
-    y_MK = (x32 / scale_M[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    scale_M = torch.where(amax_M > 0, floored_M / fp8_max_M, 1.0)
+    inv_M = torch.where(amax_M > 0, fp8_max_M / floored_M, 1.0)
+    y_MK = (x32 * inv_M[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
     q_MK = (y_MK.to(E4M3).float() + 0.0).to(E4M3)  # + 0.0: a zero is +0, also from -1e-9
     return q_MK, scale_M
 
@@ -289,11 +298,25 @@ class _FP8ExpertMLP(torch.autograd.Function):
         dy_MD = dy_MD.contiguous()
         need = ctx.needs_input_grad
         da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling)
-        dh_M2F, dweight, a_MF = swiglu_grads(h_M2F, da_MF, weight_M, activation=need[2])
+        # with rowwise scales, dh is quantized for the input gradient in the SwiGLU's own pass
+        qdh = None
+        if need[0] and ctx.scaling == "rowwise":
+            M, F2 = h_M2F.shape
+            qdh = (
+                torch.empty(M, F2, dtype=E4M3, device=h_M2F.device),
+                torch.empty(M, dtype=torch.float32, device=h_M2F.device),
+            )
+        dh_M2F, dweight, a_MF = swiglu_grads(
+            h_M2F, da_MF, weight_M, activation=need[2], quantize_into=qdh
+        )
         del da_MF
         dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down) if need[2] else None
         del a_MF
-        dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling) if need[0] else None
+        dx = None
+        if qdh is not None:
+            dx = _quantized_mm(*qdh, *quantize_columnwise(w_gate_up), offs_G, dy_MD.dtype)
+        elif need[0]:
+            dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling)
         dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up) if need[1] else None
         return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None
 

@@ -1,8 +1,10 @@
 """Triton kernels for ``kernels.fp8``'s quantizers. ``quantize_rowwise``: a program owns BLOCK_M
-rows, finds each row's absolute maximum over K, then writes the scaled, saturated E4M3 values
-(rounded to nearest even in fp32 first, then cast exactly) and the fp32 scale: one launch; a
-row that fits one chunk is read once and kept in registers, a longer one is walked in chunks
-twice (the second read mostly from cache).
+rows, finds each row's absolute maximum over K, then writes the values multiplied by the row's
+inverse scale, saturated and rounded to nearest even E4M3 (the GPU's conversion instruction;
+under Triton's interpreter, rounded in fp32 first and cast exactly), and the fp32 scale: one
+launch, one IEEE division per row and none per value; a row that fits one chunk is read once
+and kept in registers, a longer one is walked in chunks twice (the second read mostly from
+cache).
 ``quantize_columnwise`` does the same over the columns of each expert's weight and stores the
 result transposed; ``quantize_mx`` the MXFP8 blocks.
 """
@@ -13,28 +15,52 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv, next_pow2
+from kernels._triton import INTERPRET, cdiv, next_pow2
+from kernels.fp8 import AMAX_FLOOR, E4M3_MAX
 
-E4M3_MAX = 448.0
+HW_CAST = not INTERPRET  # the GPU's E4M3 conversion; the interpreter's rounds wrongly
 
 
 @triton.jit
 def _round_to_e4m3(y):
     """``y`` (fp32, |y| <= 448) rounded to the nearest E4M3 value, ties to even, in fp32: the
-    spacing at y's binade (2^(e-3); subnormals share 2^-6's), then the add-and-subtract of
-    1.5 * 2^23 that rounds to an integer in round-to-nearest-even. The cast after it is exact
-    (Triton's interpreter mis-rounds casts that round up into the next binade)."""
+    spacing at y's binade (2^(e-3); subnormals share 2^-6's) divided out by multiplying with
+    its inverse 2^(3-e) (a power of two: exact), then the add-and-subtract of 1.5 * 2^23 that
+    rounds to an integer in round-to-nearest-even. The cast after it is exact (Triton's
+    interpreter mis-rounds casts that round up into the next binade)."""
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((tl.div_rn(tl.abs(y), ulp) + 12582912.0) - 12582912.0) * ulp
+    inv_ulp = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(y) * inv_ulp + 12582912.0) - 12582912.0) * ulp
     return tl.where(r == 0, 0.0, tl.where(y < 0, -r, r))  # a zero is +0 (module doc of fp8)
+
+
+@triton.jit
+def _to_e4m3(y, dtype, HW_CAST: tl.constexpr):
+    """``y`` (fp32, |y| <= 448) as E4M3, rounded to nearest even: the GPU's conversion
+    instruction, or ``_round_to_e4m3`` and an exact cast (Triton's interpreter). A value that
+    rounds to zero (|y| <= 2^-10) is stored +0 either way."""
+    if HW_CAST:
+        return tl.where(tl.abs(y) <= 0.0009765625, 0.0, y).to(dtype)
+    return _round_to_e4m3(y).to(dtype)
+
+
+@triton.jit
+def _row_scales(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """(scale, inverse) for rows with these absolute maxima (``kernels.fp8._row_scales``):
+    IEEE divisions (the GPU's default fp32 division is approximate)."""
+    floored = tl.maximum(amax, AMAX_FLOOR)
+    scale = tl.where(amax > 0, tl.div_rn(floored, FP8_MAX), 1.0)
+    inv = tl.where(amax > 0, tl.div_rn(tl.zeros_like(floored) + FP8_MAX, floored), 1.0)
+    return scale, inv
 
 
 @triton.jit
 def _quantize_rows(
     x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_q,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -44,12 +70,10 @@ def _quantize_rows(
         m = rmask[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
         x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        # IEEE divisions (the GPU's default fp32 division is approximate): the reference's
-        scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)
+        scale, inv = _row_scales(tl.max(tl.abs(x), axis=1), FP8_MAX, AMAX_FLOOR)
         tl.store(scale_ptr + rows, scale, mask=rmask)
-        y = tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
-        q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+        y = tl.clamp(x * inv[:, None], -FP8_MAX, FP8_MAX)
+        q = _to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=m)
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -58,19 +82,23 @@ def _quantize_rows(
             m = rmask[:, None] & (c < K)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)  # IEEE, as above
+        scale, inv = _row_scales(amax, FP8_MAX, AMAX_FLOOR)
         tl.store(scale_ptr + rows, scale, mask=rmask)
         for k0 in range(0, K, BLOCK_K):
             c = k0 + cols
             m = rmask[:, None] & (c < K)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
-            y = tl.clamp(tl.div_rn(x.to(tl.float32), scale[:, None]), -FP8_MAX, FP8_MAX)
-            q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+            y = tl.clamp(x.to(tl.float32) * inv[:, None], -FP8_MAX, FP8_MAX)
+            q = _to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST)
             tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
 
 
 def quantize_rowwise(
-    x_MK: torch.Tensor, block_m: int = 0, block_k: int = 0, num_warps: int = 4
+    x_MK: torch.Tensor,
+    block_m: int = 0,
+    block_k: int = 0,
+    num_warps: int = 4,
+    hw_cast: bool = HW_CAST,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks (``benchmarks/fp8_quantize.py`` sweeps them): a row of up to 2048 values is read
     once, whole (``block_k`` its width rounded up to a power of two), in tiles of 2048 values;
@@ -88,7 +116,7 @@ def quantize_rowwise(
     _quantize_rows[(cdiv(M, block_m),)](
         x, q_MK, scale_M, M, K, x.stride(0), q_MK.stride(0),
         BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=block_k >= K, FP8_MAX=E4M3_MAX,
-        num_warps=num_warps,
+        AMAX_FLOOR=AMAX_FLOOR, HW_CAST=hw_cast, num_warps=num_warps,
     )  # fmt: skip
     return q_MK, scale_M
 
@@ -97,6 +125,7 @@ def quantize_rowwise(
 def _quantize_columns_transposed(
     w_ptr, q_ptr, scale_ptr, N, K, stride_wg, stride_wn, stride_wk, stride_qg, stride_qk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     """``kernels.fp8.quantize_columnwise``: a program owns BLOCK_K columns of one ``w[g]``
     ([N, K]); pass 1 walks N in tiles for each column's absolute maximum, pass 2 reads the
@@ -113,21 +142,25 @@ def _quantize_columns_transposed(
         m = (r < N)[:, None] & cmask[None, :]
         w = tl.load(w_g + r[:, None] * stride_wn + cols[None, :] * stride_wk, mask=m, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(w.to(tl.float32)), axis=0))
-    scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)  # IEEE, as in _quantize_rows
+    scale, inv = _row_scales(amax, FP8_MAX, AMAX_FLOOR)
     tl.store(scale_ptr + g * K + cols, scale, mask=cmask)
     q_g = q_ptr + g * stride_qg
     for n0 in range(0, N, BLOCK_N):
         r = n0 + rows
         m = (r < N)[:, None] & cmask[None, :]
         w = tl.load(w_g + r[:, None] * stride_wn + cols[None, :] * stride_wk, mask=m, other=0.0)
-        y = tl.clamp(tl.div_rn(w.to(tl.float32), scale[None, :]), -FP8_MAX, FP8_MAX)
-        q_KN = tl.trans(_round_to_e4m3(y)).to(q_ptr.dtype.element_ty)
+        y = tl.clamp(w.to(tl.float32) * inv[None, :], -FP8_MAX, FP8_MAX)
+        q_KN = tl.trans(_to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST))
         m_KN = cmask[:, None] & (r < N)[None, :]
         tl.store(q_g + cols[:, None] * stride_qk + r[None, :], q_KN, mask=m_KN)
 
 
 def quantize_columnwise(
-    w_GNK: torch.Tensor, block_n: int = 0, block_k: int = 0, num_warps: int = 4
+    w_GNK: torch.Tensor,
+    block_n: int = 0,
+    block_k: int = 0,
+    num_warps: int = 4,
+    hw_cast: bool = HW_CAST,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks: ``block_k`` columns per program, ``block_n`` rows per tile; 16 x 64 by default
     (``benchmarks/fp8_quantize.py`` on one H200 at OLMoE's two expert weights: the 64 x 64 of
@@ -140,7 +173,8 @@ def quantize_columnwise(
     block_n = block_n or min(64, next_pow2(N))
     _quantize_columns_transposed[(G, cdiv(K, block_k))](
         w_GNK, q_GKN, scale_GK, N, K, *w_GNK.stride(), q_GKN.stride(0), q_GKN.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=E4M3_MAX, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=E4M3_MAX, AMAX_FLOOR=AMAX_FLOOR,
+        HW_CAST=hw_cast, num_warps=num_warps,
     )  # fmt: skip
     return q_GKN, scale_GK
 
@@ -173,9 +207,10 @@ def _quantize_mx_rows(
         biased = (bits >> 23) & 0xFF
         e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         e = tl.minimum(tl.maximum(tl.where(biased == 0, -127, e), -127), 127)
-        # 2^e as fp32: a normal number's exponent field, or the subnormal 2^-127
-        scale = tl.where(e >= -126, (e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
-        y = tl.clamp(tl.div_rn(x3, scale[:, :, None]), -FP8_MAX, FP8_MAX)
+        # dividing by 2^e is multiplying by 2^-e, exactly: 2^-e as fp32 (-e in [-127, 127]),
+        # a normal number's exponent field or the subnormal 2^-127
+        inv = tl.where(e <= 126, (127 - e) << 23, 0x00400000).to(tl.float32, bitcast=True)
+        y = tl.clamp(x3 * inv[:, :, None], -FP8_MAX, FP8_MAX)
         q = tl.reshape(_round_to_e4m3(y), (BLOCK_M, BLOCK_K)).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
         b = k0 // MX + blocks
@@ -201,6 +236,7 @@ def quantize_mx(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _swiglu_quantize_rows(
     h_ptr, w_ptr, q_ptr, scale_ptr, M, F, stride_h, stride_q,
     HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     """``quantize_rowwise(swiglu(h, w))`` in one pass (``kernels.fp8``'s expert MLP): a program
     owns BLOCK_M whole rows (BLOCK_F >= F), computes ``a`` as ``kernels.swiglu_triton`` does,
@@ -218,11 +254,10 @@ def _swiglu_quantize_rows(
     if HAS_W:
         a = a * tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
-    amax = tl.max(tl.abs(a), axis=1)
-    scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)  # IEEE, as in _quantize_rows
+    scale, inv = _row_scales(tl.max(tl.abs(a), axis=1), FP8_MAX, AMAX_FLOOR)
     tl.store(scale_ptr + rows, scale, mask=rmask)
-    y = tl.clamp(tl.div_rn(a, scale[:, None]), -FP8_MAX, FP8_MAX)
-    q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+    y = tl.clamp(a * inv[:, None], -FP8_MAX, FP8_MAX)
+    q = _to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=m)
 
 
@@ -230,7 +265,7 @@ SWIGLU_QUANTIZE_MAX_F = 2048  # whole rows in registers: wider ones take the two
 
 
 def swiglu_quantize_rowwise(
-    h_M2F: torch.Tensor, weight_M: torch.Tensor | None = None
+    h_M2F: torch.Tensor, weight_M: torch.Tensor | None = None, hw_cast: bool = HW_CAST
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 [M, F], fp32 scales [M]) of ``(weight *) silu(gate) * up`` for F up to
     ``SWIGLU_QUANTIZE_MAX_F``; rows of 2048 values per program, as ``quantize_rowwise``."""
@@ -244,5 +279,6 @@ def swiglu_quantize_rowwise(
     _swiglu_quantize_rows[(cdiv(M, block_m),)](
         h, w, q_MF, scale_M, M, F, h.stride(0), q_MF.stride(0),
         HAS_W=weight_M is not None, BLOCK_M=block_m, BLOCK_F=block_f, FP8_MAX=E4M3_MAX,
+        AMAX_FLOOR=AMAX_FLOOR, HW_CAST=hw_cast,
     )  # fmt: skip
     return q_MF, scale_M

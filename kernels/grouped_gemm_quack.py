@@ -12,9 +12,10 @@ wants ``cu_seqlens`` of G + 1 entries), no host read.
   the token rows is ever written.
 
 Untuned tile configs: the autotuner picked slower ones in a measured run and costs minutes per
-shape. The fused expert MLP's six GEMMs take one pinned config where it was measured
-(``_tile_config``); the rest QuACK's default. Imported only where ``kernels.grouped_gemm``
-selects it (CUDA, sm90+, package installed).
+shape. The fused expert MLP's six GEMMs, and the plain weight gradients of the same products
+(the FP8 experts' and the unfused MLP's), take one pinned config where it was measured
+(``_tile_config``); the plain forward GEMMs QuACK's default. Imported only where
+``kernels.grouped_gemm`` selects it (CUDA, sm90+, package installed).
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) ->
 def grouped_wgrad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, transposed: bool = False
 ) -> torch.Tensor:
+    """In the pinned tiles (``_tile_config``): the fused MLP's weight gradients are these
+    products at the expert shapes (``down_wgrad`` is this one, transposed)."""
+    G, cu = offs_G.shape[0], _cu(offs_G)
     if transposed:
-        return gemm(dy_MN.t(), x_MK, cu_seqlens_k=_cu(offs_G), tuned=False)
-    return gemm(x_MK.t(), dy_MN, cu_seqlens_k=_cu(offs_G), tuned=False)
+        out_GNK = x_MK.new_empty(G, dy_MN.shape[1], x_MK.shape[1])
+        return _pinned_gemm(dy_MN.t(), x_MK, out_GNK, cu_seqlens_k=cu)
+    out_GKN = x_MK.new_empty(G, x_MK.shape[1], dy_MN.shape[1])
+    return _pinned_gemm(x_MK.t(), dy_MN, out_GKN, cu_seqlens_k=cu)
 
 
 def gathered_mm(
@@ -172,9 +178,8 @@ def dswiglu_mm(
 
 def down_wgrad(a_MF: torch.Tensor, dy_MD: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
     """The down projection's weight gradient ``dy[rows of g]^T @ a[rows of g]`` in its stored
-    [G, D, F] layout (``grouped_wgrad(a, dy, offs, transposed=True)``) in the pinned tiles."""
-    out_GDF = a_MF.new_empty(offs_G.shape[0], dy_MD.shape[1], a_MF.shape[1])
-    return _pinned_gemm(dy_MD.t(), a_MF, out_GDF, cu_seqlens_k=_cu(offs_G))
+    [G, D, F] layout, in the pinned tiles."""
+    return grouped_wgrad(a_MF, dy_MD, offs_G, transposed=True)
 
 
 def interleaved_dgrad(

@@ -74,21 +74,41 @@ def swiglu_grads(
     da_MF: torch.Tensor,
     weight_M: torch.Tensor | None = None,
     activation: bool = False,
+    quantize_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The backward alone: (dh, dweight in the weight's dtype or None, and with ``activation``
     the forward's output ``swiglu_values(h, weight)`` written again, bit for bit, in the same
-    pass (else None)) for a caller that keeps h but not the activation."""
+    pass (else None)) for a caller that keeps h but not the activation. ``quantize_into``
+    (E4M3 [M, 2F], fp32 [M]) receives ``kernels.fp8.quantize_rowwise(dh)``, from the same
+    Triton pass where a row fits one program (``swiglu_triton.QUANTIZE_MAX_F``)."""
     if use_triton(h_M2F):
         from kernels import swiglu_triton
 
+        fuse = quantize_into is not None and h_M2F.shape[1] // 2 <= swiglu_triton.QUANTIZE_MAX_F
         dh_M2F, dweight_M, a_MF = swiglu_triton.swiglu_backward(
-            h_M2F, da_MF, weight_M, activation=activation
+            h_M2F,
+            da_MF,
+            weight_M,
+            activation=activation,
+            quantize_into=quantize_into if fuse else None,
         )
         if dweight_M is not None:
             dweight_M = dweight_M.to(weight_M.dtype)
+        if quantize_into is not None and not fuse:
+            _quantize_into(dh_M2F, quantize_into)
         return dh_M2F, dweight_M, a_MF
     dh_M2F, dweight_M = swiglu_reference_backward(h_M2F, da_MF, weight_M)
+    if quantize_into is not None:
+        _quantize_into(dh_M2F, quantize_into)
     return dh_M2F, dweight_M, swiglu_reference(h_M2F, weight_M) if activation else None
+
+
+def _quantize_into(dh_M2F: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    from kernels.fp8 import quantize_rowwise  # kernels.fp8 imports this module
+
+    q_M2F, scale_M = quantize_rowwise(dh_M2F)
+    out[0].copy_(q_M2F)
+    out[1].copy_(scale_M)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -20,11 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8
 from kernels._triton import cdiv, next_pow2
+from kernels.fp8_triton import HW_CAST, _row_scales, _to_e4m3
+
+# kernels.fp8's constants as globals a Triton kernel may read
+E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
+AMAX_FLOOR = tl.constexpr(fp8.AMAX_FLOOR)
 
 TILE = 4096
 MAX_BLOCK_F = 1024
 BACKWARD_BLOCK_F = 256
+QUANTIZE_MAX_F = 1024  # the backward's quantized dh: whole rows of 2F values in registers
 
 
 @triton.jit
@@ -60,16 +67,21 @@ def _swiglu_backward(
     dh_ptr,
     dw_ptr,
     a_ptr,
+    q_ptr,
+    qs_ptr,
     M,
     F,
     stride_h,
     stride_da,
     stride_dh,
     stride_a,
+    stride_q,
     HAS_W: tl.constexpr,
     EMIT_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    HW_CAST: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < M
@@ -94,10 +106,21 @@ def _swiglu_backward(
         if HAS_W:
             acc += da * silu * u
             da = da * w
-        dg = da * u * sig * (1.0 + g * (1.0 - sig))
+        dg = (da * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
+        du = (da * silu).to(dh_ptr.dtype.element_ty)
         dgate_ptrs = dh_ptr + rows[:, None] * stride_dh + cols[None, :]
-        tl.store(dgate_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=m)
-        tl.store(dgate_ptrs + F, (da * silu).to(dh_ptr.dtype.element_ty), mask=m)
+        tl.store(dgate_ptrs, dg, mask=m)
+        tl.store(dgate_ptrs + F, du, mask=m)
+        if QUANTIZE:  # the whole row is this one chunk: dh's stored values, quantized by rows
+            dg, du = dg.to(tl.float32), du.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(dg), axis=1), tl.max(tl.abs(du), axis=1))
+            scale, inv = _row_scales(amax, E4M3_MAX, AMAX_FLOOR)
+            tl.store(qs_ptr + rows, scale, mask=row_ok)
+            q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
+            qg = tl.clamp(dg * inv[:, None], -E4M3_MAX, E4M3_MAX)
+            tl.store(q_ptrs, _to_e4m3(qg, q_ptr.dtype.element_ty, HW_CAST), mask=m)
+            qu = tl.clamp(du * inv[:, None], -E4M3_MAX, E4M3_MAX)
+            tl.store(q_ptrs + F, _to_e4m3(qu, q_ptr.dtype.element_ty, HW_CAST), mask=m)
     if HAS_W:
         tl.store(dw_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
 
@@ -152,17 +175,26 @@ def swiglu_backward(
     *,
     out: torch.Tensor | None = None,
     activation: bool = False,
+    quantize_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_m: int | None = None,
     block_f: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dh_M2F, dweight_M, a_MF): with ``w`` the row weight (1 without one), ``dh = [w * da *
     up * silu'(gate) | w * da * silu(gate)]``, ``dweight = sum_f da * silu(gate) * up`` (None
     without a weight) and, with ``activation``, the forward's output ``a`` (else None); fp32
-    math, dh and a in h's dtype, dweight fp32."""
+    math, dh and a in h's dtype, dweight fp32. ``quantize_into`` (E4M3 [M, 2F], fp32 [M]) also
+    receives ``kernels.fp8.quantize_rowwise(dh)`` from the same pass: a program then holds
+    whole rows (F up to ``QUANTIZE_MAX_F``)."""
     h_M2F, da_MF = _row_major(h_M2F), _row_major(da_MF)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     if out is None:
         out = torch.empty_like(h_M2F, memory_format=torch.contiguous_format)
+    if quantize_into is not None:
+        if F > QUANTIZE_MAX_F:
+            raise ValueError(f"quantize_into takes F up to {QUANTIZE_MAX_F}, got F={F}")
+        block_f = next_pow2(F)
+        block_m = block_m or max(1, min(QUANTIZE_MAX_F // block_f, next_pow2(M)))
+    q, qs = quantize_into if quantize_into is not None else (h_M2F, h_M2F)
     bm, bf = _grid_blocks(M, F, block_m, block_f, BACKWARD_BLOCK_F)
     grid = (cdiv(M, bm),)
     w, dw = h_M2F, h_M2F
@@ -177,16 +209,21 @@ def swiglu_backward(
         out,
         dw,
         a,
+        q,
+        qs,
         M,
         F,
         h_M2F.stride(0),
         da_MF.stride(0),
         out.stride(0),
         a.stride(0),
+        q.stride(0),
         HAS_W=weight_M is not None,
         EMIT_A=activation,
         BLOCK_M=bm,
         BLOCK_F=bf,
+        QUANTIZE=quantize_into is not None,
+        HW_CAST=HW_CAST,
         num_warps=4,
     )
     return out, None if weight_M is None else dw, a if activation else None

@@ -21,9 +21,10 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from benchmarks.baselines import grouped_gemm_triton, router_topk_triton, weighted_combine_triton
-from kernels import adamw_triton, routing_triton, slot_permute_triton, swiglu_triton
+from kernels import adamw_triton, fp8_triton, routing_triton, slot_permute_triton, swiglu_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
+E4M3_CAST = "cvt.rn.satfinite.e4m3x2.f32"
 
 
 def variants(flags: dict[str, list]) -> list[dict]:
@@ -67,8 +68,31 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
             out.append((swiglu_triton._swiglu_forward, ptrs, c))
         ptrs = {"h_ptr": act, "w_ptr": "*fp32", "da_ptr": act, "dh_ptr": act, "dw_ptr": "*fp32"}
         ptrs["a_ptr"] = act
-        for c in variants({**blocks, "EMIT_A": [False, True]}):
+        ptrs |= {"q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"}
+        for c in variants({**blocks, "EMIT_A": [False, True], "QUANTIZE": [False]}):
             out.append((swiglu_triton._swiglu_backward, ptrs, c))
+        for c in variants({**blocks, "EMIT_A": [True], "QUANTIZE": [True], "HW_CAST": [True]}):
+            out.append((swiglu_triton._swiglu_backward, ptrs, c))
+        fp8 = {"FP8_MAX": [fp8_triton.E4M3_MAX], "AMAX_FLOOR": [fp8_triton.AMAX_FLOOR]}
+        ptrs = {"x_ptr": act, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+        rows = {"BLOCK_M": [1], "BLOCK_K": [2048], **fp8}
+        # the fp32 rounding (the interpreter's, shared by every quantizer) compiled once
+        for c in variants({**rows, "ONE_PASS": [True, False], "HW_CAST": [True]}):
+            out.append((fp8_triton._quantize_rows, ptrs, c))
+        out.append(
+            (
+                fp8_triton._quantize_rows,
+                ptrs,
+                {**variants(rows)[0], "ONE_PASS": True, "HW_CAST": False},
+            )
+        )
+        fp8["HW_CAST"] = [True]
+        ptrs = {"w_ptr": act, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+        for c in variants({"BLOCK_N": [64], "BLOCK_K": [16], **fp8}):
+            out.append((fp8_triton._quantize_columns_transposed, ptrs, c))
+        ptrs = {"h_ptr": act, "w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+        for c in variants({"HAS_W": [False, True], "BLOCK_M": [2], "BLOCK_F": [1024], **fp8}):
+            out.append((fp8_triton._swiglu_quantize_rows, ptrs, c))
         gg = grouped_gemm_triton
         ptrs = {"x_ptr": act, "w_ptr": act, "y_ptr": act, "offs_ptr": "*i32"}
         fixed = {"G_PAD": 64, "GROUP_M": gg.GROUP_M, "UPCAST": False}
@@ -136,7 +160,11 @@ def compile_one(fn: JITFunction, ptrs: dict[str, str], constexprs: dict) -> None
         else:
             signature[name] = ptrs.get(name, "i32")  # scalars: i32 unless the case says
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    triton.compile(src, target=TARGET, options={"num_warps": 4})
+    ptx = triton.compile(src, target=TARGET, options={"num_warps": 4}).asm["ptx"]
+    # kernels.fp8's rounding (nearest, ties to even; no value past 448 by then) from the GPU's
+    # conversion: the instruction must be the round-to-nearest one
+    if constexprs.get("HW_CAST") and E4M3_CAST not in ptx:
+        raise AssertionError(f"no {E4M3_CAST} in the PTX")
 
 
 def main() -> int:

@@ -277,3 +277,30 @@ def test_swiglu_quantizer_equals_the_two_kernels_bit_for_bit(dtype, weighted):
     rq, rs = quantize_rowwise(swiglu_triton.swiglu_forward(h, w))
     assert q.shape == (37, 20) and torch.equal(s, rs) and s[6] == 1.0
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["one-pass", "wider-than-one-program"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_quantizes_dh_bit_for_bit(dtype, weighted, wide, monkeypatch):
+    """``swiglu_grads(quantize_into=...)`` fills the buffers with ``quantize_rowwise(dh)`` of the
+    dh it returns, and changes nothing else it returns: in the backward's own pass where a row
+    fits one program, else by the rowwise quantizer after it; a zero row, F no power of two."""
+    from kernels import swiglu_triton
+    from kernels.swiglu import swiglu_grads
+
+    if wide:
+        monkeypatch.setattr(swiglu_triton, "QUANTIZE_MAX_F", 16)
+    h, da = rows(6, 37, 2 * 20, dtype), rows(7, 37, 20, dtype)
+    da[6] = 0.0
+    w = torch.rand(37, generator=torch.Generator().manual_seed(8)).to(DEVICE) if weighted else None
+    assert_triton_path(h)
+    q = torch.empty(37, 40, dtype=torch.float8_e4m3fn, device=DEVICE)
+    s = torch.empty(37, dtype=torch.float32, device=DEVICE)
+    dh, dw, a = swiglu_grads(h, da, w, activation=True, quantize_into=(q, s))
+    ref_dh, ref_dw, ref_a = swiglu_grads(h, da, w, activation=True)
+    assert torch.equal(dh, ref_dh) and torch.equal(a, ref_a)
+    assert (dw is None and ref_dw is None) or torch.equal(dw, ref_dw)
+    rq, rs = quantize_rowwise_reference(dh)
+    assert torch.equal(s, rs) and s[6] == 1.0
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
