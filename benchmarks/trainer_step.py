@@ -21,8 +21,9 @@ printed figure is per GPU) against the one-GPU bare step: what the multi-GPU run
 (target: >= 0.97x). ``--cuda-graph true|false`` sets ``parallel.cuda_graph`` for ``moe train``
 (default: the config's, on in one process and for rowwise EP).
 
-Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master) and ``bf16`` (bf16
-weights; fp32 gradient buffers, master weights and moments). ``--accumulate`` also times
+Precisions: ``pure-bf16`` (bf16 weights, gradients and moments, no master), ``bf16`` (bf16
+weights; fp32 gradient buffers, master weights and moments) and ``fp8`` (``pure-bf16`` with FP8
+expert GEMMs; ``moe train`` only, ``--skip-bare``). ``--accumulate`` also times
 moving one bf16 gradient into an fp32 bucket: zeroing then adding (the old hook) against one
 copy (the hook now, for the first micro-batch of a step).
 """
@@ -46,7 +47,7 @@ from train_step import add_kernel_options
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-STATE_DTYPE = {"pure-bf16": "bf16", "bf16": "fp32"}
+STATE_DTYPE = {"pure-bf16": "bf16", "bf16": "fp32", "fp8": "bf16"}
 
 
 def child(cmd: list[str], what: str) -> subprocess.CompletedProcess:
@@ -186,6 +187,11 @@ def main() -> None:
     args = p.parse_args()
     if args.data != "synthetic" and not args.data_dir:
         raise SystemExit(f"--data {args.data} needs --data-dir (the token shards).")
+    if args.precision == "fp8" and not args.skip_bare:
+        raise SystemExit(
+            "--precision fp8 times moe train only (the bare step has no FP8 experts): "
+            "add --skip-bare."
+        )
     result: dict = {
         "benchmark": "trainer_vs_step",
         "date": str(date.today()),
