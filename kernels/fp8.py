@@ -315,6 +315,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
         dx = None
         if qdh is not None:
             dx = _quantized_mm(*qdh, *quantize_columnwise(w_gate_up), offs_G, dy_MD.dtype)
+            del qdh  # not alive beside the weight gradient below
         elif need[0]:
             dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling)
         dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up) if need[1] else None
