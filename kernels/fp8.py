@@ -18,7 +18,8 @@ computes with fp32 accumulation and a bf16 output.
   the GEMM takes, with no transposed copy of the weight (its bytes are the rowwise
   quantization of that copy, which defines it);
 - weight gradient: bf16 ``kernels.grouped_gemm`` (contracting over each group's rows would need
-  per-group scales along M: a measured follow-up).
+  per-group scales along M; on one H200 the FP8 GEMMs ran at ~825 TFLOP/s against ~780 for
+  QuACK's bf16 weight gradients, so little to gain there: RESULTS.md, issue 17 fifth slice).
 
 ``fp8_expert_mlp`` is the experts' whole SwiGLU MLP on these GEMMs as one op, which keeps x and
 the pre-activation h for backward but not the SwiGLU output: the SwiGLU backward writes it
