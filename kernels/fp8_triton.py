@@ -37,10 +37,12 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _to_e4m3(y, dtype, HW_CAST: tl.constexpr):
-    """``y`` (fp32, |y| <= 448) as E4M3, rounded to nearest even: the GPU's conversion
-    instruction, or ``_round_to_e4m3`` and an exact cast (Triton's interpreter). A value that
-    rounds to zero (|y| <= 2^-10) is stored +0 either way."""
+def _scale_to_e4m3(x, inv, dtype, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
+    """``x * inv`` (fp32; ``inv`` from ``_row_scales``, broadcast by the caller) saturated at
+    +-448 and stored as E4M3, rounded to nearest even: the GPU's conversion instruction, or
+    ``_round_to_e4m3`` and an exact cast (Triton's interpreter). A value that rounds to zero
+    (|y| <= 2^-10) is stored +0 either way."""
+    y = tl.clamp(x * inv, -FP8_MAX, FP8_MAX)
     if HW_CAST:
         return tl.where(tl.abs(y) <= 0.0009765625, 0.0, y).to(dtype)
     return _round_to_e4m3(y).to(dtype)
@@ -48,8 +50,9 @@ def _to_e4m3(y, dtype, HW_CAST: tl.constexpr):
 
 @triton.jit
 def _row_scales(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
-    """(scale, inverse) for rows with these absolute maxima (``kernels.fp8._row_scales``):
-    IEEE divisions (the GPU's default fp32 division is approximate)."""
+    """(scale, inverse) for rows with these absolute maxima, as
+    ``kernels.fp8.quantize_rowwise_reference``: IEEE divisions (the GPU's default fp32 division
+    is approximate)."""
     floored = tl.maximum(amax, AMAX_FLOOR)
     scale = tl.where(amax > 0, tl.div_rn(floored, FP8_MAX), 1.0)
     inv = tl.where(amax > 0, tl.div_rn(tl.zeros_like(floored) + FP8_MAX, floored), 1.0)
@@ -72,8 +75,7 @@ def _quantize_rows(
         x = x.to(tl.float32)
         scale, inv = _row_scales(tl.max(tl.abs(x), axis=1), FP8_MAX, AMAX_FLOOR)
         tl.store(scale_ptr + rows, scale, mask=rmask)
-        y = tl.clamp(x * inv[:, None], -FP8_MAX, FP8_MAX)
-        q = _to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST)
+        q = _scale_to_e4m3(x, inv[:, None], q_ptr.dtype.element_ty, FP8_MAX, HW_CAST)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=m)
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -88,8 +90,8 @@ def _quantize_rows(
             c = k0 + cols
             m = rmask[:, None] & (c < K)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=m, other=0.0)
-            y = tl.clamp(x.to(tl.float32) * inv[:, None], -FP8_MAX, FP8_MAX)
-            q = _to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST)
+            x = x.to(tl.float32)
+            q = _scale_to_e4m3(x, inv[:, None], q_ptr.dtype.element_ty, FP8_MAX, HW_CAST)
             tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
 
 
@@ -150,8 +152,8 @@ def _quantize_columns_transposed(
         r = n0 + rows
         m = (r < N)[:, None] & cmask[None, :]
         w = tl.load(w_g + r[:, None] * stride_wn + cols[None, :] * stride_wk, mask=m, other=0.0)
-        y = tl.clamp(w.to(tl.float32) * inv[None, :], -FP8_MAX, FP8_MAX)
-        q_KN = tl.trans(_to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST))
+        w = w.to(tl.float32)
+        q_KN = tl.trans(_scale_to_e4m3(w, inv[None, :], q_ptr.dtype.element_ty, FP8_MAX, HW_CAST))
         m_KN = cmask[:, None] & (r < N)[None, :]
         tl.store(q_g + cols[:, None] * stride_qk + r[None, :], q_KN, mask=m_KN)
 
@@ -257,8 +259,7 @@ def _swiglu_quantize_rows(
     a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
     scale, inv = _row_scales(tl.max(tl.abs(a), axis=1), FP8_MAX, AMAX_FLOOR)
     tl.store(scale_ptr + rows, scale, mask=rmask)
-    y = tl.clamp(a * inv[:, None], -FP8_MAX, FP8_MAX)
-    q = _to_e4m3(y, q_ptr.dtype.element_ty, HW_CAST)
+    q = _scale_to_e4m3(a, inv[:, None], q_ptr.dtype.element_ty, FP8_MAX, HW_CAST)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=m)
 
 

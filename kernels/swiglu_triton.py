@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels import fp8
 from kernels._triton import cdiv, next_pow2
-from kernels.fp8_triton import HW_CAST, _row_scales, _to_e4m3
+from kernels.fp8_triton import HW_CAST, _row_scales, _scale_to_e4m3
 
 # kernels.fp8's constants as globals a Triton kernel may read
 E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
@@ -117,10 +117,11 @@ def _swiglu_backward(
             scale, inv = _row_scales(amax, E4M3_MAX, AMAX_FLOOR)
             tl.store(qs_ptr + rows, scale, mask=row_ok)
             q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
-            qg = tl.clamp(dg * inv[:, None], -E4M3_MAX, E4M3_MAX)
-            tl.store(q_ptrs, _to_e4m3(qg, q_ptr.dtype.element_ty, HW_CAST), mask=m)
-            qu = tl.clamp(du * inv[:, None], -E4M3_MAX, E4M3_MAX)
-            tl.store(q_ptrs + F, _to_e4m3(qu, q_ptr.dtype.element_ty, HW_CAST), mask=m)
+            q_dtype = q_ptr.dtype.element_ty
+            qg = _scale_to_e4m3(dg, inv[:, None], q_dtype, E4M3_MAX, HW_CAST)
+            tl.store(q_ptrs, qg, mask=m)
+            qu = _scale_to_e4m3(du, inv[:, None], q_dtype, E4M3_MAX, HW_CAST)
+            tl.store(q_ptrs + F, qu, mask=m)
     if HAS_W:
         tl.store(dw_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
 
