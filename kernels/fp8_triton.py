@@ -267,7 +267,7 @@ SWIGLU_QUANTIZE_MAX_F = 2048  # whole rows in registers: wider ones take the two
 
 
 def swiglu_quantize_rowwise(
-    h_M2F: torch.Tensor, weight_M: torch.Tensor | None = None, hw_cast: bool = HW_CAST
+    h_M2F: torch.Tensor, weight_M: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 [M, F], fp32 scales [M]) of ``(weight *) silu(gate) * up`` for F up to
     ``SWIGLU_QUANTIZE_MAX_F``; rows of 2048 values per program, as ``quantize_rowwise``."""
@@ -281,6 +281,6 @@ def swiglu_quantize_rowwise(
     _swiglu_quantize_rows[(cdiv(M, block_m),)](
         h, w, q_MF, scale_M, M, F, h.stride(0), q_MF.stride(0),
         HAS_W=weight_M is not None, BLOCK_M=block_m, BLOCK_F=block_f, FP8_MAX=E4M3_MAX,
-        AMAX_FLOOR=AMAX_FLOOR, HW_CAST=hw_cast,
+        AMAX_FLOOR=AMAX_FLOOR, HW_CAST=HW_CAST,
     )  # fmt: skip
     return q_MF, scale_M
