@@ -87,6 +87,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         "model=olmoe-1b-7b",
         f"model.n_layers={args.layers}",
         f"precision={args.precision}",
+        *([f"precision.fp8_parts=[{args.fp8_parts}]"] if args.fp8_parts else []),
         "train=default",
         *data,
         f"train.micro_batch_size={args.mbs}",
@@ -181,6 +182,9 @@ def main() -> None:
     )
     add_kernel_options(p)  # for both the bare step and moe train
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
+    p.add_argument(
+        "--fp8-parts", default="", help="with --precision fp8: the parts, e.g. experts,attention"
+    )
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
@@ -192,6 +196,8 @@ def main() -> None:
             "--precision fp8 times moe train only (the bare step has no FP8 experts): "
             "add --skip-bare."
         )
+    if args.fp8_parts and args.precision != "fp8":
+        raise SystemExit(f"--fp8-parts {args.fp8_parts} needs --precision fp8.")
     result: dict = {
         "benchmark": "trainer_vs_step",
         "date": str(date.today()),
@@ -200,6 +206,7 @@ def main() -> None:
         "commit": args.commit,
         "layers": args.layers,
         "precision": args.precision,
+        "fp8_parts": args.fp8_parts or None,
         "data": args.data,
         "mbs": args.mbs,
         "micro_batches": args.micro_batches,

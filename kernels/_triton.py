@@ -3,7 +3,8 @@
 The rule: Triton for CUDA tensors; for CPU tensors only inside ``interpret_on_cpu()`` (the
 kernel tests: Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set before triton is
 imported); the PyTorch reference otherwise (CPU training stays fast), where triton is not
-installed, for empty inputs, or inside ``references_only()``.
+installed, for empty inputs, inside ``references_only()``, or while ``torch.compile`` traces
+(Inductor writes its own fused kernels from the reference's ops).
 This module imports no kernel, so ``kernels`` loads on a machine without a GPU or triton.
 """
 
@@ -55,9 +56,11 @@ def in_references_only() -> bool:
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True where an op on these tensors takes its Triton kernel: by the first one's device;
-    never for empty tensors (no zero-size grids: the reference handles them) nor inside
-    ``references_only()``."""
+    never for empty tensors (no zero-size grids: the reference handles them), inside
+    ``references_only()`` or while ``torch.compile`` traces."""
     if _references_only or not HAS_TRITON or any(t.numel() == 0 for t in tensors):
+        return False
+    if torch.compiler.is_compiling():
         return False
     device = tensors[0].device.type
     return device == "cuda" or (_interpreting and device == "cpu")

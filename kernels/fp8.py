@@ -46,6 +46,12 @@ and block of K, the amax over N tiles, then each tile scaled, rounded and stored
 Where ``_scaled_grouped_mm`` cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same
 function from the dequantized operands: its numerics are those of the GPU path up to fp32
 summation order.
+
+``fp8_linear`` is the same recipe for one dense weight (``nn.Linear``'s [N, K]; attention and
+dense projections, the LM head): forward and input gradient as ``torch._scaled_mm`` with
+rowwise scales, the weight gradient in bf16; it keeps the bf16 input for backward, as the
+bf16 linear does. Inside ``torch.compile`` its quantizers are the references above
+(``kernels._triton``'s rule), which Inductor fuses with the ops around them.
 """
 
 from __future__ import annotations
@@ -154,11 +160,14 @@ def dequantize_mx(q_MK: torch.Tensor, scale_MB: torch.Tensor) -> torch.Tensor:
     return (q_MK.float().view(M, -1, MX_BLOCK) * scale[..., None]).view(M, K)
 
 
+def scaled_mm_supported(x: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` runs rowwise-scaled FP8 here (CUDA, sm90 and newer)."""
+    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs FP8 here (CUDA, sm90 and newer)."""
-    if not hasattr(torch, "_scaled_grouped_mm") or x.device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return hasattr(torch, "_scaled_grouped_mm") and scaled_mm_supported(x)
 
 
 def _scaled_mm(
@@ -341,3 +350,61 @@ def fp8_expert_mlp(
     _check_scaling(offs_G, scaling)
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
     return _FP8ExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M, scaling)
+
+
+def _dense_mm(
+    qa_MK: torch.Tensor,
+    sa_M: torch.Tensor,
+    qb_NK: torch.Tensor,
+    sb_N: torch.Tensor,
+    out_dtype: torch.dtype,
+    tensor_cores: bool,
+) -> torch.Tensor:
+    """``a @ b^T`` from both operands quantized rowwise over K: ``torch._scaled_mm`` with
+    ``tensor_cores``, else the dequantized product."""
+    if tensor_cores:
+        return torch._scaled_mm(
+            qa_MK, qb_NK.t(), scale_a=sa_M[:, None], scale_b=sb_N[None, :], out_dtype=out_dtype
+        )
+    return (dequantize(qa_MK, sa_M) @ dequantize(qb_NK, sb_N).t()).to(out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool):  # type: ignore[override]
+        N, K = w_NK.shape
+        x_MK = x.reshape(-1, K)
+        ctx.save_for_backward(x_MK, w_NK)
+        ctx.tensor_cores = tensor_cores
+        y_MN = _dense_mm(*quantize_rowwise(x_MK), *quantize_rowwise(w_NK), x.dtype, tensor_cores)
+        return y_MN.view(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        x_MK, w_NK = ctx.saved_tensors
+        N, K = w_NK.shape
+        dy_MN = dy.reshape(-1, N).contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            qw_1KN, sw_1K = quantize_columnwise(w_NK[None])  # w over N: the rows of w^T
+            dx_MK = _dense_mm(
+                *quantize_rowwise(dy_MN), qw_1KN[0], sw_1K[0], dy.dtype, ctx.tensor_cores
+            )
+            dx = dx_MK.view(*dy.shape[:-1], K)
+        if ctx.needs_input_grad[1]:
+            dw = (dy_MN.t() @ x_MK).to(w_NK.dtype)
+        return dx, dw, None
+
+
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool) -> torch.Tensor:
+    """``x @ w^T`` (``F.linear`` without bias) with the forward and the input gradient in FP8,
+    both operands quantized rowwise over the contracted dimension (module doc), and the weight
+    gradient in bf16. ``tensor_cores``: run ``torch._scaled_mm`` (``scaled_mm_supported``;
+    decided once by the caller, outside any compiled region), else the dequantized product,
+    the same function up to fp32 summation order."""
+    if w_NK.ndim != 2 or x.shape[-1] != w_NK.shape[1]:
+        raise ValueError(
+            f"fp8_linear takes x [..., K] and w [N, K], got {tuple(x.shape)} and "
+            f"{tuple(w_NK.shape)}"
+        )
+    return _FP8Linear.apply(x, w_NK, tensor_cores)

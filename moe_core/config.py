@@ -415,6 +415,9 @@ class ParallelConfig:
 Dtype = Literal["fp32", "bf16"]
 
 
+FP8_PARTS = ("experts", "attention", "dense", "lm_head")  # what precision.fp8_parts may name
+
+
 @dataclass
 class PrecisionConfig:
     """Number formats of a run: weights, matmuls, optimizer state and FP8 parts.
@@ -431,9 +434,10 @@ class PrecisionConfig:
     # Gradient buffers and Adam moments: fp32 (plus an fp32 master copy of bf16 weights), or bf16
     # (moments and gradients in bf16, no master: bf16 weights updated in place; pure-bf16).
     optimizer: Dtype = "fp32"
-    # Parts run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``): "experts" (forward and
-    # input gradient; sm90+ on GPU). Dense and attention projections and the EP dispatch
-    # payload are not built yet and are refused.
+    # Parts whose GEMMs run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``: forward and
+    # input gradient; weight gradients stay bf16; sm90+ on GPU): "experts" (the routed experts),
+    # "attention" (q, k, v, o projections), "dense" (the shared expert's MLP), "lm_head". The
+    # EP dispatch payload is not built yet and is refused.
     fp8_parts: list[str] = field(default_factory=list)
     # How FP8 values are scaled: rowwise fp32 scales (Hopper and newer), or "mx": MXFP8, a
     # power-of-two E8M0 scale per 32 values (precision=mxfp8; Blackwell's format, emulated on
@@ -456,17 +460,26 @@ class PrecisionConfig:
                 "precision=pure-bf16)",
             )
         for part in self.fp8_parts:
-            if part != "experts":
+            if part not in FP8_PARTS:
                 _fail(
                     p + "fp8_parts",
                     list(self.fp8_parts),
-                    "a list of 'experts' only (FP8 dense projections, attention projections and "
-                    "EP dispatch payloads are not built yet)",
+                    f"a list of {', '.join(map(repr, FP8_PARTS))}, each at most once (FP8 EP "
+                    "dispatch payloads are not built yet)",
                 )
+        if len(set(self.fp8_parts)) != len(self.fp8_parts):
+            _fail(p + "fp8_parts", list(self.fp8_parts), "a list naming each part at most once")
         if self.fp8_parts and self.params != "bf16":
             _fail(p + "fp8_parts", list(self.fp8_parts), "[] unless precision.params=bf16")
         if self.fp8_scaling == "mx" and not self.fp8_parts:
             _fail(p + "fp8_scaling", "mx", "'rowwise' unless precision.fp8_parts names a part")
+        if self.fp8_scaling == "mx" and self.fp8_parts != ["experts"]:
+            _fail(
+                p + "fp8_parts",
+                list(self.fp8_parts),
+                "['experts'] with precision.fp8_scaling='mx' (MX scaling is built for the "
+                "experts only)",
+            )
 
 
 # Where each precision setting lived before the precision section (old key -> new key). A user

@@ -16,12 +16,14 @@ from kernels.fp8 import (
     dequantize_mx,
     fp8_expert_mlp,
     fp8_grouped_mm,
+    fp8_linear,
     quantize_columnwise,
     quantize_columnwise_reference,
     quantize_mx,
     quantize_mx_reference,
     quantize_rowwise,
     quantize_rowwise_reference,
+    scaled_mm_supported,
 )
 from kernels.grouped_gemm import grouped_mm
 from kernels.swiglu import swiglu
@@ -304,3 +306,84 @@ def test_swiglu_backward_quantizes_dh_bit_for_bit(dtype, weighted, wide, monkeyp
     rq, rs = quantize_rowwise_reference(dh)
     assert torch.equal(s, rs) and s[6] == 1.0
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def linear_operands(seed: int, lead: tuple[int, ...], N: int = 48, K: int = 80):
+    """bf16 x [*lead, K] (requiring grad), w [N, K], dy [*lead, N]; N and K multiples of 16 (as
+    ``torch._scaled_mm`` needs on the GPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*lead, K, generator=gen) * 3).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(DEVICE, torch.bfloat16).requires_grad_()
+    dy = torch.randn(*lead, N, generator=gen).to(DEVICE, torch.bfloat16)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("lead", [(37,), (2, 19)], ids=["tokens", "batch-seq"])
+def test_fp8_linear_tracks_the_bf16_linear_and_keeps_its_weight_gradient(lead):
+    x, w, dy = linear_operands(7, lead)
+    assert_triton_path(x)
+    y8 = fp8_linear(x, w, scaled_mm_supported(x))
+    dx8, dw8 = torch.autograd.grad(y8, (x, w), dy)
+    y = torch.nn.functional.linear(x, w)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert y8.dtype == dx8.dtype == dw8.dtype == torch.bfloat16
+    assert y8.shape == y.shape and dx8.shape == x.shape and dw8.shape == w.shape
+    for got, ref in ((y8, y), (dx8, dx)):
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert 0 < rel < 0.05, rel  # quantized (so not equal), within E4M3's precision
+    torch.testing.assert_close(dw8, dw)  # the weight gradient stays bf16: the same product
+
+
+def test_fp8_linear_multiplies_operands_quantized_along_the_contraction():
+    """The forward contracts over K with x and w quantized by rows (over K); the input gradient
+    contracts over N with dy by rows and w by columns (over N). The dequantized products of
+    exactly those operands give its outputs (bit for bit on CPU; on the GPU up to the FP8
+    GEMM's fp32 summation order and one bf16 rounding)."""
+    x, w, dy = linear_operands(8, (45,))
+    y8 = fp8_linear(x, w, scaled_mm_supported(x))
+    (dx8,) = torch.autograd.grad(y8, (x,), dy)
+    xd, wd = x.detach(), w.detach()
+    y_ref = (
+        dequantize(*quantize_rowwise_reference(xd))
+        @ dequantize(*quantize_rowwise_reference(wd)).t()
+    )
+    qw_1KN, sw_1K = quantize_columnwise_reference(wd[None])
+    dx_ref = dequantize(*quantize_rowwise_reference(dy)) @ dequantize(qw_1KN[0], sw_1K[0]).t()
+    exact = DEVICE == "cpu"
+    for got, ref in ((y8, y_ref), (dx8, dx_ref)):
+        ref = ref.to(torch.bfloat16)
+        if exact:
+            assert torch.equal(got, ref)
+        else:
+            torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-3)
+    # quantizing w over K in backward too (the forward's operand) would give another gradient
+    wrong = dequantize(*quantize_rowwise_reference(dy)) @ dequantize(
+        *quantize_rowwise_reference(wd)
+    )
+    assert not torch.allclose(dx8.float(), wrong, rtol=1e-3, atol=0)
+
+
+def test_fp8_linear_under_torch_compile_is_the_eager_function():
+    """Traced by ``torch.compile`` the quantizers are the references (``kernels._triton``'s
+    rule: Inductor writes its own kernels from them), which equal the Triton kernels byte for
+    byte, so the compiled op gives the eager one's output and gradients."""
+    x, w, dy = linear_operands(9, (2, 24))
+    tensor_cores = scaled_mm_supported(x)
+
+    def f(x, w):
+        return fp8_linear(x, w, tensor_cores)
+
+    got = f(x, w)
+    grads = torch.autograd.grad(got, (x, w), dy)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    again = compiled(x, w)
+    grads_again = torch.autograd.grad(again, (x, w), dy)
+    assert torch.equal(again, got)
+    for a, b in zip(grads_again, grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp8_linear_refuses_mismatched_shapes():
+    x, w, _ = linear_operands(10, (5,))
+    with pytest.raises(ValueError, match=r"fp8_linear takes x \[\.\.\., K\] and w \[N, K\]"):
+        fp8_linear(x, w.t(), False)

@@ -227,7 +227,19 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
         ),
         (
             ["precision=fp8", "precision.fp8_parts=[experts,dispatch]"],
-            "precision.fp8_parts=['experts', 'dispatch'] is not allowed: a list of 'experts' only",
+            "precision.fp8_parts=['experts', 'dispatch'] is not allowed: a list of 'experts', "
+            "'attention', 'dense', 'lm_head', each at most once (FP8 EP dispatch payloads are not "
+            "built yet)",
+        ),
+        (
+            ["precision=fp8", "precision.fp8_parts=[attention,attention]"],
+            "precision.fp8_parts=['attention', 'attention'] is not allowed: a list naming each "
+            "part at most once",
+        ),
+        (
+            ["precision=mxfp8", "precision.fp8_parts=[experts,attention]"],
+            "precision.fp8_parts=['experts', 'attention'] is not allowed: ['experts'] with "
+            "precision.fp8_scaling='mx' (MX scaling is built for the experts only)",
         ),
         (
             ["precision.fp8_parts=[experts]"],

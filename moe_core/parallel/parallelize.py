@@ -21,6 +21,7 @@ from moe_core.config import (
 )
 from moe_core.model import Transformer
 from moe_core.model.attention import Attention, flash4_installed
+from moe_core.model.fp8 import apply_fp8
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.compile import apply_compile
@@ -149,9 +150,8 @@ def parallelize(
             if isinstance(m, Attention):
                 m.impl = attention
             if isinstance(m, Experts):
-                m.fp8 = "experts" in precision.fp8_parts
-                m.fp8_scaling = precision.fp8_scaling
                 m.gather_rows = pcfg.gather_rows
+        apply_fp8(model, precision.fp8_parts, precision.fp8_scaling, mesh.device)
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)

@@ -1,0 +1,83 @@
+"""FP8 parts of a built model, applied from outside (``precision.fp8_parts``).
+
+``apply_fp8`` swaps the chosen ``nn.Linear`` modules for ``FP8Linear`` (``kernels.fp8.fp8_linear``:
+forward and input gradient in FP8 with rowwise scales, weight gradient in bf16) and switches the
+routed experts to their FP8 op. The swapped module keeps the same ``weight`` parameter, so
+parameter names, checkpoints, optimizer buckets and conversion are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kernels.fp8 import fp8_linear
+from moe_core.config import ConfigError
+from moe_core.model.attention import Attention
+from moe_core.model.moe import Experts, SwiGLU
+from moe_core.model.transformer import Transformer
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` without bias whose matmul is ``fp8_linear`` (``tensor_cores``: on the GPU's
+    FP8 tensor cores, else the dequantized product, as on CPU)."""
+
+    tensor_cores: bool = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tensor_cores: bool) -> FP8Linear:
+        if linear.bias is not None:
+            raise ConfigError("FP8 projections are built for linears without bias.")
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features = linear.in_features, linear.out_features
+        out.weight = linear.weight  # the same parameter object
+        out.register_parameter("bias", None)
+        out.tensor_cores = tensor_cores
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.tensor_cores)
+
+
+def _linears(model: nn.Module, part: str) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every linear that ``part`` names."""
+    if part == "attention":
+        owners, names = Attention, ("q_proj", "k_proj", "v_proj", "o_proj")
+    elif part == "dense":
+        owners, names = SwiGLU, ("w_gate", "w_up", "w_down")
+    elif part == "lm_head":
+        owners, names = Transformer, ("lm_head",)
+    else:
+        return []
+    return [
+        (m, n)
+        for m in model.modules()
+        if isinstance(m, owners)
+        for n in names
+        if isinstance(getattr(m, n, None), nn.Linear)
+    ]
+
+
+def apply_fp8(model: nn.Module, parts: Sequence[str], scaling: str, device: torch.device) -> None:
+    """Run ``parts`` of ``model`` in FP8 (``precision.fp8_parts``; ``scaling`` the experts'),
+    in place, before the model is compiled or its gradients are bucketed. On a GPU (Hopper or
+    newer: ``parallelize.choose_kernels`` has refused others) the projections take FP8 tensor
+    cores, whose GEMMs need both dimensions of each weight divisible by 16."""
+    tensor_cores = device.type == "cuda"
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.fp8 = "experts" in parts
+            m.fp8_scaling = scaling
+    for part in parts:
+        for parent, name in _linears(model, part):
+            linear = getattr(parent, name)
+            if tensor_cores and (linear.in_features % 16 or linear.out_features % 16):
+                raise ConfigError(
+                    f"precision.fp8_parts names {part!r}, whose {name} is "
+                    f"[{linear.out_features}, {linear.in_features}]: FP8 GEMMs need both "
+                    "dimensions divisible by 16; leave the part out."
+                )
+            setattr(parent, name, FP8Linear.from_linear(linear, tensor_cores))
