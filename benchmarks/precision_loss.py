@@ -29,10 +29,14 @@ PRECISIONS = ("pure-bf16", "fp8")
 TAIL = 20  # steps averaged for the final loss
 
 
-def overrides(precision: str, steps: int, data_dir: str, out_dir: str) -> list[str]:
+def overrides(
+    precision: str, steps: int, data_dir: str, out_dir: str, fp8_parts: str = ""
+) -> list[str]:
+    parts = [f"precision.fp8_parts=[{fp8_parts}]"] if fp8_parts and precision == "fp8" else []
     return [
         "model=small-64e",
         f"precision={precision}",
+        *parts,
         "train=default",
         "data=kjv-gpt2",
         f"data.dir={data_dir}",
@@ -48,15 +52,17 @@ def overrides(precision: str, steps: int, data_dir: str, out_dir: str) -> list[s
     ]
 
 
-def run(precision: str, steps: int, data_dir: str) -> dict:
+def run(precision: str, steps: int, data_dir: str, fp8_parts: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "moe_core.cli", "train"]
-        child([*cmd, *overrides(precision, steps, data_dir, out)], f"moe train ({precision})")
+        args = overrides(precision, steps, data_dir, out, fp8_parts)
+        child([*cmd, *args], f"moe train ({precision})")
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     timed = [r for r in rows if r["step"] >= 5]
     return {
-        "command": "moe train " + " ".join(overrides(precision, steps, "DIR", "OUT")[:-1]),
+        "command": "moe train "
+        + " ".join(overrides(precision, steps, "DIR", "OUT", fp8_parts)[:-1]),
         "steps": len(rows),
         "loss": losses,
         "final_loss": statistics.mean(losses[-TAIL:]),
@@ -92,6 +98,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--data-dir", default="")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--fp8-parts", default="", help="the fp8 run's parts (default: the preset's)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     p.add_argument("--plot", default="", help="draw a written JSON instead of running")
@@ -104,7 +111,8 @@ def main() -> None:
         raise SystemExit("--data-dir: the folder `moe tokenize data=kjv-gpt2` wrote")
     import torch
 
-    runs = {name: run(name, args.steps, str(Path(args.data_dir).resolve())) for name in PRECISIONS}
+    data_dir = str(Path(args.data_dir).resolve())
+    runs = {name: run(name, args.steps, data_dir, args.fp8_parts) for name in PRECISIONS}
     base, fp8 = runs["pure-bf16"]["final_loss"], runs["fp8"]["final_loss"]
     report = {
         "benchmark": "precision_loss",
@@ -112,6 +120,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "commit": args.commit,
+        "fp8_parts": args.fp8_parts or None,
         "final_loss_rel_diff": (fp8 - base) / base,
         "runs": runs,
     }
