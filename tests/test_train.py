@@ -17,6 +17,7 @@ from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.convert.native import load_model_dir
 from moe_core.model.flops import count
+from moe_core.model.fp8 import FP8Linear
 from moe_core.model.moe import Experts
 from moe_core.train.schedule import lr_multiplier
 from moe_core.train.trainer import Trainer
@@ -133,8 +134,9 @@ def test_dropped_expert_rows_stop_the_step_before_anything_is_applied(tmp_path):
 @pytest.mark.slow
 def test_fp8_presets_train_through_the_emulated_fp8_experts_on_cpu(tmp_path):
     """precision=fp8 and precision=mxfp8 on the CPU run the FP8 experts' emulation (quantized
-    operands, the dequantized product): losses track the bf16 run's closely, and are neither
-    its numbers nor each other's."""
+    operands, the dequantized product), as do the FP8 attention projections and LM head of
+    ``precision.fp8_parts``: losses track the bf16 run's closely, and are neither its numbers
+    nor each other's."""
     args = [*BASE, "train.steps=3", "train.checkpoint_every=100"]
     bf16 = Trainer(compose_run([*args, "precision=pure-bf16", f"out_dir={tmp_path / 'bf16'}"]))
     ref = [m.loss for m in bf16.fit(show_progress=False)]
@@ -148,6 +150,15 @@ def test_fp8_presets_train_through_the_emulated_fp8_experts_on_cpu(tmp_path):
         assert all(math.isfinite(v) for v in got) and got != ref
         assert all(abs(a - b) < 0.01 * b for a, b in zip(got, ref, strict=True)), (got, ref)
     assert losses["fp8"] != losses["mxfp8"]
+    # every rowwise part: the projections swapped for FP8Linear, the loss still tracking bf16's
+    parts = "precision.fp8_parts=[experts,attention,lm_head]"
+    run = compose_run([*args, "precision=fp8", parts, f"out_dir={tmp_path / 'parts'}"])
+    trainer = Trainer(run)
+    swapped = [n for n, m in trainer.chunks[0].named_modules() if isinstance(m, FP8Linear)]
+    assert "lm_head" in swapped and "layers.0.attn.o_proj" in swapped, swapped
+    got = [m.loss for m in trainer.fit(show_progress=False)]
+    assert all(math.isfinite(v) for v in got) and got not in (ref, losses["fp8"])
+    assert all(abs(a - b) < 0.01 * b for a, b in zip(got, ref, strict=True)), (got, ref)
 
 
 def test_mxfp8_is_refused_on_a_gpu_in_one_sentence(monkeypatch):
