@@ -1,0 +1,171 @@
+"""``moe plan``'s memory against what ``moe train`` allocates, one GPU, OLMoE-1B-7B width.
+
+    python benchmarks/plan_memory.py --layers 8,16 --out plan_memory.json
+
+Each configuration runs in its own child process: the ``Trainer`` of ``trainer_step.py``'s run
+(synthetic tokens, micro-batch 4 x 4096, ``--precision``), built in-process with
+``parallel.cuda_graph=false`` so that every allocation shows in the allocator's counters, and,
+after ``--warmup`` steps, one instrumented step. Recorded (GiB, ``torch.cuda.memory_allocated``):
+
+- ``static``: right after the step releases the last step's gradients (weights, optimizer
+  state, anything else kept between steps);
+- ``forward``: at the loss's call, less ``static`` (what the blocks keep for backward, the
+  logits);
+- ``loss``: what the loss call adds;
+- ``peak``: the step's ``max_memory_allocated`` less ``static`` (activations and the gradients
+  alive together in backward);
+- ``device_used``: the GPU's used memory after the step (``mem_get_info``: this process's
+  context, libraries and the allocator's cache included);
+- the plan's parts for the same run (``moe_core.plan.plan``).
+
+Two layer counts give the per-layer slope; the intercept is the embedding and the LM head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GIB = 2**30
+
+
+def measure(layers: int, precision: str, warmup: int, expert_gemm: str, attention: str) -> dict:
+    import torch
+    from trainer_step import trainer_overrides
+
+    from moe_core.compose import compose_run
+    from moe_core.plan import plan
+    from moe_core.train.trainer import Trainer
+
+    shape = argparse.Namespace(
+        layers=layers,
+        precision=precision,
+        fp8_parts="",
+        data="synthetic",
+        mbs=4,
+        micro_batches=1,
+        ep=1,
+        dp=1,
+        dispatcher="all_to_all",
+        cuda_graph="false",
+        expert_gemm=expert_gemm,
+        attention=attention,
+        warmup=warmup,
+        steps=2,
+    )
+    out = tempfile.mkdtemp()
+    run = compose_run(trainer_overrides(shape, out, data_dir=""))
+    mem = plan(run).memory
+    trainer = Trainer(run)
+    for _ in range(warmup):
+        trainer.train_step()
+    seen: dict[str, int] = {}
+    start_step, loss_fn = trainer.buckets.start_step, trainer.loss_fn
+
+    def start_step_probe() -> None:
+        start_step()
+        seen["static"] = torch.cuda.memory_allocated()
+
+    def loss_probe(logits, targets):
+        seen["at_loss"] = torch.cuda.memory_allocated()
+        loss = loss_fn(logits, targets)
+        seen["after_loss"] = torch.cuda.memory_allocated()
+        return loss
+
+    trainer.buckets.start_step, trainer.loss_fn = start_step_probe, loss_probe
+    torch.cuda.synchronize()
+    metrics = trainer.train_step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    static = seen["static"]
+    return {
+        "layers": layers,
+        "precision": precision,
+        "measured_gib": {
+            "static": static / GIB,
+            "forward": (seen["at_loss"] - static) / GIB,
+            "loss": (seen["after_loss"] - seen["at_loss"]) / GIB,
+            "peak_over_static": (peak - static) / GIB,
+            "peak_allocated": peak / GIB,
+            "trainer_printed_peak": metrics.peak_mem_gib,
+            "device_used": (total - free) / GIB,
+        },
+        "plan_gib": {
+            "weights": mem.weights / GIB,
+            "grad_buffers": mem.grad_buffers / GIB,
+            "optimizer": mem.optimizer / GIB,
+            "activations": mem.activations / GIB,
+            "transient": mem.transient / GIB,
+            "reserve": mem.reserve / GIB,
+            "total": mem.total / GIB,
+        },
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", default="8,16")
+    p.add_argument("--precision", default="pure-bf16")
+    p.add_argument("--expert-gemm", default="quack")
+    p.add_argument("--attention", default="flash4")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--one", action="store_true", help="(internal) measure one layer count")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--commit-note", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.one:
+        row = measure(
+            int(args.layers), args.precision, args.warmup, args.expert_gemm, args.attention
+        )
+        print("ROW " + json.dumps(row))
+        return
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        cmd = [sys.executable, __file__, "--one", f"--layers={layers}"]
+        cmd += [f"--precision={args.precision}", f"--expert-gemm={args.expert_gemm}"]
+        cmd += [f"--attention={args.attention}", f"--warmup={args.warmup}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in done.stdout.splitlines() if x.startswith("ROW ")]
+        if done.returncode or not line:
+            raise SystemExit(
+                f"{layers} layers failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            )
+        rows.append(json.loads(line[0][4:]))
+        print(json.dumps(rows[-1]))
+    import torch
+
+    result = {
+        "benchmark": "plan_memory",
+        "date": str(date.today()),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "commit_note": args.commit_note,
+        "expert_gemm": args.expert_gemm,
+        "attention": args.attention,
+        "rows": rows,
+    }
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        n = b["layers"] - a["layers"]
+        result["per_layer_gib"] = {
+            k: (b["measured_gib"][k] - a["measured_gib"][k]) / n
+            for k in ("forward", "peak_over_static")
+        }
+        result["plan_per_layer_activations_gib"] = (
+            b["plan_gib"]["activations"] - a["plan_gib"]["activations"]
+        ) / n
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
