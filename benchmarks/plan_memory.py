@@ -19,6 +19,9 @@ after ``--warmup`` steps, one instrumented step. Recorded (GiB, ``torch.cuda.mem
 - the plan's parts for the same run (``moe_core.plan.plan``).
 
 Two layer counts give the per-layer slope; the intercept is the embedding and the LM head.
+The plan is the run's on a one-GPU cluster (``cluster=local-gpu``, one GPU, where blocks
+compile by default). ``--replan FILE`` plans a written JSON's runs again with this checkout's
+planner (no GPU needed) and compares: the plan's total per GPU against the GPU's used memory.
 """
 
 from __future__ import annotations
@@ -35,13 +38,11 @@ HERE = Path(__file__).resolve().parent
 GIB = 2**30
 
 
-def measure(layers: int, precision: str, warmup: int, expert_gemm: str, attention: str) -> dict:
-    import torch
-    from trainer_step import trainer_overrides
+ONE_GPU = ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
 
-    from moe_core.compose import compose_run
-    from moe_core.plan import plan
-    from moe_core.train.trainer import Trainer
+
+def overrides(layers: int, precision: str, expert_gemm: str, attention: str, out: str) -> list:
+    from trainer_step import trainer_overrides
 
     shape = argparse.Namespace(
         layers=layers,
@@ -56,12 +57,31 @@ def measure(layers: int, precision: str, warmup: int, expert_gemm: str, attentio
         cuda_graph="false",
         expert_gemm=expert_gemm,
         attention=attention,
-        warmup=warmup,
+        warmup=2,
         steps=2,
     )
+    return trainer_overrides(shape, out, data_dir="")
+
+
+def plan_gib(layers: int, precision: str, expert_gemm: str, attention: str) -> dict:
+    """The plan's parts (GiB) for the measured run on one GPU."""
+    from moe_core.compose import compose_run
+    from moe_core.plan import plan
+
+    args = overrides(layers, precision, expert_gemm, attention, "OUT")
+    mem = plan(compose_run([*args, *ONE_GPU])).memory
+    parts = ("weights", "gradients", "grad_buffers", "optimizer", "activations", "transient")
+    return {k: getattr(mem, k) / GIB for k in (*parts, "reserve", "total")}
+
+
+def measure(layers: int, precision: str, warmup: int, expert_gemm: str, attention: str) -> dict:
+    import torch
+
+    from moe_core.compose import compose_run
+    from moe_core.train.trainer import Trainer
+
     out = tempfile.mkdtemp()
-    run = compose_run(trainer_overrides(shape, out, data_dir=""))
-    mem = plan(run).memory
+    run = compose_run(overrides(layers, precision, expert_gemm, attention, out))
     trainer = Trainer(run)
     for _ in range(warmup):
         trainer.train_step()
@@ -97,16 +117,28 @@ def measure(layers: int, precision: str, warmup: int, expert_gemm: str, attentio
             "trainer_printed_peak": metrics.peak_mem_gib,
             "device_used": (total - free) / GIB,
         },
-        "plan_gib": {
-            "weights": mem.weights / GIB,
-            "grad_buffers": mem.grad_buffers / GIB,
-            "optimizer": mem.optimizer / GIB,
-            "activations": mem.activations / GIB,
-            "transient": mem.transient / GIB,
-            "reserve": mem.reserve / GIB,
-            "total": mem.total / GIB,
-        },
+        "plan_gib": plan_gib(layers, precision, expert_gemm, attention),
     }
+
+
+def replan(path: Path) -> dict:
+    """A written result's runs planned again by this checkout, against what they measured."""
+    result = json.loads(path.read_text())
+    rows = []
+    for r in result["rows"]:
+        planned = plan_gib(r["layers"], r["precision"], result["expert_gemm"], result["attention"])
+        used = r["measured_gib"]["device_used"]
+        rows.append(
+            {
+                "layers": r["layers"],
+                "measured_device_used_gib": used,
+                "measured_peak_allocated_gib": r["measured_gib"]["peak_allocated"],
+                "plan_gib": planned,
+                "plan_over_measured": planned["total"] / used,
+            }
+        )
+        print(f"{r['layers']} layers: plan {planned['total']:.2f} GiB, used {used:.2f} GiB")
+    return {"benchmark": "plan_memory_replan", "measured": path.name, "rows": rows}
 
 
 def main() -> None:
@@ -117,10 +149,16 @@ def main() -> None:
     p.add_argument("--attention", default="flash4")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--one", action="store_true", help="(internal) measure one layer count")
+    p.add_argument("--replan", default="", help="plan a written JSON's runs again (no GPU)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--commit-note", default="")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.replan:
+        result = {**replan(Path(args.replan)), "commit": args.commit}
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     if args.one:
         row = measure(
             int(args.layers), args.precision, args.warmup, args.expert_gemm, args.attention

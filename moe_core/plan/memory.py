@@ -13,7 +13,9 @@ holds the same), in bytes:
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
   N_expert / dp)`` where that group has more than one rank. A rank that reduces nothing
   (``dp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
-  gradients instead: ``b_p * (N_dense + N_expert)`` and no transient.
+  gradients instead: ``b_p * (N_dense + N_expert)`` and no transient. With one micro-batch
+  those are written while backward frees the activations, so the peak holds
+  ``max(activations, gradients)``: only the gradients beyond the activations count.
 - optimizer (ZeRO-1): two Adam moments in ``b_o`` and, when the weights are less precise than
   that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
   for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
@@ -21,10 +23,14 @@ holds the same), in bytes:
 - activations: ``in_flight * layers_per_chunk * T * A`` with ``T = micro_batch_size * seq_len``
   tokens per micro-batch, ``in_flight`` the most forwards whose backward is still pending in
   the stage's schedule (``pp - s`` for 1F1B) and ``A`` the bytes one layer saves per token
-  (``layer_activation_bytes``); block recompute keeps ``d_model * b_p`` per layer and token
-  instead, plus one rematerialized layer (``T * A``) during backward. The stage holding the LM
-  head adds ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the logits, their fp32
-  copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16 autocast, else 4).
+  (``layer_activation_bytes``, eager or with compiled blocks, as the run compiles:
+  ``parallel.compile``, on by default on GPUs); block recompute keeps ``d_model * b_p`` per
+  layer and token instead, plus one rematerialized layer (``T * A``) during backward. The stage
+  holding the LM head adds, eager, ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the
+  logits, their fp32 copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16
+  autocast, else 4); compiled (the loss fuses the upcast), ``T * (2 V b_c + d_model * (b_p +
+  b_c))``: the logits, their gradient at the start of backward, the final norm's input and
+  output.
 - pipeline send buffers: ``messages * micro_batches * T * d_model * b_p`` (activations
   forward, gradients backward; the runner holds each until the step ends).
 - expert-parallel receive buffers (``parallel.dispatcher=nvshmem_rowwise``): the symmetric
@@ -64,6 +70,11 @@ def element_bytes(run: RunConfig) -> tuple[int, int, int]:
         DTYPE_BYTES[run.precision.compute],
         DTYPE_BYTES[run.precision.optimizer],
     )
+
+
+def compiles(run: RunConfig) -> bool:
+    """Whether the run's blocks are compiled: ``parallel.compile`` on the cluster's device."""
+    return run.parallel.compile_on("cuda" if run.cluster.gpus_per_node else "cpu")
 
 
 def tokens_per_micro_batch(run: RunConfig) -> int:
@@ -149,6 +160,12 @@ def autograd_keeps_gradients(run: RunConfig) -> bool:
     return run.parallel.data_parallel == 1 and (run.micro_batches == 1 or bp == bo)
 
 
+def gradients_follow_activations(run: RunConfig) -> bool:
+    """Autograd's gradients of one micro-batch: written while backward frees the activations,
+    so the peak holds the larger of the two, not their sum."""
+    return autograd_keeps_gradients(run) and run.micro_batches == 1
+
+
 def gradient_bytes(run: RunConfig, p: StageParameters) -> tuple[float, int]:
     """The gradient buffers (with the reduced shard) and the transient gradient of the largest
     parameter."""
@@ -182,8 +199,10 @@ def layer_activation_bytes(
     *,
     expert_rows_in: bool = True,
     expert_swiglu_out: bool = True,
+    compiled: bool = False,
 ) -> int:
-    """Bytes one transformer block keeps for backward per token (no recompute, or selective).
+    """Bytes one transformer block keeps for backward per token (no recompute, or selective),
+    run eagerly or, with ``compiled``, as ``torch.compile``'s block (``parallel.compile``).
 
     ``b_p`` (hidden states, experts: they run in the weights' dtype), ``b_c`` (autocast matmul
     outputs); per token:
@@ -206,6 +225,14 @@ def layer_activation_bytes(
       and k, ``4 head_dim b_c`` per token of a one-sequence micro-batch (an upper bound; the
       fp32 tables are one copy for the whole model).
     ``recompute="block"`` is accounted by the caller (a block then keeps only its input).
+
+    A compiled block keeps less around its norms and router (measured on one H200 within 0.3 %
+    for OLMoE-1B-7B's layer, RESULTS.md, issue 21): each norm keeps its input, not an fp32 copy,
+    and recomputes what it normalized, so the norms keep the two residual inputs ``2 d b_p``,
+    the MoE norm's output (the router's and dispatch's input) ``d b_p`` and q and k before
+    their norms ``(d + d_kv) b_c``, plus ``16``; the router keeps ``12 E + 20 k`` (its input is
+    that output); RoPE's tables are recomputed, not kept. Attention, experts and the shared
+    expert keep what they keep eagerly.
     """
     if recompute not in ("none", "selective", "block"):
         raise ConfigError(
@@ -215,8 +242,11 @@ def layer_activation_bytes(
     d, d_kv, h, k, e = m.d_model, m.kv_heads * m.head_dim, m.expert_hidden, m.top_k, m.n_experts
     h_shared = m.n_shared_experts * h
     norms = 2 * d * (4 + bp) + (d + d_kv) * (4 + bc) + 16
-    attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
     router = 4 * d + 12 * e + 20 * k
+    if compiled:
+        norms = 3 * d * bp + (d + d_kv) * bc + 16
+        router = 12 * e + 20 * k
+    attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
     experts = bp * k * (d + 3 * h) + 4 * k
     if recompute == "selective" or not expert_swiglu_out:
         experts -= bp * k * h
@@ -224,7 +254,7 @@ def layer_activation_bytes(
         experts -= bp * (k - 1) * d
     shared_input = 0 if bp == bc == 4 else bc * d
     shared = bc * 4 * h_shared + shared_input if h_shared else 0
-    rope = 4 * m.head_dim * bc if bc < 4 else 0
+    rope = 4 * m.head_dim * bc if bc < 4 and not compiled else 0
     return norms + attention + router + experts + shared + rope
 
 
@@ -293,9 +323,12 @@ def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
 
 
 def head_activation_bytes(run: RunConfig) -> int:
-    """The LM head's logits, their fp32 copy and log-softmax, and the head's inputs."""
+    """The LM head's logits, their fp32 copy and log-softmax, and the head's inputs; compiled,
+    the logits and their gradient, and the final norm's input and output (module doc)."""
     m = run.model
     bp, bc, _ = element_bytes(run)
+    if compiles(run):
+        return tokens_per_micro_batch(run) * (2 * m.vocab_size * bc + m.d_model * (bp + bc))
     return tokens_per_micro_batch(run) * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
 
 
@@ -306,7 +339,7 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
     tokens = tokens_per_micro_batch(run)
     per_chunk = m.n_layers // (par.pp * par.virtual_stages)
     rowwise = rowwise_buffers(run)
-    kept = expert_activations(run)
+    kept = {**expert_activations(run), "compiled": compiles(run)}
     if par.recompute == "block":
         a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
         acts = (
@@ -350,13 +383,16 @@ class StageMemory:
     expert_params: int  # this rank's experts (1 / ep of the stage's)
     in_flight: int
     weights: int
-    grad_buffers: int
+    gradients: int  # every gradient byte the rank holds after backward
+    grad_buffers: int  # those alive at the peak (``gradients``, or beyond the activations)
     optimizer: int
     activations: int
     p2p_buffers: int
     transient: int
     reserve: int
     ep_buffers: int = 0  # symmetric receive buffers of the rowwise dispatcher
+    grads_follow_activations: bool = False  # grad_buffers: only those beyond the activations
+    compiled: bool = False  # activations of compiled blocks
 
     @property
     def total(self) -> int:
@@ -376,7 +412,9 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
     """The peak of one rank of pipeline stage ``stage``, part by part."""
     p = stage_parameters(run, sh, stage)
     in_flight = max_in_flight(run.parallel, stage, run.micro_batches)
+    activations = activation_bytes(run, p, in_flight)
     grads, transient = gradient_bytes(run, p)
+    follow = gradients_follow_activations(run)
     return StageMemory(
         stage=stage,
         layers=p.layers,
@@ -384,11 +422,14 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
         expert_params=p.experts,
         in_flight=in_flight,
         weights=(p.dense + p.experts) * element_bytes(run)[0],
-        grad_buffers=round(grads),
+        gradients=round(grads),
+        grad_buffers=round(max(0, grads - activations) if follow else grads),
         optimizer=round(optimizer_bytes(run, p)),
-        activations=activation_bytes(run, p, in_flight),
+        activations=activations,
         p2p_buffers=pipeline_send_bytes(run, p),
         transient=transient,
         reserve=runtime_reserve(run),
         ep_buffers=rowwise_buffers(run).symmetric,
+        grads_follow_activations=follow,
+        compiled=compiles(run),
     )

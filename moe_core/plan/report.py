@@ -68,15 +68,19 @@ def _memory_rows(p: Plan) -> Rows:
     """The busiest rank's memory part by part, its total and every stage's total."""
     par, mem, od = p.parallel, p.memory, p.optimizer_dtype
     master = "fp32 master + " if p.param_dtype != od else ""
+    grads = f"{od}, plus the reduced shard"
+    if mem.grads_follow_activations:
+        grads = f"autograd's {p.param_dtype}, those beyond the activations backward frees"
+    compiled = ", compiled blocks" if mem.compiled else ""
     parts = (
         ("  weights", mem.weights, f"{p.param_dtype}"),
-        ("  gradient buffers", mem.grad_buffers, f"{od}, plus the reduced shard"),
+        ("  gradient buffers", mem.grad_buffers, grads),
         (
             "  optimizer",
             mem.optimizer,
             f"{master}2 {od} moments, dense / {par.dp * par.ep}, experts / {par.dp}",
         ),
-        ("  activations", mem.activations, f"recompute {par.recompute}"),
+        ("  activations", mem.activations, f"recompute {par.recompute}{compiled}"),
         ("  pipeline send buffers", mem.p2p_buffers, "held until the step ends"),
         ("  expert-parallel receive buffers", mem.ep_buffers, "symmetric memory, rowwise"),
         ("  transient", mem.transient, "largest parameter's gradient"),

@@ -173,10 +173,15 @@ def model_data(
         "total_params": counts.total_params,
         "active_params": counts.active_params,
         "flops_per_token": {s: count(m, s).flops_per_token for s in seq_lens if s <= m.max_seq_len},
-        "activation": {  # the page's runs: parallel.expert_gemm=auto, no gathered rows
+        "activation": {  # the page's runs: on GPUs (compiled blocks), expert_gemm=auto
             name: {
                 r: layer_activation_bytes(
-                    m, p["params"], p["compute"], r, **experts_keep("experts" in p["fp8_parts"])
+                    m,
+                    p["params"],
+                    p["compute"],
+                    r,
+                    **experts_keep("experts" in p["fp8_parts"]),
+                    compiled=True,
                 )
                 for r in ("none", "selective")
             }

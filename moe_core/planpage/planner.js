@@ -108,7 +108,7 @@ function planLayout(data, L) {
   const acts = model.activation[L.precision];
   const aLayer = acts[block ? "none" : L.recompute];
   const aFull = acts.none;
-  const headAct = T * (m.vocab_size * (bc + 8) + d * (4 + bp + bc));
+  const headAct = T * (2 * m.vocab_size * bc + d * (bp + bc)); // compiled (GPU runs)
   let epBuffers = 0, extraLayer = 0, extraFull = 0;
   if (L.ep > 1 && L.dispatcher === "nvshmem_rowwise") {
     const rows = L.ep * T; // dropless capacity (parallel.dispatch.rowwise_capacity)
@@ -143,10 +143,6 @@ function planLayout(data, L) {
     const expertShard = L.dp > 1 ? experts / L.dp : 0;
     let grads = bo * (dense + experts) + bo * (denseShard + expertShard);
     let transient = largest * bp;
-    if (autogradGrads) {
-      grads = bp * (dense + experts);
-      transient = 0;
-    }
     const stateBytes = 2 * bo + (bp < bo ? 4 : 0);
     const optimizer = stateBytes * (dense / dpep + experts / L.dp);
     const flight = inFlight(L.pp, v, s, nMb);
@@ -154,6 +150,12 @@ function planLayout(data, L) {
       ? flight * perChunk * T * d * bp + T * aFull + extraFull
       : flight * perChunk * (T * aLayer + extraLayer);
     if (last) activations += headAct;
+    if (autogradGrads) {
+      grads = bp * (dense + experts);
+      // one micro-batch: written as backward frees the activations (plan.memory.gradient_bytes)
+      if (nMb === 1) grads = Math.max(0, grads - activations);
+      transient = 0;
+    }
     const messages =
       chunks.filter((c) => c < nChunks - 1).length + chunks.filter((c) => c > 0).length;
     sent.push(messages * nMb * message);
@@ -324,23 +326,22 @@ function modelCounts(c, seqLen) {
   };
 }
 
-// plan.memory.layer_activation_bytes (recompute "none" or "selective"), term by term, with
-// plan.memory.experts_keep for the page's runs (expert_gemm auto, no gathered rows): FP8
-// experts keep no SwiGLU output.
+// plan.memory.layer_activation_bytes (recompute "none" or "selective", compiled: the page's
+// runs are on GPUs), term by term, with plan.memory.experts_keep for the page's runs
+// (expert_gemm auto, no gathered rows): FP8 experts keep no SwiGLU output.
 function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8Experts) {
   const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
   const hd = c.d_model / c.n_heads;
   const d = c.d_model, dKv = c.n_kv_heads * hd, h = c.expert_hidden, k = c.top_k, e = c.n_experts;
   const hShared = c.n_shared_experts * h;
-  const norms = 2 * d * (4 + bp) + (d + dKv) * (4 + bc) + 16;
+  const norms = 3 * d * bp + (d + dKv) * bc + 16;
   const attention = bc * (3 * d + 2 * dKv) + 4 * c.n_heads;
-  const router = 4 * d + 12 * e + 20 * k;
+  const router = 12 * e + 20 * k;
   let experts = bp * k * (d + 3 * h) + 4 * k;
   if (recompute === "selective" || fp8Experts) experts -= bp * k * h;
   const sharedInput = bp === 4 && bc === 4 ? 0 : bc * d;
   const shared = hShared ? bc * 4 * hShared + sharedInput : 0;
-  const rope = bc < 4 ? 4 * hd * bc : 0;
-  return norms + attention + router + experts + shared + rope;
+  return norms + attention + router + experts + shared;
 }
 
 // plan.communication.all_to_all_rows_per_token: (ep - 1) (1 - q), q = C(E - E/ep, k) /
