@@ -7,8 +7,10 @@ skew (softmax of random logits): 16,384 x 8 x 2048 x 2 bytes = 512 MiB of routed
 experts are replaced by the identity (rows come back scaled by their router weight), so what is
 timed is the metadata exchange, the rows there and back, and the sums: forward alone and
 forward + backward, CUDA events after warm-up, median, per dispatcher in the same run
-(``all_to_all``: NCCL with its host read; ``nvshmem_rowwise``: symmetric memory, dropless
-buffers unless ``--capacity-factor``). With one process only the rowwise path runs (one PE).
+(``all_to_all``: NCCL with its host read; ``all_to_all_fp8``: the same with the token rows
+sent as E4M3 and a scale each, ``precision.fp8_parts`` naming "dispatch"; ``nvshmem_rowwise``:
+symmetric memory, dropless buffers unless ``--capacity-factor``). With one process only the
+rowwise path runs (one PE).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class IdentityExperts:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--dispatchers", default="all_to_all,nvshmem_rowwise")
+    p.add_argument("--dispatchers", default="all_to_all,all_to_all_fp8,nvshmem_rowwise")
     p.add_argument("--capacity-factor", type=float, default=None)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
@@ -71,10 +73,11 @@ def main() -> None:
     experts = IdentityExperts(rank * El, El)
     results = {}
     for name in args.dispatchers.split(","):
-        if name == "all_to_all" and P == 1:
+        if name.startswith("all_to_all") and P == 1:
             continue
-        if name == "all_to_all":
-            dispatcher = AllToAllDispatcher(dist.group.WORLD, P, El)
+        if name.startswith("all_to_all"):
+            fp8_rows = {"all_to_all": False, "all_to_all_fp8": True}[name]
+            dispatcher = AllToAllDispatcher(dist.group.WORLD, P, El, fp8_rows)
         else:
             rows, assignments = rowwise_capacity(E, K, P, T, args.capacity_factor)
             heap = CudaSymmetricHeap(dist.group.WORLD, torch.device("cuda", local))

@@ -415,7 +415,8 @@ class ParallelConfig:
 Dtype = Literal["fp32", "bf16"]
 
 
-FP8_PARTS = ("experts", "attention", "dense", "lm_head")  # what precision.fp8_parts may name
+# what precision.fp8_parts may name ("dispatch": the all-to-all's token rows, parallel.ep > 1)
+FP8_PARTS = ("experts", "attention", "dense", "lm_head", "dispatch")
 
 
 @dataclass
@@ -436,8 +437,10 @@ class PrecisionConfig:
     optimizer: Dtype = "fp32"
     # Parts whose GEMMs run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``: forward and
     # input gradient; weight gradients stay bf16; sm90+ on GPU): "experts" (the routed experts),
-    # "attention" (q, k, v, o projections), "dense" (the shared expert's MLP), "lm_head". The
-    # EP dispatch payload is not built yet and is refused.
+    # "attention" (q, k, v, o projections), "dense" (the shared expert's MLP), "lm_head", and
+    # "dispatch": the token rows the all-to-all dispatcher sends to the experts' ranks travel
+    # as E4M3 with one fp32 scale per row (half the bytes; the combine and every gradient stay
+    # in the weights' dtype).
     fp8_parts: list[str] = field(default_factory=list)
     # How FP8 values are scaled: rowwise fp32 scales (Hopper and newer), or "mx": MXFP8, a
     # power-of-two E8M0 scale per 32 values (precision=mxfp8; Blackwell's format, emulated on
@@ -464,8 +467,7 @@ class PrecisionConfig:
                 _fail(
                     p + "fp8_parts",
                     list(self.fp8_parts),
-                    f"a list of {', '.join(map(repr, FP8_PARTS))}, each at most once (FP8 EP "
-                    "dispatch payloads are not built yet)",
+                    f"a list of {', '.join(map(repr, FP8_PARTS))}, each at most once",
                 )
         if len(set(self.fp8_parts)) != len(self.fp8_parts):
             _fail(p + "fp8_parts", list(self.fp8_parts), "a list naming each part at most once")
@@ -733,6 +735,18 @@ class RunConfig:
                 t.global_batch_size,
                 f"interleaved 1F1B needs micro-batches per step ({n_micro}) divisible by "
                 f"parallel.pp ({par.pp})",
+            )
+        if "dispatch" in self.precision.fp8_parts and par.ep == 1:
+            _fail(
+                "precision.fp8_parts",
+                list(self.precision.fp8_parts),
+                "a list without 'dispatch' when parallel.ep=1 (no token rows travel)",
+            )
+        if "dispatch" in self.precision.fp8_parts and par.dispatcher != "all_to_all":
+            raise OptionNotImplementedError(
+                f"precision.fp8_parts 'dispatch' with parallel.dispatcher={par.dispatcher!r} is "
+                "not built yet: FP8 token rows travel through the all_to_all dispatcher; use "
+                "parallel.dispatcher=all_to_all or leave 'dispatch' out."
             )
         if self.eval.every and self.data.kind != "tokens":
             _fail(

@@ -127,8 +127,44 @@ def dispatch_parity(out: str, args: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool) -> list[dict]:
+def dispatch_fp8_parity(out: str, args: list[str]) -> None:
+    """AllToAllDispatcher with FP8 rows (EP=2, gloo, fp32) vs LocalDispatcher with all experts
+    on the token rows quantized and dequantized once (``kernels.fp8``'s rowwise rules): the same
+    outputs and gradients (the quantization is straight-through), and unlike the unquantized
+    run; the token rows travel as bytes with one fp32 scale each, the combine's rows in fp32.
+    Rank 0 writes what each rank saw."""
+    dist.init_process_group("gloo")
+    sends: list[tuple[str, list[int]]] = []
+    real = dist.all_to_all_single
+
+    def recording(output, input, *rest, **kw):
+        sends.append((str(input.dtype).removeprefix("torch."), list(input.shape)))
+        return real(output, input, *rest, **kw)
+
+    dist.all_to_all_single = recording
+    checked = _dispatch_cases(torch.float32, 1e-5, triton=False, fp8=True)
+    dist.all_to_all_single = real
+    # the run's option reaches every layer's dispatcher (moe_core.parallel.parallelize)
+    from moe_core.model.moe import MoE
+    from moe_core.parallel.mesh import build_mesh
+    from moe_core.parallel.parallelize import parallelize
+
+    fp8_rows = ["precision=fp8", "precision.fp8_parts=[experts,dispatch]"]
+    run = compose_run(["model=tiny", *fp8_rows, "parallel.ep=2", "train.global_batch_size=64"])
+    chunks = parallelize(run.model, run.parallel, run.precision, build_mesh(run.parallel), 0, 64)
+    layers = [m.dispatcher for c in chunks.values() for m in c.modules() if isinstance(m, MoE)]
+    wired = all(isinstance(d, AllToAllDispatcher) and d.fp8_rows for d in layers)
+    everyone = [None, None]
+    dist.all_gather_object(everyone, {"cases": checked, "sends": sends, "wired": wired})
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool, fp8: bool = False) -> list[dict]:
     from kernels._triton import use_triton
+    from kernels.fp8 import dequantize, quantize_rowwise_reference
 
     rank = dist.get_rank()
     assert dist.get_world_size() == 2
@@ -144,7 +180,7 @@ def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool) -> list[dict]:
         mine.w_gate_up.copy_(full.w_gate_up[rank * El : (rank + 1) * El])
         mine.w_down.copy_(full.w_down[rank * El : (rank + 1) * El])
     mine.expert_offset = rank * El
-    dispatcher = AllToAllDispatcher(dist.group.WORLD, 2, El)
+    dispatcher = AllToAllDispatcher(dist.group.WORLD, 2, El, fp8_rows=fp8)
     checked = []
     for i, (case, sizes) in enumerate(DISPATCH_CASES):
         gen = torch.Generator().manual_seed(100 * i + rank)
@@ -157,7 +193,9 @@ def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool) -> list[dict]:
         assert T == 0 or use_triton(x_TD) == triton, "the kernels under test must run"
 
         inputs = (x_TD, w_TK, experts_TK, dy_TD)
-        ref = list(dispatch_grads(LocalDispatcher(), full, *inputs))
+        x_ref = dequantize(*quantize_rowwise_reference(x_TD)).to(dt) if fp8 else x_TD
+        ref = list(dispatch_grads(LocalDispatcher(), full, x_ref, *inputs[1:]))
+        unquantized = dispatch_grads(LocalDispatcher(), full, *inputs)[0]
         for g in ref[3:]:  # expert weights see both ranks' tokens
             dist.all_reduce(g)
         ref[3] = ref[3][rank * El : (rank + 1) * El]
@@ -170,7 +208,10 @@ def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool) -> list[dict]:
         again = dispatch_grads(dispatcher, mine, *inputs)
         assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), case
         moved = [float(g.abs().sum()) for g in got[3:]]
-        checked.append({"case": case, "tokens": T, "expert_grad_abs_sum": moved})
+        differs = T > 0 and not torch.allclose(got[0], unquantized, rtol=tol, atol=tol)
+        checked.append(
+            {"case": case, "tokens": T, "expert_grad_abs_sum": moved, "differs": differs}
+        )
     return checked
 
 
@@ -341,6 +382,7 @@ if __name__ == "__main__":
         "optimizer": optimizer_state,
         "eval": evaluate,
         "dispatch": dispatch_parity,
+        "dispatch-fp8": dispatch_fp8_parity,
         "dispatch-syncs": dispatch_host_syncs,
         "rowwise": rowwise_parity,
     }[sys.argv[1]]

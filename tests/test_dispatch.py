@@ -41,6 +41,28 @@ def test_all_to_all_dispatcher_equals_local_dispatcher(mode, tmp_path, monkeypat
     assert all(s > 0 for s in by_case[1]["distinct"]["expert_grad_abs_sum"])
 
 
+@pytest.mark.slow
+def test_fp8_rows_travel_as_bytes_and_the_experts_see_them_quantized(tmp_path):
+    """precision.fp8_parts 'dispatch' (2 ranks, gloo): every case's outputs and gradients equal
+    the local dispatcher's on token rows quantized once by kernels.fp8's rules (the gradient
+    passes the quantization straight through) and differ from the unquantized run's; the token
+    rows go out as one byte per value plus one fp32 scale per row, the combine in fp32."""
+    out = tmp_path / "dispatch-fp8.json"
+    result = torchrun(2, [str(TESTS / "dist_jobs.py"), "dispatch-fp8", str(out)])
+    assert result.returncode == 0, explain(result)
+    for rank in json.loads(out.read_text()):
+        assert rank["wired"]  # moe train's layers with the option send FP8 rows
+        cases, sends = rank["cases"], rank["sends"]
+        assert len(cases) == 5 and all(c["differs"] for c in cases if c["tokens"] > 0)
+        # token rows: 16 (DISPATCH_D) bytes each, once per forward (cases run twice)
+        rows = [i for i, (dtype, _) in enumerate(sends) if dtype == "uint8"]
+        assert len(rows) == 2 * len(cases) and all(sends[i][1][1:] == [16] for i in rows)
+        for i in rows:  # each followed by its fp32 scales, one per row
+            assert sends[i + 1] == ["float32", sends[i][1][:1]], sends[i : i + 2]
+        # the combine's rows and the gradients: fp32, never bytes
+        assert any(dtype == "float32" and shape[1:] == [16] for dtype, shape in sends)
+
+
 @pytest.mark.gpu
 @needs_gpus(2)
 def test_all_to_all_dispatcher_reads_the_host_once_per_forward_and_never_in_backward(tmp_path):

@@ -226,10 +226,22 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
             "all_to_all, which reads split sizes on the host",
         ),
         (
+            ["precision=fp8", "precision.fp8_parts=[experts,payload]"],
+            "precision.fp8_parts=['experts', 'payload'] is not allowed: a list of 'experts', "
+            "'attention', 'dense', 'lm_head', 'dispatch', each at most once",
+        ),
+        (
             ["precision=fp8", "precision.fp8_parts=[experts,dispatch]"],
-            "precision.fp8_parts=['experts', 'dispatch'] is not allowed: a list of 'experts', "
-            "'attention', 'dense', 'lm_head', each at most once (FP8 EP dispatch payloads are not "
-            "built yet)",
+            "precision.fp8_parts=['experts', 'dispatch'] is not allowed: a list without "
+            "'dispatch' when parallel.ep=1 (no token rows travel)",
+        ),
+        (
+            [
+                *["precision=fp8", "precision.fp8_parts=[dispatch]", "parallel.ep=2"],
+                *["parallel.dispatcher=nvshmem_rowwise", "train.global_batch_size=32"],
+            ],
+            "precision.fp8_parts 'dispatch' with parallel.dispatcher='nvshmem_rowwise' is not "
+            "built yet: FP8 token rows travel through the all_to_all dispatcher",
         ),
         (
             ["precision=fp8", "precision.fp8_parts=[attention,attention]"],

@@ -440,3 +440,20 @@ def test_rowwise_receive_buffers_in_the_plan():
         layers = 2
         assert mem.activations - a2a.activations == layers * (assignments - tokens * 2) * per_row
         assert mem.total == a2a.total + mem.ep_buffers + mem.activations - a2a.activations
+
+
+def test_fp8_dispatch_rows_cut_the_forward_all_to_all_bytes():
+    """precision.fp8_parts 'dispatch': each row the all-to-all sends forward to the experts
+    carries d_model bytes and a 4-byte scale instead of d_model bf16 values; the rows back and
+    every gradient are unchanged."""
+    from moe_core.plan.communication import all_to_all_bytes_per_layer, all_to_all_rows_per_token
+
+    layout = ["model=olmoe-1b-7b", "precision=fp8", "parallel.ep=4", "train.global_batch_size=64"]
+    bf16_rows = compose_run(layout)
+    fp8_rows = compose_run([*layout, "precision.fp8_parts=[experts,dispatch]"])
+    m = bf16_rows.model
+    rows = all_to_all_rows_per_token(m, 4) * bf16_rows.train.micro_batch_size
+    rows *= bf16_rows.train.seq_len
+    saved = all_to_all_bytes_per_layer(bf16_rows) - all_to_all_bytes_per_layer(fp8_rows)
+    assert saved == pytest.approx(rows * (2 * m.d_model - (m.d_model + 4)))
+    assert plan(fp8_rows).comm.all_to_all < plan(bf16_rows).comm.all_to_all

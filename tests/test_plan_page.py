@@ -316,6 +316,37 @@ def test_custom_sizes_plan_as_moe_plan(page: str):
     assert to_dict(m)["n_kv_heads"] == 4
 
 
+def test_fp8_dispatch_rows_plan_as_moe_plan(tmp_path):
+    """A run sending FP8 token rows (precision.fp8_parts 'dispatch'): its precision joins the
+    page, whose planner refuses it where Python does (one rank: no rows travel; the rowwise
+    dispatcher: not built) and otherwise gives Python's numbers, fewer all-to-all bytes than
+    bf16 rows."""
+    out = tmp_path / "plan.html"
+    run = ["precision=fp8", "precision.fp8_parts=[experts,dispatch]", "parallel.ep=2"]
+    run += ["cluster=local-gpu", "cluster.procs_per_node=2", "cluster.gpus_per_node=2"]
+    assert cli.main(["plan", *run, "train.global_batch_size=32", "--html", str(out)]) == 0
+    page = out.read_text()
+    data, _ = page_scripts(page)
+    names = [n for n, p in data["precisions"].items() if "dispatch" in p["fp8_parts"]]
+    assert len(names) == 1
+    keys = list(itertools.product(range(len(LAYOUTS)), (names[0], "fp8"), ("olmoe-1b-7b", "tiny")))
+    grid = [{**LAYOUTS[i], "precision": p, "model": m, "gpu": "H200"} for i, p, m in keys]
+    mine = run_planner(page, grid)
+    refs = dict(zip(keys, (evaluate(lay, data) for lay in grid), strict=True))
+    sized = [same_plan(r, refs[k], lay) for k, lay, r in zip(keys, grid, mine, strict=True)]
+    assert sum(sized) >= 8 and not all(sized)
+    refusals = [r["refusal"] or "" for r in refs.values()]
+    assert any(r.startswith("precision.fp8_parts=['experts', 'dispatch'] is not") for r in refusals)
+    assert any(r.startswith("precision.fp8_parts 'dispatch' with") for r in refusals)
+    # FP8 rows against bf16 rows, the same layout and model, where rows travel
+    fewer = [
+        refs[(i, names[0], m)]["comm"]["all_to_all"] < refs[(i, "fp8", m)]["comm"]["all_to_all"]
+        for i, p, m in keys
+        if p == "fp8" and refs[(i, names[0], m)].get("comm")
+    ]
+    assert fewer and all(fewer)
+
+
 def test_a_conf_model_named_as_the_custom_choice_is_refused(tmp_path):
     """A model file that would hide the page's typed sizes stops the page in one sentence."""
     conf = tmp_path / "conf"

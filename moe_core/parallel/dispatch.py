@@ -23,6 +23,12 @@ backward. Every row move is a slot kernel (``kernels.slot_permute``, Triton on G
   received token's weighted expert outputs;
 - back on the sender, ``sum_from_slots`` sums the rows returned by the ranks.
 
+With FP8 rows (``precision.fp8_parts`` naming "dispatch") the sender quantizes the send
+buffer by rows (``kernels.fp8.quantize_rowwise``: E4M3 with one fp32 scale per row) and the
+two travel in two all-to-alls, about half the bytes of bf16 rows; the receiver dequantizes
+into the weights' dtype before its experts. The combine's rows and every gradient travel in
+the weights' dtype; the quantization is a straight-through step (its gradient the identity).
+
 Backward passes are the slot kernels' and the all-to-all's own: deterministic (fixed-order sums,
 no atomics), with no host read. A routing weight's gradient comes from the one rank holding its
 expert (the others give exactly 0 for it) and is summed over ranks in fixed order.
@@ -40,6 +46,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from kernels.fp8 import E4M3, dequantize, quantize_rowwise
 from kernels.routing import ExpertSlots, expert_slots
 from kernels.rowwise import PeerRows, gather_rows, put_rows
 from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
@@ -97,14 +104,52 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return out
 
 
+def _send_fp8_rows(
+    x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+) -> torch.Tensor:
+    q_SD, s_S = quantize_rowwise(x_SD)
+    q_RD = torch.empty(sum(out_splits), x_SD.shape[1], dtype=torch.uint8, device=x_SD.device)
+    dist.all_to_all_single(q_RD, q_SD.view(torch.uint8), out_splits, in_splits, group=group)
+    s_R = s_S.new_empty(sum(out_splits))
+    dist.all_to_all_single(s_R, s_S, out_splits, in_splits, group=group)
+    return dequantize(q_RD.view(E4M3), s_R).to(x_SD.dtype)
+
+
+class _FP8AllToAll(torch.autograd.Function):
+    """Rows sent as E4M3 with a scale each (``_send_fp8_rows``); the gradient comes back in
+    the rows' dtype, as if they had travelled unquantized (straight-through)."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _send_fp8_rows(x, out_splits, in_splits, group)
+
+    backward = staticmethod(_AllToAll.backward)
+
+
+def fp8_all_to_all(
+    x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+) -> torch.Tensor:
+    """``all_to_all`` of [S, D] rows quantized by rows to E4M3 for the trip (module doc)."""
+    if x_SD.requires_grad:
+        return _FP8AllToAll.apply(x_SD, out_splits, in_splits, group)
+    return _send_fp8_rows(x_SD.contiguous(), out_splits, in_splits, group)
+
+
 class AllToAllDispatcher:
     """Dropless expert parallelism over ``group`` (``ep_size`` ranks, ``n_local`` experts each;
-    this rank holds experts ``[ep_rank * n_local, (ep_rank + 1) * n_local)``)."""
+    this rank holds experts ``[ep_rank * n_local, (ep_rank + 1) * n_local)``); ``fp8_rows``:
+    token rows travel as E4M3 (module doc)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep_size: int, n_local: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, ep_size: int, n_local: int, fp8_rows: bool = False
+    ) -> None:
         if ep_size * n_local > EXACT_FP32_INTS:
             raise ValueError(f"{ep_size * n_local} experts: ids must stay below 2**24")
         self.group, self.ep_size, self.n_local = group, ep_size, n_local
+        self.fp8_rows = fp8_rows
         self.expert_offset = dist.get_rank(group) * n_local
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
@@ -131,7 +176,8 @@ class AllToAllDispatcher:
         )
         x_SD = permute_to_slots(x_TD, send.slot_TK, n_send, every_row_mapped=True)
         route_S2K = permute_to_slots(route_T2K, send.slot_TK, n_send, every_row_mapped=True)
-        x_RD = all_to_all(x_SD, recv_splits, send_splits, self.group)
+        send_rows = fp8_all_to_all if self.fp8_rows else all_to_all
+        x_RD = send_rows(x_SD, recv_splits, send_splits, self.group)
         route_R2K = all_to_all(route_S2K, recv_splits, send_splits, self.group)
 
         # Receiver: this rank's experts on the received tokens (other ranks' choices dropped),

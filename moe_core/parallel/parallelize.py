@@ -97,9 +97,11 @@ def build_chunk(
     chunk: int,
     mesh: Mesh,
     exchange: RowwiseExchange | None = None,
+    fp8_rows: bool = False,
 ) -> Transformer:
     """Chunk ``chunk`` of ``pp x virtual_stages``, with this rank's experts, on the meta device
-    (``exchange``: the rowwise dispatchers' buffers, when that is the dispatcher)."""
+    (``exchange``: the rowwise dispatchers' buffers, when that is the dispatcher; ``fp8_rows``:
+    the all-to-all sends token rows in FP8)."""
     n_chunks = pcfg.pp * pcfg.virtual_stages
     with on_meta():
         model = Transformer(cfg)
@@ -120,7 +122,7 @@ def build_chunk(
             if exchange is not None:
                 moe.dispatcher = RowwiseDispatcher(exchange, n_local)
             else:
-                moe.dispatcher = AllToAllDispatcher(mesh.ep_group, pcfg.ep, n_local)
+                moe.dispatcher = AllToAllDispatcher(mesh.ep_group, pcfg.ep, n_local, fp8_rows)
     return model
 
 
@@ -141,7 +143,8 @@ def parallelize(
         exchange = rowwise_exchange(cfg, pcfg, mesh, tokens, dtype)
     chunks: dict[int, Transformer] = {}
     for c in rank_chunks(pcfg, mesh.pp_rank):
-        model = build_chunk(cfg, pcfg, c, mesh, exchange)
+        fp8_rows = "dispatch" in precision.fp8_parts
+        model = build_chunk(cfg, pcfg, c, mesh, exchange, fp8_rows)
         model.to_empty(device=mesh.device)
         model.init_weights(seed)
         for p in model.parameters():

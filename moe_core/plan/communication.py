@@ -6,7 +6,9 @@ Ring collectives send ``(g - 1) / g`` of the buffer.
   other expert-parallel rank holding one of its top-k experts, ``r = T * (ep - 1) * (1 - q)``
   rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends ``r * (d_model * b_p + 12 k)``
   (row, expert ids, weights) and ``r * d_model * b_p`` back; backward the same rows with
-  ``4 k`` instead of ``12 k``; block recompute repeats the forward.
+  ``4 k`` instead of ``12 k``; block recompute repeats the forward. FP8 rows
+  (``precision.fp8_parts`` naming "dispatch") send ``d_model + 4`` bytes (E4M3 and a scale)
+  instead of ``d_model * b_p`` for each row forward.
 - reduce-scatter of the gradients (``b_o``) and all-gather of the updated weights, once per step.
 - pipeline: one ``T * d_model * b_p`` message per micro-batch and chunk boundary, each way
   (``memory.pipeline_send_bytes``).
@@ -53,7 +55,8 @@ def all_to_all_bytes_per_layer(run: RunConfig) -> float:
     bp, _, _ = element_bytes(run)
     rows = all_to_all_rows_per_token(m, par.ep)
     k = m.top_k
-    forward = rows * (m.d_model * bp + 12 * k) + rows * m.d_model * bp
+    row_out = m.d_model + 4 if "dispatch" in run.precision.fp8_parts else m.d_model * bp
+    forward = rows * (row_out + 12 * k) + rows * m.d_model * bp
     backward = rows * m.d_model * bp + rows * (m.d_model * bp + 4 * k)
     sizes = ring(par.ep * (1 + m.n_experts // par.ep) * 8, par.ep) if par.ep > 1 else 0
     tokens = tokens_per_micro_batch(run)

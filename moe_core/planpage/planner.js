@@ -27,8 +27,9 @@ function inFlight(pp, v, s, nMb) {
   return Math.min(warmup + 1, total);
 }
 
-// The first config check the layout fails (the sentence moe_core.config raises), or null.
-function configRefusal(m, L) {
+// The first config check the layout fails (the sentence moe_core.config raises), or null;
+// prec: the layout's precision section.
+function configRefusal(m, L, prec) {
   const fail = (name, value, allowed) => `${name}=${value} is not allowed: ${allowed}.`;
   const positive = (names) => {
     for (const [name, key] of names)
@@ -69,6 +70,15 @@ function configRefusal(m, L) {
     return fail("train.global_batch_size", L.global_batch_size,
       `interleaved 1F1B needs micro-batches per step (${nMicro}) divisible by ` +
       `parallel.pp (${L.pp})`);
+  const parts = prec.fp8_parts;
+  const pyList = `[${parts.map((p) => `'${p}'`).join(", ")}]`; // as Python prints the list
+  if (parts.includes("dispatch") && L.ep === 1)
+    return fail("precision.fp8_parts", pyList,
+      "a list without 'dispatch' when parallel.ep=1 (no token rows travel)");
+  if (parts.includes("dispatch") && L.dispatcher !== "all_to_all")
+    return `precision.fp8_parts 'dispatch' with parallel.dispatcher='${L.dispatcher}' is not ` +
+      "built yet: FP8 token rows travel through the all_to_all dispatcher; use " +
+      "parallel.dispatcher=all_to_all or leave 'dispatch' out.";
   const world = L.pp * dpep;
   const procs = L.nodes * L.gpus_per_node;
   if (procs !== world) {
@@ -87,7 +97,7 @@ function configRefusal(m, L) {
 function planLayout(data, L) {
   const model = data.models[L.model];
   const m = model.config;
-  const refusal = configRefusal(m, L);
+  const refusal = configRefusal(m, L, data.precisions[L.precision]);
   if (refusal) return { refusal };
   const C = data.constants;
   const prec = data.precisions[L.precision];
@@ -115,8 +125,10 @@ function planLayout(data, L) {
     const assignments = L.ep * T * Math.min(k, E / L.ep);
     epBuffers = (rows + 1) * d * bp + (rows + 1) * 2 * k * 4 + L.ep * L.ep * 8;
     const moreRows = assignments - T * k;
-    extraFull = moreRows * (bp * (d + 3 * h) + 4);
-    extraLayer = extraFull - (L.recompute === "selective" ? moreRows * bp * h : 0);
+    // plan.memory.rowwise_buffers: FP8 experts keep no SwiGLU output (experts_keep)
+    const swigluOut = prec.fp8_parts.includes("experts") ? 0 : 1;
+    extraFull = moreRows * (bp * (d + (2 + swigluOut) * h) + 4);
+    extraLayer = extraFull - (swigluOut && L.recompute === "selective" ? moreRows * bp * h : 0);
   }
   const message = T * d * bp + 4;
   const reserve = pyRound(C.reserve_gib * C.gib);
@@ -176,7 +188,8 @@ function planLayout(data, L) {
   const heaviest = stages.reduce((a, b) => (b.dense + b.experts > a.dense + a.experts ? b : a));
 
   const rows = model.rows_per_token[L.ep];
-  const forward = rows * (d * bp + 12 * k) + rows * d * bp;
+  const rowOut = prec.fp8_parts.includes("dispatch") ? d + 4 : d * bp; // FP8 rows: E4M3 + scale
+  const forward = rows * (rowOut + 12 * k) + rows * d * bp;
   const backward = rows * d * bp + rows * (d * bp + 4 * k);
   const sizes = L.ep > 1 ? ring(L.ep * (1 + Math.floor(E / L.ep)) * 8, L.ep) : 0;
   let perLayer = T * (forward + backward) + sizes;
