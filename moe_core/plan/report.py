@@ -74,7 +74,7 @@ def _memory_rows(p: Plan) -> Rows:
     compiled = ", compiled blocks" if mem.compiled else ""
     parts = (
         ("  weights", mem.weights, f"{p.param_dtype}"),
-        ("  gradient buffers", mem.grad_buffers, grads),
+        ("  gradients at the peak", mem.grad_buffers, grads),
         (
             "  optimizer",
             mem.optimizer,

@@ -12,7 +12,7 @@ const CUSTOM = DATA.custom_model; // the model select's entry for sizes typed in
 let seededFrom = null; // the model whose config the custom sizes started from
 const PARTS = [
   ["weights", "weights", "#3b6fb6"],
-  ["grad_buffers", "gradients", "#6a9fd8"],
+  ["grad_buffers", "gradients at the peak", "#6a9fd8"],
   ["optimizer", "optimizer state", "#e0a030"],
   ["activations", "activations", "#4c9a6a"],
   ["ep_buffers", "EP receive buffers", "#a05cc0"],
