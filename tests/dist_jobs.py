@@ -162,6 +162,42 @@ def dispatch_fp8_parity(out: str, args: list[str]) -> None:
     dist.destroy_process_group()
 
 
+def dispatch_fp8_cuda(out: str, args: list[str]) -> None:
+    """One GPU over NCCL: the all-to-all dispatcher with FP8 rows (one rank: every row to
+    itself, through the GPU's quantizer and a uint8 all-to-all) against LocalDispatcher on the
+    rows quantized once, bf16; the largest relative error of each output and gradient."""
+    from kernels.fp8 import dequantize, quantize_rowwise
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    E, K, D, F, T = 8, 2, 256, 128, 512
+    torch.manual_seed(0)
+    experts = Experts(E, D, F).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        experts.w_gate_up.normal_(0.0, 0.05)
+        experts.w_down.normal_(0.0, 0.05)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(T, E, generator=gen, device="cuda")
+    w_TK, experts_TK = torch.topk(torch.softmax(logits, -1), K)
+    x_TD = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+    dy_TD = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+    w_TK = w_TK.to(torch.bfloat16)
+    dispatcher = AllToAllDispatcher(dist.group.WORLD, 1, E, fp8_rows=True)
+    got = dispatch_grads(dispatcher, experts, x_TD, w_TK, experts_TK, dy_TD, E)
+    x_ref = dequantize(*quantize_rowwise(x_TD)).to(torch.bfloat16)
+    ref = dispatch_grads(LocalDispatcher(), experts, x_ref, w_TK, experts_TK, dy_TD, E)
+    plain = dispatch_grads(LocalDispatcher(), experts, x_TD, w_TK, experts_TK, dy_TD, E)[0]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    names = ("y", "dx", "dweights", "dw_gate_up", "dw_down")
+    errors = {n: rel(a, b) for n, a, b in zip(names, got, ref, strict=True)}
+    errors["y_vs_unquantized"] = rel(got[0], plain)
+    Path(out).write_text(json.dumps(errors))
+    dist.destroy_process_group()
+
+
 def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool, fp8: bool = False) -> list[dict]:
     from kernels._triton import use_triton
     from kernels.fp8 import dequantize, quantize_rowwise_reference
@@ -383,6 +419,7 @@ if __name__ == "__main__":
         "eval": evaluate,
         "dispatch": dispatch_parity,
         "dispatch-fp8": dispatch_fp8_parity,
+        "dispatch-fp8-cuda": dispatch_fp8_cuda,
         "dispatch-syncs": dispatch_host_syncs,
         "rowwise": rowwise_parity,
     }[sys.argv[1]]

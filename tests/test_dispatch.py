@@ -64,6 +64,20 @@ def test_fp8_rows_travel_as_bytes_and_the_experts_see_them_quantized(tmp_path):
 
 
 @pytest.mark.gpu
+def test_fp8_rows_over_nccl_on_one_gpu(tmp_path):
+    """The GPU path of FP8 rows (the Triton quantizer, a uint8 all-to-all over NCCL, one rank):
+    the local dispatcher's outputs and gradients on rows quantized once, to bf16's summation
+    noise, and not the unquantized output."""
+    out = tmp_path / "fp8-cuda.json"
+    result = torchrun(1, [str(TESTS / "dist_jobs.py"), "dispatch-fp8-cuda", str(out)])
+    assert result.returncode == 0, explain(result)
+    errors = json.loads(out.read_text())
+    unquantized = errors.pop("y_vs_unquantized")
+    assert all(e < 1e-2 for e in errors.values()), errors
+    assert unquantized > 1e-2, unquantized
+
+
+@pytest.mark.gpu
 @needs_gpus(2)
 def test_all_to_all_dispatcher_reads_the_host_once_per_forward_and_never_in_backward(tmp_path):
     out = tmp_path / "syncs.json"
