@@ -250,8 +250,9 @@ def test_activation_formula_matches_what_autograd_keeps(dtype, recompute, shape)
     assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 2, "top_k": 4}])
+@pytest.mark.parametrize(
+    "dtype, shape", [("fp32", {}), ("bf16", {"n_kv_heads": 2, "top_k": 4})], ids=["fp32", "bf16"]
+)
 def test_compiled_activation_formula_follows_the_compiled_block(dtype, shape):
     """A compiled block keeps much less than an eager one (its norms keep inputs, not fp32
     copies and outputs): the formula with ``compiled`` is within 10 % of what the block keeps
