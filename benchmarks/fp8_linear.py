@@ -17,6 +17,7 @@ and input gradient's relative error against bf16 (``||a - b|| / ||b||``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 from datetime import date
@@ -46,14 +47,10 @@ class NormQKV(nn.Module):
 
 def fp8_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` (shared parameters) with every ``nn.Linear`` as ``FP8Linear``."""
-    import copy
-
-    twin = copy.copy(module)
-    twin._modules = dict(module._modules)
     if isinstance(module, nn.Linear):
         return FP8Linear.from_linear(module, tensor_cores=True)
-    for name, child in module.named_children():
-        twin._modules[name] = fp8_twin(child)
+    twin = copy.copy(module)
+    twin._modules = {name: fp8_twin(child) for name, child in module.named_children()}
     return twin
 
 

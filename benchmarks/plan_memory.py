@@ -41,7 +41,10 @@ GIB = 2**30
 ONE_GPU = ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
 
 
-def overrides(layers: int, precision: str, expert_gemm: str, attention: str, out: str) -> list:
+def overrides(
+    layers: int, precision: str, expert_gemm: str, attention: str, out: str, warmup: int = 2
+) -> list:
+    """``trainer_step.py``'s run with graphs off: ``warmup`` steps and the instrumented one."""
     from trainer_step import trainer_overrides
 
     shape = argparse.Namespace(
@@ -57,8 +60,8 @@ def overrides(layers: int, precision: str, expert_gemm: str, attention: str, out
         cuda_graph="false",
         expert_gemm=expert_gemm,
         attention=attention,
-        warmup=2,
-        steps=2,
+        warmup=warmup,
+        steps=1,
     )
     return trainer_overrides(shape, out, data_dir="")
 
@@ -81,7 +84,7 @@ def measure(layers: int, precision: str, warmup: int, expert_gemm: str, attentio
     from moe_core.train.trainer import Trainer
 
     out = tempfile.mkdtemp()
-    run = compose_run(overrides(layers, precision, expert_gemm, attention, out))
+    run = compose_run(overrides(layers, precision, expert_gemm, attention, out, warmup))
     trainer = Trainer(run)
     for _ in range(warmup):
         trainer.train_step()

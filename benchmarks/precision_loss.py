@@ -23,7 +23,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from trainer_step import child
+from trainer_step import child, fp8_parts_override
 
 PRECISIONS = ("pure-bf16", "fp8")
 TAIL = 20  # steps averaged for the final loss
@@ -32,7 +32,7 @@ TAIL = 20  # steps averaged for the final loss
 def overrides(
     precision: str, steps: int, data_dir: str, out_dir: str, fp8_parts: str = ""
 ) -> list[str]:
-    parts = [f"precision.fp8_parts=[{fp8_parts}]"] if fp8_parts and precision == "fp8" else []
+    parts = fp8_parts_override(fp8_parts) if precision == "fp8" else []
     return [
         "model=small-64e",
         f"precision={precision}",

@@ -79,6 +79,11 @@ def bare_step(args: argparse.Namespace) -> dict:
         return json.loads(out.read_text())
 
 
+def fp8_parts_override(parts: str) -> list[str]:
+    """``precision.fp8_parts`` from a comma-separated ``--fp8-parts`` (none when empty)."""
+    return [f"precision.fp8_parts=[{parts}]"] if parts else []
+
+
 def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> list[str]:
     data = ["data=synthetic"]
     if args.data != "synthetic":
@@ -87,7 +92,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         "model=olmoe-1b-7b",
         f"model.n_layers={args.layers}",
         f"precision={args.precision}",
-        *([f"precision.fp8_parts=[{args.fp8_parts}]"] if args.fp8_parts else []),
+        *fp8_parts_override(args.fp8_parts),
         "train=default",
         *data,
         f"train.micro_batch_size={args.mbs}",

@@ -108,10 +108,8 @@ def _send_fp8_rows(
     x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group
 ) -> torch.Tensor:
     q_SD, s_S = quantize_rowwise(x_SD)
-    q_RD = torch.empty(sum(out_splits), x_SD.shape[1], dtype=torch.uint8, device=x_SD.device)
-    dist.all_to_all_single(q_RD, q_SD.view(torch.uint8), out_splits, in_splits, group=group)
-    s_R = s_S.new_empty(sum(out_splits))
-    dist.all_to_all_single(s_R, s_S, out_splits, in_splits, group=group)
+    q_RD = all_to_all(q_SD.view(torch.uint8), out_splits, in_splits, group)
+    s_R = all_to_all(s_S, out_splits, in_splits, group)
     return dequantize(q_RD.view(E4M3), s_R).to(x_SD.dtype)
 
 

@@ -141,9 +141,9 @@ def parallelize(
     exchange = None
     if pcfg.ep > 1 and pcfg.dispatcher == "nvshmem_rowwise":
         exchange = rowwise_exchange(cfg, pcfg, mesh, tokens, dtype)
+    fp8_rows = "dispatch" in precision.fp8_parts
     chunks: dict[int, Transformer] = {}
     for c in rank_chunks(pcfg, mesh.pp_rank):
-        fp8_rows = "dispatch" in precision.fp8_parts
         model = build_chunk(cfg, pcfg, c, mesh, exchange, fp8_rows)
         model.to_empty(device=mesh.device)
         model.init_weights(seed)

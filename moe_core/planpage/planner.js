@@ -97,10 +97,10 @@ function configRefusal(m, L, prec) {
 function planLayout(data, L) {
   const model = data.models[L.model];
   const m = model.config;
-  const refusal = configRefusal(m, L, data.precisions[L.precision]);
+  const prec = data.precisions[L.precision];
+  const refusal = configRefusal(m, L, prec);
   if (refusal) return { refusal };
   const C = data.constants;
-  const prec = data.precisions[L.precision];
   const gpu = data.gpus[L.gpu];
   const bp = C.dtype_bytes[prec.params];
   const bc = C.dtype_bytes[prec.compute];
@@ -164,7 +164,8 @@ function planLayout(data, L) {
     if (last) activations += headAct;
     if (autogradGrads) {
       grads = bp * (dense + experts);
-      // one micro-batch: written as backward frees the activations (plan.memory.gradient_bytes)
+      // one micro-batch: written as backward frees the activations
+      // (plan.memory.gradients_follow_activations)
       if (nMb === 1) grads = Math.max(0, grads - activations);
       transient = 0;
     }
