@@ -8,6 +8,12 @@ bf16, causal. Inputs are random normal, the same tensors for every implementatio
 (and its gradients) is compared with SDPA's first. CUDA events after warm-up, the median of
 ``--iters`` runs (``timing.py``).
 TFLOP/s counts the causal half: forward 2 * 2 * B * H * S^2 * d / 2, backward 2.5x that.
+
+``--block``: the model's attention block instead (``moe_core.model.attention.Attention`` at the
+shape's sizes, bf16, compiled, ``x + attention(x)`` forward + backward): SDPA, FlashAttention 4
+through its custom ops (``kernels.flash4``, one compiled graph) and through the library's
+``flash_attn_func`` behind a compile boundary (the model's call before the ops: a graph break,
+its gradients summed eagerly), timed interleaved (one of each per iteration).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import olmoe
-from timing import cuda_times_ms
+from timing import cuda_phase_times_ms, cuda_times_ms
 
 
 def sdpa(backend: SDPBackend | None) -> Callable[..., torch.Tensor]:
@@ -52,6 +58,68 @@ def flash4() -> Callable[..., torch.Tensor]:
     return run
 
 
+def block(args: argparse.Namespace) -> dict:
+    """The compiled attention block three ways (module doc), interleaved."""
+    import copy
+
+    import moe_core.model.attention as attention
+    from moe_core.model.attention import Attention, RotaryEmbedding
+
+    cfg = olmoe()
+    torch.manual_seed(0)
+    sdpa_block = Attention(cfg).cuda().to(torch.bfloat16)
+    variants = {"sdpa": sdpa_block}
+    for name in ("flash4_op", "flash4_graph_break"):
+        variants[name] = copy.deepcopy(sdpa_block)
+        variants[name].impl = "flash4"
+    lib = flash4()
+    boundary = torch.compiler.disable(lambda q, k, v: lib(q, k, v))
+    op = attention.flash4_attention
+    core = {"sdpa": op, "flash4_op": op, "flash4_graph_break": boundary}
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(args.seq, torch.device("cuda"))
+    x = torch.randn(args.batch, args.seq, cfg.d_model, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    compiled = {name: torch.compile(m) for name, m in variants.items()}
+
+    def run(name: str) -> list[torch.Tensor]:
+        # The attention core the block's forward calls: Dynamo guards on it, so each variant
+        # keeps its own compiled graphs.
+        attention.flash4_attention = core[name]
+        xi = x.detach().requires_grad_()
+        y = xi + compiled[name](xi, rope)
+        leaves = [xi, *variants[name].parameters()]
+        return [y, *torch.autograd.grad(y, leaves, dy)]
+
+    try:
+        ref = run("sdpa")
+        errors = {}
+        for name in variants:
+            got = run(name)
+            errors[name] = max(
+                ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                for a, b in zip(got, ref, strict=True)
+            )
+        phases = [(name, lambda name=name: run(name)) for name in variants]
+        times = cuda_phase_times_ms(phases, args.warmup, args.iters)
+    finally:
+        attention.flash4_attention = op
+    rows = []
+    for name in variants:
+        rows.append(
+            dict(
+                impl=name,
+                fwd_bwd_ms=statistics.median(times[name]),
+                max_rel_err_vs_sdpa=errors[name],
+            )
+        )
+        print(f"{name:<20} fwd+bwd {rows[-1]['fwd_bwd_ms']:7.3f} ms   err {errors[name]:.1e}")
+    return {
+        "benchmark": "attention_block",
+        "shape": dict(batch=args.batch, seq=args.seq, d_model=cfg.d_model, heads=cfg.n_heads),
+        "rows": rows,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=4)
@@ -60,9 +128,17 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=olmoe().head_dim)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--block", action="store_true", help="the compiled attention block")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.block:
+        meta = dict(date=str(date.today()), gpu=torch.cuda.get_device_name(), commit=args.commit)
+        result = block(args) | meta | {"torch": torch.__version__}
+        print("RESULT " + json.dumps(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     B, S, H, d = args.batch, args.seq, args.heads, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (

@@ -6,8 +6,10 @@ before every optimizer step (``ShardedAdamW.grad_norm``), and the alternatives.
 Gradients are random bf16 tensors with the model's parameter shapes (built on the meta device
 from ``conf/model/olmoe-1b-7b.yaml``, 16 layers), the same for every variant. Each variant
 returns the fp32 global L2 norm; all are checked against an fp64 reference, then timed with
-CUDA events after warm-up (median), against the time to read the bytes at the GPU's measured
-copy bandwidth.
+CUDA events after warm-up, the variants interleaved (one of each per iteration, so clock drift
+reaches all alike; median), against the time to read the bytes at the GPU's measured copy
+bandwidth. The Triton pass (``kernels.sum_squares``) is also timed at other program sizes
+(``--runs``: BLOCK x ITERS pairs) over the large tensors.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from datetime import date
 
 import torch
 from shapes import olmoe
-from timing import cuda_times_ms
+from timing import cuda_phase_times_ms, cuda_times_ms
 
+from kernels import sum_squares_triton
+from kernels.sum_squares import sum_squares_reference
 from moe_core.model import Transformer
 from moe_core.model.meta import on_meta
-from moe_core.parallel.optimizer import global_norm
+from moe_core.parallel.optimizer import LARGE, global_norm
 
 
 def foreach(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -38,6 +42,30 @@ def per_tensor(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum().sqrt()
 
 
+def per_large_tensor_and_foreach(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The trainer before the Triton pass: one ``vector_norm`` per large tensor, one
+    ``_foreach_norm`` over the small ones."""
+    large = [g for g in grads if g.numel() >= LARGE]
+    small = [g for g in grads if g.numel() < LARGE]
+    sq = sum_squares_reference(large, torch.float32)
+    sq = sq + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float32)).square().sum()
+    return sq.sqrt()
+
+
+def triton_run(block: int, iters: int):
+    """The Triton pass at one program size over the large tensors, ``_foreach_norm`` over the
+    small ones (as the trainer splits them)."""
+
+    def fn(grads: list[torch.Tensor]) -> torch.Tensor:
+        large = [g for g in grads if g.numel() >= LARGE]
+        small = [g for g in grads if g.numel() < LARGE]
+        sq = sum_squares_triton.sum_squares(large, block, iters)
+        sq = sq + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float32)).square().sum()
+        return sq.sqrt()
+
+    return fn
+
+
 def copy_time_ms(warmup: int, iters: int) -> tuple[float, int]:
     """Median ms of copying 2 GiB on the GPU, and the bytes it reads and writes."""
     src, dst = torch.empty(2, 1 << 30, device="cuda", dtype=torch.bfloat16)
@@ -49,6 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--runs", default="2048x8,4096x4,4096x8,4096x16,8192x4,8192x8")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -65,12 +94,18 @@ def main() -> None:
     variants = {
         "foreach_norm": foreach,
         "vector_norm_per_tensor": per_tensor,
+        "vector_norm_large_foreach_small": per_large_tensor_and_foreach,
         "moe_core": global_norm,
     }
+    for run in args.runs.split(","):
+        block, iters = map(int, run.split("x"))
+        variants[f"triton_{block}x{iters}"] = triton_run(block, iters)
+    phases = [(name, lambda fn=fn: fn(grads)) for name, fn in variants.items()]
+    times = cuda_phase_times_ms(phases, args.warmup, args.iters)
     rows = {}
     for name, fn in variants.items():
         got = fn(grads).item()
-        ms = statistics.median(cuda_times_ms(lambda fn=fn: fn(grads), args.warmup, args.iters))
+        ms = statistics.median(times[name])
         rows[name] = {
             "ms": ms,
             "read_gb_per_s": n_bytes / ms / 1e6,

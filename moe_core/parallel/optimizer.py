@@ -5,11 +5,11 @@ an fp32 master copy of this rank's shard (fp32 weights are their own masters); `
 bf16 moments and no master: the bf16 weights are updated in place (math in fp32).
 
 Per step: the gradient buckets have been reduce-scattered (``ddp.GradBuckets``); the global
-gradient norm comes from one pass over this rank's shards (``sum_of_squares``: one reduction
-per large shard, one multi-tensor pass over the small ones; fp32 accumulation) summed over every
-shard of every stage; each rank updates its shards with the
-fused AdamW update of ``kernels.adamw`` (one pass per shard on the GPU: gradient, master and
-moments read once, master and moments written once, the clipping scale applied inside it, and
+gradient norm comes from one pass over this rank's shards (``sum_of_squares``: a read-bound
+kernel over the large shards, one multi-tensor pass over the small ones; fp32 accumulation)
+summed over every shard of every stage; each rank updates its shards with the fused AdamW
+update of ``kernels.adamw`` (one pass per shard on the GPU: gradient, master and moments read
+once, master and moments written once, the clipping scale applied inside it, and
 the bf16 model weights written from the fp32 masters in the same pass) and all-gathers the
 updated weights into the bucket's flat parameter buffer, which the model's parameters view.
 Step count, learning rate, clipping scale and whether the step applies at all stay on the
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.adamw import adamw_step_
+from kernels.sum_squares import sum_squares
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
 from moe_core.parallel.mesh import Mesh, all_gather_flat, gather_experts
 
@@ -33,14 +34,13 @@ LARGE = 1 << 20
 
 def sum_of_squares(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The sum of the squares of every element of ``tensors``, accumulated in ``dtype``, as a
-    0-d tensor on their device (zero for none). Each large tensor is one reduction kernel, which
-    reads at close to copy bandwidth; the many small ones (norms, router, biases) share one
-    ``torch._foreach_norm`` pass, which is launch-bound rather than bandwidth-bound for them
-    (``benchmarks/grad_norm.py``: one pass over all of OLMoE-1B-7B's gradients read at about
-    half the bandwidth)."""
+    0-d tensor on their device (zero for none). The large tensors go through one read-bound
+    pass (``kernels.sum_squares``); the many small ones (norms, router, biases) share one
+    ``torch._foreach_norm`` pass, for which a launch per tensor would cost more than the
+    reading (``benchmarks/grad_norm.py`` times both against the alternatives)."""
     large = [t for t in tensors if t.numel() >= LARGE]
     small = [t for t in tensors if t.numel() < LARGE]
-    parts = [torch.linalg.vector_norm(t, dtype=dtype).square() for t in large]
+    parts = [sum_squares(large, dtype)] if large else []
     if small:
         parts.append(torch.stack(torch._foreach_norm(small, 2, dtype=dtype)).square().sum())
     if not parts:
