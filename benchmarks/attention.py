@@ -11,9 +11,10 @@ TFLOP/s counts the causal half: forward 2 * 2 * B * H * S^2 * d / 2, backward 2.
 
 ``--block``: the model's attention block instead (``moe_core.model.attention.Attention`` at the
 shape's sizes, bf16, compiled, ``x + attention(x)`` forward + backward): SDPA, FlashAttention 4
-through its custom ops (``kernels.flash4``, one compiled graph) and through the library's
-``flash_attn_func`` behind a compile boundary (the model's call before the ops: a graph break,
-its gradients summed eagerly), timed interleaved (one of each per iteration).
+as the model calls it (the library's ``flash_attn_func`` behind a compile boundary: a graph
+break, the block input's gradients summed eagerly) and through custom ops
+(``benchmarks/baselines/flash4_op.py``: one compiled graph), timed interleaved (one of each per
+iteration).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.baselines
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
@@ -63,19 +65,20 @@ def block(args: argparse.Namespace) -> dict:
     import copy
 
     import moe_core.model.attention as attention
+    from benchmarks.baselines.flash4_op import flash4_attention
     from moe_core.model.attention import Attention, RotaryEmbedding
+    from moe_core.model.eager import seal
 
     cfg = olmoe()
     torch.manual_seed(0)
     sdpa_block = Attention(cfg).cuda().to(torch.bfloat16)
     variants = {"sdpa": sdpa_block}
-    for name in ("flash4_op", "flash4_graph_break"):
+    for name in ("flash4", "flash4_op"):
         variants[name] = copy.deepcopy(sdpa_block)
         variants[name].impl = "flash4"
-    lib = flash4()
-    boundary = torch.compiler.disable(lambda q, k, v: lib(q, k, v))
-    op = attention.flash4_attention
-    core = {"sdpa": op, "flash4_op": op, "flash4_graph_break": boundary}
+    seal()  # the model's compile boundaries, as apply_compile makes them
+    model_call = attention._flash4
+    core = {"sdpa": model_call, "flash4": model_call, "flash4_op": flash4_attention}
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(args.seq, torch.device("cuda"))
     x = torch.randn(args.batch, args.seq, cfg.d_model, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -84,7 +87,7 @@ def block(args: argparse.Namespace) -> dict:
     def run(name: str) -> list[torch.Tensor]:
         # The attention core the block's forward calls: Dynamo guards on it, so each variant
         # keeps its own compiled graphs.
-        attention.flash4_attention = core[name]
+        attention._flash4 = core[name]
         xi = x.detach().requires_grad_()
         y = xi + compiled[name](xi, rope)
         leaves = [xi, *variants[name].parameters()]
@@ -102,7 +105,7 @@ def block(args: argparse.Namespace) -> dict:
         phases = [(name, lambda name=name: run(name)) for name in variants]
         times = cuda_phase_times_ms(phases, args.warmup, args.iters)
     finally:
-        attention.flash4_attention = op
+        attention._flash4 = model_call
     rows = []
     for name in variants:
         rows.append(

@@ -13,6 +13,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -417,6 +418,24 @@ Dtype = Literal["fp32", "bf16"]
 
 # what precision.fp8_parts may name ("dispatch": the all-to-all's token rows, parallel.ep > 1)
 FP8_PARTS = ("experts", "attention", "dense", "lm_head", "dispatch")
+FP8_GEMM_ALIGN = 16  # FP8 tensor-core GEMMs need both dimensions of a weight divisible by this
+
+
+def fp8_linear_shapes(m: ModelConfig, parts: Sequence[str]) -> list[tuple[str, str, int, int]]:
+    """(part, projection, out_features, in_features) of each linear that ``parts`` swap for
+    FP8 (``moe_core.model.fp8.apply_fp8``), derived from the model config alone so that a run is
+    refused before any model is built; every layer has the same shapes, so each projection is
+    listed once. "experts" and "dispatch" swap no linear."""
+    q, kv, d = m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
+    shared = m.n_shared_experts * m.expert_hidden  # the dense SwiGLU, present when > 0
+    linears = {
+        "attention": [("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)],
+        "dense": [("w_gate", shared, d), ("w_up", shared, d), ("w_down", d, shared)]
+        if shared
+        else [],
+        "lm_head": [("lm_head", m.vocab_size, d)],
+    }
+    return [(part, *shape) for part in parts for shape in linears.get(part, [])]
 
 
 @dataclass
@@ -748,6 +767,15 @@ class RunConfig:
                 "not built yet: FP8 token rows travel through the all_to_all dispatcher; use "
                 "parallel.dispatcher=all_to_all or leave 'dispatch' out."
             )
+        for part, name, n_out, n_in in fp8_linear_shapes(m, self.precision.fp8_parts):
+            if n_out % FP8_GEMM_ALIGN or n_in % FP8_GEMM_ALIGN:
+                _fail(
+                    "precision.fp8_parts",
+                    list(self.precision.fp8_parts),
+                    f"part {part!r} runs {name}, a [{n_out}, {n_in}] weight, as an FP8 GEMM, "
+                    f"which needs both dimensions divisible by {FP8_GEMM_ALIGN}; leave {part!r} "
+                    f"out (or choose model sizes that divide by {FP8_GEMM_ALIGN})",
+                )
         if self.eval.every and self.data.kind != "tokens":
             _fail(
                 "eval.every",

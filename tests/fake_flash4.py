@@ -1,5 +1,6 @@
-"""A CPU stand-in for the two ``flash-attn-4`` entry points ``kernels.flash4`` calls
-(``flash_attn.cute.interface._flash_attn_fwd`` and ``_flash_attn_bwd``), written from their
+"""A CPU stand-in for the two ``flash-attn-4`` entry points that
+``benchmarks/baselines/flash4_op.py`` calls (``flash_attn.cute.interface._flash_attn_fwd`` and
+``_flash_attn_bwd``), written from their
 documented semantics (causal softmax attention with scale 1/sqrt(head_dim), the log-sum-exp
 returned per [batch, head, query]; grouped-query heads share k and v), in fp32, so the ops'
 wiring (layouts, which gradient goes where, autograd, tracing) is exercised where the library

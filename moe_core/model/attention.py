@@ -4,8 +4,8 @@ The attention core is torch's SDPA (cuDNN on Hopper) or, with ``impl = "flash4"`
 ``parallel.attention`` by ``parallelize``), FlashAttention 4's CuTe kernels (``flash-attn-4``,
 the ``[gpu]`` extra): on one H200 at OLMoE-1B-7B's shape, forward + backward 1.76 ms against
 SDPA's 2.03 ms (benchmarks/RESULTS.md); it runs bf16 and fp16 only, so fp32 compute takes
-SDPA. Its kernels are compiled by CuTe's own compiler and called through custom ops
-(``kernels.flash4``), which a compiled block traces through without a graph break.
+SDPA. Its call runs eagerly (a graph break in a compiled
+block, as the token dispatch is): its kernels are compiled by CuTe's own compiler.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.flash4 import flash4_attention
 from moe_core.config import ModelConfig
+from moe_core.model.eager import eager
 from moe_core.model.norm import RMSNorm
 
 
@@ -59,6 +59,14 @@ def flash4_installed() -> bool:
     )
 
 
+@eager
+def _flash4(q_BSHd: torch.Tensor, k_BSHd: torch.Tensor, v_BSHd: torch.Tensor) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(q_BSHd, k_BSHd, v_BSHd, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
 class Attention(nn.Module):
     """q/k/v/o projections without bias; RMSNorm over all query (key) heads before RoPE."""
 
@@ -83,7 +91,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos_Sd.to(q.dtype), sin_Sd.to(q.dtype))
         k = apply_rotary(k.transpose(1, 2), cos_Sd.to(k.dtype), sin_Sd.to(k.dtype))
         if self.impl == "flash4" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-            o_BSHd = flash4_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            o_BSHd = _flash4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.o_proj(o_BSHd.reshape(B, S, -1))
         o = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads

@@ -1,5 +1,5 @@
-"""Functions the model runs eagerly inside compiled blocks (the token dispatch): compile
-boundaries.
+"""Functions the model runs eagerly inside compiled blocks (token dispatch, FlashAttention 4's
+CuTe call): compile boundaries.
 
 ``torch.compiler.disable`` would mark them where they are defined, but calling it imports
 TorchDynamo, 1.3-1.7 s for every process that imports the model, compiled or not (each rank of

@@ -65,7 +65,8 @@ def apply_fp8(model: nn.Module, parts: Sequence[str], scaling: str, device: torc
     """Run ``parts`` of ``model`` in FP8 (``precision.fp8_parts``; ``scaling`` the experts'),
     in place, before the model is compiled or its gradients are bucketed. On a GPU (Hopper or
     newer: ``parallelize.choose_kernels`` has refused others) the projections take FP8 tensor
-    cores, whose GEMMs need both dimensions of each weight divisible by 16."""
+    cores, whose GEMMs need both dimensions of each weight divisible by 16: ``RunConfig`` refuses
+    other shapes at load, on any device (``config.fp8_linear_shapes`` lists what this swaps)."""
     tensor_cores = device.type == "cuda"
     for m in model.modules():
         if isinstance(m, Experts):
@@ -74,10 +75,4 @@ def apply_fp8(model: nn.Module, parts: Sequence[str], scaling: str, device: torc
     for part in parts:
         for parent, name in _linears(model, part):
             linear = getattr(parent, name)
-            if tensor_cores and (linear.in_features % 16 or linear.out_features % 16):
-                raise ConfigError(
-                    f"precision.fp8_parts names {part!r}, whose {name} is "
-                    f"[{linear.out_features}, {linear.in_features}]: FP8 GEMMs need both "
-                    "dimensions divisible by 16; leave the part out."
-                )
             setattr(parent, name, FP8Linear.from_linear(linear, tensor_cores))

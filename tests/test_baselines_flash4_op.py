@@ -1,7 +1,8 @@
-"""FlashAttention 4 as custom ops (``kernels.flash4``), on CPU with a stand-in for the library
-(``fake_flash4``): the output and every gradient equal SDPA's, with grouped-query heads and
-transposed (non-contiguous) inputs; ``torch.compile`` traces the op without a graph break; the
-ops' fake (meta) implementations agree with the real ones (``torch.library.opcheck``)."""
+"""FlashAttention 4 as custom ops (``benchmarks/baselines/flash4_op.py``), on CPU with a
+stand-in for the library (``fake_flash4``): the output and every gradient equal SDPA's, with
+grouped-query heads and transposed (non-contiguous) inputs; ``torch.compile`` traces the op
+without a graph break; the ops' fake (meta) implementations agree with the real ones
+(``torch.library.opcheck``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from fake_flash4 import installed
 
-from kernels.flash4 import flash4_attention, flash4_bwd, flash4_fwd
+from benchmarks.baselines.flash4_op import flash4_attention, flash4_bwd, flash4_fwd
 
 B, S, H, D = 2, 16, 4, 8
 

@@ -1,5 +1,10 @@
 """FlashAttention 4's causal attention (``flash-attn-4``'s CuTe kernels) as two PyTorch custom
-ops, forward and backward, with autograd registered between them.
+ops, forward and backward, with autograd registered between them: an alternative to the model's
+call (``moe_core.model.attention``: the library's ``flash_attn_func`` behind a compile
+boundary), measured and not adopted. On one H200 at OLMoE-1B-7B's shape the compiled attention
+block, forward + backward, took 4.727 ms through these ops against 4.719 ms with the graph break
+(``benchmarks/attention.py --block``, RESULTS.md), and the ops call the library's private entry
+points where the model calls its public one.
 
 As an op, the call is one opaque node that ``torch.compile`` traces through: a compiled
 attention block stays one graph (the RMSNorms, rotary embedding and layout changes before it,
