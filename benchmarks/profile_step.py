@@ -154,6 +154,7 @@ def main() -> None:
     p.add_argument("--trainer", action="store_true", help="profile moe train's Trainer step")
     p.add_argument("--precision", default="pure-bf16", help="with --trainer")
     p.add_argument("--cuda-graph", choices=["true", "false"], help="with --trainer")
+    p.add_argument("--fp8-parts", default="", help="with --trainer --precision fp8: the parts")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args()
