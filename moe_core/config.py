@@ -767,6 +767,13 @@ class RunConfig:
                 "not built yet: FP8 token rows travel through the all_to_all dispatcher; use "
                 "parallel.dispatcher=all_to_all or leave 'dispatch' out."
             )
+        if "dense" in self.precision.fp8_parts and not m.n_shared_experts:
+            _fail(
+                "precision.fp8_parts",
+                list(self.precision.fp8_parts),
+                "a list without 'dense' when model.n_shared_experts=0 ('dense' is the shared "
+                "expert's SwiGLU, which this model does not have)",
+            )
         for part, name, n_out, n_in in fp8_linear_shapes(m, self.precision.fp8_parts):
             if n_out % FP8_GEMM_ALIGN or n_in % FP8_GEMM_ALIGN:
                 _fail(

@@ -67,6 +67,33 @@ def test_fp8_parts_swap_exactly_the_named_linears_and_keep_every_parameter(parts
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_fp8_parts_keep_the_model_causal():
+    """Every part quantized (scales per token row, never over the sequence): changing the
+    tokens from position 20 on leaves every logit before it as it was."""
+    model = tiny_model()
+    apply_fp8(model, ["experts", "attention", "dense", "lm_head"], "rowwise", torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=gen)
+    changed = tokens.clone()
+    changed[:, 20:] = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=gen)
+    with torch.no_grad():
+        before, after = model(tokens)[0], model(changed)[0]
+    assert torch.equal(before[:, :20], after[:, :20])
+    assert not torch.equal(before[:, 20:], after[:, 20:])
+
+
+def test_dense_without_shared_experts_is_refused_at_load():
+    with pytest.raises(ConfigError) as err:
+        compose_run([*FP8, "precision.fp8_parts=[experts,dense]"])
+    assert str(err.value) == (
+        "precision.fp8_parts=['experts', 'dense'] is not allowed: a list without 'dense' when "
+        "model.n_shared_experts=0 ('dense' is the shared expert's SwiGLU, which this model does "
+        "not have)."
+    )
+    run = compose_run([*FP8, "model.n_shared_experts=1", "precision.fp8_parts=[dense]"])
+    assert run.precision.fp8_parts == ["dense"]
+
+
 def test_experts_only_swaps_no_linear():
     model = tiny_model(shared=0)
     apply_fp8(model, ["experts"], "rowwise", torch.device("cpu"))
