@@ -30,7 +30,7 @@ TAIL = 20  # steps averaged for the final loss
 
 
 def overrides(
-    precision: str, steps: int, data_dir: str, out_dir: str, fp8_parts: str = ""
+    precision: str, steps: int, data_dir: str, out_dir: str, fp8_parts: str = "", seed: int = 0
 ) -> list[str]:
     parts = fp8_parts_override(fp8_parts) if precision == "fp8" else []
     return [
@@ -48,21 +48,22 @@ def overrides(
         "train.checkpoint_at_end=false",
         "train.save_model=false",
         "train.resume=false",
+        *([f"train.seed={seed}"] if seed else []),
         f"out_dir={out_dir}",
     ]
 
 
-def run(precision: str, steps: int, data_dir: str, fp8_parts: str) -> dict:
+def run(precision: str, steps: int, data_dir: str, fp8_parts: str, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "moe_core.cli", "train"]
-        args = overrides(precision, steps, data_dir, out, fp8_parts)
+        args = overrides(precision, steps, data_dir, out, fp8_parts, seed)
         child([*cmd, *args], f"moe train ({precision})")
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     timed = [r for r in rows if r["step"] >= 5]
     return {
         "command": "moe train "
-        + " ".join(overrides(precision, steps, "DIR", "OUT", fp8_parts)[:-1]),
+        + " ".join(overrides(precision, steps, "DIR", "OUT", fp8_parts, seed)[:-1]),
         "steps": len(rows),
         "loss": losses,
         "final_loss": statistics.mean(losses[-TAIL:]),
@@ -100,6 +101,7 @@ def main() -> None:
     p.add_argument("--data-dir", default="")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--fp8-parts", default="", help="the fp8 run's parts (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="train.seed of both runs (init, data)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     p.add_argument("--plot", default="", help="draw a written JSON instead of running")
@@ -113,7 +115,7 @@ def main() -> None:
     import torch
 
     data_dir = str(Path(args.data_dir).resolve())
-    runs = {name: run(name, args.steps, data_dir, args.fp8_parts) for name in PRECISIONS}
+    runs = {name: run(name, args.steps, data_dir, args.fp8_parts, args.seed) for name in PRECISIONS}
     base, fp8 = runs["pure-bf16"]["final_loss"], runs["fp8"]["final_loss"]
     report = {
         "benchmark": "precision_loss",
@@ -122,6 +124,7 @@ def main() -> None:
         "torch": torch.__version__,
         "commit": args.commit,
         "fp8_parts": args.fp8_parts or None,
+        "seed": args.seed,
         "final_loss_rel_diff": (fp8 - base) / base,
         "runs": runs,
     }
