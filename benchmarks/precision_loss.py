@@ -90,7 +90,8 @@ def plot(report_path: Path, png: Path) -> None:
     ax.set_ylabel("training loss")
     diff = report["final_loss_rel_diff"]
     parts = f" [{report['fp8_parts']}]" if report.get("fp8_parts") else ""
-    ax.set_title(f"small-64e, kjv-gpt2, {report['gpu']}: fp8{parts} vs bf16 {diff:+.2%}")
+    seed = f", seed {report['seed']}" if report.get("seed") else ""
+    ax.set_title(f"small-64e, kjv-gpt2{seed}, {report['gpu']}\nfp8{parts} vs bf16 {diff:+.2%}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=120)
