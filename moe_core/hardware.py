@@ -62,14 +62,15 @@ class Measurement:
 
 
 # `moe train` on one H200 as printed (median of the timed steps), OLMoE-1B-7B, 16 layers,
-# pure-bf16, sequence 4096, micro-batch 4, QuACK grouped GEMMs + FlashAttention 4, commit 7ffef3f.
+# pure-bf16, sequence 4096, micro-batch 4, QuACK grouped GEMMs + FlashAttention 4, commit 5b23ed7
+# (the second of two runs that session, beside Olmo-core 3; the first printed 479.9).
 MEASURED = Measurement(
     gpu="H200",
-    model_tflops=454.96,
-    peak_gib=72.36,
+    model_tflops=480.23,
+    peak_gib=71.47,
     what=(
         "moe train, OLMoE-1B-7B (16 layers), pure-bf16, sequence 4096, micro-batch 4, "
-        "one H200, median of 8 timed steps (commit 7ffef3f)"
+        "one H200, median of 20 timed steps (commit 5b23ed7)"
     ),
-    source="benchmarks/results/trainer_vs_step_quack_flash4_h200_7ffef3f.json",
+    source="benchmarks/results/trainer_step_quack_flash4_run2_h200_5b23ed7.json",
 )
