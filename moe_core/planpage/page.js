@@ -225,7 +225,9 @@ function calibration() {
     li(`Memory: that run allocated at most ${fixed(m.peak_gib, 1)} GiB; the planner gives ` +
       `${gib(planLayout(DATA, DATA.tour[0].layout).total)} GiB for the same layout (tour step ` +
       `1), of which ${DATA.constants.reserve_gib} GiB runtime reserve (the CUDA context and ` +
-      "libraries, outside PyTorch's count). It counts what compiled blocks keep, as that run " +
+      "libraries, outside PyTorch's count). It counts the experts unfused, as parallel." +
+      "expert_gemm=auto plans them (an upper bound: that run fused its MLP with QuACK, which " +
+      "keeps no SwiGLU output), and what compiled blocks keep, as that run " +
       "ran them, and, on one GPU with one micro-batch, only the gradients beyond the " +
       "activations that backward frees as it writes them (benchmarks/plan_memory.py)."),
     li("Memory formulas: weights, gradients and optimizer state equal what the trainer " +
