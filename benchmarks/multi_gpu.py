@@ -11,8 +11,10 @@ needs, and a call whose inputs (the peer kit) were not given. NVLink multicast s
 off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
 
 ``check`` is what can be verified without the GPUs: every script a call runs exists, every
-``moe`` config it trains composes and validates, and ``moe plan`` of each layout fits the
-machine's memory (the figure the 47B run is compared with). The test suite runs it.
+``moe`` config it trains composes and validates (also the ``moe train`` that
+``trainer_step.py`` launches, after that script's own refusals), and ``moe plan`` of each
+layout fits the machine's memory (the figure the 47B run is compared with). The test suite
+runs it.
 
 What is not a benchmark script lives here: ``pipeline-kill`` runs ``moe pipeline`` and kills one
 training rank once the run has passed ``--kill-at`` steps; the train stage must relaunch
@@ -46,6 +48,15 @@ ENV = {
 PY = "python3"
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
 STEP = [PY, "benchmarks/trainer_step.py", "--layers", "16", "--precision", "pure-bf16"]
+# Rowwise receive buffers on 8 GPUs: dropless they hold every rank's rows in every layer's
+# activations (173.5 GiB planned at EP=8, over an H200); twice the uniform load plans 66.3 GiB
+# (Olmo-core 3's rowwise path defaults to 1.25; ours stops the step on an overflow).
+ROWWISE_EP8 = ["--ep-capacity-factor", "2.0"]
+# moe train at EP=2 (all-to-all) with FP8 parts (the argument after this list)
+FP8_STEP = [
+    *[PY, "benchmarks/trainer_step.py", "--layers", "16", "--precision", "fp8", "--skip-bare"],
+    *["--ep", "2", "--dispatcher", "all_to_all", "--fp8-parts"],
+]
 # OLMoE-1B-7B's pipeline on one 8-GPU node, a couple of hundred steps on the kjv-gpt2 corpus.
 PIPELINE = [
     "--config-name",
@@ -153,6 +164,27 @@ def calls() -> list[Call]:
             ],
         ),
         Call(
+            "x2-fp8",
+            2,
+            5,
+            "4. moe train at EP=2 with FP8 experts, token rows sent in bf16 and in FP8 (issue "
+            "17's dispatch part)",
+            [
+                [
+                    *FP8_STEP,
+                    "experts",
+                    "--out",
+                    "{out}/trainer_step_ep2_fp8_experts_2xh200.json",
+                ],
+                [
+                    *FP8_STEP,
+                    "experts,dispatch",
+                    "--out",
+                    "{out}/trainer_step_ep2_fp8_experts_dispatch_2xh200.json",
+                ],
+            ],
+        ),
+        Call(
             "x2-peer",
             2,
             8,
@@ -175,6 +207,7 @@ def calls() -> list[Call]:
                     "8",
                     "--dispatcher",
                     "nvshmem_rowwise",
+                    *ROWWISE_EP8,
                     "--out",
                     "{out}/trainer_step_ep8_rowwise_8xh200.json",
                 ],
@@ -196,6 +229,7 @@ def calls() -> list[Call]:
                     "2",
                     "--dispatcher",
                     "nvshmem_rowwise",
+                    *ROWWISE_EP8,
                     "--skip-bare",
                     "--out",
                     "{out}/trainer_step_dp2_ep4_rowwise_8xh200.json",
@@ -286,11 +320,30 @@ def fill(command: list[str], values: dict[str, str]) -> list[str]:
 
 
 def moe_overrides(command: list[str]) -> tuple[list[str], str] | None:
-    """The Hydra overrides and config name of a ``moe`` command (train, plan, pipeline-kill)."""
+    """The Hydra overrides and config name of a ``moe`` command (train, plan, pipeline-kill,
+    and the ``moe train`` that ``trainer_step.py`` launches); a ``trainer_step.py`` argument
+    list that script refuses raises ``ValueError`` with its sentence."""
     if "moe_core.cli" in command:
         args = command[command.index("moe_core.cli") + 2 :]
     elif "pipeline-kill" in command:
         args = command[command.index("--") + 1 :]
+    elif "benchmarks/trainer_step.py" in command:
+        import trainer_step
+
+        step_args = trainer_step.parser().parse_args(
+            command[command.index("benchmarks/trainer_step.py") + 1 :]
+        )
+        problem = trainer_step.refusal(step_args)
+        if problem is not None:
+            raise ValueError(problem)
+        # as trainer_step launches it: one process per GPU of this machine that it uses
+        world = step_args.ep * step_args.dp
+        cluster = [
+            "cluster=local-gpu",
+            f"cluster.procs_per_node={world}",
+            f"cluster.gpus_per_node={world}",
+        ]
+        return [*trainer_step.trainer_overrides(step_args, "OUT", "DATA"), *cluster], "config"
     else:
         return None
     name = "config"
@@ -314,7 +367,11 @@ def check() -> list[str]:
             command = fill(command, placeholders)
             scripts = [a for a in command if a.startswith(("benchmarks/", "tests"))]
             problems += [f"{call.name}: {s} is missing" for s in scripts if not (ROOT / s).exists()]
-            found = moe_overrides(command)
+            try:
+                found = moe_overrides(command)
+            except ValueError as err:
+                problems.append(f"{call.name}: {shlex.join(command)}: {err}")
+                continue
             if found is None:
                 continue
             overrides, name = found

@@ -97,9 +97,16 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         *data,
         f"train.micro_batch_size={args.mbs}",
         f"train.global_batch_size={args.mbs * args.micro_batches * args.ep * args.dp}",
+        # held-out batches split over the data ranks: at least the default 4, a multiple of them
+        f"train.eval_batches={args.ep * args.dp * -(-4 // (args.ep * args.dp))}",
         f"parallel.ep={args.ep}",
         f"parallel.dp={args.dp}",
         f"parallel.dispatcher={args.dispatcher}",
+        *(
+            []
+            if args.ep_capacity_factor is None
+            else [f"parallel.ep_capacity_factor={args.ep_capacity_factor}"]
+        ),
         *([] if args.cuda_graph is None else [f"parallel.cuda_graph={args.cuda_graph}"]),
         f"parallel.expert_gemm={args.expert_gemm}",
         f"parallel.attention={args.attention}",
@@ -162,7 +169,7 @@ def accumulate(n: int = 1 << 28) -> dict:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--precision", choices=sorted(STATE_DTYPE), default="pure-bf16")
@@ -180,6 +187,12 @@ def main() -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas for moe train")
     p.add_argument("--dispatcher", choices=["all_to_all", "nvshmem_rowwise"], default="all_to_all")
     p.add_argument(
+        "--ep-capacity-factor",
+        type=float,
+        default=None,
+        help="nvshmem_rowwise: parallel.ep_capacity_factor (default: the config's, dropless)",
+    )
+    p.add_argument(
         "--cuda-graph",
         choices=["true", "false"],
         default=None,
@@ -193,16 +206,28 @@ def main() -> None:
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
-    args = p.parse_args()
+    return p
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot run (one sentence), or None."""
     if args.data != "synthetic" and not args.data_dir:
-        raise SystemExit(f"--data {args.data} needs --data-dir (the token shards).")
+        return f"--data {args.data} needs --data-dir (the token shards)."
     if args.precision == "fp8" and not args.skip_bare:
-        raise SystemExit(
+        return (
             "--precision fp8 times moe train only (the bare step has no FP8 experts): "
             "add --skip-bare."
         )
     if args.fp8_parts and args.precision != "fp8":
-        raise SystemExit(f"--fp8-parts {args.fp8_parts} needs --precision fp8.")
+        return f"--fp8-parts {args.fp8_parts} needs --precision fp8."
+    return None
+
+
+def main() -> None:
+    args = parser().parse_args()
+    problem = refusal(args)
+    if problem is not None:
+        raise SystemExit(problem)
     result: dict = {
         "benchmark": "trainer_vs_step",
         "date": str(date.today()),
@@ -218,6 +243,7 @@ def main() -> None:
         "ep": args.ep,
         "dp": args.dp,
         "dispatcher": args.dispatcher,
+        "ep_capacity_factor": args.ep_capacity_factor,
         "cuda_graph": args.cuda_graph,
         "expert_gemm": args.expert_gemm,
         "attention": args.attention,

@@ -56,6 +56,26 @@ def test_multi_gpu_runbook_covers_issue_21_in_calls_that_check_clean(scripts):
     assert runbook.check() == []
 
 
+def test_multi_gpu_runbook_checks_the_moe_train_that_trainer_step_launches(scripts, monkeypatch):
+    """``check`` composes what ``trainer_step.py`` would train and reports the script's own
+    refusals and the config's, each naming the call."""
+    runbook = scripts("multi_gpu")
+    bad = [
+        [*runbook.STEP, "--fp8-parts", "experts", "--out", "{out}/a.json"],  # not --precision fp8
+        [*runbook.STEP, "--ep", "8", "--dispatcher", "nvshmem_rowwise", "--out", "{out}/b.json"],
+        [*runbook.FP8_STEP, "experts,dispatch", "--dispatcher", "nvshmem_rowwise"],
+    ]
+    monkeypatch.setattr(runbook, "calls", lambda: [runbook.Call("x8-bad", 8, 5, "5. bad", bad)])
+    problems = runbook.check()
+    assert len(problems) == 3, problems
+    assert problems[0].endswith(": --fp8-parts experts needs --precision fp8.")
+    # dropless rowwise receive buffers at EP=8 do not fit an H200 (the runbook sets a factor)
+    assert problems[1].startswith("x8-bad: model olmoe-1b-7b with layout pp 1 x dp 1 x ep 8 ")
+    assert (
+        "precision.fp8_parts 'dispatch' with parallel.dispatcher='nvshmem_rowwise'" in (problems[2])
+    )
+
+
 def test_multi_gpu_runbook_refuses_before_starting_anything(scripts, tmp_path):
     runbook = scripts("multi_gpu")
     out = tmp_path / "out"
