@@ -37,30 +37,22 @@ def foreach(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def per_tensor(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One ``torch.linalg.vector_norm`` reduction per tensor."""
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-    return torch.stack(norms).square().sum().sqrt()
+    """One ``torch.linalg.vector_norm`` reduction per tensor (``kernels.sum_squares``'s
+    reference)."""
+    return sum_squares_reference(grads, torch.float32).sqrt()
 
 
-def per_large_tensor_and_foreach(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The trainer before the Triton pass: one ``vector_norm`` per large tensor, one
-    ``_foreach_norm`` over the small ones."""
-    large = [g for g in grads if g.numel() >= LARGE]
-    small = [g for g in grads if g.numel() < LARGE]
-    sq = sum_squares_reference(large, torch.float32)
-    sq = sq + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float32)).square().sum()
-    return sq.sqrt()
-
-
-def triton_run(block: int, iters: int):
-    """The Triton pass at one program size over the large tensors, ``_foreach_norm`` over the
-    small ones (as the trainer splits them)."""
+def large_then_foreach(large_pass):
+    """The norm as the trainer splits it (``optimizer.sum_of_squares``): ``large_pass`` over the
+    tensors of at least ``LARGE`` elements, one ``_foreach_norm`` over the small ones."""
 
     def fn(grads: list[torch.Tensor]) -> torch.Tensor:
         large = [g for g in grads if g.numel() >= LARGE]
         small = [g for g in grads if g.numel() < LARGE]
-        sq = sum_squares_triton.sum_squares(large, block, iters)
-        sq = sq + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float32)).square().sum()
+        sq = (
+            large_pass(large)
+            + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float32)).square().sum()
+        )
         return sq.sqrt()
 
     return fn
@@ -94,12 +86,17 @@ def main() -> None:
     variants = {
         "foreach_norm": foreach,
         "vector_norm_per_tensor": per_tensor,
-        "vector_norm_large_foreach_small": per_large_tensor_and_foreach,
+        # the trainer before the Triton pass
+        "vector_norm_large_foreach_small": large_then_foreach(
+            lambda large: sum_squares_reference(large, torch.float32)
+        ),
         "moe_core": global_norm,
     }
     for run in args.runs.split(","):
         block, iters = map(int, run.split("x"))
-        variants[f"triton_{block}x{iters}"] = triton_run(block, iters)
+        variants[f"triton_{block}x{iters}"] = large_then_foreach(
+            lambda large, b=block, i=iters: sum_squares_triton.sum_squares(large, b, i)
+        )
     phases = [(name, lambda fn=fn: fn(grads)) for name, fn in variants.items()]
     times = cuda_phase_times_ms(phases, args.warmup, args.iters)
     rows = {}

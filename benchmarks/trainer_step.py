@@ -85,7 +85,7 @@ def fp8_parts_override(parts: str) -> list[str]:
 
 
 def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> list[str]:
-    data = ["data=synthetic"]
+    data, ranks = ["data=synthetic"], args.ep * args.dp
     if args.data != "synthetic":
         data = [f"data={args.data}", f"data.dir={data_dir}"]
     return [
@@ -96,9 +96,9 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         "train=default",
         *data,
         f"train.micro_batch_size={args.mbs}",
-        f"train.global_batch_size={args.mbs * args.micro_batches * args.ep * args.dp}",
+        f"train.global_batch_size={args.mbs * args.micro_batches * ranks}",
         # held-out batches split over the data ranks: at least the default 4, a multiple of them
-        f"train.eval_batches={args.ep * args.dp * -(-4 // (args.ep * args.dp))}",
+        f"train.eval_batches={ranks * -(-4 // ranks)}",
         f"parallel.ep={args.ep}",
         f"parallel.dp={args.dp}",
         f"parallel.dispatcher={args.dispatcher}",

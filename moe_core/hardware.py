@@ -61,9 +61,8 @@ class Measurement:
         return self.model_tflops / GPUS[self.gpu].peak_tflops
 
 
-# `moe train` on one H200 as printed (median of the timed steps), OLMoE-1B-7B, 16 layers,
-# pure-bf16, sequence 4096, micro-batch 4, QuACK grouped GEMMs + FlashAttention 4, commit 5b23ed7
-# (the second of two runs that session, beside Olmo-core 3; the first printed 479.9).
+# `moe train` as printed, QuACK grouped GEMMs + FlashAttention 4 (``what`` and ``source`` say
+# which run: the second of two that session beside Olmo-core 3; the first printed 479.9).
 MEASURED = Measurement(
     gpu="H200",
     model_tflops=480.23,
