@@ -5,7 +5,8 @@ into ``out``, the model's copy in its dtype, when given).
 The step count, learning rate, gradient scale (clipping) and apply flag (a skipped step stores
 nothing) are read from device scalars, so
 the kernel never needs a host value that changes between steps: a CUDA graph can replay it and
-nothing recompiles. Programs own BLOCK contiguous elements with 64-bit offsets.
+nothing recompiles. Programs own BLOCK x ITERS contiguous elements with 64-bit offsets, in
+ITERS chunks of BLOCK.
 """
 
 from __future__ import annotations
@@ -19,6 +20,44 @@ import triton.language as tl
 from kernels._triton import cdiv
 
 BLOCK = 4096
+ITERS = 1
+
+
+@triton.jit
+def _adamw_chunk(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    out_ptr,
+    offs,
+    mask,
+    lr,
+    scale,
+    bias1,
+    bias2,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    HAS_OUT: tl.constexpr,
+):
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = g * scale
+    p = p * (1.0 - lr * weight_decay)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    if HAS_OUT:
+        # The model's copy is the stored parameter cast once more (as ``out.copy_(p)`` would).
+        p = p.to(p_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, p, mask=mask)
 
 
 @triton.jit
@@ -43,32 +82,38 @@ def _adamw(
     HAS_OUT: tl.constexpr,
     HAS_APPLY: tl.constexpr,
     BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
 ):
     if HAS_APPLY:  # not applied: no element is in range, nothing is read or written
         n = n * (tl.load(apply_ptr).to(tl.float32) != 0.0).to(tl.int64)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
     lr = tl.load(lr_ptr).to(tl.float32)
     step = tl.load(step_ptr).to(tl.float32)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(scale_ptr).to(tl.float32)
-    p = p * (1.0 - lr * weight_decay)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
     bias1 = 1.0 - tl.exp2(step * log2_beta1)
     bias2 = 1.0 - tl.exp2(step * log2_beta2)
-    p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-    if HAS_OUT:
-        # The model's copy is the stored parameter cast once more (as ``out.copy_(p)`` would).
-        p = p.to(p_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs, p, mask=mask)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        _adamw_chunk(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            out_ptr,
+            offs,
+            offs < n,
+            lr,
+            scale,
+            bias1,
+            bias2,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            HAS_OUT,
+        )
 
 
 def adamw_step_(
@@ -86,10 +131,12 @@ def adamw_step_(
     out: torch.Tensor | None = None,
     apply: torch.Tensor | None = None,
     block: int = BLOCK,
+    iters: int = ITERS,
+    num_warps: int = 8,
 ) -> None:
     """In place on contiguous ``p``, ``m``, ``v`` (see ``adamw.adamw_step_``)."""
     n = p.numel()
-    _adamw[(cdiv(n, block),)](
+    _adamw[(cdiv(n, block * iters),)](
         p,
         g,
         m,
@@ -110,5 +157,6 @@ def adamw_step_(
         HAS_OUT=out is not None,
         HAS_APPLY=apply is not None,
         BLOCK=block,
-        num_warps=8,
+        ITERS=iters,
+        num_warps=num_warps,
     )

@@ -22,14 +22,16 @@ def _state(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "clip-scaled"])
-def test_adamw_kernel_equals_reference(dtype, scaled):
-    n = 3 * 64 + 5  # several programs of a small block, the last one partial
+@pytest.mark.parametrize("iters", [1, 3], ids=["1-chunk", "3-chunks"])
+def test_adamw_kernel_equals_reference(dtype, scaled, iters):
+    """Several programs of a small block (of ``iters`` chunks each), the last one partial."""
+    n = 3 * 64 + 5
     lr = torch.tensor(1e-2, device=DEVICE)
     step = torch.tensor(3.0, device=DEVICE)
     scale = torch.tensor(0.5, device=DEVICE) if scaled else None
     fused, ref = _state(n, dtype, 1), _state(n, dtype, 1)
     assert_triton_path(fused[0])
-    adamw_triton.adamw_step_(*fused, lr, step, scale, *HYPER.values(), block=64)
+    adamw_triton.adamw_step_(*fused, lr, step, scale, *HYPER.values(), block=64, iters=iters)
     adamw_reference_(*ref, lr, step, scale, *HYPER.values())
     for name, a, b in zip(["param", "grad", "exp_avg", "exp_avg_sq"], fused, ref, strict=True):
         if dtype == torch.float32:
