@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels._triton import cdiv
 
-BLOCK = 4096
+BLOCK = 2048
 ITERS = 1
 
 
@@ -132,7 +132,7 @@ def adamw_step_(
     apply: torch.Tensor | None = None,
     block: int = BLOCK,
     iters: int = ITERS,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> None:
     """In place on contiguous ``p``, ``m``, ``v`` (see ``adamw.adamw_step_``)."""
     n = p.numel()
