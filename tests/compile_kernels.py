@@ -141,7 +141,8 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         ptrs |= {"lr_ptr": "*fp32", "step_ptr": "*fp32", "scale_ptr": "*fp32", "apply_ptr": "*i1"}
         ptrs |= {k: "fp32" for k in ("beta1", "beta2", "log2_beta1", "log2_beta2", "eps")}
         ptrs["weight_decay"] = "fp32"
-        flags = {"HAS_SCALE": [False, True], "HAS_OUT": [copy is not None], "BLOCK": [4096]}
+        flags = {"HAS_SCALE": [False, True], "HAS_OUT": [copy is not None]}
+        flags |= {"BLOCK": [adamw_triton.BLOCK], "ITERS": [adamw_triton.ITERS]}
         # The trainer always passes its skip flag (a bool tensor); calls without one (the
         # benchmarks' AdamW) are checked in one dtype case: the flag adds no dtype-dependent code.
         flags["HAS_APPLY"] = [True, False] if p == g == "*bf16" else [True]
