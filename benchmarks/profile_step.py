@@ -37,9 +37,11 @@ from train_step import moe_layer_step, parser, train_step_parts
 
 from kernels import expert_mlp, grouped_gemm
 
-CATEGORIES = [
+CATEGORIES = [  # the first pattern a kernel's name matches names its category
     ("optimizer", r"multi_tensor|adam"),
     ("attention", r"flash|fmha|attention|sdpa"),
+    ("fp8 quantize", r"^_(swiglu_)?quantize"),  # kernels.fp8_triton
+    ("fp8 gemm", r"e4m3|f8f8|fp8"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm100_|_mm_"),
     ("moe triton", r"^_(block_rank|scan|finalize|permute|combine|gather|scatter|swiglu)"),
     ("inductor triton", r"^triton_"),
