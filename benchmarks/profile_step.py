@@ -118,6 +118,24 @@ def gpu_timeline(events: list[dict], steps: int, top: int = 12) -> dict:
     }
 
 
+def trainer_shape(args: argparse.Namespace) -> argparse.Namespace:
+    """The run ``trainer_step.py`` launches, from its own defaults (so an option it gains needs
+    nothing here), this script's options over them, on one GPU with synthetic data."""
+    import trainer_step
+
+    shape = vars(trainer_step.parser().parse_args([]))
+    shape.update(vars(args))
+    shape.update(
+        data="synthetic",
+        micro_batches=1,
+        ep=1,
+        dp=1,
+        dispatcher="all_to_all",
+        steps=args.iters + args.profile_steps,
+    )
+    return argparse.Namespace(**shape)
+
+
 def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[float]]:
     """``Trainer.train_step`` at OLMoE-1B-7B width (``moe train``'s step, built in-process),
     after ``args.warmup`` steps; the list collects the wall step times it reports (ms)."""
@@ -128,17 +146,7 @@ def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[
 
     out = tempfile.mkdtemp()
     atexit.register(shutil.rmtree, out, True)
-    shape = argparse.Namespace(  # the run trainer_step.py launches, one GPU, synthetic data
-        **vars(args),
-        data="synthetic",
-        micro_batches=1,
-        ep=1,
-        dp=1,
-        dispatcher="all_to_all",
-        steps=args.iters + args.profile_steps,
-    )
-    overrides = trainer_overrides(shape, out, data_dir="")
-    trainer = Trainer(compose_run(overrides))
+    trainer = Trainer(compose_run(trainer_overrides(trainer_shape(args), out, data_dir="")))
     for _ in range(args.warmup):
         trainer.train_step()
     step_ms: list[float] = []
@@ -149,7 +157,7 @@ def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[
     return step, step_ms
 
 
-def main() -> None:
+def profile_parser() -> argparse.ArgumentParser:
     p = parser()
     p.add_argument("--moe-layer", type=int, default=0, help="experts of one MoE layer")
     p.add_argument("--top-k", type=int, default=4, help="the MoE layer's top-k")
@@ -159,7 +167,11 @@ def main() -> None:
     p.add_argument("--fp8-parts", default="", help="with --trainer --precision fp8: the parts")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = profile_parser().parse_args()
     grouped_gemm.set_backend(args.expert_gemm)  # as train_step.py (the trainer sets its own)
     expert_mlp.set_fused(not args.unfused_mlp)
     if args.trainer:

@@ -43,6 +43,20 @@ def test_every_benchmark_imports_and_takes_the_olmoe_shape_from_the_config(scrip
     assert (olmoe.d_model, olmoe.n_experts, olmoe.top_k) == (ep.D, ep.E, ep.K)
 
 
+def test_profile_step_trainer_composes_the_run_trainer_step_launches(scripts, tmp_path):
+    """``profile_step.py --trainer`` builds its Trainer from ``trainer_step.py``'s overrides: with
+    any of its precision options the run composes (it broke twice when trainer_step gained an
+    option), on one GPU, synthetic data, its own step count."""
+    profile, trainer_step = scripts("profile_step"), scripts("trainer_step")
+    for extra in ([], ["--precision", "fp8", "--fp8-parts", "experts,attention"]):
+        args = profile.profile_parser().parse_args(["--trainer", "--iters", "5", *extra])
+        overrides = trainer_step.trainer_overrides(profile.trainer_shape(args), str(tmp_path), "")
+        run = compose_run(overrides)
+        assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (1, 1, 3 + 5 + 2)
+        assert (run.precision.params, run.precision.optimizer) == ("bf16", "bf16")  # both presets
+    assert run.precision.fp8_parts == ["experts", "attention"]
+
+
 def test_multi_gpu_runbook_covers_issue_21_in_calls_that_check_clean(scripts):
     """Every run of issue 21 is in a call of at most 10 minutes on a 2- or 8-GPU machine, and
     what can be checked without those GPUs holds: scripts exist, each trained or planned config
