@@ -40,8 +40,9 @@ from kernels import expert_mlp, grouped_gemm
 CATEGORIES = [  # the first pattern a kernel's name matches names its category
     ("optimizer", r"multi_tensor|adam"),
     ("attention", r"flash|fmha|attention|sdpa"),
-    ("fp8 quantize", r"^_(swiglu_)?quantize"),  # kernels.fp8_triton
-    ("fp8 gemm", r"e4m3|f8f8|fp8"),
+    # kernels.fp8_triton's, and Inductor's fused into the attention projections' inputs
+    ("fp8 quantize", r"^_(swiglu_)?quantize|^triton_\w*_scaled_mm"),
+    ("fp8 gemm", r"e4m3|f8f8|fp8|nvjet_sm90_qq"),  # CUTLASS's grouped and cuBLAS's FP8 GEMMs
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm100_|_mm_"),
     ("moe triton", r"^_(block_rank|scan|finalize|permute|combine|gather|scatter|swiglu)"),
     ("inductor triton", r"^triton_"),

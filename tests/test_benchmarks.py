@@ -57,6 +57,25 @@ def test_profile_step_trainer_composes_the_run_trainer_step_launches(scripts, tm
     assert run.precision.fp8_parts == ["experts", "attention"]
 
 
+def test_profile_step_counts_fp8_kernels_apart_from_the_bf16_ones(scripts):
+    """Kernel names from the FP8 trainer profiles on an H200: quantizers (ours and Inductor's
+    fused ones, whose names mention the ``_scaled_mm`` they feed) and FP8 GEMMs are not GEMMs."""
+    category = scripts("profile_step").category
+    cutlass_fp8 = "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalIN...float_e4m3_t"
+    names = {
+        "_quantize_columns_transposed": "fp8 quantize",
+        "_swiglu_quantize_rows": "fp8 quantize",
+        "triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_clamp_min": "fp8 quantize",
+        cutlass_fp8: "fp8 gemm",
+        "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT": "fp8 gemm",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "kernel_cutlass_kernel_quackgemm_default_epiGemmDefaultSm90_object_at": "gemm",
+        "_swiglu_backward": "moe triton",
+        "triton_per_fused_add_rms_norm_0": "inductor triton",
+    }
+    assert {name: category(name) for name in names} == names
+
+
 def test_multi_gpu_runbook_covers_issue_21_in_calls_that_check_clean(scripts):
     """Every run of issue 21 is in a call of at most 10 minutes on a 2- or 8-GPU machine, and
     what can be checked without those GPUs holds: scripts exist, each trained or planned config
