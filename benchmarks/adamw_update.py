@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from datetime import date
 
 import torch
 from grad_norm import copy_time_ms
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 
@@ -116,15 +116,10 @@ def main() -> None:
         "copy_gb_per_s": copy_bytes / copy_ms / 1e6,  # read + written
         "state_finite_after": finite,
         "variants": rows,
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
     }
     print(json.dumps({k: v for k, v in report.items() if k != "variants"}))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save(report, args.out)
 
 
 if __name__ == "__main__":

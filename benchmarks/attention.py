@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.baselines
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
@@ -139,8 +140,7 @@ def main() -> None:
         meta = dict(date=str(date.today()), gpu=torch.cuda.get_device_name(), commit=args.commit)
         result = block(args) | meta | {"torch": torch.__version__}
         print("RESULT " + json.dumps(result))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2))
+        save(result, args.out)
         return
     B, S, H, d = args.batch, args.seq, args.heads, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -201,16 +201,12 @@ def main() -> None:
         )
     result = {
         "benchmark": "attention",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "shape": dict(batch=B, seq=S, heads=H, head_dim=d, causal=True, dtype="bf16"),
         "rows": rows,
     }
     print("RESULT " + json.dumps(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import argparse
 import json
 import os
 import statistics
-from datetime import date
 
 import torch
 import torch.distributed as dist
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
@@ -102,19 +102,14 @@ def main() -> None:
     if rank == 0:
         report = {
             "benchmark": "ep_dispatch_combine",
-            "date": str(date.today()),
-            "gpu": torch.cuda.get_device_name(),
+            **stamp(args.commit),
             "gpus": P,
-            "commit": args.commit,
-            "torch": torch.__version__,
             "routed_mib_per_rank": T * K * D * 2 / 2**20,
             "capacity_factor": args.capacity_factor,
             "results": results,
         }
         print("RESULT " + json.dumps(report))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
+        save(report, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

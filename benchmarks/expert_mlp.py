@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from datetime import date
 
 import torch
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
@@ -204,18 +204,13 @@ def main() -> None:
             results[key]["configs"] = sweep_configs(ops, args.warmup, args.iters, args.rounds)
     report = {
         "benchmark": "expert_mlp",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "tokens": TOKENS,
         "d_model": CFG.d_model,
         "expert_hidden": CFG.expert_hidden,
         "results": results,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save(report, args.out)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ import argparse
 import copy
 import json
 import statistics
-from datetime import date
 
 import torch
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 from torch import nn
@@ -126,18 +126,13 @@ def main() -> None:
     rows = [run_case(*c, args.warmup, args.iters) for c in cases()]
     result = {
         "benchmark": "fp8_linear",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "commit_note": args.commit_note,
         "warmup": args.warmup,
         "iters": args.iters,
         "cases": rows,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

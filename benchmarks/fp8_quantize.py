@@ -21,9 +21,9 @@ import argparse
 import itertools
 import json
 import statistics
-from datetime import date
 
 import torch
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 
@@ -114,15 +114,10 @@ def main() -> None:
         del w
     report = {
         "benchmark": "fp8_quantize",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "results": results,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save(report, args.out)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import re
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -43,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when imported elsewhere
 
+from report import save, stamp
 from timing import cuda_times_ms
 
 from kernels import grouped_gemm
@@ -206,10 +205,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     result = {
         "benchmark": "gathered_gemm",
-        "date": str(date.today()),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "commit": commit,
+        **stamp(commit, gpu=gpu),
         "gathered_impl": impl,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows,
@@ -220,7 +216,7 @@ def main() -> None:
         result["quack"] = None
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gathered_gemm_{gpu_tag(gpu)}_{commit}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    save(result, path)
     print(f"wrote {path}")
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from datetime import date
 
 import torch
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
@@ -115,15 +115,10 @@ def main() -> None:
         "gradient_gib": n_bytes / 2**30,
         "copy_gb_per_s": copy_bytes / copy_ms / 1e6,  # bytes read + written per second
         "variants": rows,
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
     }
     print(json.dumps({k: v for k, v in report.items() if k != "variants"}))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save(report, args.out)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,9 @@ tensors for every implementation and both group-size distributions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -37,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when imported elsewhere
 
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
@@ -195,11 +194,8 @@ def main() -> None:
     print_table(rows, args.impls.split(","))
     result = {
         "benchmark": "grouped_gemm",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **stamp(args.commit),
         "triton": __import__("triton").__version__,
-        "commit": args.commit,
         "config": vars(args),
         "rows": rows,
     }
@@ -212,10 +208,8 @@ def main() -> None:
         }
     if "quack" in args.impls.split(","):
         result["quack"] = __import__("importlib.metadata").metadata.version("quack-kernels")
+    save(result, args.out)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
         print(f"wrote {args.out}")
 
 

@@ -19,7 +19,6 @@ them).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when imported elsewhere
 
+from report import save
 from shapes import olmoe
 from timing import cuda_times_ms
 
@@ -292,7 +292,6 @@ def main() -> None:
         times = f"{r.ms:9.3f}{r.p10_ms:9.3f}{r.p90_ms:9.3f}"
         print(f"{r.op:<20}{r.passes:<9}{r.impl:<8}{times}{gbps:>9}{frac:>9}{speedup:>9}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -301,7 +300,7 @@ def main() -> None:
         "copy_gbps": copy_gbps,
         "rows": [asdict(r) for r in rows],
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(result, args.out)
     print(f"wrote {args.out}")
 
 

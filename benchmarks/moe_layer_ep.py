@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
-from datetime import date
 
 import torch
 import torch.distributed as dist
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
@@ -208,11 +207,8 @@ def main() -> None:
     if rank == 0:
         report = {
             "benchmark": "moe_layer_ep",
-            "date": str(date.today()),
-            "gpu": torch.cuda.get_device_name(),
+            **stamp(args.commit),
             "gpus": world,
-            "commit": args.commit,
-            "torch": torch.__version__,
             "shape": {
                 "tokens_per_gpu": TOKENS,
                 "d_model": CFG.d_model,
@@ -255,9 +251,7 @@ def main() -> None:
             print(f"costliest GPU kernels, {key}, rank 0 (ms per step):")
             for name, ms in rows[0]["top_kernels_ms_per_step"]:
                 print(f"  {ms:8.3f}  {name}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
+        save(report, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -31,8 +31,9 @@ import json
 import subprocess
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
+
+from report import save, stamp
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
@@ -159,8 +160,7 @@ def main() -> None:
     args = p.parse_args()
     if args.replan:
         result = {**replan(Path(args.replan)), "commit": args.commit}
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2))
+        save(result, args.out)
         return
     if args.one:
         row = measure(
@@ -181,14 +181,10 @@ def main() -> None:
             )
         rows.append(json.loads(line[0][4:]))
         print(json.dumps(rows[-1]))
-    import torch
 
     result = {
         "benchmark": "plan_memory",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "commit_note": args.commit_note,
         "expert_gemm": args.expert_gemm,
         "attention": args.attention,
@@ -204,8 +200,7 @@ def main() -> None:
         result["plan_per_layer_activations_gib"] = (
             b["plan_gib"]["activations"] - a["plan_gib"]["activations"]
         ) / n
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    save(result, args.out)
 
 
 if __name__ == "__main__":

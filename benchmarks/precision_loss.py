@@ -20,9 +20,9 @@ import math
 import statistics
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
 
+from report import save, stamp
 from trainer_step import child, fp8_parts_override
 
 PRECISIONS = ("pure-bf16", "fp8")
@@ -113,17 +113,13 @@ def main() -> None:
         return
     if not args.data_dir:
         raise SystemExit("--data-dir: the folder `moe tokenize data=kjv-gpt2` wrote")
-    import torch
 
     data_dir = str(Path(args.data_dir).resolve())
     runs = {name: run(name, args.steps, data_dir, args.fp8_parts, args.seed) for name in PRECISIONS}
     base, fp8 = runs["pure-bf16"]["final_loss"], runs["fp8"]["final_loss"]
     report = {
         "benchmark": "precision_loss",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "fp8_parts": args.fp8_parts or None,
         "seed": args.seed,
         "final_loss_rel_diff": (fp8 - base) / base,
@@ -136,8 +132,7 @@ def main() -> None:
             f"peak {r['peak_mem_gib']:.1f} GiB"
         )
     print(f"fp8 vs bf16 final loss: {report['final_loss_rel_diff']:+.3%}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    save(report, args.out)
 
 
 if __name__ == "__main__":

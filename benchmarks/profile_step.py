@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import save
 from timing import cuda_phase_times_ms
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -224,9 +225,7 @@ def main() -> None:
     print(f"gpu timeline: {json.dumps(timeline)}")
     for row in result["top_kernels_ms"]:
         print(f"{row['ms']:9.3f}  {row['category']:16s} {row['kernel']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

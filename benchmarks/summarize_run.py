@@ -10,6 +10,8 @@ import json
 import statistics
 from datetime import date
 
+from report import save
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -42,9 +44,7 @@ def main() -> None:
         if values:
             summary[f"median_{k}"] = statistics.median(values)
     print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
+    save(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ import os
 import statistics
 import time
 import traceback
-from datetime import date
 
 import torch
 import torch.distributed as dist
+from report import save, stamp
 from timing import cuda_times_ms
 
 for key in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -145,10 +145,7 @@ def main() -> None:
     n = args.mib * 2**20 // 2  # bf16 elements
     result = {
         "benchmark": "symmetric_memory_one_gpu",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "mib": args.mib,
         "backends": [],
     }
@@ -161,9 +158,7 @@ def main() -> None:
             )
             traceback.print_exc()
     print("RESULT " + json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

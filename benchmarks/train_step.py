@@ -28,12 +28,12 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.baselines
+from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
@@ -296,15 +296,10 @@ def main() -> None:
         "attention": args.attention,
         "gather_rows": args.gather_rows,
         "expert_mlp": "unfused" if args.unfused_mlp else "fused where QuACK runs",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
     }
     print("RESULT " + json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

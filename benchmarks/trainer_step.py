@@ -38,10 +38,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
 
 import torch
+from report import save, stamp
 from timing import cuda_times_ms
 from train_step import add_kernel_options
 
@@ -230,10 +230,7 @@ def main() -> None:
         raise SystemExit(problem)
     result: dict = {
         "benchmark": "trainer_vs_step",
-        "date": str(date.today()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
+        **stamp(args.commit),
         "layers": args.layers,
         "precision": args.precision,
         "fp8_parts": args.fp8_parts or None,
@@ -261,8 +258,7 @@ def main() -> None:
     if "step_tflops" in result:
         result["ratio"] = result["trainer_tflops"] / result["step_tflops"]
     print("RESULT " + json.dumps({k: v for k, v in result.items() if k not in ("step", "trainer")}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    save(result, args.out)
 
 
 if __name__ == "__main__":

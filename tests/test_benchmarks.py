@@ -43,6 +43,26 @@ def test_every_benchmark_imports_and_takes_the_olmoe_shape_from_the_config(scrip
     assert (olmoe.d_model, olmoe.n_experts, olmoe.top_k) == (ep.D, ep.E, ep.K)
 
 
+def test_report_stamps_where_a_benchmark_ran_and_saves_it(scripts, tmp_path):
+    """Every benchmark's JSON header comes from ``report.stamp``; ``save`` makes the folder and
+    writes nothing without ``--out``."""
+    import json
+
+    import torch
+
+    report = scripts("report")
+    header = report.stamp("abc1234", gpu="NVIDIA H200")
+    assert set(header) == {"date", "gpu", "torch", "commit"}
+    assert (header["gpu"], header["torch"], header["commit"]) == (
+        "NVIDIA H200", torch.__version__, "abc1234"
+    )  # fmt: skip
+    out = tmp_path / "results" / "run.json"
+    report.save({"benchmark": "x", **header}, out)
+    assert json.loads(out.read_text()) == {"benchmark": "x", **header}
+    report.save({"benchmark": "y"}, "")
+    assert list(tmp_path.rglob("*.json")) == [out]
+
+
 def test_profile_step_trainer_composes_the_run_trainer_step_launches(scripts, tmp_path):
     """``profile_step.py --trainer`` builds its Trainer from ``trainer_step.py``'s overrides: with
     any of its precision options the run composes (it broke twice when trainer_step gained an
