@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -137,8 +136,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.block:
-        meta = dict(date=str(date.today()), gpu=torch.cuda.get_device_name(), commit=args.commit)
-        result = block(args) | meta | {"torch": torch.__version__}
+        result = block(args) | stamp(args.commit)
         print("RESULT " + json.dumps(result))
         save(result, args.out)
         return

@@ -46,18 +46,11 @@ def overrides(
     layers: int, precision: str, expert_gemm: str, attention: str, out: str, warmup: int = 2
 ) -> list:
     """``trainer_step.py``'s run with graphs off: ``warmup`` steps and the instrumented one."""
-    from trainer_step import trainer_overrides
+    from trainer_step import run_shape, trainer_overrides
 
-    shape = argparse.Namespace(
+    shape = run_shape(
         layers=layers,
         precision=precision,
-        fp8_parts="",
-        data="synthetic",
-        mbs=4,
-        micro_batches=1,
-        ep=1,
-        dp=1,
-        dispatcher="all_to_all",
         cuda_graph="false",
         expert_gemm=expert_gemm,
         attention=attention,
@@ -181,7 +174,6 @@ def main() -> None:
             )
         rows.append(json.loads(line[0][4:]))
         print(json.dumps(rows[-1]))
-
     result = {
         "benchmark": "plan_memory",
         **stamp(args.commit),

@@ -113,7 +113,6 @@ def main() -> None:
         return
     if not args.data_dir:
         raise SystemExit("--data-dir: the folder `moe tokenize data=kjv-gpt2` wrote")
-
     data_dir = str(Path(args.data_dir).resolve())
     runs = {name: run(name, args.steps, data_dir, args.fp8_parts, args.seed) for name in PRECISIONS}
     base, fp8 = runs["pure-bf16"]["final_loss"], runs["fp8"]["final_loss"]

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from report import save
+from report import save, stamp
 from timing import cuda_phase_times_ms
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -121,13 +121,12 @@ def gpu_timeline(events: list[dict], steps: int, top: int = 12) -> dict:
 
 
 def trainer_shape(args: argparse.Namespace) -> argparse.Namespace:
-    """The run ``trainer_step.py`` launches, from its own defaults (so an option it gains needs
-    nothing here), this script's options over them, on one GPU with synthetic data."""
-    import trainer_step
+    """The run ``trainer_step.py`` launches with this script's options, on one GPU with
+    synthetic data."""
+    from trainer_step import run_shape
 
-    shape = vars(trainer_step.parser().parse_args([]))
-    shape.update(vars(args))
-    shape.update(
+    return run_shape(
+        **vars(args),
         data="synthetic",
         micro_batches=1,
         ep=1,
@@ -135,7 +134,6 @@ def trainer_shape(args: argparse.Namespace) -> argparse.Namespace:
         dispatcher="all_to_all",
         steps=args.iters + args.profile_steps,
     )
-    return argparse.Namespace(**shape)
 
 
 def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[float]]:
@@ -217,8 +215,7 @@ def main() -> None:
         "top_kernels_ms": [
             {"kernel": k[:160], "ms": round(v, 3), "category": category(k)} for k, v in top
         ],
-        "commit": args.commit,
-        "gpu": torch.cuda.get_device_name(),
+        **stamp(args.commit),
     }
     print(f"phases ms: {json.dumps({k: round(v, 2) for k, v in phase_ms.items()})}")
     print(f"kernel ms by category: {json.dumps({k: round(v, 2) for k, v in by_cat.items()})}")

@@ -209,6 +209,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_shape(**changes: object) -> argparse.Namespace:
+    """This script's arguments at their defaults with ``changes`` over them: the run another
+    script builds with ``trainer_overrides`` (an option added here needs nothing there)."""
+    return argparse.Namespace(**{**vars(parser().parse_args([])), **changes})
+
+
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these arguments cannot run (one sentence), or None."""
     if args.data != "synthetic" and not args.data_dir:
