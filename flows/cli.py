@@ -8,7 +8,13 @@ into one pipeline per combination, each in its own numbered run directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+
+# Prefect's temporary API server (started by the first flow call when PREFECT_API_URL names
+# none) gets 20 s by default; on a loaded 2-core machine (load 15-20) it needed up to 180 s.
+SERVER_STARTUP_S = 180
 
 
 def register(sub) -> None:
@@ -31,6 +37,29 @@ def split_run_dir(overrides: list[str], default: str) -> tuple[str, list[str]]:
     return run_dir, rest
 
 
+@contextlib.contextmanager
+def server_startup_time() -> Iterator[None]:
+    """Inside, Prefect's temporary API server has ``SERVER_STARTUP_S`` to start unless the user
+    set ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` (environment or profile); one that
+    still does not start is one sentence naming the setting, not Prefect's traceback."""
+    from prefect import settings
+
+    from moe_core.errors import RunFailedError
+
+    setting = settings.PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+    with settings.temporary_settings(set_defaults={setting: SERVER_STARTUP_S}):
+        seconds = setting.value()
+        try:
+            yield
+        except RuntimeError as err:
+            if not str(err).startswith("Timed out while attempting to connect to ephemeral"):
+                raise
+            raise RunFailedError(
+                f"Prefect's temporary API server did not start within {seconds} s (a busy "
+                f"machine): set {setting.name} higher, or PREFECT_API_URL to a running server."
+            ) from None
+
+
 def cmd_pipeline(args: argparse.Namespace) -> None:
     from rich.console import Console
 
@@ -41,10 +70,11 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
     run_dir, overrides = split_run_dir(args.overrides, f"runs/{args.config_name}")
     runs = sweep(overrides) if args.multirun else [overrides]
     outcomes = []
-    for i, combo in enumerate(runs):
-        config = compose_dict(combo, args.config_dir, args.config_name)
-        target = str(Path(run_dir) / str(i)) if args.multirun else run_dir
-        outcomes.append((target, pretrain(config=config, run_dir=target)))
+    with server_startup_time():
+        for i, combo in enumerate(runs):
+            config = compose_dict(combo, args.config_dir, args.config_name)
+            target = str(Path(run_dir) / str(i)) if args.multirun else run_dir
+            outcomes.append((target, pretrain(config=config, run_dir=target)))
     # One run's summary is the flow's last log line already (its final state's message); a
     # sweep gets one line per run (never wrapped: the commands in it are copied).
     if len(outcomes) > 1:

