@@ -538,12 +538,10 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     """Every stage in order, tracked; the flow's outcome."""
     (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
-    tracker.params(tracker.parent, to_dict(run))
-    tracker.artifacts(tracker.parent, root / "config.json")
     from moe_core.planpage import write_run_page  # the run's build-a-run page (moe plan --html)
 
-    if (page := write_run_page(run, root)) is not None:
-        tracker.artifacts(tracker.parent, page)
+    page = write_run_page(run, root)
+    tracker.begin(to_dict(run), [root / "config.json", *([page] if page is not None else [])])
     ctx = Context(run, root, tracker, stage_keys(run))
     outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}
     try:
@@ -557,14 +555,23 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
             if isinstance(summary, dict):
                 outcome[name] = summary
     except BaseException as err:
-        tracker.finish(tracker.parent, _status(err))
+        tracker.finish(tracker.current, _status(err))
         raise
     evaluation = outcome.get("evaluate", {})
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     if all(state == "Skipped" for state in outcome["stages"].values()):
         # Nothing ran: the parent run keeps its own timings; the rerun is a line on its page.
-        when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         tracker.note(tracker.parent, f"{when}: rerun; every stage's outputs verified, none redone.")
     else:
+        # This attempt's parent names the run behind every stage's outputs (kept ones too).
+        runs = {n: tracker.state["stages"].get(n) for n in outcome["stages"]}
+        tracker.tags(tracker.parent, {f"moe.stage.{n}": r for n, r in runs.items() if r})
+        ran = [n for n, state in outcome["stages"].items() if state != "Skipped"]
+        kept = [f"{n} (run {runs[n]})" for n in outcome["stages"] if n not in ran and runs[n]]
+        text = f"{when}: ran {', '.join(ran)}"
+        tracker.note(
+            tracker.parent, text + (f"; kept, verified: {', '.join(kept)}." if kept else ".")
+        )
         train = outcome.get("train", {})
         headline = {
             "final_loss": train.get("final_loss"),

@@ -1,9 +1,18 @@
-"""MLflow for the pipeline: one parent run per run directory, one nested run per stage.
+"""MLflow for the pipeline: a parent run per pipeline invocation that runs a stage, a nested run
+per stage it runs.
 
-The run ids live in ``run_dir/mlflow.json``, so a resumed pipeline keeps logging into the same
-parent and stage runs. Tracking never stops the work: if the tracking store cannot be reached,
-the pipeline warns once and goes on; training metrics stay in ``metrics.jsonl`` (the local
-buffer) and the lines not yet sent are sent by a later call that can reach the store.
+MLflow params are write-once, so a run's params, metrics and description belong together only if
+every run records one attempt: a rerun with a changed config (``train.lr=1e-3``), or a relaunch
+after a failure, gets a fresh parent (named after the run folder, ``#2``, ``#3`` after the first)
+and fresh stage runs, params logged from that attempt's resolved config, so MLflow's compare
+view sets the attempts side by side and none of them is rewritten. Every run carries the tag
+``moe.run_dir`` (search ``tags.`moe.run_dir` = '...'`` for a folder's history); a stage skipped
+as verified gets no run: ``run_dir/mlflow.json`` keeps the id of the run that produced its
+outputs (``stages``), the parent names it (tag ``moe.stage.NAME``), and every attempt's run id is
+listed (``attempts``). A rerun that runs nothing adds a line to the latest parent's description.
+Tracking never stops the work: if the tracking store cannot be reached, the pipeline warns once
+and goes on; training metrics stay in ``metrics.jsonl`` (the local buffer) and the lines not yet
+sent are sent by a later call that can reach the store.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_m
 # MLflow's UI opens an experiment in the view its kind names (model training, not GenAI).
 KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
+RUN_DIR_TAG = "moe.run_dir"  # groups the attempts of one run folder
 
 
 # The Prefect variable infra/deploy.sh sets to its MLflow server's URI (when one answers).
@@ -112,20 +122,30 @@ def metric_rows(line: dict[str, Any]) -> dict[str, float]:
 
 
 class Tracker:
+    """One pipeline invocation's MLflow runs (see the module's docstring)."""
+
     def __init__(self, run_dir: Path, uri: str | None, experiment: str, run_name: str) -> None:
         self.run_dir = run_dir
+        self.run_name = run_name
         self.state_path = run_dir / "mlflow.json"
-        self.state: dict[str, Any] = {"parent": None, "stages": {}, "sent": {}}
+        self.state: dict[str, Any] = {
+            "parent": None,
+            "parents": [],
+            "stages": {},
+            "attempts": {},
+            "sent": {},
+        }
         if self.state_path.is_file():
             self.state |= json.loads(self.state_path.read_text())
+        if self.state["parent"] and not self.state["parents"]:  # written before attempts were kept
+            self.state["parents"] = [self.state["parent"]]
         self.uri, self.source = tracking_uri(uri, run_dir)
         self.online = True
         self.client = None
         self.experiment_id: str | None = None
+        self.current: str | None = None  # this invocation's parent, made with its first stage run
+        self._on_parent: tuple[dict[str, Any], list[Path]] = ({}, [])
         self._guard(self._connect, experiment, self.source == RUN_FOLDER)
-        if self.state["parent"] is None:
-            self.state["parent"] = self._guard(self._create, run_name, None)
-            self._save()
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -161,10 +181,26 @@ class Tracker:
             )
 
     def _create(self, name: str, parent: str | None) -> str:
-        tags = {"mlflow.runName": name}
+        tags = {"mlflow.runName": name, RUN_DIR_TAG: str(self.run_dir)}
         if parent is not None:
             tags["mlflow.parentRunId"] = parent
         return self.client.create_run(self.experiment_id, tags=tags).info.run_id
+
+    def _new_parent(self) -> str | None:
+        """This invocation's parent run, with the params and files ``begin`` gave."""
+        earlier = len(self.state["parents"])
+        name = self.run_name if not earlier else f"{self.run_name} #{earlier + 1}"
+        run_id = self._guard(self._create, name, None)
+        if run_id is None:
+            return None
+        self.current = self.state["parent"] = run_id
+        self.state["parents"].append(run_id)
+        self._save()
+        values, files = self._on_parent
+        self.params(run_id, values)
+        for f in files:
+            self.artifacts(run_id, f)
+        return run_id
 
     def _save(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
@@ -175,18 +211,24 @@ class Tracker:
 
     @property
     def parent(self) -> str | None:
-        return self.state["parent"]
+        """This invocation's parent run, else the latest one of the run folder."""
+        return self.current or self.state["parent"]
+
+    def begin(self, config: dict[str, Any], files: list[Path]) -> None:
+        """What this invocation's parent run holds (its params, its artifacts), logged when its
+        first stage runs: an invocation that only skips makes no run."""
+        self._on_parent = (config, files)
 
     def stage(self, name: str) -> str | None:
-        """The nested run of ``name`` (created once; a rerun of the stage logs into it)."""
-        run_id = self.state["stages"].get(name)
-        if run_id is None and self.parent is not None:
-            run_id = self._guard(self._create, name, self.parent)
-            if run_id is not None:
-                self.state["stages"][name] = run_id
-                self._save()
+        """A fresh nested run of ``name`` for this attempt (the parent made first if needed)."""
+        parent = self.current or self._new_parent()
+        if parent is None:
+            return None
+        run_id = self._guard(self._create, name, parent)
         if run_id is not None:
-            self._guard(self.client.update_run, run_id, "RUNNING")
+            self.state["stages"][name] = run_id
+            self.state["attempts"].setdefault(name, []).append(run_id)
+            self._save()
         return run_id
 
     def params(self, run_id: str | None, values: dict[str, Any]) -> None:
@@ -216,24 +258,30 @@ class Tracker:
         """Send the lines of a metrics.jsonl not sent yet; returns how many were sent."""
         if run_id is None or not path.is_file() or not self.online:
             return 0
-        key = str(path.resolve())
+        done = (
+            self.state["sent"]
+            .setdefault(run_id, {})
+            .setdefault(str(path.resolve()), {"lines": 0, "step": -1})
+        )
         lines = path.read_text().splitlines()
-        start = self.state["sent"].get(key, 0)
-        if start > len(lines):  # the file was rewritten (a resumed run dropped redone steps)
-            start = 0
+        if done["lines"] > len(lines):  # the file was rewritten (a resumed run dropped steps)
+            done["lines"] = 0
         sent = 0
-        for raw in lines[start:]:
+        for raw in lines[done["lines"] :]:
             if not raw.strip():
+                done["lines"] += 1
                 continue
             try:
                 line = json.loads(raw)
             except ValueError:
                 break  # a line still being written
-            self.metrics(run_id, metric_rows(line), int(line["step"]))
-            if not self.online:
-                break
-            sent += 1
-        self.state["sent"][key] = start + sent
+            if int(line["step"]) > done["step"]:  # a step redone after a resume is not sent twice
+                self.metrics(run_id, metric_rows(line), int(line["step"]))
+                if not self.online:
+                    break
+                done["step"] = int(line["step"])
+                sent += 1
+            done["lines"] += 1
         self._save()
         return sent
 
@@ -251,6 +299,14 @@ class Tracker:
             self._guard(self.client.log_artifacts, run_id, str(path), artifact_path)
         else:
             self._guard(self.client.log_artifact, run_id, str(path), artifact_path)
+
+    def tags(self, run_id: str | None, values: dict[str, str]) -> None:
+        if run_id is None:
+            return
+        from mlflow.entities import RunTag
+
+        batch = [RunTag(k, v) for k, v in values.items()]
+        self._guard(self.client.log_batch, run_id, [], [], batch)
 
     def note(self, run_id: str | None, text: str) -> None:
         """Add a line to the run's description (shown on its page), keeping what was there."""

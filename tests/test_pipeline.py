@@ -320,8 +320,12 @@ def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_p
 
 @pytest.mark.slow
 def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
+    from mlflow.tracking import MlflowClient
+
     run_dir = copy_of(finished[0], tmp_path / "changed")
-    outcome = run_pipeline(run_dir, ["train.steps=4"])  # a change to train (and a short one)
+    before = json.loads((run_dir / "mlflow.json").read_text())
+    change = ["train.steps=4", "train.lr=2e-3"]  # a change to train (and a short one)
+    outcome = run_pipeline(run_dir, change)
     assert outcome["stages"] == {
         "tokenize": "Skipped",
         "init": "Skipped",
@@ -330,6 +334,31 @@ def test_changing_train_config_reruns_train_and_later_only(finished, tmp_path):
         "evaluate": "Completed",
     }
     assert (run_dir / "train.superseded-1" / "checkpoints").is_dir(), "old outputs are kept"
+
+    # In MLflow the change is a fresh attempt: its own parent and stage runs, whose params,
+    # metrics and description are its own; the first attempt's runs stay as they were.
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    after = json.loads((run_dir / "mlflow.json").read_text())
+    old, new = before["stages"]["train"], after["stages"]["train"]
+    assert after["attempts"]["train"] == [old, new] and new != old
+    assert after["parents"] == [before["parent"], after["parent"]]
+    assert client.get_run(new).data.params["train.lr"] == "0.002"
+    assert client.get_run(old).data.params["train.lr"] != "0.002"
+    assert [m.step for m in client.get_metric_history(new, "loss")] == list(range(4))
+    assert [m.step for m in client.get_metric_history(old, "loss")] == list(range(8))
+    parent = client.get_run(after["parent"])
+    assert parent.info.run_name == "changed #2" and parent.data.params["train.lr"] == "0.002"
+    assert parent.data.tags["moe.run_dir"] == str(run_dir)
+    kept = {n: before["stages"][n] for n in ("tokenize", "init")}
+    assert all(parent.data.tags[f"moe.stage.{n}"] == r for n, r in kept.items())
+    assert after["stages"]["tokenize"] == kept["tokenize"], "a skipped stage keeps its run"
+    note = parent.data.tags["mlflow.note.content"]
+    assert "ran train, convert, evaluate; kept, verified: tokenize (run " in note
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{after['parent']}'"
+    )
+    assert sorted(r.info.run_name for r in children) == ["convert", "evaluate", "train"]
+    assert parent.data.metrics["final_loss"] == client.get_run(new).data.metrics["final_loss"]
 
 
 def test_a_missing_task_is_refused_before_any_stage(prefect_home, tmp_path):

@@ -43,11 +43,32 @@ def test_unreachable_server_warns_and_the_lines_are_sent_later(tmp_path, caplog)
 
 
 @pytest.mark.slow
-def test_resumed_tracker_keeps_its_runs(tmp_path):
+def test_every_invocation_that_runs_a_stage_gets_fresh_runs_and_the_folder_keeps_them(tmp_path):
     first = Tracker(tmp_path, None, "exp", "run")
-    stage = first.stage("tokenize")
+    assert first.parent is None, "no run before a stage runs"
+    stage = first.stage("train")
+    metrics = tmp_path / "metrics.jsonl"
+    write_metrics(metrics, range(3))
+    assert first.send_metrics_file(stage, metrics) == 3
+
     again = Tracker(tmp_path, None, "exp", "run")
-    assert again.parent == first.parent and again.stage("tokenize") == stage
+    assert again.parent == first.parent, "the latest parent until this invocation runs a stage"
+    redo = again.stage("train")
+    assert redo != stage and again.parent != first.parent
+    assert again.send_metrics_file(redo, metrics) == 3, "a fresh run gets the whole history"
+    # A resumed training rewrote the file from step 2 on: no step reaches the run twice.
+    metrics.write_text("\n".join(metrics.read_text().splitlines()[:2]) + "\n")
+    write_metrics(metrics, range(2, 5))
+    assert again.send_metrics_file(redo, metrics) == 2
+    assert [m.step for m in again.client.get_metric_history(redo, "loss")] == [0, 1, 2, 3, 4]
+    assert [m.step for m in again.client.get_metric_history(stage, "loss")] == [0, 1, 2]
+
+    state = json.loads((tmp_path / "mlflow.json").read_text())
+    assert state["parents"] == [first.parent, again.parent] and state["parent"] == again.parent
+    assert state["attempts"]["train"] == [stage, redo] and state["stages"]["train"] == redo
+    runs = {r: again.client.get_run(r) for r in (*state["parents"], stage, redo)}
+    assert [runs[r].info.run_name for r in state["parents"]] == ["run", "run #2"]
+    assert {r.data.tags["moe.run_dir"] for r in runs.values()} == {str(tmp_path)}
 
 
 def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
@@ -77,6 +98,7 @@ def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_train
     for d in ("run", "other"):
         (tmp_path / d).mkdir()
     tracker = Tracker(tmp_path / "run", None, "exp", "run")
+    tracker.stage("tokenize")
     assert tracker.uri == shared and not (tmp_path / "run" / "mlflow.db").exists()
     exp = MlflowClient(shared).get_experiment_by_name("exp")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
