@@ -17,11 +17,14 @@ sent are sent by a later call that can reach the store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from moe_core.rundir import set_aside
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,26 @@ def tracking_uri(configured: str | None, run_dir: Path) -> tuple[str, str]:
     return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}", RUN_FOLDER
 
 
+def sqlite_problem(uri: str) -> str | None:
+    """Why a sqlite store's file cannot be used (not a database, locked by another writer), in a
+    second instead of MLflow's minute of retries; None when it can (or is no sqlite file yet)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = Path(uri.removeprefix("sqlite:///").split("?")[0])
+    if not path.is_file():
+        return None
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=1)) as db:
+            db.execute("PRAGMA schema_version")  # reads the header: fails on a corrupt file
+            db.execute("BEGIN IMMEDIATE")  # the write lock MLflow needs, not kept
+            db.rollback()
+    except sqlite3.Error as err:
+        return str(err)
+    return None
+
+
 def ui_page(experiment_id: str, run_id: str | None = None) -> str:
     """An experiment's (or run's) page in the MLflow UI, in its model-training view: MLflow 3's
     UI picks GenAI or model training from the address or the browser's last choice (GenAI in a
@@ -135,8 +158,7 @@ class Tracker:
             "attempts": {},
             "sent": {},
         }
-        if self.state_path.is_file():
-            self.state |= json.loads(self.state_path.read_text())
+        self.state |= self._read_state()
         if self.state["parent"] and not self.state["parents"]:  # written before attempts were kept
             self.state["parents"] = [self.state["parent"]]
         self.uri, self.source = tracking_uri(uri, run_dir)
@@ -145,9 +167,42 @@ class Tracker:
         self.experiment_id: str | None = None
         self.current: str | None = None  # this invocation's parent, made with its first stage run
         self._on_parent: tuple[dict[str, Any], list[Path]] = ({}, [])
+        if (problem := sqlite_problem(self.uri)) is not None:  # MLflow would take a minute
+            self.online = False
+            log.warning(
+                "MLflow's store %s cannot be used (%s); the pipeline goes on without tracking, "
+                "metrics stay in metrics.jsonl: stop what holds it or move the file aside.",
+                self.uri,
+                problem,
+            )
         self._guard(self._connect, experiment, self.source == RUN_FOLDER)
 
     # ---- plumbing -------------------------------------------------------------------------
+
+    def _read_state(self) -> dict[str, Any]:
+        """``mlflow.json``'s ids; a damaged one is set aside (kept) and tracking starts afresh."""
+        if not self.state_path.is_file():
+            return {}
+        try:
+            state = json.loads(self.state_path.read_text())
+            kinds = {"parent": str, "parents": list, "stages": dict, "attempts": dict, "sent": dict}
+            if not isinstance(state, dict) or any(
+                state.get(k) is not None and not isinstance(state[k], kind)
+                for k, kind in kinds.items()
+            ):
+                raise ValueError("it does not hold the run ids this pipeline writes")
+        except ValueError as err:  # not JSON (a UnicodeDecodeError too), or not ours
+            n = set_aside([self.state_path], "damaged")
+            log.warning(
+                "%s is damaged (%s) and was set aside as %s.damaged-%d; this run's MLflow runs "
+                "start afresh, the earlier ones stay in the store.",
+                self.state_path,
+                str(err).splitlines()[0][:100],
+                self.state_path.name,
+                n,
+            )
+            return {}
+        return {k: v for k, v in state.items() if v is not None}
 
     def _guard(self, fn, *args):
         """Run an MLflow call; on failure warn once, go offline, return None."""

@@ -132,15 +132,16 @@ def _read(f) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
-def set_aside(paths: list[Path]) -> int | None:
-    """Rename every existing path ``p`` of ``paths`` to ``p.superseded-N`` (one ``N`` for all, the
-    first free one) and return ``N``; None when none of them exists. Nothing is deleted."""
+def set_aside(paths: list[Path], why: str = SUPERSEDED) -> int | None:
+    """Rename every existing path ``p`` of ``paths`` to ``p.superseded-N`` (``why`` in place of
+    ``superseded``; one ``N`` for all, the first free one) and return ``N``; None when none of
+    them exists. Nothing is deleted."""
     present = [p for p in paths if p.exists() or p.is_symlink()]
     if not present:
         return None
     n = 1
-    while any(p.with_name(f"{p.name}.{SUPERSEDED}-{n}").exists() for p in paths):
+    while any(p.with_name(f"{p.name}.{why}-{n}").exists() for p in paths):
         n += 1
     for p in present:
-        p.rename(p.with_name(f"{p.name}.{SUPERSEDED}-{n}"))
+        p.rename(p.with_name(f"{p.name}.{why}-{n}"))
     return n

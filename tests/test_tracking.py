@@ -121,3 +121,54 @@ def test_the_summary_offers_no_mlflow_ui_for_a_store_that_was_not_reached():
     assert summary_line(outcome).endswith(
         "; browse with: mlflow ui --backend-store-uri sqlite:///run/mlflow.db"
     )
+
+
+def tracking_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "flows.tracking"]
+
+
+@pytest.mark.slow
+def test_a_damaged_mlflow_json_is_set_aside_in_one_line_and_tracking_starts_afresh(
+    tmp_path, caplog
+):
+    state = tmp_path / "mlflow.json"
+    for n, damage in enumerate(['{"parent": "1a2b", "stag', '["not", "ours"]'], start=1):
+        state.write_text(damage)
+        with caplog.at_level(logging.WARNING):
+            tracker = Tracker(tmp_path, None, "exp", "run")
+        (line,) = tracking_warnings(caplog)
+        assert line.startswith(f"{state} is damaged (") and "\n" not in line
+        assert f"set aside as mlflow.json.damaged-{n}; this run's MLflow runs start afresh" in line
+        assert (tmp_path / f"mlflow.json.damaged-{n}").read_text() == damage, "kept as it was"
+        assert tracker.online and tracker.parent is None and tracker.stage("train") is not None
+        assert json.loads(state.read_text())["stages"]["train"] == tracker.state["stages"]["train"]
+        caplog.clear()
+
+
+def test_a_corrupt_or_locked_sqlite_store_is_one_line_and_the_pipeline_goes_on(tmp_path, caplog):
+    import contextlib
+    import sqlite3
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    garbage = b"these bytes are no sqlite database " * 200
+    (corrupt / "mlflow.db").write_bytes(garbage)
+    with caplog.at_level(logging.WARNING):
+        tracker = Tracker(corrupt, None, "exp", "run")
+    (line,) = tracking_warnings(caplog)
+    assert f"MLflow's store sqlite:///{corrupt}/mlflow.db cannot be used (file is not a" in line
+    assert line.endswith("stop what holds it or move the file aside.") and "\n" not in line
+    assert not tracker.online and tracker.stage("train") is None
+    assert (corrupt / "mlflow.db").read_bytes() == garbage, "the store is left as it was"
+
+    caplog.clear()
+    store = tmp_path / "locked.db"
+    with contextlib.closing(sqlite3.connect(store, isolation_level=None)) as holder:
+        holder.execute("CREATE TABLE t (x)")
+        holder.execute("BEGIN EXCLUSIVE")  # as another process writing to it
+        with caplog.at_level(logging.WARNING):
+            tracker = Tracker(tmp_path, f"sqlite:///{store}", "exp", "run")
+        holder.execute("ROLLBACK")
+    (line,) = tracking_warnings(caplog)
+    assert f"MLflow's store sqlite:///{store} cannot be used (database is locked)" in line
+    assert not tracker.online and tracker.stage("train") is None
