@@ -563,15 +563,14 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
         # Nothing ran: the parent run keeps its own timings; the rerun is a line on its page.
         tracker.note(tracker.parent, f"{when}: rerun; every stage's outputs verified, none redone.")
     else:
+        parent = tracker.current  # None offline: the latest parent is an earlier attempt's
         # This attempt's parent names the run behind every stage's outputs (kept ones too).
         runs = {n: tracker.state["stages"].get(n) for n in outcome["stages"]}
-        tracker.tags(tracker.parent, {f"moe.stage.{n}": r for n, r in runs.items() if r})
+        tracker.tags(parent, {f"moe.stage.{n}": r for n, r in runs.items() if r})
         ran = [n for n, state in outcome["stages"].items() if state != "Skipped"]
         kept = [f"{n} (run {runs[n]})" for n in outcome["stages"] if n not in ran and runs[n]]
         text = f"{when}: ran {', '.join(ran)}"
-        tracker.note(
-            tracker.parent, text + (f"; kept, verified: {', '.join(kept)}." if kept else ".")
-        )
+        tracker.note(parent, text + (f"; kept, verified: {', '.join(kept)}." if kept else "."))
         train = outcome.get("train", {})
         headline = {
             "final_loss": train.get("final_loss"),
@@ -580,12 +579,12 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
             "model_tflops_per_gpu": train.get("median_model_tflops_per_gpu"),
             "perplexity": evaluation.get("perplexity"),
         }
-        tracker.metrics(tracker.parent, {k: float(v) for k, v in headline.items() if v is not None})
+        tracker.metrics(parent, {k: float(v) for k, v in headline.items() if v is not None})
         if downstream := evaluation.get("downstream"):
-            tracker.metrics(tracker.parent, downstream_metrics(downstream))
+            tracker.metrics(parent, downstream_metrics(downstream))
             rows = [{"task": task, **row} for task, row in downstream.items()]
-            tracker.table(tracker.parent, rows, "downstream.json")
-        tracker.finish(tracker.parent)
+            tracker.table(parent, rows, "downstream.json")
+        tracker.finish(parent)
     outcome["hf_dir"] = str(root / "hf")
     outcome["perplexity"] = evaluation.get("perplexity")
     # A store that was unreachable during the run has nothing to show yet: no link offered.
