@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_core.files import file_sha256
+from moe_core.files import file_sha256, inside
 
 STAGES = ("tokenize", "init", "train", "convert", "evaluate")
 
@@ -61,7 +61,10 @@ def verify(run_dir: Path, stage: str, key: str) -> tuple[dict[str, Any] | None, 
     if record.get("key") != key:
         return None, "its inputs or config changed"
     for rel, info in record.get("files", {}).items():
-        f = run_dir / rel
+        try:  # a manifest naming a file elsewhere is not this stage's: it runs again
+            f = inside(run_dir, rel, manifest_path(run_dir, stage))
+        except ValueError as err:
+            return None, str(err)
         if not f.is_file():
             return None, f"{rel} is missing"
         if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:

@@ -15,7 +15,7 @@ from typing import Any
 from moe_core.data.errors import DataError
 from moe_core.data.shards import SPLITS, ShardRecord, shard_problem
 from moe_core.data.tokenizer import TOKENIZER_JSON
-from moe_core.files import file_sha256, sha256_hex
+from moe_core.files import file_sha256, inside, sha256_hex
 
 FORMAT = "moe_core.tokens/1"
 MANIFEST = "manifest.json"
@@ -119,6 +119,7 @@ def verify_data_dir(
         )
     for split in SPLITS:
         for shard in manifest.shards(split):
+            inside(d, shard["file"], d / MANIFEST, DataError)  # nothing outside d is read
             sha = shard["sha256"] if checksums else ""
             problem = shard_problem(d, shard["file"], shard["tokens"], sha, manifest.dtype)
             if problem is not None:
