@@ -29,6 +29,7 @@ from flows.pretrain import _run_root
 from moe_core.cli import main
 from moe_core.config import ConfigError, DataConfig
 from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
+from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.dataset import TokenDataset
 from moe_core.data.errors import DataError
 from moe_core.data.manifest import MANIFEST, verify_data_dir
@@ -133,6 +134,61 @@ def test_a_data_manifest_naming_a_shard_outside_its_folder_is_refused(how, tmp_p
             "absolute path, no symlink leading out) is read."
         )
     assert snapshot(tmp_path) == before
+
+
+def test_a_data_tokenizer_reached_through_a_symlink_out_is_refused(tmp_path):
+    data = data_dir(tmp_path)
+    shutil.move(data / "tokenizer.json", tmp_path / "tokenizer.json")
+    (data / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match=re.escape(f"{data} names 'tokenizer.json', which is not")):
+        verify_data_dir(data)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda m: m.pop("splits"),
+        lambda m: m["splits"].pop("validation"),
+        lambda m: m["splits"]["train"]["shards"][0].pop("file"),
+        lambda m: m["splits"]["train"]["shards"][0].update(tokens="100"),
+        lambda m: m["splits"]["train"].update(shards=["train-00000.npy"]),
+        lambda m: m["tokenizer"].update(sha256=None),
+    ],
+    ids=["no-splits", "no-validation", "no-file", "tokens-text", "shard-text", "no-sha"],
+)
+def test_a_data_manifest_missing_its_shard_list_is_one_sentence(damage, tmp_path):
+    data = data_dir(tmp_path)
+    manifest = json.loads((data / MANIFEST).read_text())
+    damage(manifest)
+    (data / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError) as err:
+        verify_data_dir(data)
+    assert str(err.value) == (
+        f"{data / MANIFEST} does not list its shards as moe tokenize writes them (splits.train "
+        "and splits.validation, each shard with its file, tokens and sha256): tokenize the "
+        "corpus again."
+    )
+
+
+def test_training_on_a_manifest_naming_a_shard_elsewhere_is_refused(tmp_path, monkeypatch, capsys):
+    data = write_token_dir(
+        tmp_path / "data",
+        {"train": np.arange(4000) % 256, "validation": np.arange(2000) % 256},
+        shard_tokens=1000,
+        vocab_size=256,
+    )
+    shutil.copy(data / "train-00001.npy", tmp_path / "elsewhere.npy")
+    manifest = json.loads((data / MANIFEST).read_text())
+    manifest["splits"]["train"]["shards"][1]["file"] = "../elsewhere.npy"
+    (data / MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    out = tmp_path / "run"
+    args = [*TINY, "data.kind=tokens", f"data.dir={data}"]
+    assert main(["train", *args, f"out_dir={out}"]) == 2
+    text = printed(capsys)
+    assert f"{data / MANIFEST} names '../elsewhere.npy', which is not allowed: {ALLOWED}" in text
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("run/")} == before
 
 
 def test_a_stage_manifest_naming_a_file_outside_the_run_reruns_the_stage(tmp_path):
@@ -248,6 +304,36 @@ def test_integer_or_mixed_dtype_weights_are_refused_not_written(dtype, tmp_path,
         assert f"{shard} holds {name} as I32, which is not allowed: weights are float32," in text
     else:
         assert f"{shard} holds {name} as BF16 but " in text and " as F32, which is not" in text
+
+
+def test_an_export_never_copies_files_reached_through_a_symlink_out(tmp_path, capsys):
+    cfg = small_config()
+    ours = save_model_dir(build_model(cfg).state_dict(), cfg, tmp_path / "ours")
+    (tmp_path / "secret").write_text("private")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").symlink_to(tmp_path / "secret")
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(ours), str(hf), "--tokenizer", str(tok)]) == 2
+    assert f"{tok} names 'tokenizer.json', which is not allowed: {ALLOWED} {tok}" in (
+        printed(capsys)
+    )
+    assert not hf.exists()
+    shutil.move(ours / WEIGHTS, tmp_path / WEIGHTS)
+    (ours / WEIGHTS).symlink_to(tmp_path / WEIGHTS)
+    assert main(["convert", "to-hf", str(ours), str(hf), "--no-tokenizer"]) == 2
+    assert f"{ours} names {WEIGHTS!r}, which is not allowed" in printed(capsys)
+    assert not hf.exists()
+
+
+@pytest.mark.parametrize("out", ["", " "])
+def test_convert_into_an_empty_out_is_refused(out, tmp_path, monkeypatch, capsys):
+    src = hf_dir(tmp_path)
+    monkeypatch.chdir(tmp_path / "hf")  # not empty, so --overwrite would have written here
+    before = snapshot(tmp_path)
+    assert main(["convert", "from-hf", str(src), out, "--overwrite"]) == 2
+    assert f"OUT={out!r} is not allowed: a folder path" in printed(capsys)
+    assert snapshot(tmp_path) == before
 
 
 # ---- DCP metadata ----------------------------------------------------------------------------

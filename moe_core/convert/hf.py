@@ -86,6 +86,17 @@ def refuse_existing(out: Path, overwrite: bool) -> None:
         )
 
 
+def _tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer files of ``folder`` an export copies: each inside it (a symlink leading
+    out would copy any file of the machine into a folder that is then shared)."""
+    files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    if not files:
+        raise FileNotFoundError(
+            f"tokenizer directory {folder} holds none of: {', '.join(TOKENIZER_FILES)}."
+        )
+    return [inside(folder, f.name, folder, CheckpointError) for f in files]
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
     """The ``transformers.OlmoeConfig`` that computes what ``cfg`` computes."""
     from transformers import OlmoeConfig
@@ -211,12 +222,7 @@ def save_hf(
             )
     out = Path(out_dir)
     refuse_existing(out, overwrite)
-    if tokenizer_dir is not None and not any(
-        (Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES
-    ):
-        raise FileNotFoundError(
-            f"tokenizer directory {tokenizer_dir} holds none of: {', '.join(TOKENIZER_FILES)}."
-        )
+    tokenizer = [] if tokenizer_dir is None else _tokenizer_files(Path(tokenizer_dir))
     element = torch.empty((), dtype=source.dtype).element_size()
     shards: list[list[tuple]] = [[]]
     size = 0
@@ -251,10 +257,8 @@ def save_hf(
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         hf_config(cfg, source.dtype, eos_token_id).save_pretrained(str(tmp))
         (tmp / OUR_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-        if tokenizer_dir is not None:
-            for f in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / f).is_file():
-                    shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        for f in tokenizer:
+            shutil.copy2(f, tmp / f.name)
         for f in tmp.iterdir():  # safetensors writes its files private
             f.chmod(user_mode(directory=False))
         if out.exists():
@@ -329,7 +333,7 @@ def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
         try:
             return from_dict(ModelConfig, ours, "model.")
         except ConfigError as err:
-            raise ConfigError(f"{path} does not describe a model moe_core builds: {err}") from None
+            raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
     path, hf = d / "config.json", _read_json(d, "config.json")
     if hf.get("model_type") != "olmoe":
         raise ConfigError(
