@@ -7,6 +7,7 @@ constructor badly. Each test checks that nothing was created or changed."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -23,12 +24,13 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, MetadataIndex
 
 from flows.cli import split_run_dir
+from flows.manifests import checksums
 from flows.manifests import verify as verify_stage
 from flows.manifests import write as write_stage
 from flows.pretrain import _run_root
 from moe_core.cli import main
 from moe_core.config import ConfigError, DataConfig
-from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
+from moe_core.convert.hf import INDEX, OUR_CONFIG, load_hf, save_hf
 from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.dataset import TokenDataset
 from moe_core.data.errors import DataError
@@ -36,7 +38,7 @@ from moe_core.data.manifest import MANIFEST, verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.files import file_sha256, inside
 from moe_core.model import build_model
-from moe_core.train.dcp_read import REFUSAL, quiet, read_metadata
+from moe_core.train.dcp_read import REFUSAL, load, quiet, read_metadata
 
 TINY = [*BASE, "model.n_layers=2"]
 ALLOWED = "only a relative path to a file inside"
@@ -191,6 +193,16 @@ def test_training_on_a_manifest_naming_a_shard_elsewhere_is_refused(tmp_path, mo
     assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("run/")} == before
 
 
+def test_a_stage_manifest_of_files_inside_the_run_still_verifies(tmp_path):
+    run = tmp_path / "run"
+    (run / "data" / "sub").mkdir(parents=True)
+    (run / "data" / "sub" / "a").write_text("a")
+    files = checksums(run, [run / "data"])
+    write_stage(run, "tokenize", "k", files, {"n": 1})
+    record, why = verify_stage(run, "tokenize", "k")
+    assert why == "" and record["files"] == files == {"data/sub/a": files["data/sub/a"]}
+
+
 def test_a_stage_manifest_naming_a_file_outside_the_run_reruns_the_stage(tmp_path):
     run = tmp_path / "run"
     (run / "data").mkdir(parents=True)
@@ -247,6 +259,14 @@ def test_an_hf_index_naming_a_path_elsewhere_is_refused(tmp_path, capsys):
         (src / INDEX).write_text(json.dumps(index))
         text = refused_from_hf(tmp_path, capsys)
         assert f"{src / INDEX} names {bad!r}, which is not allowed: {ALLOWED}" in text
+
+
+def test_an_hf_folder_as_transformers_writes_it_still_converts(tmp_path):
+    cfg = small_config()
+    model = build_model(cfg, seed=3)
+    theirs, state = load_hf(hf_dir(tmp_path, ours=False))
+    assert dataclasses.replace(theirs, name=cfg.name) == cfg
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize(
@@ -367,6 +387,14 @@ def test_dcp_metadata_naming_a_file_outside_the_checkpoint_is_refused(how, tmp_p
         f"{ckpt / '.metadata'} names {bad!r}, which is not allowed: {ALLOWED} {ckpt} "
     )
     assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_of_our_own_still_loads(tmp_path):
+    ckpt = dcp_dir(tmp_path)
+    state = {"w": torch.zeros(4)}
+    with quiet():
+        load(state, ckpt, no_dist=True)
+    assert torch.equal(state["w"], torch.arange(4.0))
 
 
 class Call:
