@@ -431,15 +431,22 @@ def test_dcp_metadata_calling_an_allowed_global_badly_is_one_sentence(payload, t
     assert "\n" not in text and snapshot(tmp_path) == before
 
 
-def test_dcp_metadata_cut_short_or_without_storage_is_one_sentence(tmp_path):
+def test_dcp_metadata_cut_short_or_malformed_is_one_sentence(tmp_path):
     ckpt = dcp_dir(tmp_path)
     raw = (ckpt / ".metadata").read_bytes()
     (ckpt / ".metadata").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(CheckpointError, match="asks to load something unreadable"):
         read_metadata(ckpt)
-    meta = pickle.loads(raw)
-    meta.storage_data = None
-    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
-    with pytest.raises(CheckpointError, match="holds no storage map of tensors to files"):
-        read_metadata(ckpt)
+    for field, value, sentence in (
+        ("storage_data", None, "holds no storage map of tensors to files"),
+        ("state_dict_metadata", [], "holds no map of the checkpoint's entries"),
+        ("offset", "0", "stores a tensor at offset and length ('0', "),
+        ("length", -1, "stores a tensor at offset and length (0, -1), which is not allowed"),
+    ):
+        meta = pickle.loads(raw)
+        info = next(iter(meta.storage_data.values()))
+        setattr(info if field in ("offset", "length") else meta, field, value)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+        with pytest.raises(CheckpointError, match=re.escape(sentence)):
+            read_metadata(ckpt)
     assert sorted(os.listdir(ckpt)) == sorted(os.listdir(dcp_dir(tmp_path / "again")))

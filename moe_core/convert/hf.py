@@ -423,7 +423,7 @@ def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
             if dtype not in _WEIGHT_DTYPES:
                 raise CheckpointError(
                     f"{d / f} holds {k} as {dtype}, which is not allowed: weights are "
-                    f"{', '.join(_WEIGHT_DTYPES.values())} (floats, so no value is rounded)."
+                    f"{', '.join(_WEIGHT_DTYPES.values())} (nothing is converted unasked)."
                 )
             first = first or (f, k, dtype)
             if dtype != first[2]:

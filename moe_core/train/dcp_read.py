@@ -113,6 +113,16 @@ class SafeReader(dcp.FileSystemReader):
         folder = Path(str(self.path))
         for info in storage.values():  # the files the load opens: each inside the checkpoint
             inside(folder, getattr(info, "relative_path", None), path, CheckpointError)
+            piece = (getattr(info, "offset", None), getattr(info, "length", None))
+            if not all(type(n) is int and n >= 0 for n in piece):
+                raise CheckpointError(
+                    f"{path} stores a tensor at offset and length {piece}, which is not allowed: "
+                    "two whole numbers from 0 (where its bytes lie in its file)."
+                )
+        if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+            raise CheckpointError(
+                f"{path} holds no map of the checkpoint's entries, so it is not DCP metadata."
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
