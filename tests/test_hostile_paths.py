@@ -35,6 +35,7 @@ from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.dataset import TokenDataset
 from moe_core.data.errors import DataError
 from moe_core.data.manifest import MANIFEST, verify_data_dir
+from moe_core.data.shards import scan_split, shard_problem
 from moe_core.errors import CheckpointError
 from moe_core.files import file_sha256, inside
 from moe_core.model import build_model
@@ -191,6 +192,28 @@ def test_training_on_a_manifest_naming_a_shard_elsewhere_is_refused(tmp_path, mo
     text = printed(capsys)
     assert f"{data / MANIFEST} names '../elsewhere.npy', which is not allowed: {ALLOWED}" in text
     assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("run/")} == before
+
+
+@pytest.mark.parametrize(
+    "content", ["[]", '{"key": "k", "files": []}', '{"key": "k", "files": {"data/a": 5}}']
+)
+def test_a_stage_manifest_without_its_file_list_reruns_the_stage(content, tmp_path):
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "tokenize.json").write_text(content)
+    record, why = verify_stage(tmp_path, "tokenize", "k")
+    assert record is None and why in ("no manifest", "its manifest does not list its files")
+
+
+def test_a_rerun_of_tokenize_never_keeps_a_shard_leading_out_of_its_folder(tmp_path):
+    data = data_dir(tmp_path)
+    outside = tmp_path / "outside.npy"
+    shutil.move(data / "train-00001.npy", outside)
+    (data / "train-00001.npy").symlink_to(outside)
+    kept, later = scan_split(data, "train", "uint32")
+    assert [r.file for r in kept] == ["train-00000.npy"] and later == {2}
+    assert shard_problem(data, "train-00001.npy", 100, "", "uint32") == (
+        f"shard train-00001.npy of {data} leads outside it"
+    )
 
 
 def test_a_stage_manifest_of_files_inside_the_run_still_verifies(tmp_path):
