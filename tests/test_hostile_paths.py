@@ -389,6 +389,14 @@ def dcp_dir(tmp_path: Path) -> Path:
     return path
 
 
+def test_a_dcp_metadata_file_reached_through_a_symlink_out_is_refused(tmp_path):
+    ckpt = dcp_dir(tmp_path)
+    shutil.move(ckpt / ".metadata", tmp_path / "elsewhere.metadata")
+    (ckpt / ".metadata").symlink_to(tmp_path / "elsewhere.metadata")
+    with pytest.raises(CheckpointError, match=re.escape(f"{ckpt} names '.metadata', which is")):
+        read_metadata(ckpt)
+
+
 @pytest.mark.parametrize("how", ["parent", "absolute", "symlink"])
 def test_dcp_metadata_naming_a_file_outside_the_checkpoint_is_refused(how, tmp_path):
     ckpt = dcp_dir(tmp_path)

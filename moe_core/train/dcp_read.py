@@ -95,6 +95,8 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        folder = Path(str(self.path))
+        inside(folder, Path(path).name, folder, CheckpointError)  # not a symlink leading out
         try:
             with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
@@ -110,7 +112,6 @@ class SafeReader(dcp.FileSystemReader):
             raise CheckpointError(
                 f"{path} holds no storage map of tensors to files, so it is not DCP metadata."
             )
-        folder = Path(str(self.path))
         for info in storage.values():  # the files the load opens: each inside the checkpoint
             inside(folder, getattr(info, "relative_path", None), path, CheckpointError)
             piece = (getattr(info, "offset", None), getattr(info, "length", None))
