@@ -27,11 +27,13 @@ def register(sub) -> None:
 
 
 def split_run_dir(overrides: list[str], default: str) -> tuple[str, list[str]]:
+    from moe_core.config import check_folder
+
     run_dir = default
     rest = []
     for o in overrides:
         if o.startswith("run_dir="):
-            run_dir = o.split("=", 1)[1]
+            run_dir = check_folder("run_dir", o.split("=", 1)[1])  # a sweep's too
         else:
             rest.append(o)
     return run_dir, rest

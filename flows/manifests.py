@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_core.files import file_sha256
+from moe_core.files import file_sha256, inside
 
 STAGES = ("tokenize", "init", "train", "convert", "evaluate")
 
@@ -56,14 +56,20 @@ def verify(run_dir: Path, stage: str, key: str) -> tuple[dict[str, Any] | None, 
     """(the manifest, "") if the stage is done for ``key`` and its files are intact, else
     (None, why it must run)."""
     record = read(run_dir, stage)
-    if record is None:
+    if not isinstance(record, dict):
         return None, "no manifest"
     if record.get("key") != key:
         return None, "its inputs or config changed"
-    for rel, info in record.get("files", {}).items():
-        f = run_dir / rel
+    files = record.get("files")
+    if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
+        return None, "its manifest does not list its files"
+    for rel, info in files.items():
+        try:  # a manifest naming a file elsewhere is not this stage's: it runs again
+            f = inside(run_dir, rel, manifest_path(run_dir, stage))
+        except ValueError as err:
+            return None, str(err)
         if not f.is_file():
             return None, f"{rel} is missing"
-        if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:
+        if f.stat().st_size != info.get("bytes") or file_sha256(f) != info.get("sha256"):
             return None, f"{rel} does not match its checksum"
     return record, ""

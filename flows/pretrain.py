@@ -51,6 +51,7 @@ from moe_core.config import (
     ConfigError,
     DataConfig,
     RunConfig,
+    check_folder,
     check_path,
     from_dict,
     old_layout,
@@ -480,7 +481,9 @@ def default_run_dir(cluster: dict[str, Any] | None = None) -> str:
 
 
 def _run_root(run_dir: str) -> Path:
-    """``run_dir`` made absolute; a symlink loop on the way is refused in one sentence."""
+    """``run_dir`` made absolute; an empty one or a symlink loop on the way is refused in one
+    sentence."""
+    check_folder("run_dir", run_dir)
     try:
         return Path(run_dir).resolve()
     except (RuntimeError, OSError) as err:  # Python 3.11/3.12 raise RuntimeError for a loop
@@ -516,7 +519,7 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
 def _pipeline(config: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
     """Resolve, check, lock, then every stage."""
     logger = get_run_logger()
-    root = _run_root(run_dir or default_run_dir(config.get("cluster")))
+    root = _run_root(default_run_dir(config.get("cluster")) if run_dir is None else run_dir)
     run = resolve(config, root)  # refusals come before anything is written
     check_launchable(run, launcher_class(run), logger)
     if run.eval.tasks:  # the task files are there and hold every configured task

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moe_core.config import ConfigError, Dtype, RunConfig, from_dict
+from moe_core.config import ConfigError, Dtype, RunConfig, check_folder, from_dict
 from moe_core.errors import refusals
 
 DEFAULT_CONFIG_NAME = "config"
@@ -192,6 +192,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from moe_core.convert.native import load_model_dir, save_model_dir
 
     max_shard_bytes = _size(args.max_shard_size)
+    check_folder("OUT", args.out)  # an unset variable: never the current folder
     refuse_existing(Path(args.out), args.overwrite)  # before anything is read
     tokenizer = args.tokenizer
     if args.direction == "to-hf" and tokenizer is None and not args.no_tokenizer:

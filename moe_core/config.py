@@ -61,6 +61,14 @@ def check_path(name: str, path: str) -> str:
     return absolute
 
 
+def check_folder(name: str, path: str) -> str:
+    """``path`` unless it is empty or blank (an unset shell variable), which would put a run's
+    files in the current folder and its data at the filesystem root."""
+    if not path.strip():
+        _fail(name, path, "a folder path (it is empty or blank: an unset variable?)")
+    return path
+
+
 def safe_name(text: str) -> str:
     """``text`` turned into a name ``NAME`` accepts (runs of other characters become ``-``)."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).lstrip("._-")[:100]
@@ -257,9 +265,11 @@ class DataConfig:
         _positive(p + "branching", self.branching)
         if self.path is not None and self.hub is not None:
             _fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
-        for name in ("path", "hub", "text_field", "tokenizer", "hub_split", "dir"):
+        for name in ("path", "hub", "text_field", "tokenizer", "hub_split"):
             if getattr(self, name) == "":
                 _fail(p + name, "", "a non-empty string")
+        if self.dir is not None:
+            check_folder(p + "dir", self.dir)
         if self.max_documents is not None:
             _positive(p + "max_documents", self.max_documents)
         for name in ("bpe_train_chars", "shard_tokens"):
@@ -714,6 +724,7 @@ class RunConfig:
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
+        check_folder("out_dir", self.out_dir)
         if self.cluster.kind != "local":  # the batch script or manifest holds it
             check_path("out_dir", self.out_dir)
         if self.data.dir is None:

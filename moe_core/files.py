@@ -1,5 +1,6 @@
 """File helpers every part writes and checks files with (token shards, checkpoints, exports,
-stage manifests): atomic writes, the permissions of a new file, deterministic JSON, sha256."""
+stage manifests): atomic writes, the permissions of a new file, deterministic JSON, sha256, and
+the one rule for a path that a manifest, index or metadata file names."""
 
 from __future__ import annotations
 
@@ -10,6 +11,35 @@ from pathlib import Path
 from typing import Any
 
 TMP_MARK = ".tmp-"
+
+
+def inside(
+    folder: str | Path, relative: Any, named_by: str | Path, error: type[Exception] = ValueError
+) -> Path:
+    """``folder / relative`` once it is checked to name a file inside ``folder``: a relative
+    path that stays there once resolved (no ``..`` out, no symlink leading out). A manifest,
+    index or metadata file (``named_by``) could otherwise make a reader open any file; anything
+    else is refused with ``error`` in one sentence."""
+    root = Path(folder)
+    if not _stays_inside(root, relative):
+        raise error(
+            f"{named_by} names {relative!r}, which is not allowed: only a relative path to a "
+            f"file inside {root} (no .., no absolute path, no symlink leading out) is read."
+        )
+    return root / relative
+
+
+def _stays_inside(root: Path, relative: Any) -> bool:
+    if not isinstance(relative, str) or relative.strip() in ("", ".") or "\0" in relative:
+        return False
+    if Path(relative).is_absolute():
+        return False
+    try:
+        top = root.resolve()
+        resolved = (root / relative).resolve()
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
+        return False
+    return resolved != top and resolved.is_relative_to(top)
 
 
 def atomic_write(path: Path, data: bytes, sync: bool = True) -> None:

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
 from moe_core.errors import CheckpointError
-from moe_core.files import user_mode
+from moe_core.files import inside, user_mode
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 OUR_CONFIG = "moe_core_config.json"
@@ -84,6 +84,17 @@ def refuse_existing(out: Path, overwrite: bool) -> None:
             f"{out} already exists and is not empty: pass --overwrite (overwrite=True) to "
             "replace it, or choose another folder."
         )
+
+
+def _tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer files of ``folder`` an export copies: each inside it (a symlink leading
+    out would copy any file of the machine into a folder that is then shared)."""
+    files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    if not files:
+        raise FileNotFoundError(
+            f"tokenizer directory {folder} holds none of: {', '.join(TOKENIZER_FILES)}."
+        )
+    return [inside(folder, f.name, folder, CheckpointError) for f in files]
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
@@ -211,12 +222,7 @@ def save_hf(
             )
     out = Path(out_dir)
     refuse_existing(out, overwrite)
-    if tokenizer_dir is not None and not any(
-        (Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES
-    ):
-        raise FileNotFoundError(
-            f"tokenizer directory {tokenizer_dir} holds none of: {', '.join(TOKENIZER_FILES)}."
-        )
+    tokenizer = [] if tokenizer_dir is None else _tokenizer_files(Path(tokenizer_dir))
     element = torch.empty((), dtype=source.dtype).element_size()
     shards: list[list[tuple]] = [[]]
     size = 0
@@ -251,10 +257,8 @@ def save_hf(
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         hf_config(cfg, source.dtype, eos_token_id).save_pretrained(str(tmp))
         (tmp / OUR_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-        if tokenizer_dir is not None:
-            for f in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / f).is_file():
-                    shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        for f in tokenizer:
+            shutil.copy2(f, tmp / f.name)
         for f in tmp.iterdir():  # safetensors writes its files private
             f.chmod(user_mode(directory=False))
         if out.exists():
@@ -271,12 +275,66 @@ def save_hf(
     return out
 
 
+# config.json's keys, the type each must have and its default (None: the key is required)
+_HF_KEYS: dict[str, tuple[type, object]] = {
+    "vocab_size": (int, None),
+    "hidden_size": (int, None),
+    "num_hidden_layers": (int, None),
+    "num_attention_heads": (int, None),
+    "num_experts": (int, None),
+    "num_experts_per_tok": (int, None),
+    "intermediate_size": (int, None),
+    "num_key_value_heads": (int, 0),  # 0: as many as num_attention_heads
+    "max_position_embeddings": (int, 4096),
+    "rope_theta": (float, 10000.0),
+    "rms_norm_eps": (float, 1e-5),
+    "norm_topk_prob": (bool, False),
+    "router_aux_loss_coef": (float, 0.01),
+    "initializer_range": (float, 0.02),
+}
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+# safetensors' names of the dtypes a weight may have (our training writes one of these)
+_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _read_json(d: Path, name: str) -> dict:
+    """``d / name`` parsed (a file inside ``d``), refused in one sentence unless a JSON object."""
+    path = inside(d, name, d, CheckpointError)
+    try:
+        content = json.loads(path.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): it must be an object.") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path} holds no JSON object, so it is not a model config.")
+    return content
+
+
+def _hf_value(path: Path, hf: dict, key: str) -> object:
+    """``hf[key]`` (or its default) once it has the type config.json gives it."""
+    kind, default = _HF_KEYS[key]
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(
+                f"{path} has no {key}, which an OLMoE config.json must give ({_KINDS[kind]})."
+            )
+        return default
+    fits = isinstance(value, bool) == (kind is bool) and isinstance(value, (int, float))
+    if not fits or (kind is int and not isinstance(value, int)):
+        raise ConfigError(f"{key}={value!r} in {path} is not allowed: {_KINDS[kind]}.")
+    return float(value) if kind is float else value
+
+
 def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     """Our config for an HF OLMoE directory (ours carries it; others are derived)."""
     d = Path(hf_dir)
-    if (d / OUR_CONFIG).is_file():
-        return from_dict(ModelConfig, json.loads((d / OUR_CONFIG).read_text()), "model.")
-    hf = json.loads((d / "config.json").read_text())
+    if (d / OUR_CONFIG).is_file() or (d / OUR_CONFIG).is_symlink():
+        path, ours = d / OUR_CONFIG, _read_json(d, OUR_CONFIG)
+        try:
+            return from_dict(ModelConfig, ours, "model.")
+        except ConfigError as err:
+            raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
+    path, hf = d / "config.json", _read_json(d, "config.json")
     if hf.get("model_type") != "olmoe":
         raise ConfigError(
             f"model_type={hf.get('model_type')!r} in {d} is not supported: only 'olmoe'."
@@ -284,51 +342,72 @@ def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     for key, allowed in (("clip_qkv", None), ("attention_bias", False), ("hidden_act", "silu")):
         if hf.get(key, allowed) != allowed:
             raise ConfigError(f"{key}={hf[key]!r} in {d} is not supported: only {allowed!r}.")
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
-    n_heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // n_heads):
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta")}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"rope_parameters={rope!r} in {path} is not allowed: a mapping.")
+    v = {key: _hf_value(path, hf, key) for key in _HF_KEYS if key != "rope_theta"}
+    n_heads = v["num_attention_heads"]
+    if hf.get("head_dim") not in (None, v["hidden_size"] // max(n_heads, 1)):
         raise ConfigError(f"head_dim={hf['head_dim']} in {d} is not supported: only hidden/heads.")
-    return ModelConfig(
-        name=safe_name(Path(hf_dir).name),
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        n_experts=hf["num_experts"],
-        top_k=hf["num_experts_per_tok"],
-        expert_hidden=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        rope_theta=float(rope["rope_theta"]),
-        norm_eps=hf.get("rms_norm_eps", 1e-5),
-        normalize_top_k=hf.get("norm_topk_prob", False),
-        aux_loss_coef=hf.get("router_aux_loss_coef", 0.01),
-        init_std=hf.get("initializer_range", 0.02),
-    )
+    try:
+        return ModelConfig(
+            name=safe_name(Path(hf_dir).name),
+            vocab_size=v["vocab_size"],
+            d_model=v["hidden_size"],
+            n_layers=v["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=v["num_key_value_heads"] or n_heads,
+            n_experts=v["num_experts"],
+            top_k=v["num_experts_per_tok"],
+            expert_hidden=v["intermediate_size"],
+            max_seq_len=v["max_position_embeddings"],
+            rope_theta=_hf_value(path, rope, "rope_theta"),
+            norm_eps=v["rms_norm_eps"],
+            normalize_top_k=v["norm_topk_prob"],
+            aux_loss_coef=v["router_aux_loss_coef"],
+            init_std=v["initializer_range"],
+        )
+    except ConfigError as err:
+        raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
 
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _weight_files(d: Path) -> list[str]:
-    """The safetensors files of an HF directory: those its index names (plain file names in
-    ``d``; an index naming a path anywhere else is refused), else ``model.safetensors``."""
-    if not (d / INDEX).is_file():
-        return ["model.safetensors"]
+    """The safetensors files of an HF directory: those its index names (each a file inside
+    ``d``, ``files.inside``), else ``model.safetensors``."""
+    if not (d / INDEX).is_file() and not (d / INDEX).is_symlink():
+        return [inside(d, "model.safetensors", d, CheckpointError).name]
     try:
-        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-        files = sorted({*weight_map.values()})
-    except (ValueError, KeyError, TypeError, AttributeError):
+        weight_map = _read_json(d, INDEX)["weight_map"]
+        files = sorted({*weight_map.values()}, key=str)
+    except (KeyError, TypeError, AttributeError):
         raise CheckpointError(
             f"{d / INDEX} is not a valid index: it needs a weight_map of tensor names to files."
         ) from None
     for f in files:
-        if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or "\\" in f:
-            raise CheckpointError(
-                f"{d / INDEX} maps tensors to {f!r}, which is not a file in {d}: only files of "
-                "the directory itself are read."
-            )
+        inside(d, f, d / INDEX, CheckpointError)
     return files
+
+
+def _scan(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor of a safetensors file with its shape and dtype, without reading the data."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return {
+                k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype())
+                for k in fh.keys()  # noqa: SIM118 (safe_open is not a mapping)
+            }
+    except SafetensorError as err:
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is not a readable safetensors file ({err}): it may be truncated; download or "
+        "export it again."
+    )
 
 
 def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -337,18 +416,33 @@ def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     cfg = config_from_hf(d)
     files = _weight_files(d)
     found: dict[str, tuple[int, ...]] = {}
+    first: tuple[str, str, str] | None = None  # (file, tensor, dtype) of the first weight
     for f in files:
-        with safe_open(str(d / f), framework="pt") as fh:
-            for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                found[k] = tuple(fh.get_slice(k).get_shape())
+        for k, (shape, dtype) in _scan(d / f).items():
+            found[k] = shape
+            if dtype not in _WEIGHT_DTYPES:
+                raise CheckpointError(
+                    f"{d / f} holds {k} as {dtype}, which is not allowed: weights are "
+                    f"{', '.join(_WEIGHT_DTYPES.values())} (nothing is converted unasked)."
+                )
+            first = first or (f, k, dtype)
+            if dtype != first[2]:
+                raise CheckpointError(
+                    f"{d / f} holds {k} as {dtype} but {first[0]} holds {first[1]} as "
+                    f"{first[2]}, which is not allowed: every weight in one dtype (convert them "
+                    "to one first, so no value is rounded here unasked)."
+                )
     problem = shape_mismatch(found, {key: shape for key, shape, *_ in _hf_items(cfg)})
     if problem is not None:
         raise CheckpointError(f"{d} does not hold the model its config.json describes ({problem}).")
     theirs: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(d / f), framework="pt") as fh:
-            for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                theirs[k] = fh.get_tensor(k)
+        try:
+            with safe_open(str(d / f), framework="pt") as fh:
+                for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    theirs[k] = fh.get_tensor(k)
+        except SafetensorError as err:
+            raise _unreadable(d / f, err) from None
     inverse = {v: k for k, v in _DIRECT.items()}
     state: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -364,7 +458,7 @@ def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
             else None
         )
         if em is None:
-            raise ValueError(f"unexpected tensor {key} in {d}.")
+            raise CheckpointError(f"{d} holds tensor {key}, which an OLMoE model does not have.")
         experts[(int(m.group(1)), int(em.group(1)), em.group(2))] = t
     for i in range(cfg.n_layers):
         E = range(cfg.n_experts)

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from moe_core.config import ModelConfig, from_dict, to_dict
 from moe_core.convert.hf import OUR_CONFIG, refuse_existing
-from moe_core.files import user_mode
+from moe_core.errors import CheckpointError
+from moe_core.files import inside, user_mode
 
 WEIGHTS = "model.safetensors"
 
@@ -49,5 +50,6 @@ def load_model_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torc
     for name in (WEIGHTS, OUR_CONFIG):
         if not (d / name).is_file():
             raise FileNotFoundError(f"{d} is not a moe_core model directory: {name} is missing.")
+        inside(d, name, d, CheckpointError)  # a symlink leading out would export any file
     cfg = from_dict(ModelConfig, json.loads((d / OUR_CONFIG).read_text()), "model.")
     return cfg, load_file(str(d / WEIGHTS))

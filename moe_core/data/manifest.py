@@ -15,7 +15,7 @@ from typing import Any
 from moe_core.data.errors import DataError
 from moe_core.data.shards import SPLITS, ShardRecord, shard_problem
 from moe_core.data.tokenizer import TOKENIZER_JSON
-from moe_core.files import file_sha256, sha256_hex
+from moe_core.files import file_sha256, inside, sha256_hex
 
 FORMAT = "moe_core.tokens/1"
 MANIFEST = "manifest.json"
@@ -90,6 +90,20 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         found = content.get("format") if isinstance(content, dict) else None
         raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: tokenize the corpus again.")
+    try:  # the fields every reader takes, of the types moe tokenize writes
+        fits = isinstance(content["dtype"], str) and isinstance(content["tokenizer"]["sha256"], str)
+        for split in SPLITS:
+            for shard in content["splits"][split]["shards"]:
+                fits = fits and isinstance(shard["file"], str) and type(shard["tokens"]) is int
+                fits = fits and isinstance(shard["sha256"], str)
+    except (KeyError, TypeError):
+        fits = False
+    if not fits:
+        raise DataError(
+            f"{path} does not list its shards as moe tokenize writes them (splits.train and "
+            "splits.validation, each shard with its file, tokens and sha256): tokenize the corpus "
+            "again."
+        )
     return Manifest(d, content, sha256_hex(raw))
 
 
@@ -109,7 +123,7 @@ def verify_data_dir(
             f"{d / MANIFEST} comes from another tokenizer (sha256 {recorded[:16]}..., expected "
             f"{tokenizer_sha256[:16]}...): tokenize the corpus again into a new data.dir."
         )
-    tokenizer_file = d / TOKENIZER_JSON
+    tokenizer_file = inside(d, TOKENIZER_JSON, d, DataError)
     found = file_sha256(tokenizer_file) if tokenizer_file.is_file() else "missing"
     if found != recorded:
         raise DataError(
@@ -119,6 +133,7 @@ def verify_data_dir(
         )
     for split in SPLITS:
         for shard in manifest.shards(split):
+            inside(d, shard["file"], d / MANIFEST, DataError)  # nothing outside d is read
             sha = shard["sha256"] if checksums else ""
             problem = shard_problem(d, shard["file"], shard["tokens"], sha, manifest.dtype)
             if problem is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_core.files import atomic_write, file_sha256, json_bytes, sha256_hex
+from moe_core.files import atomic_write, file_sha256, inside, json_bytes, sha256_hex
 
 SPLITS = ("train", "validation")
 
@@ -69,7 +69,10 @@ class ShardRecord:
 
 def shard_problem(data_dir: Path, file: str, tokens: int, sha256: str, dtype: str) -> str | None:
     """Why the shard on disk is not the one described (missing, truncated, corrupted), or None."""
-    path = data_dir / file
+    try:  # a symlink leading out is never a shard of this folder (a rerun replaces it)
+        path = inside(data_dir, file, data_dir)
+    except ValueError:
+        return f"shard {file} of {data_dir} leads outside it"
     if not path.is_file():
         return f"shard {file} is missing from {data_dir}"
     try:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from moe_core.errors import CheckpointError
+from moe_core.files import inside
 
 # What a DCP .metadata pickle refers to (besides torch dtypes): nothing here runs code.
 _ALLOWED = {
@@ -44,6 +45,17 @@ _ALLOWED = {
     "collections": {"OrderedDict"},
 }
 REFUSAL = "refused, since unpickling it could run code; load only checkpoints you trust"
+# What an allow-listed constructor or the unpickler raises on a pickle fed junk (a bad layout
+# name, wrong arguments, a cut-off file): refused as unreadable, never a traceback.
+_UNPICKLE_ERRORS = (
+    pickle.PickleError,
+    EOFError,
+    LookupError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    OverflowError,
+)
 
 
 def inner_error(err: BaseException, kind: type[BaseException]) -> BaseException | None:
@@ -66,11 +78,15 @@ def quiet() -> Iterator[None]:
         yield
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list (its name is the message)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if not dtype and name not in _ALLOWED.get(module, ()):
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -79,16 +95,35 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        folder = Path(str(self.path))
+        inside(folder, Path(path).name, folder, CheckpointError)  # not a symlink leading out
         try:
             with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as err:
+        except _UNPICKLE_ERRORS as err:
+            what = err if isinstance(err, _Refused) else f"something unreadable ({err!r})"
             raise CheckpointError(
-                f"{path} asks to load {err or 'something unreadable'}, which checkpoint "
-                f"metadata never needs: {REFUSAL}."
+                f"{path} asks to load {what}, which checkpoint metadata never needs: {REFUSAL}."
             ) from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(storage, dict):
+            raise CheckpointError(
+                f"{path} holds no storage map of tensors to files, so it is not DCP metadata."
+            )
+        for info in storage.values():  # the files the load opens: each inside the checkpoint
+            inside(folder, getattr(info, "relative_path", None), path, CheckpointError)
+            piece = (getattr(info, "offset", None), getattr(info, "length", None))
+            if not all(type(n) is int and n >= 0 for n in piece):
+                raise CheckpointError(
+                    f"{path} stores a tensor at offset and length {piece}, which is not allowed: "
+                    "two whole numbers from 0 (where its bytes lie in its file)."
+                )
+        if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+            raise CheckpointError(
+                f"{path} holds no map of the checkpoint's entries, so it is not DCP metadata."
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
