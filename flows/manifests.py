@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_core.files import file_sha256, inside
+from moe_core.files import file_sha256, plain_relative
 
 STAGES = ("tokenize", "init", "train", "convert", "evaluate")
 
@@ -64,10 +64,11 @@ def verify(run_dir: Path, stage: str, key: str) -> tuple[dict[str, Any] | None, 
     if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
         return None, "its manifest does not list its files"
     for rel, info in files.items():
-        try:  # a manifest naming a file elsewhere is not this stage's: it runs again
-            f = inside(run_dir, rel, manifest_path(run_dir, stage))
-        except ValueError as err:
-            return None, str(err)
+        # A manifest naming a file elsewhere is not this stage's: it runs again. Checked as
+        # written, not resolved: a run's data or checkpoint folder may be a link to another disk.
+        if not plain_relative(rel):
+            return None, f"its manifest names {rel!r}, a path outside the run folder"
+        f = run_dir / rel
         if not f.is_file():
             return None, f"{rel} is missing"
         if f.stat().st_size != info.get("bytes") or file_sha256(f) != info.get("sha256"):

@@ -14,14 +14,20 @@ TMP_MARK = ".tmp-"
 
 
 def inside(
-    folder: str | Path, relative: Any, named_by: str | Path, error: type[Exception] = ValueError
+    folder: str | Path,
+    relative: Any,
+    named_by: str | Path,
+    error: type[Exception] = ValueError,
+    within: str | Path | None = None,
 ) -> Path:
     """``folder / relative`` once it is checked to name a file inside ``folder``: a relative
     path that stays there once resolved (no ``..`` out, no symlink leading out). A manifest,
     index or metadata file (``named_by``) could otherwise make a reader open any file; anything
-    else is refused with ``error`` in one sentence."""
+    else is refused with ``error`` in one sentence. ``within``: a folder above ``folder`` that
+    symlinks may lead into (a Hugging Face hub snapshot's files link into its repo's blobs)."""
     root = Path(folder)
-    if not _stays_inside(root, relative):
+    bound = Path(within) if within is not None else root
+    if not plain_relative(relative) or not _resolves_inside(root / relative, bound):
         raise error(
             f"{named_by} names {relative!r}, which is not allowed: only a relative path to a "
             f"file inside {root} (no .., no absolute path, no symlink leading out) is read."
@@ -29,14 +35,18 @@ def inside(
     return root / relative
 
 
-def _stays_inside(root: Path, relative: Any) -> bool:
+def plain_relative(relative: Any) -> bool:
+    """Whether ``relative`` is a relative path that names something below its folder as
+    written (no ``..``, not absolute, not empty), before any symlink is followed."""
     if not isinstance(relative, str) or relative.strip() in ("", ".") or "\0" in relative:
         return False
-    if Path(relative).is_absolute():
-        return False
+    return not Path(relative).is_absolute() and ".." not in Path(relative).parts
+
+
+def _resolves_inside(path: Path, bound: Path) -> bool:
     try:
-        top = root.resolve()
-        resolved = (root / relative).resolve()
+        top = bound.resolve()
+        resolved = path.resolve()
     except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
         return False
     return resolved != top and resolved.is_relative_to(top)

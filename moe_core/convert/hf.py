@@ -297,9 +297,18 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 _WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
+def _hub_blobs(d: Path) -> Path:
+    """Where the files of HF folder ``d`` may lead: ``d`` itself, or for a snapshot of the
+    Hugging Face hub cache (``models--ORG--NAME/snapshots/REV``, whose files are symlinks into
+    the repo's ``blobs``) that repo's folder."""
+    if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--"):
+        return d.parent.parent
+    return d
+
+
 def _read_json(d: Path, name: str) -> dict:
     """``d / name`` parsed (a file inside ``d``), refused in one sentence unless a JSON object."""
-    path = inside(d, name, d, CheckpointError)
+    path = inside(d, name, d, CheckpointError, _hub_blobs(d))
     try:
         content = json.loads(path.read_text())
     except ValueError as err:
@@ -378,7 +387,7 @@ def _weight_files(d: Path) -> list[str]:
     """The safetensors files of an HF directory: those its index names (each a file inside
     ``d``, ``files.inside``), else ``model.safetensors``."""
     if not (d / INDEX).is_file() and not (d / INDEX).is_symlink():
-        return [inside(d, "model.safetensors", d, CheckpointError).name]
+        return [inside(d, "model.safetensors", d, CheckpointError, _hub_blobs(d)).name]
     try:
         weight_map = _read_json(d, INDEX)["weight_map"]
         files = sorted({*weight_map.values()}, key=str)
@@ -387,7 +396,7 @@ def _weight_files(d: Path) -> list[str]:
             f"{d / INDEX} is not a valid index: it needs a weight_map of tensor names to files."
         ) from None
     for f in files:
-        inside(d, f, d / INDEX, CheckpointError)
+        inside(d, f, d / INDEX, CheckpointError, _hub_blobs(d))
     return files
 
 
