@@ -67,7 +67,18 @@ def test_inside_keeps_files_of_the_folder_and_refuses_every_way_out(tmp_path):
     (folder / "out").symlink_to(tmp_path / "secret")
     (folder / "loop").symlink_to(folder / "loop")
     assert inside(folder, "sub/a", "m.json") == folder / "sub" / "a"
-    for bad in ("sub/../sub/a", "../secret", str(tmp_path / "secret"), "out", "loop", "", ".", "sub/..", 3, None):
+    for bad in (
+        "sub/../sub/a",
+        "../secret",
+        str(tmp_path / "secret"),
+        "out",
+        "loop",
+        "",
+        ".",
+        "sub/..",
+        3,
+        None,
+    ):
         with pytest.raises(ValueError) as err:
             inside(folder, bad, "m.json")
         assert str(err.value) == (
