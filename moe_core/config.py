@@ -86,6 +86,29 @@ def _non_negative(name: str, value: int | float) -> None:
         _fail(name, value, "it must be zero or positive")
 
 
+def _at_most(name: str, value: int, limit: int, why: str) -> None:
+    if value > limit:
+        _fail(name, value, f"at most {limit:,}, {why}")
+
+
+# Sizes no real model reaches, refused before a model (or its converter) spends minutes and
+# gigabytes on them: the largest published MoE decoders have about 100 layers, 384 experts and
+# 16k hidden; token ids are stored as uint32.
+MAX_SIZES = {
+    "n_layers": 4096,
+    "n_experts": 65536,
+    "d_model": 1 << 17,
+    "expert_hidden": 1 << 20,
+    "n_heads": 1 << 12,
+    "n_shared_experts": 1 << 10,
+    "vocab_size": 1 << 32,
+    "max_seq_len": 1 << 24,
+}
+# Seeds feed torch generators as ``seed * 1_000_003 + i`` (data.synthetic), which must stay
+# within their 64 bits.
+MAX_SEED = 2**32 - 1
+
+
 @dataclass
 class ModelConfig:
     """An Olmo-style MoE decoder. The defaults are the OLMoE block that ``transformers`` runs."""
@@ -122,6 +145,8 @@ class ModelConfig:
             _positive(p + name, getattr(self, name))
         for name in ("n_shared_experts", "aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             _non_negative(p + name, getattr(self, name))
+        for name, limit in MAX_SIZES.items():
+            _at_most(p + name, getattr(self, name), limit, "as no real model is larger")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _positive(p + "n_kv_heads", self.n_kv_heads)
@@ -198,6 +223,7 @@ class TrainConfig:
             _positive(p + name, getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "seed", "eval_every"):
             _non_negative(p + name, getattr(self, name))
+        _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         for name in ("checkpoint_every", "keep_last", "keep_every"):
             _non_negative(p + name, getattr(self, name))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -274,6 +300,7 @@ class DataConfig:
             _fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
+        _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
 
     @property
     def tokenizer_vocab_size(self) -> int | None:
@@ -679,6 +706,7 @@ class EvalConfig:
         p = "eval."
         for name in ("limit", "every", "seed"):
             _non_negative(p + name, getattr(self, name))
+        _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         _positive(p + "every_limit", self.every_limit)
         if not isinstance(self.tasks, list | tuple) or not all(
             isinstance(t, str) for t in self.tasks

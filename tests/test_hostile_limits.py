@@ -4,9 +4,12 @@ data that does not fit the run are refused in one sentence before anything large
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
+from moe_core.cli import main
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_run
 from moe_core.config import ModelConfig
 from moe_core.model.flops import ModelCounts, count
@@ -14,6 +17,7 @@ from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, Router
 from moe_core.model.norm import RMSNorm
 from moe_core.model.transformer import Transformer
+from moe_core.plan import InsufficientResourcesError, check_conversion, check_memory, plan
 
 MODELS = sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
 
@@ -23,11 +27,16 @@ def meta_count(cfg: ModelConfig, seq_len: int) -> ModelCounts:
     with on_meta():
         model = Transformer(cfg)
     total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    experts = sum(
+        p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters()
+    )
     embedding = model.embed.weight.numel()
     active = total - experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
     not_matmul = embedding + sum(
-        p.numel() for m in model.modules() if isinstance(m, RMSNorm | Router) for p in m.parameters()
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, RMSNorm | Router)
+        for p in m.parameters()
     )
     flops = 6 * (active - not_matmul) + 6 * cfg.n_layers * seq_len * cfg.d_model
     return ModelCounts(total, active, active - not_matmul, experts, embedding, flops)
@@ -51,3 +60,97 @@ def test_closed_form_counts_equal_the_meta_model_of_odd_shapes(changes):
     base = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_experts=8, top_k=2, expert_hidden=32)
     m = dataclasses.replace(base, **changes)
     assert count(m, 32) == meta_count(m, 32)
+
+
+# ---- sizes that cannot be real -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, value",
+    [("model.n_layers", 100_000_000), ("model.n_experts", 10**9), ("train.seed", 2**70)],
+)
+def test_sizes_and_seeds_no_run_can_hold_are_refused_naming_the_limit(override, value, capsys):
+    assert main(["info", "model=tiny", f"{override}={value}"]) == 2
+    err = capsys.readouterr().out
+    assert f"{override}={value}" in err and "at most" in err and "Traceback" not in err
+
+
+def test_info_counts_a_huge_model_without_building_it(capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("moe info built a model")
+
+    monkeypatch.setattr(Transformer, "__init__", refuse)
+    assert main(["info", "model=1t", "model.n_layers=4096", "model.n_experts=65536"]) == 0
+    assert "total parameters" in capsys.readouterr().out
+
+
+def hf_folder(path: Path, **sizes: int) -> Path:
+    """An HF OLMoE folder: the tiny model's config.json with ``sizes`` changed, no weights."""
+    config = {
+        "model_type": "olmoe",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 16,
+        **sizes,
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "key, value, field",
+    [("num_experts", 10**9, "model.n_experts"), ("num_hidden_layers", 10**8, "model.n_layers")],
+)
+def test_from_hf_refuses_sizes_no_model_has_before_reading(key, value, field, tmp_path, capsys):
+    src = hf_folder(tmp_path / "hf", **{key: value})
+    assert main(["convert", "from-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().out
+    assert f"{field}={value}" in err and "at most" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_conversion_larger_than_memory_or_disk_is_refused_before_reading(tmp_path):
+    src = hf_folder(tmp_path / "hf")
+    (src / "model.safetensors").write_bytes(b"\0" * 1000)
+    with pytest.raises(InsufficientResourcesError, match=r"2,000 bytes .* has 1,500 bytes"):
+        check_conversion(src, tmp_path / "out", memory=1500, disk=10**9)
+    with pytest.raises(InsufficientResourcesError, match=r"1,000 bytes .* has 999 bytes"):
+        check_conversion(src, tmp_path / "out", memory=10**9, disk=999)
+    check_conversion(src, tmp_path / "out", memory=2000, disk=1000)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- runs larger than the machine ----------------------------------------------------------
+
+
+def test_memory_check_takes_the_machines_memory_as_a_value():
+    run = compose_run(["model=tiny"])
+    need = sum(s.total for s in plan(run).stages)
+    check_memory(run, host_bytes=need, gpu_bytes=None)
+    with pytest.raises(InsufficientResourcesError, match=rf"needs {need:,} bytes .* has 1,000 "):
+        check_memory(run, host_bytes=1000, gpu_bytes=None)
+    with pytest.raises(InsufficientResourcesError, match=rf"needs {need:,} bytes .* per GPU"):
+        check_memory(run, host_bytes=10**15, gpu_bytes=1000)
+    check_memory(run, host_bytes=1000, gpu_bytes=need)  # a GPU run holds its model there
+
+
+def test_train_refuses_a_model_larger_than_this_machine_before_building_it(
+    tmp_path, capsys, monkeypatch
+):
+    build = Transformer.__init__
+
+    def one_layer_only(self, cfg):  # the planner sizes a block on the meta device
+        assert cfg.n_layers == 1, "moe train built the model"
+        build(self, cfg)
+
+    monkeypatch.setattr(Transformer, "__init__", one_layer_only)
+    out = tmp_path / "run"
+    assert main(["train", "model=1t", f"out_dir={out}"]) == 2
+    err = capsys.readouterr().out
+    assert "model 1t" in err and "bytes" in err and "GiB" in err and "Traceback" not in err
+    assert not out.exists()
