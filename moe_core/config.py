@@ -312,10 +312,21 @@ class DataConfig:
         return None
 
 
-def check_tokenizer_fits(data: DataConfig, vocab_size: int, model_vocab_size: int) -> None:
-    """Refuse a tokenizer whose ids the model's embedding cannot hold."""
+def check_tokenizer_fits(
+    data: DataConfig, vocab_size: int, model_vocab_size: int, manifest: str | None = None
+) -> None:
+    """Refuse a tokenizer whose ids the model's embedding cannot hold. With ``manifest`` (the
+    data's own record of its tokenizer) the model's size is what is wrong, whatever data.*
+    says: the data was tokenized already."""
     if vocab_size <= model_vocab_size:
         return
+    if manifest is not None:
+        _fail(
+            "model.vocab_size",
+            model_vocab_size,
+            f"at least the {vocab_size} tokens of the tokenizer {manifest} records; choose a "
+            "model whose vocabulary holds them or data tokenized with a smaller tokenizer",
+        )
     if data.tokenizer == "bpe":
         _fail("data.bpe_vocab_size", vocab_size, f"at most model.vocab_size ({model_vocab_size})")
     _fail(
@@ -325,6 +336,24 @@ def check_tokenizer_fits(data: DataConfig, vocab_size: int, model_vocab_size: in
         f"model whose vocabulary holds at least {vocab_size} (such as model=olmoe-1b-7b) or a "
         "smaller tokenizer (data.tokenizer=bpe)",
     )
+
+
+def check_validation_fits(t: TrainConfig, data_parallel: int, instances: int, where: str) -> None:
+    """Refuse held-out evaluations the validation split cannot fill (``instances`` sequences of
+    ``train.seq_len + 1`` tokens in ``where``), before step 0 rather than at the first
+    evaluation: each of the data-parallel ranks reads whole micro-batches of its own."""
+    if not t.eval_every:
+        return
+    available = instances // (t.micro_batch_size * data_parallel) * data_parallel
+    if t.eval_batches > available:
+        _fail(
+            "train.eval_batches",
+            t.eval_batches,
+            f"at most {available}, the micro-batches of train.micro_batch_size="
+            f"{t.micro_batch_size} x {t.seq_len + 1} tokens that the validation split of {where} "
+            f"holds ({instances} sequences over {data_parallel} data-parallel ranks); lower it, "
+            "hold out more text (data.validation_fraction) or set train.eval_every=0",
+        )
 
 
 @dataclass

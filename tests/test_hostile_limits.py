@@ -7,7 +7,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from helpers import BASE, write_token_dir
 
 from moe_core.cli import main
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_run
@@ -84,6 +86,17 @@ def test_info_counts_a_huge_model_without_building_it(capsys, monkeypatch):
     assert "total parameters" in capsys.readouterr().out
 
 
+def no_model(monkeypatch) -> None:
+    """Building any model but the planner's one block (on the meta device) fails the test."""
+    build = Transformer.__init__
+
+    def one_layer_only(self, cfg):
+        assert cfg.n_layers == 1, "a model was built"
+        build(self, cfg)
+
+    monkeypatch.setattr(Transformer, "__init__", one_layer_only)
+
+
 def hf_folder(path: Path, **sizes: int) -> Path:
     """An HF OLMoE folder: the tiny model's config.json with ``sizes`` changed, no weights."""
     config = {
@@ -142,15 +155,127 @@ def test_memory_check_takes_the_machines_memory_as_a_value():
 def test_train_refuses_a_model_larger_than_this_machine_before_building_it(
     tmp_path, capsys, monkeypatch
 ):
-    build = Transformer.__init__
-
-    def one_layer_only(self, cfg):  # the planner sizes a block on the meta device
-        assert cfg.n_layers == 1, "moe train built the model"
-        build(self, cfg)
-
-    monkeypatch.setattr(Transformer, "__init__", one_layer_only)
+    no_model(monkeypatch)
     out = tmp_path / "run"
     assert main(["train", "model=1t", f"out_dir={out}"]) == 2
     err = capsys.readouterr().out
     assert "model 1t" in err and "bytes" in err and "GiB" in err and "Traceback" not in err
     assert not out.exists()
+
+
+# ---- data and overrides that do not fit the run --------------------------------------------
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+    }
+
+
+def token_data(tmp_path: Path, vocab_size: int = 256, seed: int = 0) -> Path:
+    """4000 train and 700 validation tokens below 256, the manifest recording ``vocab_size``."""
+    rng = np.random.default_rng(seed)
+    splits = {s: rng.integers(0, 256, n) for s, n in (("train", 4000), ("validation", 700))}
+    return write_token_dir(tmp_path / "data", splits, 1000, dtype="uint16", vocab_size=vocab_size)
+
+
+def token_run(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        *BASE,
+        "model.n_layers=2",
+        "data.kind=tokens",
+        f"data.dir={data}",
+        f"out_dir={out}",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, sentence",
+    [
+        (
+            "train.lr=é",
+            "Hydra takes a value with spaces or non-ASCII letters only in quotes, as "
+            "in train.lr='é'.",
+        ),
+        ("é=1", "its key 'é' is not allowed, Hydra takes keys of ASCII letters"),
+    ],
+)
+def test_unquoted_unicode_in_an_override_is_one_sentence_naming_it(override, sentence, capsys):
+    assert main(["info", "model=tiny", override]) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert f"the override '{override}' does not parse" in err and sentence in err
+    assert "LexerNoViableAlt" not in err
+
+
+@pytest.mark.parametrize(
+    "drop, named",
+    [
+        (("splits",), "lacks splits (a dict)"),
+        (("tokenizer", "vocab_size"), "lacks tokenizer.vocab_size (a int)"),
+        (("splits", "validation", "tokens"), "lacks splits.validation.tokens (a int)"),
+        (("splits", "train", "shards", 0, "file"), "lacks splits.train.shards[0].file (a str)"),
+    ],
+)
+def test_a_manifest_missing_keys_is_refused_naming_the_key(drop, named, tmp_path, capsys):
+    data = token_data(tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    inner = manifest
+    for key in drop[:-1]:
+        inner = inner[key]
+    del inner[drop[-1]]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(data)
+    out = tmp_path / "run"
+    assert main(["train", *token_run(data, out)]) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert f"{data / 'manifest.json'} {named}, so it is not a manifest moe tokenize wrote" in err
+    assert snapshot(data) == before and not out.exists()
+
+
+def test_a_manifest_vocabulary_beyond_the_model_names_the_models_size(
+    tmp_path, capsys, monkeypatch
+):
+    data = token_data(tmp_path, vocab_size=8192)  # model=tiny has 4096; data.* says nothing
+    no_model(monkeypatch)
+    out = tmp_path / "run"
+    assert main(["train", *token_run(data, out)]) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert "model.vocab_size=4096 is not allowed: at least the 8192 tokens of the tokenizer " in err
+    assert str(data / "manifest.json") in err and "bpe_vocab_size" not in err
+    assert not out.exists()
+
+
+def test_eval_batches_beyond_the_validation_split_are_refused_before_step_0(
+    tmp_path, capsys, monkeypatch
+):
+    data = token_data(tmp_path)  # 700 // 33 = 21 validation sequences: 10 micro-batches of 2
+    no_model(monkeypatch)
+    out = tmp_path / "run"
+    args = ["train", *token_run(data, out, "train.eval_every=1", "train.eval_batches=11")]
+    assert main(args) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert "train.eval_batches=11 is not allowed: at most 10, the micro-batches of" in err
+    assert str(data / "manifest.json") in err and not out.exists()
+
+
+@pytest.mark.slow
+def test_resuming_into_another_seq_len_or_data_is_refused_and_keeps_the_checkpoint(
+    tmp_path, capsys
+):
+    data = token_data(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", *token_run(data, out, "train.steps=2")]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    assert main(["train", *token_run(data, out, "train.steps=4", "train.seq_len=16")]) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert (
+        "was trained on other data or another sequence length (seq_len is 32 there, 16 here)" in err
+    )
+    (tmp_path / "other").mkdir()
+    other = token_data(tmp_path / "other", seed=1)
+    assert main(["train", *token_run(other, out, "train.steps=4")]) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert "(the data manifest's sha256 is " in err and "Traceback" not in err
+    assert snapshot(out) == before

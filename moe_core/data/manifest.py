@@ -90,7 +90,53 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         found = content.get("format") if isinstance(content, dict) else None
         raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: tokenize the corpus again.")
+    problem = _schema_problem(content)
+    if problem is not None:
+        raise DataError(
+            f"{path} {problem}, so it is not a manifest moe tokenize wrote: tokenize the corpus "
+            "again into a new data.dir."
+        )
     return Manifest(d, content, sha256_hex(raw))
+
+
+# What readers of a manifest take from it: key -> the type its value must have.
+_TOP = {"dtype": str, "tokenizer": dict, "splits": dict, "total_tokens": int}
+_TOKENIZER = {"sha256": str, "vocab_size": int}
+_SPLIT = {"documents": int, "tokens": int, "shards": list}
+_SHARD = {"file": str, "tokens": int, "sha256": str}
+
+
+def _missing(content: dict[str, Any], keys: dict[str, type], where: str) -> str | None:
+    for key, kind in keys.items():
+        value = content.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            found = "lacks" if key not in content else f"has {value!r} at"
+            return f"{found} {where}{key} (a {kind.__name__})"
+    return None
+
+
+def _schema_problem(content: dict[str, Any]) -> str | None:
+    """The first key a reader needs that the manifest lacks or holds as another type, e.g.
+    "lacks splits.train.shards (a list)"; None when every one is there."""
+    problem = _missing(content, _TOP, "") or _missing(
+        content["tokenizer"], _TOKENIZER, "tokenizer."
+    )
+    if problem is not None:
+        return problem
+    for split in SPLITS:
+        info = content["splits"].get(split)
+        if not isinstance(info, dict):
+            return f"lacks splits.{split} (a mapping)"
+        problem = _missing(info, _SPLIT, f"splits.{split}.")
+        if problem is not None:
+            return problem
+        for i, shard in enumerate(info["shards"]):
+            if not isinstance(shard, dict):
+                return f"has {shard!r} at splits.{split}.shards[{i}] (a mapping)"
+            problem = _missing(shard, _SHARD, f"splits.{split}.shards[{i}].")
+            if problem is not None:
+                return problem
+    return None
 
 
 def verify_data_dir(
