@@ -147,9 +147,11 @@ def test_memory_check_takes_the_machines_memory_as_a_value():
     check_memory(run, host_bytes=need, gpu_bytes=None)
     with pytest.raises(InsufficientResourcesError, match=rf"needs {need:,} bytes .* has 1,000 "):
         check_memory(run, host_bytes=1000, gpu_bytes=None)
-    with pytest.raises(InsufficientResourcesError, match=rf"needs {need:,} bytes .* per GPU"):
+    gpus = f"cluster.gpus_per_node={run.cluster.procs_per_node}"
+    on_gpu = plan(compose_run(["model=tiny", gpus])).memory.total
+    with pytest.raises(InsufficientResourcesError, match=rf"needs {on_gpu:,} bytes .* per GPU"):
         check_memory(run, host_bytes=10**15, gpu_bytes=1000)
-    check_memory(run, host_bytes=1000, gpu_bytes=need)  # a GPU run holds its model there
+    check_memory(run, host_bytes=1000, gpu_bytes=on_gpu)  # a GPU run holds its model there
 
 
 def test_train_refuses_a_model_larger_than_this_machine_before_building_it(

@@ -3,6 +3,7 @@ cannot hold, a rank too large for its GPU; each one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -95,6 +96,10 @@ def check_memory(run: RunConfig, host_bytes: int, gpu_bytes: int | None) -> None
     """Refuse, in one sentence, a run whose planned peak exceeds this machine before any model
     is built: the busiest rank against ``gpu_bytes`` (one GPU's free memory) when it trains on
     GPUs, else every process on this host together against ``host_bytes``."""
+    if gpu_bytes is not None and not run.cluster.gpus_per_node:
+        # Planned as it will run: on this process's GPU (its reserve, compiled blocks).
+        gpus = dataclasses.replace(run.cluster, gpus_per_node=run.cluster.procs_per_node)
+        run = dataclasses.replace(run, cluster=gpus)
     p = plan(run)
     par = run.parallel
     layout = f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep}"
