@@ -241,10 +241,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
             overwrite=args.overwrite,
         )
     else:
+        from moe_core.model.flops import count
         from moe_core.plan import check_conversion, free_disk_bytes, host_memory_bytes
 
-        config_from_hf(args.src)  # its sizes validated before the weights are weighed
-        check_conversion(args.src, args.out, host_memory_bytes(), free_disk_bytes(args.out))
+        params = count(config_from_hf(args.src)).total_params  # its sizes validated first
+        memory, disk = host_memory_bytes(), free_disk_bytes(args.out)
+        check_conversion(args.src, args.out, params, memory, disk)
         cfg, state = load_hf(args.src)
         out = save_model_dir(state, cfg, args.out, overwrite=args.overwrite)
     console.print(f"wrote {out}")

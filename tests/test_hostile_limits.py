@@ -131,10 +131,21 @@ def test_conversion_larger_than_memory_or_disk_is_refused_before_reading(tmp_pat
     src = hf_folder(tmp_path / "hf")
     (src / "model.safetensors").write_bytes(b"\0" * 1000)
     with pytest.raises(InsufficientResourcesError, match=r"2,000 bytes .* has 1,500 bytes"):
-        check_conversion(src, tmp_path / "out", memory=1500, disk=10**9)
+        check_conversion(src, tmp_path / "out", 500, memory=1500, disk=10**9)
     with pytest.raises(InsufficientResourcesError, match=r"1,000 bytes .* has 999 bytes"):
-        check_conversion(src, tmp_path / "out", memory=10**9, disk=999)
-    check_conversion(src, tmp_path / "out", memory=2000, disk=1000)
+        check_conversion(src, tmp_path / "out", 500, memory=10**9, disk=999)
+    check_conversion(src, tmp_path / "out", 500, memory=2000, disk=1000)
+    assert not (tmp_path / "out").exists()
+
+
+def test_from_hf_refuses_a_config_its_weight_files_cannot_hold(tmp_path, capsys):
+    # Within every limit, yet 4096 x 65536 experts: checking their tensors one by one took
+    # minutes; the files' size (a few bytes) answers at once.
+    src = hf_folder(tmp_path / "hf", num_hidden_layers=4096, num_experts=65536)
+    (src / "model.safetensors").write_bytes(b"\0" * 1000)
+    assert main(["convert", "from-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().out.replace("\n", "")
+    assert f"{src / 'config.json'} describes " in err and "hold 1,000 bytes" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -124,12 +124,22 @@ def check_memory(run: RunConfig, host_bytes: int, gpu_bytes: int | None) -> None
 
 
 def check_conversion(
-    src: str | os.PathLike, out: str | os.PathLike, memory: int, disk: int
+    src: str | os.PathLike, out: str | os.PathLike, params: int, memory: int, disk: int
 ) -> None:
-    """Refuse, in one sentence, converting the Hugging Face folder ``src`` when its weights
-    cannot be held (``memory`` bytes: the tensors read and the experts stacked, about twice the
-    files) or written (``disk`` bytes free where ``out`` goes), before any tensor is read."""
+    """Refuse, in one sentence, converting the Hugging Face folder ``src`` (whose config.json
+    describes ``params`` parameters) when its weight files cannot hold them even in 16 bits (a
+    config claiming sizes its files lack, whose tensor-by-tensor check would take minutes), or
+    when they cannot be held (``memory`` bytes: the tensors read and the experts stacked, about
+    twice the files) or written (``disk`` bytes free where ``out`` goes), before any tensor is
+    read."""
     files = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))
+    if 2 * params > files:
+        raise InsufficientResourcesError(
+            f"{Path(src) / 'config.json'} describes {params:,} parameters, at least "
+            f"{_gib(2 * params)} in 16 bits, but the weight files of {src} hold {_gib(files)}: "
+            "the config does not describe those weights; fix its sizes or convert the folder "
+            "they came with."
+        )
     if 2 * files > memory:
         raise InsufficientResourcesError(
             f"{src} holds {_gib(files)} of weights and converting them needs about twice that, "
