@@ -81,7 +81,7 @@ def compose_dict(
                 f"{group}={missing.group(2)!r} is not allowed: one of {', '.join(options)}."
             ) from None
         bad = _unparsable(list(overrides))
-        if bad is not None:
+        if bad is not None and (not bad.isascii() or any(c.isspace() for c in bad)):
             key, _, value = bad.partition("=")
             if not re.fullmatch(r"[+~]*[A-Za-z0-9_.]+", key):
                 raise ConfigError(
@@ -99,7 +99,7 @@ def compose_dict(
 
 
 def _unparsable(overrides: list[str]) -> str | None:
-    """The first override Hydra's grammar cannot read (an unquoted non-ASCII value or key)."""
+    """The first override Hydra's grammar cannot read (such as an unquoted non-ASCII value)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 

@@ -224,10 +224,10 @@ def test_unquoted_unicode_in_an_override_is_one_sentence_naming_it(override, sen
 @pytest.mark.parametrize(
     "drop, named",
     [
-        (("splits",), "lacks splits (a dict)"),
-        (("tokenizer", "vocab_size"), "lacks tokenizer.vocab_size (a int)"),
-        (("splits", "validation", "tokens"), "lacks splits.validation.tokens (a int)"),
-        (("splits", "train", "shards", 0, "file"), "lacks splits.train.shards[0].file (a str)"),
+        (("splits",), "lacks splits (a mapping)"),
+        (("tokenizer", "vocab_size"), "lacks tokenizer.vocab_size (an integer)"),
+        (("splits", "validation", "tokens"), "lacks splits.validation.tokens (an integer)"),
+        (("splits", "train", "shards", 0, "file"), "lacks splits.train.shards[0].file (a string)"),
     ],
 )
 def test_a_manifest_missing_keys_is_refused_naming_the_key(drop, named, tmp_path, capsys):

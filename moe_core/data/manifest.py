@@ -106,12 +106,15 @@ _SPLIT = {"documents": int, "tokens": int, "shards": list}
 _SHARD = {"file": str, "tokens": int, "sha256": str}
 
 
+_KINDS = {str: "a string", int: "an integer", dict: "a mapping", list: "a list"}
+
+
 def _missing(content: dict[str, Any], keys: dict[str, type], where: str) -> str | None:
     for key, kind in keys.items():
         value = content.get(key)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             found = "lacks" if key not in content else f"has {value!r} at"
-            return f"{found} {where}{key} (a {kind.__name__})"
+            return f"{found} {where}{key} ({_KINDS[kind]})"
     return None
 
 

@@ -54,10 +54,11 @@ def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     expert = 3 * d * cfg.expert_hidden  # one routed expert's gate, up and down
     norms = 2 * d + q_dim + kv_dim  # attention and MoE norms, QK-norm
     router = cfg.n_experts * d
-    embedding = vocab * d
+    embedding, final_norm, head = vocab * d, d, d * vocab
     experts = n_layers * cfg.n_experts * expert
-    total = embedding + d + vocab * d + n_layers * (attention + shared + norms + router) + experts
+    dense = n_layers * (attention + shared + norms + router)
+    total = embedding + dense + experts + final_norm + head
     active = total - n_layers * (cfg.n_experts - cfg.top_k) * expert
-    matmul_active = active - embedding - d - n_layers * (norms + router)
+    matmul_active = active - embedding - final_norm - n_layers * (norms + router)
     flops = 6 * matmul_active + 6 * n_layers * seq_len * d
     return ModelCounts(total, active, matmul_active, experts, embedding, flops)
