@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,16 @@ def test_resuming_into_another_seq_len_or_data_is_refused_and_keeps_the_checkpoi
     err = capsys.readouterr().out.replace("\n", "")
     assert "(the data manifest's sha256 is " in err and "Traceback" not in err
     assert snapshot(out) == before
+
+
+def test_a_cpu_pipeline_refuses_a_model_larger_than_this_machine_before_launching():
+    from flows.launch import check_launchable
+
+    class Launcher:
+        @staticmethod
+        def check(run):
+            raise AssertionError("the launch was prepared")
+
+    run = compose_run(["model=1t", "cluster=local-cpu", "cluster.procs_per_node=1"])
+    with pytest.raises(InsufficientResourcesError, match=r"model 1t .* of memory on this machine"):
+        check_launchable(run, Launcher, logging.getLogger("test"))
