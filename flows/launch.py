@@ -29,7 +29,14 @@ import yaml
 from moe_core.config import ConfigError, RunConfig, check_path
 from moe_core.errors import RunFailedError
 from moe_core.files import sha256_hex
-from moe_core.plan import check_cluster, check_resources, plan, plan_text
+from moe_core.plan import (
+    check_cluster,
+    check_memory,
+    check_resources,
+    host_memory_bytes,
+    plan,
+    plan_text,
+)
 
 if TYPE_CHECKING:
     from flows.launchers import Attempt, Launcher
@@ -287,6 +294,8 @@ def check_launchable(run: RunConfig, launcher: type[Launcher], logger: Logger) -
     else:  # the nodes the cluster config describes
         gpus, memory = c.nodes * c.gpus_per_node, c.gpu_memory_gib or None
     check_resources(run, gpus, memory)
+    if c.kind == "local" and not c.gpus_per_node:  # CPU processes: this machine's memory
+        check_memory(run, host_memory_bytes(), None)
     launcher.check(run)
 
 

@@ -147,6 +147,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         from moe_core.compose import compose_run
 
         run = compose_run(args.overrides, args.config_dir, args.config_name)
+    _check_machine(run)
     import torch.distributed as dist
 
     try:
@@ -156,6 +157,22 @@ def cmd_train(args: argparse.Namespace) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_machine(run: RunConfig) -> None:
+    """Refuse a run larger than this machine before any model is built (else it dies in the
+    allocator, or to the OOM killer, minutes later): the plan's peak against this process's
+    GPU, or against the host's memory for CPU processes."""
+    import os
+
+    import torch
+
+    from moe_core.plan import check_memory, host_memory_bytes
+
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    check_memory(run, host_memory_bytes(), gpu)
 
 
 def _train(run) -> None:
@@ -188,7 +205,13 @@ def _train(run) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from moe_core.convert.hf import check_exportable, load_hf, refuse_existing, save_hf
+    from moe_core.convert.hf import (
+        check_exportable,
+        config_from_hf,
+        load_hf,
+        refuse_existing,
+        save_hf,
+    )
     from moe_core.convert.native import load_model_dir, save_model_dir
 
     max_shard_bytes = _size(args.max_shard_size)
@@ -219,6 +242,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
             overwrite=args.overwrite,
         )
     else:
+        from moe_core.model.flops import count
+        from moe_core.plan import check_conversion, free_disk_bytes, host_memory_bytes
+
+        params = count(config_from_hf(args.src)).total_params  # its sizes validated first
+        memory, disk = host_memory_bytes(), free_disk_bytes(args.out)
+        check_conversion(args.src, args.out, params, memory, disk)
         cfg, state = load_hf(args.src)
         out = save_model_dir(state, cfg, args.out, overwrite=args.overwrite)
     console.print(f"wrote {out}")

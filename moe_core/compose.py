@@ -80,10 +80,36 @@ def compose_dict(
             raise ConfigError(
                 f"{group}={missing.group(2)!r} is not allowed: one of {', '.join(options)}."
             ) from None
+        bad = _unparsable(list(overrides))
+        if bad is not None and (not bad.isascii() or any(c.isspace() for c in bad)):
+            key, _, value = bad.partition("=")
+            if not re.fullmatch(r"[+~]*[A-Za-z0-9_.]+", key):
+                raise ConfigError(
+                    f"the override {bad!r} does not parse: its key {key!r} is not allowed, Hydra "
+                    "takes keys of ASCII letters, digits, _ and . (such as train.lr)."
+                ) from None
+            raise ConfigError(
+                f"the override {bad!r} does not parse: Hydra takes a value with spaces or "
+                f"non-ASCII letters only in quotes, as in {key}='{value}'."
+            ) from None
         raise ConfigError(f"the overrides {overrides} do not compose: {first}") from None
     assert isinstance(data, dict)
     _check_data_source(data.get("data") or {})
     return data  # type: ignore[return-value]
+
+
+def _unparsable(overrides: list[str]) -> str | None:
+    """The first override Hydra's grammar cannot read (such as an unquoted non-ASCII value)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_override(o)
+        except HydraException:
+            return o
+    return None
 
 
 def _check_data_source(data: dict[str, Any]) -> None:

@@ -94,6 +94,29 @@ def _non_negative(name: str, value: int | float) -> None:
         _fail(name, value, "it must be zero or positive")
 
 
+def _at_most(name: str, value: int, limit: int, why: str) -> None:
+    if value > limit:
+        _fail(name, value, f"at most {limit:,}, {why}")
+
+
+# Sizes no real model reaches, refused before a model (or its converter) spends minutes and
+# gigabytes on them: the largest published MoE decoders have about 100 layers, 384 experts and
+# 16k hidden; token ids are stored as uint32.
+MAX_SIZES = {
+    "n_layers": 4096,
+    "n_experts": 65536,
+    "d_model": 1 << 17,
+    "expert_hidden": 1 << 20,
+    "n_heads": 1 << 12,
+    "n_shared_experts": 1 << 10,
+    "vocab_size": 1 << 32,
+    "max_seq_len": 1 << 24,
+}
+# Seeds feed torch generators as ``seed * 1_000_003 + i`` (data.synthetic), which must stay
+# within their 64 bits.
+MAX_SEED = 2**32 - 1
+
+
 @dataclass
 class ModelConfig:
     """An Olmo-style MoE decoder. The defaults are the OLMoE block that ``transformers`` runs."""
@@ -130,6 +153,8 @@ class ModelConfig:
             _positive(p + name, getattr(self, name))
         for name in ("n_shared_experts", "aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             _non_negative(p + name, getattr(self, name))
+        for name, limit in MAX_SIZES.items():
+            _at_most(p + name, getattr(self, name), limit, "as no real model is larger")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _positive(p + "n_kv_heads", self.n_kv_heads)
@@ -206,6 +231,7 @@ class TrainConfig:
             _positive(p + name, getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "seed", "eval_every"):
             _non_negative(p + name, getattr(self, name))
+        _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         for name in ("checkpoint_every", "keep_last", "keep_every"):
             _non_negative(p + name, getattr(self, name))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -284,6 +310,7 @@ class DataConfig:
             _fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
+        _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
 
     @property
     def tokenizer_vocab_size(self) -> int | None:
@@ -295,10 +322,21 @@ class DataConfig:
         return None
 
 
-def check_tokenizer_fits(data: DataConfig, vocab_size: int, model_vocab_size: int) -> None:
-    """Refuse a tokenizer whose ids the model's embedding cannot hold."""
+def check_tokenizer_fits(
+    data: DataConfig, vocab_size: int, model_vocab_size: int, manifest: str | None = None
+) -> None:
+    """Refuse a tokenizer whose ids the model's embedding cannot hold. With ``manifest`` (the
+    data's own record of its tokenizer) the model's size is what is wrong, whatever data.*
+    says: the data was tokenized already."""
     if vocab_size <= model_vocab_size:
         return
+    if manifest is not None:
+        _fail(
+            "model.vocab_size",
+            model_vocab_size,
+            f"at least the {vocab_size} tokens of the tokenizer {manifest} records; choose a "
+            "model whose vocabulary holds them or data tokenized with a smaller tokenizer",
+        )
     if data.tokenizer == "bpe":
         _fail("data.bpe_vocab_size", vocab_size, f"at most model.vocab_size ({model_vocab_size})")
     _fail(
@@ -308,6 +346,24 @@ def check_tokenizer_fits(data: DataConfig, vocab_size: int, model_vocab_size: in
         f"model whose vocabulary holds at least {vocab_size} (such as model=olmoe-1b-7b) or a "
         "smaller tokenizer (data.tokenizer=bpe)",
     )
+
+
+def check_validation_fits(t: TrainConfig, data_parallel: int, instances: int, where: str) -> None:
+    """Refuse held-out evaluations the validation split cannot fill (``instances`` sequences of
+    ``train.seq_len + 1`` tokens in ``where``), before step 0 rather than at the first
+    evaluation: each of the data-parallel ranks reads whole micro-batches of its own."""
+    if not t.eval_every:
+        return
+    available = instances // (t.micro_batch_size * data_parallel) * data_parallel
+    if t.eval_batches > available:
+        _fail(
+            "train.eval_batches",
+            t.eval_batches,
+            f"at most {available}, the micro-batches of train.micro_batch_size="
+            f"{t.micro_batch_size} x {t.seq_len + 1} tokens that the validation split of {where} "
+            f"holds ({instances} sequences over {data_parallel} data-parallel ranks); lower it, "
+            "hold out more text (data.validation_fraction) or set train.eval_every=0",
+        )
 
 
 @dataclass
@@ -689,6 +745,7 @@ class EvalConfig:
         p = "eval."
         for name in ("limit", "every", "seed"):
             _non_negative(p + name, getattr(self, name))
+        _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         _positive(p + "every_limit", self.every_limit)
         if not isinstance(self.tasks, list | tuple) or not all(
             isinstance(t, str) for t in self.tasks

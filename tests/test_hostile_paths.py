@@ -158,18 +158,27 @@ def test_a_data_tokenizer_reached_through_a_symlink_out_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "damage",
+    ("damage", "problem"),
     [
-        lambda m: m.pop("splits"),
-        lambda m: m["splits"].pop("validation"),
-        lambda m: m["splits"]["train"]["shards"][0].pop("file"),
-        lambda m: m["splits"]["train"]["shards"][0].update(tokens="100"),
-        lambda m: m["splits"]["train"].update(shards=["train-00000.npy"]),
-        lambda m: m["tokenizer"].update(sha256=None),
+        (lambda m: m.pop("splits"), "lacks splits (a mapping)"),
+        (lambda m: m["splits"].pop("validation"), "lacks splits.validation (a mapping)"),
+        (
+            lambda m: m["splits"]["train"]["shards"][0].pop("file"),
+            "lacks splits.train.shards[0].file (a string)",
+        ),
+        (
+            lambda m: m["splits"]["train"]["shards"][0].update(tokens="100"),
+            "has '100' at splits.train.shards[0].tokens (an integer)",
+        ),
+        (
+            lambda m: m["splits"]["train"].update(shards=["train-00000.npy"]),
+            "has 'train-00000.npy' at splits.train.shards[0] (a mapping)",
+        ),
+        (lambda m: m["tokenizer"].update(sha256=None), "has None at tokenizer.sha256 (a string)"),
     ],
     ids=["no-splits", "no-validation", "no-file", "tokens-text", "shard-text", "no-sha"],
 )
-def test_a_data_manifest_missing_its_shard_list_is_one_sentence(damage, tmp_path):
+def test_a_data_manifest_missing_its_shard_list_is_one_sentence(damage, problem, tmp_path):
     data = data_dir(tmp_path)
     manifest = json.loads((data / MANIFEST).read_text())
     damage(manifest)
@@ -177,9 +186,8 @@ def test_a_data_manifest_missing_its_shard_list_is_one_sentence(damage, tmp_path
     with pytest.raises(DataError) as err:
         verify_data_dir(data)
     assert str(err.value) == (
-        f"{data / MANIFEST} does not list its shards as moe tokenize writes them (splits.train "
-        "and splits.validation, each shard with its file, tokens and sha256): tokenize the "
-        "corpus again."
+        f"{data / MANIFEST} {problem}, so it is not a manifest moe tokenize wrote: tokenize the "
+        "corpus again into a new data.dir."
     )
 
 

@@ -111,18 +111,29 @@ class TokenLoader:
             "dp_size": self.dp_size,
         }
 
+    def state_problem(self, state: dict[str, Any]) -> str | None:
+        """How a saved state differs from this loader where it must not, as "seq_len is 128
+        there, 64 here" (the data by its manifest's sha256); None when this loader resumes it."""
+        for key, mine in self._identity().items():
+            theirs = state.get(key)
+            if theirs != mine:
+                if key == "data":
+                    key, theirs, mine = "the data manifest's sha256", str(theirs)[:16], mine[:16]
+                return f"{key} is {theirs!r} there, {mine!r} here"
+        return None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the micro-batch after the last one served when ``state`` was taken.
 
         The data, split, sequence length and seed must match; the layout may change when the
         instances consumed so far fill whole micro-steps of the new one.
         """
-        for key, mine in self._identity().items():
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"loader state {key}={state.get(key)!r} is not allowed: this loader has "
-                    f"{key}={mine!r}, so the state belongs to other data or another run."
-                )
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(
+                f"the loader state is not allowed here ({problem}): it belongs to other data or "
+                "another run."
+            )
         consumed = int(state["consumed"])
         if consumed % self.step_instances:
             raise ValueError(

@@ -90,21 +90,56 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         found = content.get("format") if isinstance(content, dict) else None
         raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: tokenize the corpus again.")
-    try:  # the fields every reader takes, of the types moe tokenize writes
-        fits = isinstance(content["dtype"], str) and isinstance(content["tokenizer"]["sha256"], str)
-        for split in SPLITS:
-            for shard in content["splits"][split]["shards"]:
-                fits = fits and isinstance(shard["file"], str) and type(shard["tokens"]) is int
-                fits = fits and isinstance(shard["sha256"], str)
-    except (KeyError, TypeError):
-        fits = False
-    if not fits:
+    problem = _schema_problem(content)
+    if problem is not None:
         raise DataError(
-            f"{path} does not list its shards as moe tokenize writes them (splits.train and "
-            "splits.validation, each shard with its file, tokens and sha256): tokenize the corpus "
-            "again."
+            f"{path} {problem}, so it is not a manifest moe tokenize wrote: tokenize the corpus "
+            "again into a new data.dir."
         )
     return Manifest(d, content, sha256_hex(raw))
+
+
+# What readers of a manifest take from it: key -> the type its value must have.
+_TOP = {"dtype": str, "tokenizer": dict, "splits": dict, "total_tokens": int}
+_TOKENIZER = {"sha256": str, "vocab_size": int}
+_SPLIT = {"documents": int, "tokens": int, "shards": list}
+_SHARD = {"file": str, "tokens": int, "sha256": str}
+
+
+_KINDS = {str: "a string", int: "an integer", dict: "a mapping", list: "a list"}
+
+
+def _missing(content: dict[str, Any], keys: dict[str, type], where: str) -> str | None:
+    for key, kind in keys.items():
+        value = content.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            found = "lacks" if key not in content else f"has {value!r} at"
+            return f"{found} {where}{key} ({_KINDS[kind]})"
+    return None
+
+
+def _schema_problem(content: dict[str, Any]) -> str | None:
+    """The first key a reader needs that the manifest lacks or holds as another type, e.g.
+    "lacks splits.train.shards (a list)"; None when every one is there."""
+    problem = _missing(content, _TOP, "") or _missing(
+        content["tokenizer"], _TOKENIZER, "tokenizer."
+    )
+    if problem is not None:
+        return problem
+    for split in SPLITS:
+        info = content["splits"].get(split)
+        if not isinstance(info, dict):
+            return f"lacks splits.{split} (a mapping)"
+        problem = _missing(info, _SPLIT, f"splits.{split}.")
+        if problem is not None:
+            return problem
+        for i, shard in enumerate(info["shards"]):
+            if not isinstance(shard, dict):
+                return f"has {shard!r} at splits.{split}.shards[{i}] (a mapping)"
+            problem = _missing(shard, _SHARD, f"splits.{split}.shards[{i}].")
+            if problem is not None:
+                return problem
+    return None
 
 
 def verify_data_dir(

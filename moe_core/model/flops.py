@@ -1,4 +1,5 @@
-"""Parameter counts and model FLOPs per token, read off a meta-device model (no memory).
+"""Parameter counts and model FLOPs per token, in closed form from the config (no model is
+built, so any size answers at once; tests hold the formulas equal to a meta-device model's count).
 
 Convention (design.md, Megatron's): model FLOPs per token = 6 x the matmul parameters a token
 is multiplied by (attention projections, its top-k experts and the shared expert, LM head)
@@ -11,10 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_core.config import ModelConfig
-from moe_core.model.meta import on_meta
-from moe_core.model.moe import Experts, Router
-from moe_core.model.norm import RMSNorm
-from moe_core.model.transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -47,23 +44,21 @@ def _human(n: int) -> str:
 
 
 def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
-    """Counts for ``cfg`` at ``seq_len`` (default: ``cfg.max_seq_len``)."""
+    """Counts for ``cfg`` at ``seq_len`` (default: ``cfg.max_seq_len``), from the shapes the
+    model's modules take (``transformer.Block``, ``attention.Attention``, ``moe.MoE``)."""
     seq_len = seq_len or cfg.max_seq_len
-    with on_meta():
-        model = Transformer(cfg)
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(
-        p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters()
-    )
-    embedding = model.embed.weight.numel() if model.embed is not None else 0
-    inactive = experts * (cfg.n_experts - cfg.top_k) // cfg.n_experts
-    active = total - inactive
-    not_matmul = embedding + sum(
-        p.numel()
-        for m in model.modules()
-        if isinstance(m, RMSNorm | Router)
-        for p in m.parameters()
-    )
-    matmul_active = active - not_matmul
-    flops = 6 * matmul_active + 6 * cfg.n_layers * seq_len * cfg.d_model
+    d, n_layers, vocab = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attention = 2 * d * q_dim + 2 * d * kv_dim  # q, o; k, v projections
+    shared = 3 * d * cfg.n_shared_experts * cfg.expert_hidden
+    expert = 3 * d * cfg.expert_hidden  # one routed expert's gate, up and down
+    norms = 2 * d + q_dim + kv_dim  # attention and MoE norms, QK-norm
+    router = cfg.n_experts * d
+    embedding, final_norm, head = vocab * d, d, d * vocab
+    experts = n_layers * cfg.n_experts * expert
+    dense = n_layers * (attention + shared + norms + router)
+    total = embedding + dense + experts + final_norm + head
+    active = total - n_layers * (cfg.n_experts - cfg.top_k) * expert
+    matmul_active = active - embedding - final_norm - n_layers * (norms + router)
+    flops = 6 * matmul_active + 6 * n_layers * seq_len * d
     return ModelCounts(total, active, matmul_active, experts, embedding, flops)

@@ -10,8 +10,12 @@ its formulas; this package re-exports what its callers use.
 from moe_core.plan.checks import (
     InsufficientResourcesError,
     check_cluster,
+    check_conversion,
+    check_memory,
     check_resources,
     fit_refusal,
+    free_disk_bytes,
+    host_memory_bytes,
 )
 from moe_core.plan.communication import Communication, all_to_all_rows_per_token
 from moe_core.plan.memory import (
@@ -42,9 +46,13 @@ __all__ = [
     "StepTime",
     "all_to_all_rows_per_token",
     "check_cluster",
+    "check_conversion",
+    "check_memory",
     "check_resources",
     "experts_keep",
     "fit_refusal",
+    "free_disk_bytes",
+    "host_memory_bytes",
     "layer_activation_bytes",
     "max_in_flight",
     "parameter_counts",

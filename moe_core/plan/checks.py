@@ -3,6 +3,11 @@ cannot hold, a rank too large for its GPU; each one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
 from moe_core.config import ConfigError, RunConfig
 from moe_core.plan.memory import GIB
 from moe_core.plan.planner import Plan, plan
@@ -67,4 +72,82 @@ def check_resources(
             f"{p.per_gpu_gib:.1f} GiB per GPU but this machine's GPUs have "
             f"{available_gpu_memory_gib:.1f} GiB: raise parallel.ep or parallel.pp, lower "
             "train.micro_batch_size or turn on parallel.recompute."
+        )
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (what a CPU run and a conversion can hold at most)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_disk_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the file system that ``path`` (or its nearest existing parent) is on."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _gib(n: float) -> str:
+    return f"{n:,.0f} bytes ({n / GIB:,.1f} GiB)"
+
+
+def check_memory(run: RunConfig, host_bytes: int, gpu_bytes: int | None) -> None:
+    """Refuse, in one sentence, a run whose planned peak exceeds this machine before any model
+    is built: the busiest rank against ``gpu_bytes`` (one GPU's free memory) when it trains on
+    GPUs, else every process on this host together against ``host_bytes``."""
+    if gpu_bytes is not None and not run.cluster.gpus_per_node:
+        # Planned as it will run: on this process's GPU (its reserve, compiled blocks).
+        gpus = dataclasses.replace(run.cluster, gpus_per_node=run.cluster.procs_per_node)
+        run = dataclasses.replace(run, cluster=gpus)
+    p = plan(run)
+    par = run.parallel
+    layout = f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep}"
+    hint = (
+        "choose a smaller model (model=tiny), raise parallel.ep or parallel.pp on more devices, "
+        "lower train.micro_batch_size or turn on parallel.recompute"
+    )
+    if gpu_bytes is not None:
+        if p.memory.total > gpu_bytes:
+            raise InsufficientResourcesError(
+                f"{layout} needs {_gib(p.memory.total)} per GPU (the plan's peak) but this "
+                f"GPU has {_gib(gpu_bytes)} free: {hint}."
+            )
+        return
+    # Every rank of a stage holds the same; this host runs its share of the ranks.
+    needed = sum(s.total for s in p.stages) * par.data_parallel // run.cluster.nodes
+    if needed > host_bytes:
+        raise InsufficientResourcesError(
+            f"{layout} needs {_gib(needed)} of memory on this machine (the plan's peak of its "
+            f"processes) but it has {_gib(host_bytes)}: {hint}."
+        )
+
+
+def check_conversion(
+    src: str | os.PathLike, out: str | os.PathLike, params: int, memory: int, disk: int
+) -> None:
+    """Refuse, in one sentence, converting the Hugging Face folder ``src`` (whose config.json
+    describes ``params`` parameters) when its weight files cannot hold them even in 16 bits (a
+    config claiming sizes its files lack, whose tensor-by-tensor check would take minutes), or
+    when they cannot be held (``memory`` bytes: the tensors read and the experts stacked, about
+    twice the files) or written (``disk`` bytes free where ``out`` goes), before any tensor is
+    read."""
+    files = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))
+    if 2 * params > files:
+        raise InsufficientResourcesError(
+            f"{Path(src) / 'config.json'} describes {params:,} parameters, at least "
+            f"{_gib(2 * params)} in 16 bits, but the weight files of {src} hold {_gib(files)}: "
+            "the config does not describe those weights; fix its sizes or convert the folder "
+            "they came with."
+        )
+    if 2 * files > memory:
+        raise InsufficientResourcesError(
+            f"{src} holds {_gib(files)} of weights and converting them needs about twice that, "
+            f"{_gib(2 * files)} of memory, but this machine has {_gib(memory)}: convert on a "
+            "machine with more memory."
+        )
+    if files > disk:
+        raise InsufficientResourcesError(
+            f"{out} needs {_gib(files)} of disk for the converted weights but its file system "
+            f"has {_gib(disk)} free: free space there or choose another output folder."
         )

@@ -41,15 +41,21 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import ConfigError, RunConfig, check_tokenizer_fits, to_dict
+from moe_core.config import (
+    ConfigError,
+    RunConfig,
+    check_tokenizer_fits,
+    check_validation_fits,
+    to_dict,
+)
 from moe_core.convert.native import save_model_dir
 from moe_core.data.errors import DataError
 from moe_core.data.loader import TokenLoader
-from moe_core.data.manifest import verify_data_dir
+from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
 from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
-from moe_core.errors import RunDirLockedError, RunFileError
+from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, Router, router_stats_paused
@@ -130,6 +136,8 @@ class Trainer:
         """Model, optimizer, data and checkpoints: everything that comes after the lock."""
         cfg = self.cfg
         tc, pc = cfg.train, cfg.parallel
+        if cfg.data.kind == "tokens":
+            self._check_data_fits()
         torch.manual_seed(tc.seed)
         tokens = tc.micro_batch_size * tc.seq_len
         self.chunks: dict[int, Transformer] = parallelize(
@@ -188,8 +196,6 @@ class Trainer:
                 dp_size=pc.data_parallel,
                 seed=tc.seed,
             )
-            vocab = self.loader.dataset.manifest.tokenizer["vocab_size"]
-            check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size)
             self._train_iter = iter(self.loader)
         self.downstream_requests: list | None = None
         if cfg.eval.every:
@@ -240,6 +246,18 @@ class Trainer:
         return self.checkpoints.resumed_from
 
     # ---- data -----------------------------------------------------------------------------
+
+    def _check_data_fits(self) -> None:
+        """The token data's vocabulary and validation split against the run, from its manifest
+        alone, before the model is built (refusals otherwise come after training steps)."""
+        cfg = self.cfg
+        assert cfg.data.dir is not None
+        manifest = read_manifest(cfg.data.dir)
+        where = str(manifest.data_dir / MANIFEST)
+        vocab = manifest.tokenizer["vocab_size"]
+        check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size, manifest=where)
+        instances = manifest.tokens("validation") // (cfg.train.seq_len + 1)
+        check_validation_fits(cfg.train, cfg.parallel.data_parallel, instances, where)
 
     def _verify_data(self) -> None:
         """Hash every shard against the data manifest before the first step (rank 0, streamed,
@@ -536,6 +554,14 @@ class Trainer:
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
         if self.loader is not None and state.get("loader") is not None:
+            problem = self.loader.state_problem(state["loader"])
+            if problem is not None:
+                raise CheckpointError(
+                    f"{self.resumed_from} was trained on other data or another sequence length "
+                    f"({problem}), so it is not allowed to resume here: resume with the settings "
+                    "it was trained with (data.dir, train.seq_len, train.seed) or train into "
+                    "another out_dir."
+                )
             self.loader.load_state_dict(state["loader"])
             self._train_iter = iter(self.loader)
             self._loader_state = self.loader.state_dict()
