@@ -175,8 +175,9 @@ def test_a_data_tokenizer_reached_through_a_symlink_out_is_refused(tmp_path):
             "has 'train-00000.npy' at splits.train.shards[0] (a mapping)",
         ),
         (lambda m: m["tokenizer"].update(sha256=None), "has None at tokenizer.sha256 (a string)"),
+        (lambda m: m.update(dtype="junk"), "has 'junk' at dtype (uint16 or uint32)"),
     ],
-    ids=["no-splits", "no-validation", "no-file", "tokens-text", "shard-text", "no-sha"],
+    ids=["no-splits", "no-validation", "no-file", "tokens-text", "shard-text", "no-sha", "dtype"],
 )
 def test_a_data_manifest_missing_its_shard_list_is_one_sentence(damage, problem, tmp_path):
     data = data_dir(tmp_path)

