@@ -75,7 +75,9 @@ class Context:
 
     @property
     def final_checkpoint(self) -> Path:
-        return self.train_dir / "checkpoints" / f"step_{self.run.train.steps:08d}"
+        from moe_core.train.checkpoint import step_dir_name
+
+        return self.train_dir / "checkpoints" / step_dir_name(self.run.train.steps)
 
 
 def stage_keys(run: RunConfig) -> dict[str, str]:
@@ -247,9 +249,9 @@ def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
 
 def _init_intact(ctx: Context) -> str | None:
-    from moe_core.train.checkpoint import verify
+    from moe_core.train.checkpoint import step_dir_name, verify
 
-    return verify(ctx.run_dir / "init" / "checkpoints" / "step_00000000")
+    return verify(ctx.run_dir / "init" / "checkpoints" / step_dir_name(0))
 
 
 @task(name="init", cache_policy=NO_CACHE)

@@ -39,7 +39,14 @@ from moe_core.errors import CheckpointError, RunFileError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
 from moe_core.rundir import LOCK
-from moe_core.train.checkpoint import MANIFEST, Checkpointer, run_id_of, verify
+from moe_core.train.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    newest_verified,
+    run_id_of,
+    step_dir_name,
+    verify,
+)
 from moe_core.train.guards import TrainingHaltedError
 from moe_core.train.trainer import Trainer
 
@@ -79,10 +86,74 @@ def test_retention_never_deletes_another_runs_or_unverified_checkpoints(tmp_path
     for step in (7, 8):
         ours.save(step, state, {})
 
-    assert names(root) == [f"step_{s:08d}" for s in (1, 2, 3, 6, 8, 90)]
+    assert names(root) == [step_dir_name(s) for s in (1, 2, 3, 6, 8, 90)]
     assert {k: v for k, v in snapshot(root).items() if k in before} == before, "run a unchanged"
     assert verify(root / "step_00000006") is not None, "the corrupt one is kept, not deleted"
     assert run_id_of(root / "step_00000008") == "b" and run_id_of(root / "step_00000090") == "a"
+
+
+def saved_run(root: Path, steps: tuple[int, ...], run_id: str = "a") -> None:
+    """Checkpoints ``steps`` of one run under ``root``, written by the Checkpointer."""
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, use_async=False, run_id=run_id)
+    for step in steps:
+        ckpt.save(step, {"x": torch.arange(1000, dtype=torch.float32) + step}, {})
+
+
+def test_a_folder_renamed_to_another_step_is_skipped_and_retention_keeps_the_real_ones(tmp_path):
+    """A copy of step 1 named step 9 claims to be the newest: resume skips it with a sentence
+    and retention orders by the verified steps, so steps 3 and 4 survive ``keep_last=2``."""
+    root = tmp_path / "checkpoints"
+    saved_run(root, (1, 2, 3))
+    shutil.copytree(root / step_dir_name(1), root / step_dir_name(9))
+    renamed = snapshot(root / step_dir_name(9))
+    said: list[str] = []
+    assert newest_verified(root, said.append) == root / step_dir_name(3)
+    assert said == [
+        "skipping checkpoint step_00000009: step_00000009/manifest.json says step 1, not the "
+        "9 its folder name says"
+    ]
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 2, 0, use_async=False, run_id="a")
+    ckpt.save(4, {"x": torch.zeros(1000)}, {})
+    assert names(root) == [step_dir_name(s) for s in (3, 4, 9)]
+    assert snapshot(root / step_dir_name(9)) == renamed, "reported, not deleted"
+
+
+@pytest.mark.parametrize("listing", ["none", "partial", "flipped"])
+def test_a_manifest_that_does_not_list_every_file_never_verifies(tmp_path, listing):
+    """``files: {}``, or a listing without one data file (here with a byte flipped in it):
+    the checkpoint does not verify and resume takes the older one; nothing is changed."""
+    root = tmp_path / "checkpoints"
+    saved_run(root, (1, 2))
+    newest = root / step_dir_name(2)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    data = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    if listing == "none":
+        manifest["files"] = {}
+    else:
+        del manifest["files"][data.name]
+    if listing == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[-9] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    before = snapshot(root)
+    why = verify(newest)
+    if listing == "none":
+        assert why == "step_00000002/manifest.json lists no files"
+    else:
+        assert why == f"step_00000002/{data.name} is not listed in its manifest.json"
+    said: list[str] = []
+    assert newest_verified(root, said.append) == root / step_dir_name(1)
+    assert said == [f"skipping checkpoint step_00000002: {why}"]
+    assert snapshot(root) == before
+
+
+def test_a_step_past_eight_digits_is_found_again(tmp_path):
+    root = tmp_path / "checkpoints"
+    saved_run(root, (99_999_999, 100_000_000))
+    assert names(root) == ["step_100000000", "step_99999999"]
+    assert newest_verified(root) == root / "step_100000000"
+    assert step_dir_name(7) == "step_00000007"  # the folders written so far keep their names
 
 
 @pytest.mark.slow

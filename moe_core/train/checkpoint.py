@@ -52,11 +52,24 @@ from moe_core.train.dcp_read import inner_error
 from moe_core.train.dcp_read import quiet as _quiet
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step_(\d{8})")
+# Eight digits at least: every folder so far keeps its name, a step past 99,999,999 gets more.
+_STEP_DIR = re.compile(r"step_(\d{8,})")
 # The key format of every checkpoint: a range of a parameter's optimizer state (the master
 # weights are ``param``) from flat offset ``start``, and a non-trained buffer.
 _KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
 _BUFFER_KEY = re.compile(r"buf/(.+)")
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of checkpoint ``step`` (the one spelling every part uses)."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder's name says, or None for any other name (a zero-padded
+    spelling other than ``step_dir_name``'s would name a step twice)."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m and step_dir_name(int(m.group(1))) == name else None
 
 
 def state_key(name: str, kind: str, start: int) -> str:
@@ -157,7 +170,10 @@ def check_fits(
 
 
 def verify(path: Path, checksums: bool = True) -> str | None:
-    """None if the checkpoint's manifest verifies, else why not (one sentence).
+    """None if the checkpoint verifies, else why not (one sentence): the one rule resume,
+    retention and convert apply. Its manifest must list every file in the folder (a file it
+    does not list is never checked), each with its size and sha256, and, in a ``step_N``
+    folder, say step N (a renamed folder would be resumed and pruned as another step).
 
     ``checksums=False`` checks the files' presence and sizes only (for checkpoints this process
     wrote and hashed itself)."""
@@ -165,11 +181,23 @@ def verify(path: Path, checksums: bool = True) -> str | None:
     if not manifest.is_file():
         return f"{path.name} has no {MANIFEST}"
     try:
-        files = json.loads(manifest.read_text())["files"]
-        if not isinstance(files, dict):
+        meta = json.loads(manifest.read_text())
+        files, step = meta["files"], meta["step"]
+        if not isinstance(files, dict) or not isinstance(step, int):
             raise ValueError
     except (ValueError, KeyError, TypeError):
         return f"{path.name}/{MANIFEST} is unreadable"
+    named = step_of(path.name)
+    if named is not None and step != named:
+        return f"{path.name}/{MANIFEST} says step {step}, not the {named} its folder name says"
+    if not files:
+        return f"{path.name}/{MANIFEST} lists no files"
+    on_disk = {
+        f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() or f.is_symlink()
+    }
+    unlisted = sorted(on_disk - set(files) - {MANIFEST})
+    if unlisted:
+        return f"{path.name}/{unlisted[0]} is not listed in its {MANIFEST}"
     for rel, info in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(info, dict):
             return f"{path.name}/{MANIFEST} is unreadable"
@@ -242,7 +270,7 @@ class Checkpointer:
         ``file_per_entry``: one file per entry, so the writer holds one entry at a time (DCP's
         writer keeps every tensor of a file until the file is closed)."""
         self.wait()
-        tmp = self.root / f".tmp-step_{step:08d}"
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
             with _quiet(), self._writing(step, tmp):
@@ -318,7 +346,7 @@ class Checkpointer:
             }
             (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
             (tmp / (MANIFEST + ".tmp")).rename(tmp / MANIFEST)
-            final = self.root / f"step_{step:08d}"
+            final = self.root / step_dir_name(step)
             if final.exists():
                 n = 1
                 while final.with_name(f"{final.name}.replaced-{n}").exists():
@@ -350,9 +378,9 @@ class Checkpointer:
         mine = [
             s
             for s in sorted(self.published(), reverse=True)
-            if run_id_of(self.root / f"step_{s:08d}") == self.run_id
+            if run_id_of(self.root / step_dir_name(s)) == self.run_id
         ]
-        valid = [s for s in mine if self._valid(self.root / f"step_{s:08d}")]
+        valid = [s for s in mine if self._valid(self.root / step_dir_name(s))]
         if not valid:
             return
         keep = set(valid[: self.keep_last]) if self.keep_last > 0 else set(valid)
@@ -360,15 +388,15 @@ class Checkpointer:
             keep |= {s for s in valid if s % self.keep_every == 0}
         for s in valid:
             if s not in keep and s < valid[0]:
-                shutil.rmtree(self.root / f"step_{s:08d}", ignore_errors=True)
-                self._hashed.discard(f"step_{s:08d}")
+                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+                self._hashed.discard(step_dir_name(s))
 
     # ---- finding and loading --------------------------------------------------------------
 
     def published(self) -> list[int]:
         if not self.root.is_dir():
             return []
-        return [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+        return [s for p in self.root.iterdir() if (s := step_of(p.name)) is not None]
 
     def newest_valid(self, report=print) -> Path | None:
         """The newest checkpoint whose manifest verifies (checked on rank 0, agreed by all)."""
@@ -438,9 +466,9 @@ class Checkpointer:
 def newest_verified(root: Path, report: Callable[[str], None] | None = None) -> Path | None:
     """The newest ``step_*`` folder under ``root`` whose manifest verifies; each newer one that
     does not is reported."""
-    steps = [int(m.group(1)) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name))]
+    steps = [s for p in root.glob("step_*") if (s := step_of(p.name)) is not None]
     for step in sorted(steps, reverse=True):
-        path = root / f"step_{step:08d}"
+        path = root / step_dir_name(step)
         problem = verify(path)
         if problem is None:
             return path
