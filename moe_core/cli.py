@@ -188,11 +188,18 @@ def _train(run) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from moe_core.convert.hf import check_exportable, load_hf, refuse_existing, save_hf
+    from moe_core.convert.hf import (
+        check_exportable,
+        load_hf,
+        refuse_existing,
+        refuse_overlap,
+        save_hf,
+    )
     from moe_core.convert.native import load_model_dir, save_model_dir
 
     max_shard_bytes = _size(args.max_shard_size)
-    refuse_existing(Path(args.out), args.overwrite)  # before anything is read
+    refuse_overlap(Path(args.src), Path(args.out))  # before anything is read or replaced
+    refuse_existing(Path(args.out), args.overwrite)
     tokenizer = args.tokenizer
     if args.direction == "to-hf" and tokenizer is None and not args.no_tokenizer:
         from moe_core.convert.checkpoint import run_tokenizer_dir

@@ -514,6 +514,36 @@ def test_convert_from_hf_into_a_non_empty_folder_is_refused_unless_overwrite(tmp
     assert (out / "notes.txt").read_text() == "mine" and (out / WEIGHTS).is_file()
 
 
+@pytest.mark.parametrize(
+    ("direction", "src", "out", "how"),
+    [
+        ("to-hf", "run/checkpoints/step_00000001", "run", "holds SRC"),
+        ("to-hf", "run/checkpoints/step_00000001", "run/checkpoints/step_00000001", "is SRC"),
+        ("to-hf", "run/checkpoints/step_00000001", "run/checkpoints/step_00000001/hf", "lies"),
+        ("to-hf", "run/checkpoints/step_00000001", "run/checkpoints/hf", "lies inside the run's"),
+        ("to-hf", "run/model", "run/checkpoints", "is the run's checkpoints"),
+        ("to-hf", "run/model", "run", "holds SRC"),
+        ("from-hf", "run/model", "run/model", "is SRC"),
+    ],
+)
+def test_convert_into_its_own_source_or_run_is_refused_and_deletes_nothing(
+    tmp_path, capsys, direction, src, out, how
+):
+    """``--overwrite`` with an OUT that is, holds or lies inside SRC or the run's checkpoints
+    would replace the run: refused in one sentence naming both, before anything is touched."""
+    saved_run(tmp_path / "run" / "checkpoints", (1,))
+    save_model_dir(
+        build_model(small_config(), seed=3).state_dict(), small_config(), tmp_path / "run" / "model"
+    )
+    before = snapshot(tmp_path)
+    argv = ["convert", direction, str(tmp_path / src), str(tmp_path / out), "--overwrite"]
+    assert main([*argv, *(["--no-tokenizer"] if direction == "to-hf" else [])]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"error: OUT {tmp_path / out} {how}" in printed
+    assert "choose an OUT outside SRC and its run's checkpoints." in printed
+    assert snapshot(tmp_path) == before and names(tmp_path) == ["run"]
+
+
 class Payload:
     """What a hostile ``.metadata`` could hold: unpickling it writes a file."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict, upgrade_saved
-from moe_core.convert.hf import expected_names, save_hf
+from moe_core.convert.hf import expected_names, refuse_overlap, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
@@ -145,6 +145,7 @@ def checkpoint_to_hf(
     """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
     One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
     without running code from it (``train.dcp_read``)."""
+    refuse_overlap(Path(path), Path(out_dir))
     if (Path(path) / MANIFEST).is_file() and (problem := verify(Path(path))) is not None:
         raise CheckpointError(f"checkpoint {path} does not verify ({problem}): not converted.")
     cfg = checkpoint_config(path).model

@@ -86,6 +86,24 @@ def refuse_existing(out: Path, overwrite: bool) -> None:
         )
 
 
+def refuse_overlap(src: Path, out: Path) -> None:
+    """Refuse an ``out`` that is ``src``, holds it or lies inside it, or the same with the
+    ``checkpoints`` folder of the run ``src`` belongs to (the one it lies in, or its sibling
+    for a run's model folder): writing there replaces what is being read, and
+    ``--overwrite`` would delete the whole run."""
+    s, o = src.resolve(), out.resolve()
+    checkpoints = s.parent if s.parent.name == "checkpoints" else s.parent / "checkpoints"
+    guarded = [("SRC", s)] + ([("the run's checkpoints", checkpoints)] * checkpoints.is_dir())
+    for what, folder in guarded:
+        how = "is" if o == folder else "holds" if folder.is_relative_to(o) else "lies inside"
+        if folder.is_relative_to(o) or o.is_relative_to(folder):
+            raise ConfigError(
+                f"OUT {out} {how} {what} {folder}: writing there would replace (with "
+                "--overwrite delete) what is being converted; choose an OUT outside SRC and "
+                "its run's checkpoints."
+            )
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
     """The ``transformers.OlmoeConfig`` that computes what ``cfg`` computes."""
     from transformers import OlmoeConfig
