@@ -245,10 +245,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if args.checkpoint is None:
         raise ConfigError("moe eval score needs a training checkpoint (a step_N folder).")
+    # Scoring needs the run's own tokenizer, and `moe eval score` has no option to give one.
+    ask = "moe eval score scores only checkpoints of runs on a token folder that is still there"
+    tokenizer = run_tokenizer_dir(args.checkpoint, ask=ask)
     cfg = compose_run(args.overrides, args.config_dir).eval
     if not cfg.tasks:
         raise ConfigError("eval.tasks=[] is not allowed here: name the tasks to score.")
-    scores = evaluate_checkpoint(args.checkpoint, run_tokenizer_dir(args.checkpoint), cfg)
+    scores = evaluate_checkpoint(args.checkpoint, tokenizer, cfg)
     table = Table(title=f"downstream tasks, {args.checkpoint}")
     for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
         table.add_column(column, justify="left" if column == "task" else "right")

@@ -544,6 +544,25 @@ def test_convert_into_its_own_source_or_run_is_refused_and_deletes_nothing(
     assert snapshot(tmp_path) == before and names(tmp_path) == ["run"]
 
 
+def test_a_missing_source_says_so_and_eval_suggests_no_option_it_lacks(tmp_path, capsys):
+    """A path that is not there is named as missing (not as lacking a checkpoint beside it);
+    ``moe eval score`` never points at ``--tokenizer``, which it does not have."""
+    missing, empty = tmp_path / "no-such-run" / "model", tmp_path / "empty"
+    empty.mkdir()
+    for argv in (
+        ["convert", "to-hf", str(missing), str(tmp_path / "hf")],
+        ["eval", "score", str(missing)],
+    ):
+        assert main(argv) == 2
+        printed = capsys.readouterr().out.replace("\n", "")
+        assert f"error: {missing} does not exist: name a training checkpoint (a step_N" in printed
+    assert main(["eval", "score", str(empty)]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"{empty} has no training checkpoint beside it" in printed
+    assert "--tokenizer" not in printed and "moe eval score scores only checkpoints" in printed
+    assert names(tmp_path) == ["empty"] and names(empty) == []
+
+
 class Payload:
     """What a hostile ``.metadata`` could hold: unpickling it writes a file."""
 

@@ -99,13 +99,21 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     return from_dict(RunConfig, upgrade_saved(trainer_state(path)["config"]))
 
 
-def run_tokenizer_dir(src: str | os.PathLike) -> Path:
+CONVERT_ASK = "give --tokenizer DIR, or --no-tokenizer to write the weights alone"
+
+
+def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
     """The data folder whose tokenizer files belong with ``src`` (a training checkpoint, or
     the model folder a run saved beside its checkpoints): the one the run trained on, from the
     config its checkpoint records, checked against the folder's manifest. One sentence where
-    there is none (synthetic tokens, no checkpoint to ask, the folder moved)."""
+    there is none (synthetic tokens, no checkpoint to ask, the folder moved), ending with
+    ``ask``: what the caller's user can do instead (the options of their own command)."""
     src = Path(src)
-    ask = "give --tokenizer DIR, or --no-tokenizer to write the weights alone"
+    if not src.exists():
+        raise ConfigError(
+            f"{src} does not exist: name a training checkpoint (a step_N folder) or the model "
+            "folder a run saved beside its checkpoints."
+        )
     checkpoint = src if (src / ".metadata").is_file() else None
     if checkpoint is None:
         found = sorted((src.parent / "checkpoints").glob("step_*/.metadata"))
