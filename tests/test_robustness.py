@@ -11,7 +11,9 @@ import pickle
 import shutil
 import socket
 import string
+import subprocess
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -449,6 +451,44 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
 
 
 # ---- a full disk, a cut-short log, an unusable out_dir -------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (a disk that fills up), where mounting one is permitted."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
+    try:
+        done = subprocess.run(mount, capture_output=True, text=True)
+    except OSError as err:
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_really_full_disk_while_checkpointing_is_one_sentence(small_disk, use_async):
+    """torch's writer reports a write a full disk had no room for as ``unexpected pos``, its
+    errno lost: still one sentence, the unfinished folder removed, step 1 untouched."""
+    root = small_disk / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, use_async=use_async, run_id="a")
+    ckpt.save(1, {"x": torch.zeros(10_000)}, {})
+    ckpt.wait()
+    before = snapshot(root)
+    tmp = root / ".tmp-step_00000002"
+    with pytest.raises(RunFileError) as err:
+        ckpt.save(2, {"x": torch.zeros(1_000_000)}, {})  # 4 MB on a 2 MiB disk
+        ckpt.wait()
+    assert str(err.value) == (
+        f"checkpoint step 2 could not be written (No space left on device: {tmp}); its "
+        f"unfinished folder .tmp-step_00000002 was removed and the checkpoints already in "
+        f"{root} are untouched: free space (or fix the permission) and resume."
+    )
+    assert names(root) == ["step_00000001"] and snapshot(root) == before
+    assert verify(root / "step_00000001") is None
 
 
 @pytest.mark.slow

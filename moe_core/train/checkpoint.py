@@ -24,8 +24,10 @@ moved aside (``step_N.replaced-K``), not deleted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
+import os
 import re
 import secrets
 import shutil
@@ -58,6 +60,9 @@ _STEP_DIR = re.compile(r"step_(\d{8,})")
 # weights are ``param``) from flat offset ``start``, and a non-trained buffer.
 _KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
 _BUFFER_KEY = re.compile(r"buf/(.+)")
+# Less free space than this after a failed write: the disk was full (a write stops short once
+# what is left is smaller than the piece it writes).
+_FULL_DISK_FREE = 1 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -299,12 +304,13 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _writing(self, step: int, tmp: Path) -> Iterator[None]:
-        """A write that fails with an OSError (disk full, no permission) becomes one sentence
-        naming the path, once the unfinished folder is removed (it would hold the space)."""
+        """A write that fails with an OSError (disk full, no permission), or on a full disk
+        whatever torch raised, becomes one sentence naming the path, once the unfinished
+        folder is removed (it would hold the space)."""
         try:
             yield
         except BaseException as err:
-            failure = inner_error(err, OSError)
+            failure = inner_error(err, OSError) or self._full_disk(tmp)
             if not isinstance(failure, OSError):
                 raise
             if self.is_main:
@@ -315,6 +321,18 @@ class Checkpointer:
                 f"the checkpoints already in {self.root} are untouched: free space (or fix the "
                 "permission) and resume."
             ) from None
+
+    def _full_disk(self, tmp: Path) -> OSError | None:
+        """ENOSPC when the disk ``tmp`` is on is full: torch's writer reports a write that found
+        no room as a RuntimeError (``unexpected pos``, inside DCP's CheckpointException) whose
+        errno is lost, so the free space says what it was."""
+        try:
+            free = shutil.disk_usage(tmp if tmp.exists() else self.root).free
+        except OSError:
+            return None
+        if free >= _FULL_DISK_FREE:
+            return None
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
     def poll(self) -> None:
         """Publish a finished background save without waiting for an unfinished one."""
