@@ -26,7 +26,7 @@ from rich.console import Console
 from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig, from_dict
-from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
+from moe_core.convert.hf import INDEX, OUR_CONFIG, load_hf, save_hf
 from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.errors import DataError
 from moe_core.data.sources import open_source
@@ -601,6 +601,53 @@ def test_a_missing_source_says_so_and_eval_suggests_no_option_it_lacks(tmp_path,
     assert f"{empty} has no training checkpoint beside it" in printed
     assert "--tokenizer" not in printed and "moe eval score scores only checkpoints" in printed
     assert names(tmp_path) == ["empty"] and names(empty) == []
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended: what a killed convert's temporaries carry."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    return ended.pid
+
+
+def test_a_rerun_cleans_what_a_killed_convert_left(tmp_path):
+    """from-hf killed while writing leaves its weights' temporary in OUT (the rerun refused
+    the folder as not empty); to-hf killed leaves its unfinished folder beside OUT (kept
+    forever). The rerun removes both and nothing else."""
+    src, model, pid = hf_dir(tmp_path), tmp_path / "model", dead_pid()
+    model.mkdir()
+    (model / f".{WEIGHTS}.tmp-{pid}").write_bytes(b"cut short")
+    assert main(["convert", "from-hf", str(src), str(model)]) == 0
+    assert names(model) == [WEIGHTS, OUR_CONFIG]
+    left = tmp_path / f".hf2.tmp-{pid}"
+    left.mkdir()
+    (left / "model-00001-of-00001.safetensors").write_bytes(b"cut short")
+    (tmp_path / ".hf2.tmp-notes").write_text("mine")  # named alike, but no process's
+    before = snapshot(src)
+    assert main(["convert", "to-hf", str(model), str(tmp_path / "hf2"), "--no-tokenizer"]) == 0
+    assert names(tmp_path) == [".hf2.tmp-notes", "hf", "hf2", "model"]
+    assert (tmp_path / ".hf2.tmp-notes").read_text() == "mine" and snapshot(src) == before
+
+
+def test_a_convert_onto_a_full_disk_is_one_sentence_and_leaves_no_temporaries(
+    tmp_path, small_disk, capsys
+):
+    src = hf_dir(tmp_path)
+    save_model_dir(*reversed(load_hf(src)), tmp_path / "model")
+    filler = small_disk / "filler"
+    filler.write_bytes(b"x" * 1_600_000)  # what else the disk holds, ~0.4 MB left
+    for argv, out in (
+        (["from-hf", str(src)], small_disk / "ours"),
+        (["to-hf", str(tmp_path / "model"), "--no-tokenizer"], small_disk / "hf"),
+    ):
+        assert main(["convert", *argv[:2], str(out), *argv[2:]]) == 2
+        printed = capsys.readouterr().out.replace("\n", "")
+        assert f"error: {out} could not be written (No space left on device: " in printed
+        assert "its unfinished files were removed: free space (or fix the permission)" in printed
+        assert not [p for p in small_disk.rglob("*") if ".tmp-" in p.name]
+    assert filler.read_bytes() == b"x" * 1_600_000
+    filler.unlink()
+    assert main(["convert", "from-hf", str(src), str(small_disk / "ours")]) == 0
 
 
 class Payload:

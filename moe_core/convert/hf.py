@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -23,8 +22,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
-from moe_core.errors import CheckpointError
-from moe_core.files import user_mode
+from moe_core.errors import CheckpointError, RunFileError
+from moe_core.files import (
+    is_stale_temporary,
+    remove_stale_temporaries,
+    temporary_name,
+    user_mode,
+)
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 OUR_CONFIG = "moe_core_config.json"
@@ -76,10 +80,12 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def refuse_existing(out: Path, overwrite: bool) -> None:
-    """Refuse to write into ``out`` when it holds anything, unless ``overwrite``."""
+    """Refuse to write into ``out`` when it holds anything (but temporaries of a killed
+    convert), unless ``overwrite``."""
     if overwrite or not (out.exists() or out.is_symlink()):
         return
-    if not out.is_dir() or any(out.iterdir()):
+    # What a killed convert left is removed by the rerun, not counted as the user's files.
+    if not out.is_dir() or any(not is_stale_temporary(p) for p in out.iterdir()):
         raise FileExistsError(
             f"{out} already exists and is not empty: pass --overwrite (overwrite=True) to "
             "replace it, or choose another folder."
@@ -102,6 +108,26 @@ def refuse_overlap(src: Path, out: Path) -> None:
                 "--overwrite delete) what is being converted; choose an OUT outside SRC and "
                 "its run's checkpoints."
             )
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, with a failed write raised as the OSError it was (safetensors reports a
+    full disk as a SafetensorError that names only the errno)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+
+
+def unwritten(out: Path, err: OSError) -> RunFileError:
+    """A convert whose write failed (a full disk, no permission), in one sentence."""
+    return RunFileError(
+        f"{out} could not be written ({err.strerror or err}: {err.filename or out}); its "
+        "unfinished files were removed: free space (or fix the permission) and convert again."
+    )
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
@@ -246,8 +272,9 @@ def save_hf(
         shards[-1].append(item)
         size += nbytes
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(user_mode(directory=True))  # mkdtemp makes it private; the output is the user's
+    remove_stale_temporaries(out.parent, [out.name])  # a killed convert's unfinished folder
+    tmp = temporary_name(out)
+    tmp.mkdir()
     try:
         weight_map: dict[str, str] = {}
         total = 0
@@ -261,7 +288,7 @@ def save_hf(
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{ours} has shape {tuple(t.shape)}, the config says {shape}.")
                 tensors[key] = t.detach().to("cpu", source.dtype).contiguous().clone()
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            write_safetensors(tensors, tmp / fname)
             for k, t in tensors.items():
                 weight_map[k] = fname
                 total += t.numel() * t.element_size()
@@ -283,6 +310,9 @@ def save_hf(
             shutil.rmtree(old)
         else:
             tmp.rename(out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # it would hold the space a rerun needs
+        raise unwritten(out, err) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
