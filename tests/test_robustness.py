@@ -629,6 +629,23 @@ def test_a_rerun_cleans_what_a_killed_convert_left(tmp_path):
     assert (tmp_path / ".hf2.tmp-notes").read_text() == "mine" and snapshot(src) == before
 
 
+def test_a_convert_killed_while_replacing_its_out_puts_the_old_one_back(tmp_path, capsys):
+    """Killed between moving the old OUT aside and renaming the new one in: the rerun puts the
+    old one back (refused without --overwrite, as any OUT that holds files) and drops the
+    unfinished new folder; with --overwrite it is replaced."""
+    src, pid = hf_dir(tmp_path), dead_pid()
+    out = tmp_path / "hf2"
+    shutil.copytree(src, tmp_path / f".hf2.old.tmp-{pid}")
+    shutil.copytree(src, tmp_path / f".hf2.tmp-{pid}")
+    before = snapshot(src)
+    model = save_model_dir(*reversed(load_hf(src)), tmp_path / "model")
+    assert main(["convert", "to-hf", str(model), str(out), "--no-tokenizer"]) == 2
+    assert f"{out} already exists and is not empty" in capsys.readouterr().out.replace("\n", "")
+    assert names(tmp_path) == ["hf", "hf2", "model"] and snapshot(out) == before
+    assert main(["convert", "to-hf", str(model), str(out), "--no-tokenizer", "--overwrite"]) == 0
+    assert names(tmp_path) == ["hf", "hf2", "model"] and snapshot(src) == before
+
+
 def test_a_convert_onto_a_full_disk_is_one_sentence_and_leaves_no_temporaries(
     tmp_path, small_disk, capsys
 ):

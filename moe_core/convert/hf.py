@@ -8,6 +8,7 @@ The directory is written beside its destination and renamed into place only when
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.files import (
+    TMP_MARK,
     is_stale_temporary,
     remove_stale_temporaries,
     temporary_name,
@@ -230,6 +232,19 @@ def _check_names(found: set[str], cfg: ModelConfig) -> None:
         )
 
 
+def _recover(out: Path) -> None:
+    """Undo what a convert to ``out`` that was killed (or ran out of disk) left: the folder it
+    was replacing goes back to ``out`` if it had been moved aside, and its unfinished new
+    folder is removed."""
+    if not (out.exists() or out.is_symlink()) and out.parent.is_dir():
+        for p in out.parent.glob(f".{glob.escape(out.name)}.old{TMP_MARK}*"):
+            if is_stale_temporary(p):
+                p.rename(out)
+                break
+    if out.parent.is_dir():
+        remove_stale_temporaries(out.parent, [out.name, f"{out.name}.old"])
+
+
 def save_hf(
     weights: dict[str, torch.Tensor] | TensorSource,
     cfg: ModelConfig,
@@ -254,6 +269,7 @@ def save_hf(
                 f"the weights do not fit their model config ({problem}): nothing was written."
             )
     out = Path(out_dir)
+    _recover(out)
     refuse_existing(out, overwrite)
     if tokenizer_dir is not None and not any(
         (Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES
@@ -272,7 +288,6 @@ def save_hf(
         shards[-1].append(item)
         size += nbytes
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out.parent, [out.name])  # a killed convert's unfinished folder
     tmp = temporary_name(out)
     tmp.mkdir()
     try:
@@ -303,7 +318,7 @@ def save_hf(
         for f in tmp.iterdir():  # safetensors writes its files private
             f.chmod(user_mode(directory=False))
         if out.exists():
-            old = out.with_name(f".{out.name}.old")
+            old = temporary_name(out.with_name(f"{out.name}.old"))
             shutil.rmtree(old, ignore_errors=True)
             out.rename(old)
             tmp.rename(out)
