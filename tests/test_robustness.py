@@ -101,7 +101,9 @@ def saved_run(root: Path, steps: tuple[int, ...], run_id: str = "a") -> None:
         ckpt.save(step, {"x": torch.arange(1000, dtype=torch.float32) + step}, {})
 
 
-def test_a_folder_renamed_to_another_step_is_skipped_and_retention_keeps_the_real_ones(tmp_path):
+def test_a_folder_renamed_to_another_step_is_skipped_and_retention_keeps_the_real_ones(
+    tmp_path, capsys
+):
     """A copy of step 1 named step 9 claims to be the newest: resume skips it with a sentence
     and retention orders by the verified steps, so steps 3 and 4 survive ``keep_last=2``."""
     root = tmp_path / "checkpoints"
@@ -118,6 +120,13 @@ def test_a_folder_renamed_to_another_step_is_skipped_and_retention_keeps_the_rea
     ckpt.save(4, {"x": torch.zeros(1000)}, {})
     assert names(root) == [step_dir_name(s) for s in (3, 4, 9)]
     assert snapshot(root / step_dir_name(9)) == renamed, "reported, not deleted"
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(root / step_dir_name(9)), str(hf), "--no-tokenizer"]) == 2
+    why = said[0].removeprefix("skipping checkpoint step_00000009: ")
+    assert f"checkpoint {root / step_dir_name(9)} does not verify ({why}): not converted." in (
+        capsys.readouterr().out.replace("\n", "")
+    )
+    assert not hf.exists()
 
 
 @pytest.mark.parametrize("listing", ["none", "partial", "flipped"])
