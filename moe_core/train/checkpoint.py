@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_core.config import ModelConfig, from_dict
 from moe_core.errors import CheckpointError, RunFileError
@@ -310,7 +311,10 @@ class Checkpointer:
         try:
             yield
         except BaseException as err:
-            failure = inner_error(err, OSError) or self._full_disk(tmp)
+            failure = inner_error(err, OSError)
+            # Never an interrupt (DCP's CheckpointException is a BaseException too).
+            if failure is None and isinstance(err, (Exception, CheckpointException)):
+                failure = self._full_disk(tmp)
             if not isinstance(failure, OSError):
                 raise
             if self.is_main:
