@@ -282,12 +282,13 @@ def _link_tree(src: Path, dst: Path) -> None:
 def _start_from_init(ctx: Context) -> None:
     """A fresh train folder begins at the init stage's checkpoint (linked, not copied); one
     that holds checkpoints of this configuration (an interrupted attempt) is resumed."""
+    from moe_core.train.checkpoint import step_dir_name
+
     _supersede(ctx, "train", ctx.train_dir)
     checkpoints = ctx.train_dir / "checkpoints"
     if not any(checkpoints.glob("step_*")):
-        _link_tree(
-            ctx.run_dir / "init" / "checkpoints" / "step_00000000", checkpoints / "step_00000000"
-        )
+        first = step_dir_name(0)
+        _link_tree(ctx.run_dir / "init" / "checkpoints" / first, checkpoints / first)
 
 
 def _write_train_config(ctx: Context, run_id: str | None) -> None:

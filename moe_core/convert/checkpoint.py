@@ -24,6 +24,7 @@ from moe_core.train.checkpoint import (
     MANIFEST,
     buffer_key,
     parse_key,
+    step_of,
     trainer_state,
     verify,
 )
@@ -116,8 +117,12 @@ def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
         )
     checkpoint = src if (src / ".metadata").is_file() else None
     if checkpoint is None:
-        found = sorted((src.parent / "checkpoints").glob("step_*/.metadata"))
-        checkpoint = found[-1].parent if found else None
+        found = [
+            (step, p)
+            for p in (src.parent / "checkpoints").glob("step_*")
+            if (step := step_of(p.name)) is not None and (p / ".metadata").is_file()
+        ]
+        checkpoint = max(found)[1] if found else None  # the newest by step, not by spelling
     if checkpoint is None:
         raise ConfigError(
             f"{src} has no training checkpoint beside it to say which tokenizer the model "
