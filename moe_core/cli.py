@@ -205,6 +205,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
         from moe_core.convert.checkpoint import run_tokenizer_dir
 
         tokenizer = run_tokenizer_dir(args.src)
+    if tokenizer is not None:
+        refuse_overlap(Path(args.src), Path(args.out), Path(tokenizer))
     if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
         from moe_core.convert.checkpoint import checkpoint_to_hf
         from moe_core.parallel.parallelize import DTYPES

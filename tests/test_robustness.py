@@ -573,6 +573,8 @@ def test_convert_from_hf_into_a_non_empty_folder_is_refused_unless_overwrite(tmp
         ("to-hf", "run/model", "run/checkpoints", "is the run's checkpoints"),
         ("to-hf", "run/model", "run", "holds SRC"),
         ("from-hf", "run/model", "run/model", "is SRC"),
+        ("to-hf", "run/model", "data", "is the tokenizer folder"),
+        ("to-hf", "run/model", ".", "holds SRC"),
     ],
 )
 def test_convert_into_its_own_source_or_run_is_refused_and_deletes_nothing(
@@ -584,13 +586,16 @@ def test_convert_into_its_own_source_or_run_is_refused_and_deletes_nothing(
     save_model_dir(
         build_model(small_config(), seed=3).state_dict(), small_config(), tmp_path / "run" / "model"
     )
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenizer.json").write_text("{}")
     before = snapshot(tmp_path)
     argv = ["convert", direction, str(tmp_path / src), str(tmp_path / out), "--overwrite"]
-    assert main([*argv, *(["--no-tokenizer"] if direction == "to-hf" else [])]) == 2
+    tokenizer = ["--tokenizer", str(tmp_path / "data")]
+    assert main([*argv, *(tokenizer if direction == "to-hf" else [])]) == 2
     printed = capsys.readouterr().out.replace("\n", "")
     assert f"error: OUT {tmp_path / out} {how}" in printed
-    assert "choose an OUT outside SRC and its run's checkpoints." in printed
-    assert snapshot(tmp_path) == before and names(tmp_path) == ["run"]
+    assert "what is being converted; choose an OUT outside " in printed
+    assert snapshot(tmp_path) == before and names(tmp_path) == ["data", "run"]
 
 
 def test_a_missing_source_says_so_and_eval_suggests_no_option_it_lacks(tmp_path, capsys):

@@ -158,7 +158,9 @@ def checkpoint_to_hf(
     """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
     One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
     without running code from it (``train.dcp_read``)."""
-    refuse_overlap(Path(path), Path(out_dir))
+    refuse_overlap(
+        Path(path), Path(out_dir), None if tokenizer_dir is None else Path(tokenizer_dir)
+    )
     if (Path(path) / MANIFEST).is_file() and (problem := verify(Path(path))) is not None:
         raise CheckpointError(f"checkpoint {path} does not verify ({problem}): not converted.")
     cfg = checkpoint_config(path).model

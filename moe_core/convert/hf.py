@@ -94,21 +94,22 @@ def refuse_existing(out: Path, overwrite: bool) -> None:
         )
 
 
-def refuse_overlap(src: Path, out: Path) -> None:
+def refuse_overlap(src: Path, out: Path, tokenizer_dir: Path | None = None) -> None:
     """Refuse an ``out`` that is ``src``, holds it or lies inside it, or the same with the
     ``checkpoints`` folder of the run ``src`` belongs to (the one it lies in, or its sibling
-    for a run's model folder): writing there replaces what is being read, and
-    ``--overwrite`` would delete the whole run."""
+    for a run's model folder) or the tokenizer folder read: writing there replaces what is
+    being read, and ``--overwrite`` would delete the whole run (or data set)."""
     s, o = src.resolve(), out.resolve()
     checkpoints = s.parent if s.parent.name == "checkpoints" else s.parent / "checkpoints"
     guarded = [("SRC", s)] + ([("the run's checkpoints", checkpoints)] * checkpoints.is_dir())
+    if tokenizer_dir is not None:
+        guarded.append(("the tokenizer folder", tokenizer_dir.resolve()))
     for what, folder in guarded:
         how = "is" if o == folder else "holds" if folder.is_relative_to(o) else "lies inside"
         if folder.is_relative_to(o) or o.is_relative_to(folder):
             raise ConfigError(
                 f"OUT {out} {how} {what} {folder}: writing there would replace (with "
-                "--overwrite delete) what is being converted; choose an OUT outside SRC and "
-                "its run's checkpoints."
+                f"--overwrite delete) what is being converted; choose an OUT outside {folder}."
             )
 
 
