@@ -76,7 +76,9 @@ class Context:
 
     @property
     def final_checkpoint(self) -> Path:
-        return self.train_dir / "checkpoints" / f"step_{self.run.train.steps:08d}"
+        from moe_core.train.checkpoint import step_dir_name
+
+        return self.train_dir / "checkpoints" / step_dir_name(self.run.train.steps)
 
 
 def stage_keys(run: RunConfig) -> dict[str, str]:
@@ -248,9 +250,9 @@ def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
 
 def _init_intact(ctx: Context) -> str | None:
-    from moe_core.train.checkpoint import verify
+    from moe_core.train.checkpoint import step_dir_name, verify
 
-    return verify(ctx.run_dir / "init" / "checkpoints" / "step_00000000")
+    return verify(ctx.run_dir / "init" / "checkpoints" / step_dir_name(0))
 
 
 @task(name="init", cache_policy=NO_CACHE)
@@ -281,12 +283,13 @@ def _link_tree(src: Path, dst: Path) -> None:
 def _start_from_init(ctx: Context) -> None:
     """A fresh train folder begins at the init stage's checkpoint (linked, not copied); one
     that holds checkpoints of this configuration (an interrupted attempt) is resumed."""
+    from moe_core.train.checkpoint import step_dir_name
+
     _supersede(ctx, "train", ctx.train_dir)
     checkpoints = ctx.train_dir / "checkpoints"
     if not any(checkpoints.glob("step_*")):
-        _link_tree(
-            ctx.run_dir / "init" / "checkpoints" / "step_00000000", checkpoints / "step_00000000"
-        )
+        first = step_dir_name(0)
+        _link_tree(ctx.run_dir / "init" / "checkpoints" / first, checkpoints / first)
 
 
 def _write_train_config(ctx: Context, run_id: str | None) -> None:

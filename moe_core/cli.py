@@ -210,18 +210,22 @@ def cmd_convert(args: argparse.Namespace) -> None:
         config_from_hf,
         load_hf,
         refuse_existing,
+        refuse_overlap,
         save_hf,
     )
     from moe_core.convert.native import load_model_dir, save_model_dir
 
     max_shard_bytes = _size(args.max_shard_size)
     check_folder("OUT", args.out)  # an unset variable: never the current folder
-    refuse_existing(Path(args.out), args.overwrite)  # before anything is read
+    refuse_overlap(Path(args.src), Path(args.out))  # before anything is read or replaced
+    refuse_existing(Path(args.out), args.overwrite)
     tokenizer = args.tokenizer
     if args.direction == "to-hf" and tokenizer is None and not args.no_tokenizer:
         from moe_core.convert.checkpoint import run_tokenizer_dir
 
         tokenizer = run_tokenizer_dir(args.src)
+    if tokenizer is not None:
+        refuse_overlap(Path(args.src), Path(args.out), Path(tokenizer))
     if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
         from moe_core.convert.checkpoint import checkpoint_to_hf
         from moe_core.parallel.parallelize import DTYPES
@@ -268,10 +272,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if args.checkpoint is None:
         raise ConfigError("moe eval score needs a training checkpoint (a step_N folder).")
+    # Scoring needs the run's own tokenizer, and `moe eval score` has no option to give one.
+    ask = "moe eval score scores only checkpoints of runs on a token folder that is still there"
+    tokenizer = run_tokenizer_dir(args.checkpoint, ask=ask)
     cfg = compose_run(args.overrides, args.config_dir).eval
     if not cfg.tasks:
         raise ConfigError("eval.tasks=[] is not allowed here: name the tasks to score.")
-    scores = evaluate_checkpoint(args.checkpoint, run_tokenizer_dir(args.checkpoint), cfg)
+    scores = evaluate_checkpoint(args.checkpoint, tokenizer, cfg)
     table = Table(title=f"downstream tasks, {args.checkpoint}")
     for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
         table.add_column(column, justify="left" if column == "task" else "right")

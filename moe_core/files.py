@@ -4,9 +4,12 @@ the one rule for a path that a manifest, index or metadata file names."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +55,42 @@ def _resolves_inside(path: Path, bound: Path) -> bool:
     return resolved != top and resolved.is_relative_to(top)
 
 
+def temporary_name(path: Path) -> Path:
+    """The name ``path`` is written under before it is renamed into place: beside it, marked as
+    a temporary, and by the writing process (so a rerun can tell a killed writer's)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def is_stale_temporary(path: Path) -> bool:
+    """Whether ``path`` is a ``temporary_name`` of a process that is no longer running (one
+    that was killed, or whose disk filled up before it could clean up)."""
+    head, mark, pid = path.name.rpartition(TMP_MARK)
+    if not (mark and head.startswith(".") and pid.isdigit()):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False  # another user's live process, or no pid at all: not ours to judge
+    return False
+
+
+def remove_stale_temporaries(folder: Path, names: Iterable[str]) -> None:
+    """Drop what killed writers of ``names`` left in ``folder`` (files, or whole folders)."""
+    for name in names:
+        for p in folder.glob(f".{glob.escape(name)}{TMP_MARK}*"):
+            if not is_stale_temporary(p):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+
 def atomic_write(path: Path, data: bytes, sync: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    tmp = temporary_name(path)
     with open(tmp, "wb") as f:
         f.write(data)
         if sync:

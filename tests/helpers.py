@@ -341,8 +341,9 @@ def seeded_run(source: Path, to: Path) -> Path:
 def masters(run_dir: Path, steps: int = 8) -> dict[str, torch.Tensor]:
     """The fp32 weights of the train stage's checkpoint at ``steps``."""
     from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+    from moe_core.train.checkpoint import step_dir_name
 
-    ckpt = run_dir / "train" / "checkpoints" / f"step_{steps:08d}"
+    ckpt = run_dir / "train" / "checkpoints" / step_dir_name(steps)
     return CheckpointSource(ckpt, checkpoint_config(ckpt).model, torch.float32).state_dict()
 
 

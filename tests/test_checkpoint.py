@@ -20,7 +20,7 @@ from rich.console import Console
 
 from moe_core.compose import compose_run
 from moe_core.convert.native import load_model_dir
-from moe_core.train.checkpoint import MANIFEST, verify
+from moe_core.train.checkpoint import MANIFEST, step_dir_name, verify
 from moe_core.train.trainer import Trainer
 
 STEPS = 8
@@ -187,7 +187,7 @@ def test_async_checkpoint_equals_sync(tmp_path):
         runs[mode] = out
     for step in (1, 2, 3):
         for mode in runs:
-            assert verify(runs[mode] / "checkpoints" / f"step_{step:08d}") is None
+            assert verify(runs[mode] / "checkpoints" / step_dir_name(step)) is None
     a = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={runs['false']}"]))
     b = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={runs['true']}"]))
     for (name, x), (_, y) in zip(

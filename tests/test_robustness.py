@@ -11,7 +11,9 @@ import pickle
 import shutil
 import socket
 import string
+import subprocess
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from rich.console import Console
 from moe_core.cli import main
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig, from_dict
-from moe_core.convert.hf import INDEX, OUR_CONFIG, save_hf
+from moe_core.convert.hf import INDEX, OUR_CONFIG, load_hf, save_hf
 from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.errors import DataError
 from moe_core.data.sources import open_source
@@ -39,7 +41,14 @@ from moe_core.errors import CheckpointError, RunFileError
 from moe_core.model import build_model
 from moe_core.parallel.mesh import Mesh
 from moe_core.rundir import LOCK
-from moe_core.train.checkpoint import MANIFEST, Checkpointer, run_id_of, verify
+from moe_core.train.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    newest_verified,
+    run_id_of,
+    step_dir_name,
+    verify,
+)
 from moe_core.train.guards import TrainingHaltedError
 from moe_core.train.trainer import Trainer
 
@@ -79,10 +88,83 @@ def test_retention_never_deletes_another_runs_or_unverified_checkpoints(tmp_path
     for step in (7, 8):
         ours.save(step, state, {})
 
-    assert names(root) == [f"step_{s:08d}" for s in (1, 2, 3, 6, 8, 90)]
+    assert names(root) == [step_dir_name(s) for s in (1, 2, 3, 6, 8, 90)]
     assert {k: v for k, v in snapshot(root).items() if k in before} == before, "run a unchanged"
     assert verify(root / "step_00000006") is not None, "the corrupt one is kept, not deleted"
     assert run_id_of(root / "step_00000008") == "b" and run_id_of(root / "step_00000090") == "a"
+
+
+def saved_run(root: Path, steps: tuple[int, ...], run_id: str = "a") -> None:
+    """Checkpoints ``steps`` of one run under ``root``, written by the Checkpointer."""
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, use_async=False, run_id=run_id)
+    for step in steps:
+        ckpt.save(step, {"x": torch.arange(1000, dtype=torch.float32) + step}, {})
+
+
+def test_a_folder_renamed_to_another_step_is_skipped_and_retention_keeps_the_real_ones(
+    tmp_path, capsys
+):
+    """A copy of step 1 named step 9 claims to be the newest: resume skips it with a sentence
+    and retention orders by the verified steps, so steps 3 and 4 survive ``keep_last=2``."""
+    root = tmp_path / "checkpoints"
+    saved_run(root, (1, 2, 3))
+    shutil.copytree(root / step_dir_name(1), root / step_dir_name(9))
+    renamed = snapshot(root / step_dir_name(9))
+    said: list[str] = []
+    assert newest_verified(root, said.append) == root / step_dir_name(3)
+    assert said == [
+        "skipping checkpoint step_00000009: step_00000009/manifest.json says step 1, not the "
+        "9 its folder name says"
+    ]
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 2, 0, use_async=False, run_id="a")
+    ckpt.save(4, {"x": torch.zeros(1000)}, {})
+    assert names(root) == [step_dir_name(s) for s in (3, 4, 9)]
+    assert snapshot(root / step_dir_name(9)) == renamed, "reported, not deleted"
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(root / step_dir_name(9)), str(hf), "--no-tokenizer"]) == 2
+    why = said[0].removeprefix("skipping checkpoint step_00000009: ")
+    assert f"checkpoint {root / step_dir_name(9)} does not verify ({why}): not converted." in (
+        capsys.readouterr().out.replace("\n", "")
+    )
+    assert not hf.exists()
+
+
+@pytest.mark.parametrize("listing", ["none", "partial", "flipped"])
+def test_a_manifest_that_does_not_list_every_file_never_verifies(tmp_path, listing):
+    """``files: {}``, or a listing without one data file (here with a byte flipped in it):
+    the checkpoint does not verify and resume takes the older one; nothing is changed."""
+    root = tmp_path / "checkpoints"
+    saved_run(root, (1, 2))
+    newest = root / step_dir_name(2)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    data = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    if listing == "none":
+        manifest["files"] = {}
+    else:
+        del manifest["files"][data.name]
+    if listing == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[-9] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    before = snapshot(root)
+    why = verify(newest)
+    if listing == "none":
+        assert why == "step_00000002/manifest.json lists no files"
+    else:
+        assert why == f"step_00000002/{data.name} is not listed in its manifest.json"
+    said: list[str] = []
+    assert newest_verified(root, said.append) == root / step_dir_name(1)
+    assert said == [f"skipping checkpoint step_00000002: {why}"]
+    assert snapshot(root) == before
+
+
+def test_a_step_past_eight_digits_is_found_again(tmp_path):
+    root = tmp_path / "checkpoints"
+    saved_run(root, (99_999_999, 100_000_000))
+    assert names(root) == ["step_100000000", "step_99999999"]
+    assert newest_verified(root) == root / "step_100000000"
+    assert step_dir_name(7) == "step_00000007"  # the folders written so far keep their names
 
 
 @pytest.mark.slow
@@ -380,6 +462,44 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
 # ---- a full disk, a cut-short log, an unusable out_dir -------------------------------------
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (a disk that fills up), where mounting one is permitted."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
+    try:
+        done = subprocess.run(mount, capture_output=True, text=True)
+    except OSError as err:
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_really_full_disk_while_checkpointing_is_one_sentence(small_disk, use_async):
+    """torch's writer reports a write a full disk had no room for as ``unexpected pos``, its
+    errno lost: still one sentence, the unfinished folder removed, step 1 untouched."""
+    root = small_disk / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, use_async=use_async, run_id="a")
+    ckpt.save(1, {"x": torch.zeros(10_000)}, {})
+    ckpt.wait()
+    before = snapshot(root)
+    tmp = root / ".tmp-step_00000002"
+    with pytest.raises(RunFileError) as err:
+        ckpt.save(2, {"x": torch.zeros(1_000_000)}, {})  # 4 MB on a 2 MiB disk
+        ckpt.wait()
+    assert str(err.value) == (
+        f"checkpoint step 2 could not be written (No space left on device: {tmp}); its "
+        f"unfinished folder .tmp-step_00000002 was removed and the checkpoints already in "
+        f"{root} are untouched: free space (or fix the permission) and resume."
+    )
+    assert names(root) == ["step_00000001"] and snapshot(root) == before
+    assert verify(root / "step_00000001") is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_full_disk_while_checkpointing_then_a_resume_over_a_cut_short_metrics_line(tmp_path):
@@ -441,6 +561,128 @@ def test_convert_from_hf_into_a_non_empty_folder_is_refused_unless_overwrite(tmp
     assert names(out) == ["notes.txt"]
     assert main(["convert", "from-hf", str(src), str(out), "--overwrite"]) == 0
     assert (out / "notes.txt").read_text() == "mine" and (out / WEIGHTS).is_file()
+
+
+@pytest.mark.parametrize(
+    ("direction", "src", "out", "how"),
+    [
+        ("to-hf", "run/checkpoints/step_00000001", "run", "holds SRC"),
+        ("to-hf", "run/checkpoints/step_00000001", "run/checkpoints/step_00000001", "is SRC"),
+        ("to-hf", "run/checkpoints/step_00000001", "run/checkpoints/step_00000001/hf", "lies"),
+        ("to-hf", "run/checkpoints/step_00000001", "run/checkpoints/hf", "lies inside the run's"),
+        ("to-hf", "run/model", "run/checkpoints", "is the run's checkpoints"),
+        ("to-hf", "run/model", "run", "holds SRC"),
+        ("from-hf", "run/model", "run/model", "is SRC"),
+        ("to-hf", "run/model", "data", "is the tokenizer folder"),
+        ("to-hf", "run/model", ".", "holds SRC"),
+    ],
+)
+def test_convert_into_its_own_source_or_run_is_refused_and_deletes_nothing(
+    tmp_path, capsys, direction, src, out, how
+):
+    """``--overwrite`` with an OUT that is, holds or lies inside SRC or the run's checkpoints
+    would replace the run: refused in one sentence naming both, before anything is touched."""
+    saved_run(tmp_path / "run" / "checkpoints", (1,))
+    save_model_dir(
+        build_model(small_config(), seed=3).state_dict(), small_config(), tmp_path / "run" / "model"
+    )
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenizer.json").write_text("{}")
+    before = snapshot(tmp_path)
+    argv = ["convert", direction, str(tmp_path / src), str(tmp_path / out), "--overwrite"]
+    tokenizer = ["--tokenizer", str(tmp_path / "data")]
+    assert main([*argv, *(tokenizer if direction == "to-hf" else [])]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"error: OUT {tmp_path / out} {how}" in printed
+    assert "what is being converted; choose an OUT outside " in printed
+    assert snapshot(tmp_path) == before and names(tmp_path) == ["data", "run"]
+
+
+def test_a_missing_source_says_so_and_eval_suggests_no_option_it_lacks(tmp_path, capsys):
+    """A path that is not there is named as missing (not as lacking a checkpoint beside it);
+    ``moe eval score`` never points at ``--tokenizer``, which it does not have."""
+    missing, empty = tmp_path / "no-such-run" / "model", tmp_path / "empty"
+    empty.mkdir()
+    for argv in (
+        ["convert", "to-hf", str(missing), str(tmp_path / "hf")],
+        ["eval", "score", str(missing)],
+    ):
+        assert main(argv) == 2
+        printed = capsys.readouterr().out.replace("\n", "")
+        assert f"error: {missing} does not exist: name a training checkpoint (a step_N" in printed
+    assert main(["eval", "score", str(empty)]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"{empty} has no training checkpoint beside it" in printed
+    assert "--tokenizer" not in printed and "moe eval score scores only checkpoints" in printed
+    assert names(tmp_path) == ["empty"] and names(empty) == []
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended: what a killed convert's temporaries carry."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    return ended.pid
+
+
+def test_a_rerun_cleans_what_a_killed_convert_left(tmp_path):
+    """from-hf killed while writing leaves its weights' temporary in OUT (the rerun refused
+    the folder as not empty); to-hf killed leaves its unfinished folder beside OUT (kept
+    forever). The rerun removes both and nothing else."""
+    src, model, pid = hf_dir(tmp_path), tmp_path / "model", dead_pid()
+    model.mkdir()
+    (model / f".{WEIGHTS}.tmp-{pid}").write_bytes(b"cut short")
+    assert main(["convert", "from-hf", str(src), str(model)]) == 0
+    assert names(model) == [WEIGHTS, OUR_CONFIG]
+    left = tmp_path / f".hf2.tmp-{pid}"
+    left.mkdir()
+    (left / "model-00001-of-00001.safetensors").write_bytes(b"cut short")
+    (tmp_path / ".hf2.tmp-notes").write_text("mine")  # named alike, but no process's
+    before = snapshot(src)
+    assert main(["convert", "to-hf", str(model), str(tmp_path / "hf2"), "--no-tokenizer"]) == 0
+    assert names(tmp_path) == [".hf2.tmp-notes", "hf", "hf2", "model"]
+    assert (tmp_path / ".hf2.tmp-notes").read_text() == "mine" and snapshot(src) == before
+
+
+def test_a_convert_killed_while_replacing_its_out_puts_the_old_one_back(tmp_path, capsys):
+    """Killed between moving the old OUT aside and renaming the new one in: the rerun puts the
+    old one back (refused without --overwrite, as any OUT that holds files) and drops the
+    unfinished new folder; with --overwrite it is replaced."""
+    src, pid = hf_dir(tmp_path), dead_pid()
+    out = tmp_path / "hf2"
+    shutil.copytree(src, tmp_path / f".hf2.old.tmp-{pid}")
+    shutil.copytree(src, tmp_path / f".hf2.tmp-{pid}")
+    before = snapshot(src)
+    model = save_model_dir(*reversed(load_hf(src)), tmp_path / "model")
+    assert main(["convert", "to-hf", str(model), str(out), "--no-tokenizer"]) == 2
+    assert f"{out} already exists and is not empty" in capsys.readouterr().out.replace("\n", "")
+    assert names(tmp_path) == ["hf", "hf2", "model"] and snapshot(out) == before
+    assert main(["convert", "to-hf", str(model), str(out), "--no-tokenizer", "--overwrite"]) == 0
+    assert names(tmp_path) == ["hf", "hf2", "model"] and snapshot(src) == before
+
+
+def test_a_convert_onto_a_full_disk_is_one_sentence_and_leaves_no_temporaries(
+    tmp_path, small_disk, capsys
+):
+    src = hf_dir(tmp_path)
+    save_model_dir(*reversed(load_hf(src)), tmp_path / "model")
+    filler = small_disk / "filler"
+    filler.write_bytes(b"x" * 1_600_000)  # what else the disk holds, ~0.4 MB left
+    # from-hf knows the size of what it writes: refused before reading, nothing written
+    out = small_disk / "ours"
+    assert main(["convert", "from-hf", str(src), str(out)]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"error: {out} needs " in printed and "of disk for the converted weights" in printed
+    assert not out.exists()
+    # to-hf meets the full disk while writing
+    out = small_disk / "hf"
+    assert main(["convert", "to-hf", str(tmp_path / "model"), str(out), "--no-tokenizer"]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"error: {out} could not be written (No space left on device: " in printed
+    assert "its unfinished files were removed: free space (or fix the permission)" in printed
+    assert not [p for p in small_disk.rglob("*") if ".tmp-" in p.name]
+    assert filler.read_bytes() == b"x" * 1_600_000
+    filler.unlink()
+    assert main(["convert", "from-hf", str(src), str(small_disk / "ours")]) == 0
 
 
 class Payload:

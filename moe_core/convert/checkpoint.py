@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict, upgrade_saved
-from moe_core.convert.hf import expected_names, save_hf
+from moe_core.convert.hf import expected_names, refuse_overlap, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
@@ -24,6 +24,7 @@ from moe_core.train.checkpoint import (
     MANIFEST,
     buffer_key,
     parse_key,
+    step_of,
     trainer_state,
     verify,
 )
@@ -99,17 +100,29 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     return from_dict(RunConfig, upgrade_saved(trainer_state(path)["config"]))
 
 
-def run_tokenizer_dir(src: str | os.PathLike) -> Path:
+CONVERT_ASK = "give --tokenizer DIR, or --no-tokenizer to write the weights alone"
+
+
+def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
     """The data folder whose tokenizer files belong with ``src`` (a training checkpoint, or
     the model folder a run saved beside its checkpoints): the one the run trained on, from the
     config its checkpoint records, checked against the folder's manifest. One sentence where
-    there is none (synthetic tokens, no checkpoint to ask, the folder moved)."""
+    there is none (synthetic tokens, no checkpoint to ask, the folder moved), ending with
+    ``ask``: what the caller's user can do instead (the options of their own command)."""
     src = Path(src)
-    ask = "give --tokenizer DIR, or --no-tokenizer to write the weights alone"
+    if not src.exists():
+        raise ConfigError(
+            f"{src} does not exist: name a training checkpoint (a step_N folder) or the model "
+            "folder a run saved beside its checkpoints."
+        )
     checkpoint = src if (src / ".metadata").is_file() else None
     if checkpoint is None:
-        found = sorted((src.parent / "checkpoints").glob("step_*/.metadata"))
-        checkpoint = found[-1].parent if found else None
+        found = [
+            (step, p)
+            for p in (src.parent / "checkpoints").glob("step_*")
+            if (step := step_of(p.name)) is not None and (p / ".metadata").is_file()
+        ]
+        checkpoint = max(found)[1] if found else None  # the newest by step, not by spelling
     if checkpoint is None:
         raise ConfigError(
             f"{src} has no training checkpoint beside it to say which tokenizer the model "
@@ -145,6 +158,9 @@ def checkpoint_to_hf(
     """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
     One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
     without running code from it (``train.dcp_read``)."""
+    refuse_overlap(
+        Path(path), Path(out_dir), None if tokenizer_dir is None else Path(tokenizer_dir)
+    )
     if (Path(path) / MANIFEST).is_file() and (problem := verify(Path(path))) is not None:
         raise CheckpointError(f"checkpoint {path} does not verify ({problem}): not converted.")
     cfg = checkpoint_config(path).model

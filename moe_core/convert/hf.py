@@ -8,12 +8,12 @@ The directory is written beside its destination and renamed into place only when
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -23,8 +23,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
-from moe_core.errors import CheckpointError
-from moe_core.files import inside, user_mode
+from moe_core.errors import CheckpointError, RunFileError
+from moe_core.files import (
+    TMP_MARK,
+    inside,
+    is_stale_temporary,
+    remove_stale_temporaries,
+    temporary_name,
+    user_mode,
+)
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 OUR_CONFIG = "moe_core_config.json"
@@ -76,10 +83,12 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def refuse_existing(out: Path, overwrite: bool) -> None:
-    """Refuse to write into ``out`` when it holds anything, unless ``overwrite``."""
+    """Refuse to write into ``out`` when it holds anything (but temporaries of a killed
+    convert), unless ``overwrite``."""
     if overwrite or not (out.exists() or out.is_symlink()):
         return
-    if not out.is_dir() or any(out.iterdir()):
+    # What a killed convert left is removed by the rerun, not counted as the user's files.
+    if not out.is_dir() or any(not is_stale_temporary(p) for p in out.iterdir()):
         raise FileExistsError(
             f"{out} already exists and is not empty: pass --overwrite (overwrite=True) to "
             "replace it, or choose another folder."
@@ -95,6 +104,45 @@ def _tokenizer_files(folder: Path) -> list[Path]:
             f"tokenizer directory {folder} holds none of: {', '.join(TOKENIZER_FILES)}."
         )
     return [inside(folder, f.name, folder, CheckpointError) for f in files]
+
+
+def refuse_overlap(src: Path, out: Path, tokenizer_dir: Path | None = None) -> None:
+    """Refuse an ``out`` that is ``src``, holds it or lies inside it, or the same with the
+    ``checkpoints`` folder of the run ``src`` belongs to (the one it lies in, or its sibling
+    for a run's model folder) or the tokenizer folder read: writing there replaces what is
+    being read, and ``--overwrite`` would delete the whole run (or data set)."""
+    s, o = src.resolve(), out.resolve()
+    checkpoints = s.parent if s.parent.name == "checkpoints" else s.parent / "checkpoints"
+    guarded = [("SRC", s)] + ([("the run's checkpoints", checkpoints)] * checkpoints.is_dir())
+    if tokenizer_dir is not None:
+        guarded.append(("the tokenizer folder", tokenizer_dir.resolve()))
+    for what, folder in guarded:
+        how = "is" if o == folder else "holds" if folder.is_relative_to(o) else "lies inside"
+        if folder.is_relative_to(o) or o.is_relative_to(folder):
+            raise ConfigError(
+                f"OUT {out} {how} {what} {folder}: writing there would replace (with "
+                f"--overwrite delete) what is being converted; choose an OUT outside {folder}."
+            )
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, with a failed write raised as the OSError it was (safetensors reports a
+    full disk as a SafetensorError that names only the errno)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+
+
+def unwritten(out: Path, err: OSError) -> RunFileError:
+    """A convert whose write failed (a full disk, no permission), in one sentence."""
+    return RunFileError(
+        f"{out} could not be written ({err.strerror or err}: {err.filename or out}); its "
+        "unfinished files were removed: free space (or fix the permission) and convert again."
+    )
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
@@ -197,6 +245,19 @@ def _check_names(found: set[str], cfg: ModelConfig) -> None:
         )
 
 
+def _recover(out: Path) -> None:
+    """Undo what a convert to ``out`` that was killed (or ran out of disk) left: the folder it
+    was replacing goes back to ``out`` if it had been moved aside, and its unfinished new
+    folder is removed."""
+    if not (out.exists() or out.is_symlink()) and out.parent.is_dir():
+        for p in out.parent.glob(f".{glob.escape(out.name)}.old{TMP_MARK}*"):
+            if is_stale_temporary(p):
+                p.rename(out)
+                break
+    if out.parent.is_dir():
+        remove_stale_temporaries(out.parent, [out.name, f"{out.name}.old"])
+
+
 def save_hf(
     weights: dict[str, torch.Tensor] | TensorSource,
     cfg: ModelConfig,
@@ -221,6 +282,7 @@ def save_hf(
                 f"the weights do not fit their model config ({problem}): nothing was written."
             )
     out = Path(out_dir)
+    _recover(out)
     refuse_existing(out, overwrite)
     tokenizer = [] if tokenizer_dir is None else _tokenizer_files(Path(tokenizer_dir))
     element = torch.empty((), dtype=source.dtype).element_size()
@@ -234,8 +296,8 @@ def save_hf(
         shards[-1].append(item)
         size += nbytes
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(user_mode(directory=True))  # mkdtemp makes it private; the output is the user's
+    tmp = temporary_name(out)
+    tmp.mkdir()
     try:
         weight_map: dict[str, str] = {}
         total = 0
@@ -249,7 +311,7 @@ def save_hf(
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{ours} has shape {tuple(t.shape)}, the config says {shape}.")
                 tensors[key] = t.detach().to("cpu", source.dtype).contiguous().clone()
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            write_safetensors(tensors, tmp / fname)
             for k, t in tensors.items():
                 weight_map[k] = fname
                 total += t.numel() * t.element_size()
@@ -262,13 +324,16 @@ def save_hf(
         for f in tmp.iterdir():  # safetensors writes its files private
             f.chmod(user_mode(directory=False))
         if out.exists():
-            old = out.with_name(f".{out.name}.old")
+            old = temporary_name(out.with_name(f"{out.name}.old"))
             shutil.rmtree(old, ignore_errors=True)
             out.rename(old)
             tmp.rename(out)
             shutil.rmtree(old)
         else:
             tmp.rename(out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # it would hold the space a rerun needs
+        raise unwritten(out, err) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moe_core.config import ModelConfig, from_dict, to_dict
-from moe_core.convert.hf import OUR_CONFIG, refuse_existing
+from moe_core.convert.hf import OUR_CONFIG, refuse_existing, unwritten, write_safetensors
 from moe_core.errors import CheckpointError
-from moe_core.files import inside, user_mode
+from moe_core.files import (
+    atomic_write,
+    inside,
+    remove_stale_temporaries,
+    temporary_name,
+    user_mode,
+)
 
 WEIGHTS = "model.safetensors"
 
@@ -33,15 +38,18 @@ def save_model_dir(
     out = Path(out_dir)
     refuse_existing(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out, [WEIGHTS, OUR_CONFIG])  # a killed convert's, never the user's
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    with tempfile.NamedTemporaryFile(dir=out, suffix=".tmp", delete=False) as f:
-        tmp_weights = Path(f.name)
-    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
-    tmp_weights.chmod(user_mode(directory=False))  # the temporary file was made private
-    tmp_weights.replace(out / WEIGHTS)
-    tmp_cfg = out / (OUR_CONFIG + ".tmp")
-    tmp_cfg.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-    tmp_cfg.replace(out / OUR_CONFIG)
+    tmp_weights = temporary_name(out / WEIGHTS)
+    try:
+        write_safetensors(tensors, tmp_weights)
+        tmp_weights.chmod(user_mode(directory=False))  # safetensors writes its files private
+        tmp_weights.replace(out / WEIGHTS)
+        atomic_write(out / OUR_CONFIG, (json.dumps(to_dict(cfg), indent=2) + "\n").encode())
+    except OSError as err:
+        for tmp in (tmp_weights, temporary_name(out / OUR_CONFIG)):
+            tmp.unlink(missing_ok=True)  # it would hold the space a rerun needs
+        raise unwritten(out, err) from None
     return out
 
 

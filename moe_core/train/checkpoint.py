@@ -24,8 +24,10 @@ moved aside (``step_N.replaced-K``), not deleted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
+import os
 import re
 import secrets
 import shutil
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_core.config import ModelConfig, from_dict
 from moe_core.errors import CheckpointError, RunFileError
@@ -52,11 +55,27 @@ from moe_core.train.dcp_read import inner_error
 from moe_core.train.dcp_read import quiet as _quiet
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step_(\d{8})")
+# Eight digits at least: every folder so far keeps its name, a step past 99,999,999 gets more.
+_STEP_DIR = re.compile(r"step_(\d{8,})")
 # The key format of every checkpoint: a range of a parameter's optimizer state (the master
 # weights are ``param``) from flat offset ``start``, and a non-trained buffer.
 _KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
 _BUFFER_KEY = re.compile(r"buf/(.+)")
+# Less free space than this after a failed write: the disk was full (a write stops short once
+# what is left is smaller than the piece it writes).
+_FULL_DISK_FREE = 1 << 20
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of checkpoint ``step`` (the one spelling every part uses)."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder's name says, or None for any other name (a zero-padded
+    spelling other than ``step_dir_name``'s would name a step twice)."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m and step_dir_name(int(m.group(1))) == name else None
 
 
 def state_key(name: str, kind: str, start: int) -> str:
@@ -157,7 +176,10 @@ def check_fits(
 
 
 def verify(path: Path, checksums: bool = True) -> str | None:
-    """None if the checkpoint's manifest verifies, else why not (one sentence).
+    """None if the checkpoint verifies, else why not (one sentence): the one rule resume,
+    retention and convert apply. Its manifest must list every file in the folder (a file it
+    does not list is never checked), each with its size and sha256, and, in a ``step_N``
+    folder, say step N (a renamed folder would be resumed and pruned as another step).
 
     ``checksums=False`` checks the files' presence and sizes only (for checkpoints this process
     wrote and hashed itself)."""
@@ -165,11 +187,23 @@ def verify(path: Path, checksums: bool = True) -> str | None:
     if not manifest.is_file():
         return f"{path.name} has no {MANIFEST}"
     try:
-        files = json.loads(manifest.read_text())["files"]
-        if not isinstance(files, dict):
+        meta = json.loads(manifest.read_text())
+        files, step = meta["files"], meta["step"]
+        if not isinstance(files, dict) or not isinstance(step, int):
             raise ValueError
     except (ValueError, KeyError, TypeError):
         return f"{path.name}/{MANIFEST} is unreadable"
+    named = step_of(path.name)
+    if named is not None and step != named:
+        return f"{path.name}/{MANIFEST} says step {step}, not the {named} its folder name says"
+    if not files:
+        return f"{path.name}/{MANIFEST} lists no files"
+    on_disk = {
+        f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() or f.is_symlink()
+    }
+    unlisted = sorted(on_disk - set(files) - {MANIFEST})
+    if unlisted:
+        return f"{path.name}/{unlisted[0]} is not listed in its {MANIFEST}"
     for rel, info in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(info, dict):
             return f"{path.name}/{MANIFEST} is unreadable"
@@ -242,7 +276,7 @@ class Checkpointer:
         ``file_per_entry``: one file per entry, so the writer holds one entry at a time (DCP's
         writer keeps every tensor of a file until the file is closed)."""
         self.wait()
-        tmp = self.root / f".tmp-step_{step:08d}"
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
             with _quiet(), self._writing(step, tmp):
@@ -271,12 +305,16 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _writing(self, step: int, tmp: Path) -> Iterator[None]:
-        """A write that fails with an OSError (disk full, no permission) becomes one sentence
-        naming the path, once the unfinished folder is removed (it would hold the space)."""
+        """A write that fails with an OSError (disk full, no permission), or on a full disk
+        whatever torch raised, becomes one sentence naming the path, once the unfinished
+        folder is removed (it would hold the space)."""
         try:
             yield
         except BaseException as err:
             failure = inner_error(err, OSError)
+            # Never an interrupt (DCP's CheckpointException is a BaseException too).
+            if failure is None and isinstance(err, (Exception, CheckpointException)):
+                failure = self._full_disk(tmp)
             if not isinstance(failure, OSError):
                 raise
             if self.is_main:
@@ -287,6 +325,18 @@ class Checkpointer:
                 f"the checkpoints already in {self.root} are untouched: free space (or fix the "
                 "permission) and resume."
             ) from None
+
+    def _full_disk(self, tmp: Path) -> OSError | None:
+        """ENOSPC when the disk ``tmp`` is on is full: torch's writer reports a write that found
+        no room as a RuntimeError (``unexpected pos``, inside DCP's CheckpointException) whose
+        errno is lost, so the free space says what it was."""
+        try:
+            free = shutil.disk_usage(tmp if tmp.exists() else self.root).free
+        except OSError:
+            return None
+        if free >= _FULL_DISK_FREE:
+            return None
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
     def poll(self) -> None:
         """Publish a finished background save without waiting for an unfinished one."""
@@ -318,7 +368,7 @@ class Checkpointer:
             }
             (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
             (tmp / (MANIFEST + ".tmp")).rename(tmp / MANIFEST)
-            final = self.root / f"step_{step:08d}"
+            final = self.root / step_dir_name(step)
             if final.exists():
                 n = 1
                 while final.with_name(f"{final.name}.replaced-{n}").exists():
@@ -350,9 +400,9 @@ class Checkpointer:
         mine = [
             s
             for s in sorted(self.published(), reverse=True)
-            if run_id_of(self.root / f"step_{s:08d}") == self.run_id
+            if run_id_of(self.root / step_dir_name(s)) == self.run_id
         ]
-        valid = [s for s in mine if self._valid(self.root / f"step_{s:08d}")]
+        valid = [s for s in mine if self._valid(self.root / step_dir_name(s))]
         if not valid:
             return
         keep = set(valid[: self.keep_last]) if self.keep_last > 0 else set(valid)
@@ -360,15 +410,15 @@ class Checkpointer:
             keep |= {s for s in valid if s % self.keep_every == 0}
         for s in valid:
             if s not in keep and s < valid[0]:
-                shutil.rmtree(self.root / f"step_{s:08d}", ignore_errors=True)
-                self._hashed.discard(f"step_{s:08d}")
+                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+                self._hashed.discard(step_dir_name(s))
 
     # ---- finding and loading --------------------------------------------------------------
 
     def published(self) -> list[int]:
         if not self.root.is_dir():
             return []
-        return [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+        return [s for p in self.root.iterdir() if (s := step_of(p.name)) is not None]
 
     def newest_valid(self, report=print) -> Path | None:
         """The newest checkpoint whose manifest verifies (checked on rank 0, agreed by all)."""
@@ -438,9 +488,9 @@ class Checkpointer:
 def newest_verified(root: Path, report: Callable[[str], None] | None = None) -> Path | None:
     """The newest ``step_*`` folder under ``root`` whose manifest verifies; each newer one that
     does not is reported."""
-    steps = [int(m.group(1)) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name))]
+    steps = [s for p in root.glob("step_*") if (s := step_of(p.name)) is not None]
     for step in sorted(steps, reverse=True):
-        path = root / f"step_{step:08d}"
+        path = root / step_dir_name(step)
         problem = verify(path)
         if problem is None:
             return path

@@ -21,7 +21,7 @@ from moe_core.config import ParallelConfig, RunConfig, to_dict
 from moe_core.model.meta import on_meta
 from moe_core.model.transformer import Transformer, init_plan, seeded_normal_
 from moe_core.parallel.mesh import Mesh
-from moe_core.train.checkpoint import Checkpointer, buffer_key, state_key
+from moe_core.train.checkpoint import Checkpointer, buffer_key, state_key, step_dir_name
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -84,7 +84,7 @@ def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
     )
     layout = {"pp": run.parallel.pp, "dp": run.parallel.dp, "ep": run.parallel.ep}
     ckpt.save(0, state, layout, planner=_LazySavePlanner(makers), file_per_entry=True)
-    return Path(checkpoints) / "step_00000000"
+    return Path(checkpoints) / step_dir_name(0)
 
 
 def _expert_bias_names(run: RunConfig) -> list[str]:
