@@ -500,6 +500,26 @@ def test_a_really_full_disk_while_checkpointing_is_one_sentence(small_disk, use_
     assert verify(root / "step_00000001") is None
 
 
+def test_a_short_write_is_a_full_disk_even_where_space_is_left(tmp_path, monkeypatch):
+    """On the GPU machine's real disk a 7B checkpoint ended in torch's ``unexpected pos``
+    with space still free (the piece that failed was larger than what was left): a short
+    write is read as a full disk whatever ``df`` says."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, use_async=False, run_id="a")
+    ckpt.save(1, {"x": torch.zeros(10)}, {})
+    before = snapshot(root)
+
+    def short(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(fs, "_write_item", short)
+    with pytest.raises(RunFileError, match=r"^checkpoint step 2 could not be written \(No space"):
+        ckpt.save(2, {"x": torch.zeros(10)}, {})
+    assert names(root) == ["step_00000001"] and snapshot(root) == before
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_full_disk_while_checkpointing_then_a_resume_over_a_cut_short_metrics_line(tmp_path):

@@ -61,9 +61,8 @@ _STEP_DIR = re.compile(r"step_(\d{8,})")
 # weights are ``param``) from flat offset ``start``, and a non-trained buffer.
 _KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
 _BUFFER_KEY = re.compile(r"buf/(.+)")
-# Less free space than this after a failed write: the disk was full (a write stops short once
-# what is left is smaller than the piece it writes).
-_FULL_DISK_FREE = 1 << 20
+# How torch's stream writer reports a write that came out short (the disk filled up).
+_SHORT_WRITE = "unexpected pos"
 
 
 def step_dir_name(step: int) -> str:
@@ -245,7 +244,7 @@ class Checkpointer:
         self.no_dist = not mesh.distributed
         # Background saves talk over their own gloo group, never the training group.
         self.group = dist.new_group(backend="gloo") if mesh.distributed else None
-        self._pending: tuple[Future, int, Path, dict] | None = None
+        self._pending: tuple[Future, int, Path, dict, int] | None = None
         if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-step_*"):
@@ -279,7 +278,8 @@ class Checkpointer:
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
-            with _quiet(), self._writing(step, tmp):
+            needed = _bytes(state)
+            with _quiet(), self._writing(step, tmp, needed):
                 fut = dcp.async_save(
                     state,
                     checkpoint_id=str(tmp),
@@ -287,12 +287,12 @@ class Checkpointer:
                     no_dist=self.no_dist,
                     planner=planner,
                 )
-            self._pending = (fut, step, tmp, meta)
+            self._pending = (fut, step, tmp, meta, needed)
         else:
             writer = None
             if file_per_entry:
                 writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
-            with _quiet(), self._writing(step, tmp):
+            with _quiet(), self._writing(step, tmp, _bytes(state)):
                 dcp.save(
                     state,
                     checkpoint_id=str(tmp),
@@ -304,17 +304,17 @@ class Checkpointer:
                 self._publish(step, tmp, meta)
 
     @contextlib.contextmanager
-    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+    def _writing(self, step: int, tmp: Path, needed: int = 0) -> Iterator[None]:
         """A write that fails with an OSError (disk full, no permission), or on a full disk
         whatever torch raised, becomes one sentence naming the path, once the unfinished
-        folder is removed (it would hold the space)."""
+        folder is removed (it would hold the space). ``needed``: the bytes this rank writes."""
         try:
             yield
         except BaseException as err:
             failure = inner_error(err, OSError)
             # Never an interrupt (DCP's CheckpointException is a BaseException too).
             if failure is None and isinstance(err, (Exception, CheckpointException)):
-                failure = self._full_disk(tmp)
+                failure = self._full_disk(err, tmp, needed)
             if not isinstance(failure, OSError):
                 raise
             if self.is_main:
@@ -326,15 +326,18 @@ class Checkpointer:
                 "permission) and resume."
             ) from None
 
-    def _full_disk(self, tmp: Path) -> OSError | None:
+    def _full_disk(self, err: BaseException, tmp: Path, needed: int) -> OSError | None:
         """ENOSPC when the disk ``tmp`` is on is full: torch's writer reports a write that found
         no room as a RuntimeError (``unexpected pos``, inside DCP's CheckpointException) whose
-        errno is lost, so the free space says what it was."""
+        errno is lost. So a short write, or less free space than the rest of the checkpoint
+        needs, says what it was."""
+        short = _SHORT_WRITE in str(err) or _SHORT_WRITE in str(inner_error(err, RuntimeError))
         try:
             free = shutil.disk_usage(tmp if tmp.exists() else self.root).free
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
         except OSError:
             return None
-        if free >= _FULL_DISK_FREE:
+        if not short and free >= needed - written:
             return None
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
@@ -346,9 +349,9 @@ class Checkpointer:
     def wait(self) -> None:
         if self._pending is None:
             return
-        fut, step, tmp, meta = self._pending
+        fut, step, tmp, meta, needed = self._pending
         self._pending = None
-        with self._writing(step, tmp):
+        with self._writing(step, tmp, needed):
             fut.result()
             self._publish(step, tmp, meta)
 
@@ -483,6 +486,11 @@ class Checkpointer:
         for name, t in buffers.items():
             t.copy_(request[buffer_key(name)])
         return json.loads(request["trainer"])
+
+
+def _bytes(state: dict) -> int:
+    """The bytes a state dict's tensors take on disk (what a save of it writes, near enough)."""
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
 
 
 def newest_verified(root: Path, report: Callable[[str], None] | None = None) -> Path | None:
