@@ -366,6 +366,21 @@ def test_an_hf_config_with_wrong_types_or_missing_keys_is_one_sentence(
     assert sentence.format(cfg=src / "config.json") in refused_from_hf(tmp_path, capsys)
 
 
+def test_an_hf_source_that_is_no_checkpoint_folder_says_so(tmp_path, capsys):
+    for src, what in (
+        (tmp_path / "nothere", "is not a folder"),
+        (tmp_path / "empty", "has no config.json"),
+    ):
+        if what == "has no config.json":
+            src.mkdir()
+        assert main(["convert", "from-hf", str(src), str(tmp_path / "out")]) == 2
+        assert printed(capsys) == (
+            f"error: {src} {what}: give the folder of a Hugging Face checkpoint (config.json "
+            "and its safetensors weights, as save_pretrained writes it)."
+        )
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("content", [b"[1, 2]", b"{not json", b"\xff\xfe"])
 def test_an_hf_config_that_is_no_json_object_is_one_sentence(content, tmp_path, capsys):
     src = hf_dir(tmp_path)

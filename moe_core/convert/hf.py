@@ -402,6 +402,12 @@ def _hf_value(path: Path, hf: dict, key: str) -> object:
 def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     """Our config for an HF OLMoE directory (ours carries it; others are derived)."""
     d = Path(hf_dir)
+    if not d.is_dir() or not ((d / "config.json").exists() or (d / OUR_CONFIG).exists()):
+        what = "is not a folder" if not d.is_dir() else "has no config.json"
+        raise CheckpointError(
+            f"{d} {what}: give the folder of a Hugging Face checkpoint (config.json and its "
+            "safetensors weights, as save_pretrained writes it)."
+        )
     if (d / OUR_CONFIG).is_file() or (d / OUR_CONFIG).is_symlink():
         path, ours = d / OUR_CONFIG, _read_json(d, OUR_CONFIG)
         try:
