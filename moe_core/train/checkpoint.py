@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_core.config import ModelConfig, from_dict
 from moe_core.errors import CheckpointError, RunFileError
-from moe_core.files import file_sha256
+from moe_core.files import file_sha256, plain_relative
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
@@ -204,7 +204,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
     if unlisted:
         return f"{path.name}/{unlisted[0]} is not listed in its {MANIFEST}"
     for rel, info in files.items():
-        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(info, dict):
+        if not plain_relative(rel) or not isinstance(info, dict):
             return f"{path.name}/{MANIFEST} is unreadable"
         f = path / rel
         if not f.is_file():
