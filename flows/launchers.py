@@ -4,9 +4,10 @@ Every launcher does the same four things for one attempt: start the training of 
 config (``train/config.json``), stream its rank-0 log line by line, wait for its end, and stop it
 when the attempt is left early (the flow run cancelled, the stage timed out, the job never
 started). ``local`` runs ``torchrun`` as a child of the flow; ``slurm`` submits the batch script
-``flows.launch`` renders with ``sbatch``, follows it through ``squeue``/``sacct`` and ends it with
-``scancel``; ``kubernetes`` creates the Indexed Job and headless Service ``flows.launch`` builds
-through the ``kubernetes`` client, follows the Job and its pods, and deletes the Job. Retries
+``flows.render`` renders with ``sbatch``, follows it through ``squeue``/``sacct`` and ends it with
+``scancel``; ``kubernetes`` creates the Indexed Job and headless Service ``flows.render`` builds
+through the ``kubernetes`` client, follows the Job and its pods, and deletes the Job; both
+follow their job in one poll loop (``ClusterLauncher.attempt``). Retries
 (``cluster.launch_retries``) are the train stage's: it calls ``attempt`` again and the trainer
 resumes from the newest valid checkpoint in its ``out_dir``.
 """
@@ -24,27 +25,29 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flows.launch import kubernetes_objects, render_kubernetes, render_slurm
+from flows.render import kubernetes_objects, render_kubernetes, render_slurm, standalone_command
 from moe_core.config import ConfigError, RunConfig
 from moe_core.errors import RunFailedError
 
 Log = Callable[[str], None]
 
 # Slurm job states (squeue %T, sacct State): still queued, and ended.
-SLURM_QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
-SLURM_ENDED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "PREEMPTED",
-    "OUT_OF_MEMORY",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "REVOKED",
-    "SPECIAL_EXIT",
-}
+SLURM_QUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
+SLURM_ENDED = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
 LOST_AFTER_POLLS = 10  # a job neither squeue nor sacct knows for this many polls is lost
 
 
@@ -107,20 +110,6 @@ def _environment() -> dict[str, str]:
 # ---- local: torchrun as a child ---------------------------------------------------------
 
 
-def train_command(config_path: Path, nproc: int) -> list[str]:
-    """One node's ``torchrun --standalone`` of ``moe train --config``."""
-    runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [
-        *runner,
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "moe_core.cli",
-        "train",
-        "--config",
-        str(config_path),
-    ]
-
-
 def _stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM to torchrun (it ends its ranks), SIGKILL after ``grace_s``."""
     if proc.poll() is not None:
@@ -147,7 +136,9 @@ class LocalLauncher(Launcher):
             )
 
     def attempt(self, number: int) -> Attempt:
-        cmd = train_command(self.config_path, self.run.cluster.procs_per_node)
+        cmd = standalone_command(
+            str(self.config_path), self.run.cluster.procs_per_node, sys.executable
+        )
         self.log("launching: " + " ".join(cmd))
         proc = subprocess.Popen(
             cmd,
@@ -172,6 +163,73 @@ class LocalLauncher(Launcher):
             code == 0,
             f"training exited with code {code}",
         )
+
+
+# ---- a cluster's job: submitted, then polled until it ends ---------------------------------
+
+
+class ClusterLauncher(Launcher):
+    """A launcher that submits a job to a cluster and polls it: the loop is here, each cluster
+    gives its hooks (``start``, ``state``, ``stream``, ``cancel``) and its words."""
+
+    noun: ClassVar[str]  # how the log names a job, e.g. "slurm job"
+    queued: ClassVar[frozenset[str]]  # states of a job that has not started
+    ended: ClassVar[frozenset[str]]  # states of a job that has ended
+    lost: ClassVar[str] = "is unknown to the cluster"  # the detail of a job ``state`` lost
+
+    @abstractmethod
+    def start(self, number: int) -> tuple[str, Path]:
+        """Submit attempt ``number``; returns the job's id and the file submitted."""
+
+    @abstractmethod
+    def state(self, job_id: str) -> str | None:
+        """The job's state now; None if the cluster does not know it (yet, or any more)."""
+
+    @abstractmethod
+    def stream(self, job_id: str, final: bool = False) -> None:
+        """Log the job's output written since the last call (``final``: the job has ended)."""
+
+    @abstractmethod
+    def cancel(self, job_id: str) -> None:
+        """Stop the job (the attempt is left before it ended)."""
+
+    @abstractmethod
+    def not_started(self, job_id: str, state: str | None) -> str:
+        """The sentence of a job that did not start within ``cluster.start_timeout_s``."""
+
+    def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
+        """The attempt of a job that ended in ``state`` (None: lost)."""
+        final = state or "LOST"
+        detail = f"{self.noun} {job_id} " + (f"ended {state}" if state else self.lost)
+        return Attempt(number, job_id, str(script), final, final == "COMPLETED", detail)
+
+    def attempt(self, number: int) -> Attempt:
+        c = self.run.cluster
+        job_id, script = self.start(number)
+        submitted = time.monotonic()
+        started, unknown, ended = False, 0, False
+        state: str | None = None
+        try:
+            while True:
+                previous, state = state, self.state(job_id)
+                self.stream(job_id)
+                if state != previous and state is not None:
+                    self.log(f"{self.noun} {job_id}: {state}")
+                unknown = unknown + 1 if state is None else 0
+                if state in self.ended or unknown >= LOST_AFTER_POLLS:
+                    ended = state in self.ended
+                    break
+                if state is not None and state not in self.queued:
+                    started = True
+                waited = time.monotonic() - submitted
+                if not started and c.start_timeout_s and waited > c.start_timeout_s:
+                    raise LaunchTimeoutError(self.not_started(job_id, state))
+                time.sleep(c.poll_s)
+        finally:
+            if not ended:
+                self.cancel(job_id)
+        self.stream(job_id, final=True)
+        return self.outcome(number, job_id, script, state if ended else None)
 
 
 # ---- slurm: sbatch, squeue/sacct, scancel --------------------------------------------------
@@ -211,13 +269,17 @@ def _slurm(args: list[str], timeout_s: float = 120.0) -> subprocess.CompletedPro
         return subprocess.CompletedProcess(args, 124, "", f"no answer within {timeout_s:g} s")
 
 
-class SlurmLauncher(Launcher):
-    """``sbatch`` of ``train/slurm.sbatch`` (rendered by ``flows.launch.render_slurm``), state
+class SlurmLauncher(ClusterLauncher):
+    """``sbatch`` of ``train/slurm.sbatch`` (rendered by ``flows.render.render_slurm``), state
     from ``squeue`` while the job is queued or running and from ``sacct`` once it has left,
     the job's log (``train/slurm-<id>.out``: the trainer prints on rank 0) streamed, and
     ``scancel`` when the attempt is left before the job ended."""
 
     kind = "slurm"
+    noun = "slurm job"
+    queued = SLURM_QUEUED
+    ended = SLURM_ENDED
+    lost = "left the queue without an accounting record (sacct)"
 
     @classmethod
     def check(cls, run: RunConfig) -> None:
@@ -254,6 +316,12 @@ class SlurmLauncher(Launcher):
             )
         return job_id
 
+    def start(self, number: int) -> tuple[str, Path]:
+        job_id = self.submit()
+        self.log(f"slurm job {job_id} submitted: {self.script_path}")
+        self._tail = _Tail(self.train_dir / f"slurm-{job_id}.out")
+        return job_id, self.script_path
+
     def state(self, job_id: str) -> str | None:
         """The job's state: squeue's while it is known there, then sacct's; None if neither
         knows it (yet, or any more)."""
@@ -285,66 +353,46 @@ class SlurmLauncher(Launcher):
         if done.returncode != 0:
             self.log(f"scancel {job_id} failed: {(done.stderr or done.stdout).strip()}")
 
-    def attempt(self, number: int) -> Attempt:
-        c = self.run.cluster
-        job_id = self.submit()
-        self.log(f"slurm job {job_id} submitted: {self.script_path}")
-        tail = _Tail(self.train_dir / f"slurm-{job_id}.out")
-        submitted = time.monotonic()
-        started, unknown, ended = False, 0, False
-        state: str | None = None
-        try:
-            while True:
-                previous, state = state, self.state(job_id)
-                self.forward(tail.lines())
-                if state != previous and state is not None:
-                    self.log(f"slurm job {job_id}: {state}")
-                unknown = unknown + 1 if state is None else 0
-                if state in SLURM_ENDED or unknown >= LOST_AFTER_POLLS:
-                    ended = state in SLURM_ENDED
-                    break
-                if state is not None and state not in SLURM_QUEUED:
-                    started = True
-                waited = time.monotonic() - submitted
-                if not started and c.start_timeout_s and waited > c.start_timeout_s:
-                    raise LaunchTimeoutError(
-                        f"slurm job {job_id} did not start within cluster.start_timeout_s="
-                        f"{c.start_timeout_s:g} s (still {state or 'unknown to squeue'}), so it "
-                        "was cancelled: check the partition and queue (squeue), or raise "
-                        "cluster.start_timeout_s."
-                    )
-                time.sleep(c.poll_s)
-        finally:
-            if not ended:
-                self.cancel(job_id)
-        self.forward(tail.lines(final=True))
-        final = state if ended else "LOST"
-        detail = f"slurm job {job_id} ended {final}"
-        if not ended:
-            detail = f"slurm job {job_id} left the queue without an accounting record (sacct)"
-        if final == "CANCELLED":
+    def stream(self, job_id: str, final: bool = False) -> None:
+        self.forward(self._tail.lines(final))
+
+    def not_started(self, job_id: str, state: str | None) -> str:
+        return (
+            f"slurm job {job_id} did not start within cluster.start_timeout_s="
+            f"{self.run.cluster.start_timeout_s:g} s (still {state or 'unknown to squeue'}), so "
+            "it was cancelled: check the partition and queue (squeue), or raise "
+            "cluster.start_timeout_s."
+        )
+
+    def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
+        if state == "CANCELLED":
             raise RunFailedError(
                 f"slurm job {job_id} was cancelled outside the pipeline (scancel), so it is not "
                 "resubmitted: run the pipeline again to resume from the newest checkpoint."
             )
-        return Attempt(number, job_id, str(self.script_path), final, final == "COMPLETED", detail)
+        return super().outcome(number, job_id, script, state)
 
 
 # ---- kubernetes: an Indexed Job and a headless Service through the client -------------------
 
 
-class KubernetesLauncher(Launcher):
+class KubernetesLauncher(ClusterLauncher):
     """A headless Service (created once) and, per attempt, an Indexed Job ``<run id>-<attempt>``
-    built by ``flows.launch.kubernetes_objects`` (its YAML kept as
+    built by ``flows.render.kubernetes_objects`` (its YAML kept as
     ``train/kubernetes-<attempt>.yaml``), created through the ``kubernetes`` client; the Job's
     status and its pods' phases followed, pod 0's log streamed, the Job deleted when the
     attempt is left before it ended. ``apis`` (core, batch) replaces the client's APIs."""
 
     kind = "kubernetes"
+    noun = "kubernetes job"
+    queued = frozenset({"PENDING"})
+    ended = frozenset({"COMPLETED", "FAILED"})
 
     def __init__(self, run: RunConfig, train_dir: Path, log: Log, apis: tuple | None = None):
         super().__init__(run, train_dir, log)
         self._apis = apis
+        self._pod0: Any = None  # pod 0 of the Job as the last state read saw it
+        self._printed = 0  # lines of its log logged so far
 
     @classmethod
     def check(cls, run: RunConfig) -> None:
@@ -360,23 +408,24 @@ class KubernetesLauncher(Launcher):
             self._apis = (client.CoreV1Api(), client.BatchV1Api())
         return self._apis
 
-    def state(self, name: str) -> tuple[str, Any]:
-        """COMPLETED, FAILED, RUNNING (a pod has started) or PENDING, and pod 0 (or None)."""
+    def state(self, name: str) -> str:
+        """COMPLETED, FAILED, RUNNING (a pod has started) or PENDING; pod 0 (or None) is kept
+        for ``stream``."""
         core, batch = self.apis
         ns = self.run.cluster.namespace
         status = batch.read_namespaced_job_status(name, ns).status
         conditions = {c.type: c.status for c in (status.conditions or [])}
         pods = core.list_namespaced_pod(ns, label_selector=f"job-name={name}").items
-        first = next((p for p in pods if _completion_index(p) == "0"), None)
+        self._pod0 = next((p for p in pods if _completion_index(p) == "0"), None)
         if (
             conditions.get("Complete") == "True"
             or (status.succeeded or 0) >= self.run.cluster.nodes
         ):
-            return "COMPLETED", first
+            return "COMPLETED"
         if conditions.get("Failed") == "True" or (status.failed or 0) > 0:
-            return "FAILED", first
+            return "FAILED"
         started = any(p.status.phase in ("Running", "Succeeded", "Failed") for p in pods)
-        return ("RUNNING" if started else "PENDING"), first
+        return "RUNNING" if started else "PENDING"
 
     def cancel(self, name: str) -> None:
         self.log(f"kubernetes job {name}: deleting it (cancel)")
@@ -385,7 +434,9 @@ class KubernetesLauncher(Launcher):
             name, self.run.cluster.namespace, propagation_policy="Foreground"
         )
 
-    def attempt(self, number: int) -> Attempt:
+    def start(self, number: int) -> tuple[str, Path]:
+        """Keep the manifests as ``train/kubernetes-<number>.yaml``, create the Service (unless
+        an earlier attempt did) and the Job; returns the Job's name and the manifest."""
         from kubernetes.client.exceptions import ApiException
 
         c = self.run.cluster
@@ -405,43 +456,27 @@ class KubernetesLauncher(Launcher):
                 raise
         batch.create_namespaced_job(c.namespace, job)
         self.log(f"kubernetes job {name} created in namespace {c.namespace}: {manifest}")
-        created, printed, started, ended = time.monotonic(), 0, False, False
-        state, previous, first = "PENDING", "", None
-        try:
-            while True:
-                state, first = self.state(name)
-                printed = self._stream(first, printed)
-                if state != previous:
-                    self.log(f"kubernetes job {name}: {state}")
-                    previous = state
-                if state in ("COMPLETED", "FAILED"):
-                    ended = True
-                    break
-                started = started or state == "RUNNING"
-                waited = time.monotonic() - created
-                if not started and c.start_timeout_s and waited > c.start_timeout_s:
-                    raise LaunchTimeoutError(
-                        f"kubernetes job {name} did not start within cluster.start_timeout_s="
-                        f"{c.start_timeout_s:g} s (no pod running), so it was deleted: check "
-                        "the pods' events (kubectl describe pods), or raise "
-                        "cluster.start_timeout_s."
-                    )
-                time.sleep(c.poll_s)
-        finally:
-            if not ended:
-                self.cancel(name)
-        detail = f"kubernetes job {name} ended {state}"
-        return Attempt(number, name, str(manifest), state, state == "COMPLETED", detail)
+        self._pod0, self._printed = None, 0
+        return name, manifest
 
-    def _stream(self, pod: Any, printed: int) -> int:
-        """Log the lines of pod 0 past the first ``printed``; returns how many are logged."""
-        if pod is None or pod.status.phase == "Pending":
-            return printed
+    def stream(self, job_id: str, final: bool = False) -> None:
+        """Log the lines of pod 0 past those logged already (its whole log is read each time,
+        so the last look has logged everything: ``final`` reads nothing more)."""
+        pod = self._pod0
+        if final or pod is None or pod.status.phase == "Pending":
+            return
         core, _ = self.apis
         text = core.read_namespaced_pod_log(pod.metadata.name, self.run.cluster.namespace)
         lines = (text or "").splitlines()
-        self.forward(lines[printed:])
-        return max(printed, len(lines))
+        self.forward(lines[self._printed :])
+        self._printed = max(self._printed, len(lines))
+
+    def not_started(self, job_id: str, state: str | None) -> str:
+        return (
+            f"kubernetes job {job_id} did not start within cluster.start_timeout_s="
+            f"{self.run.cluster.start_timeout_s:g} s (no pod running), so it was deleted: check "
+            "the pods' events (kubectl describe pods), or raise cluster.start_timeout_s."
+        )
 
 
 def _completion_index(pod: Any) -> str | None:

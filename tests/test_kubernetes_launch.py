@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.launch import kubernetes_objects, render_kubernetes, run_id
+from flows.render import kubernetes_objects, render_kubernetes, run_id
 from flows.launchers import KubernetesLauncher, LaunchTimeoutError
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, RunConfig, from_dict, to_dict

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.launch import render_kubernetes, render_slurm, run_id, torchrun_command
+from flows.render import render_kubernetes, render_slurm, run_id, torchrun_command
 from moe_core.cli import main
 from moe_core.compose import compose_dict, compose_run
 from moe_core.config import ConfigError, to_dict
@@ -210,7 +210,7 @@ def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
 def test_kubernetes_objects_are_the_clients_typed_models_field_by_field():
     from kubernetes import client
 
-    from flows.launch import kubernetes_objects
+    from flows.render import kubernetes_objects
 
     run = compose_run(
         [
@@ -327,7 +327,7 @@ def _with(section: str, key: str, value: object, name: str = "pretrain-47b") -> 
     return config
 
 
-# Every string of the config that flows.launch writes into a script or manifest.
+# Every string of the config that flows.render writes into a script or manifest.
 WRITTEN = [
     ("cluster", "name"),
     ("cluster", "partition"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import BASE, losses
 
-from flows.launch import torchrun_command
+from flows.render import torchrun_command
 from moe_core.compose import compose_run
 from moe_core.config import to_dict
 from moe_core.convert.native import load_model_dir

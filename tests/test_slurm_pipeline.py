@@ -19,7 +19,7 @@ import torch
 from helpers import copy_of, masters, run_pipeline, seeded_run
 from test_multinode import free_port
 
-from flows.launch import render_slurm
+from flows.render import render_slurm
 from flows.launchers import LaunchTimeoutError
 from moe_core.config import RunConfig, from_dict
 

@@ -1,0 +1,266 @@
+"""What a cluster runs for the train stage: the torchrun command of one node, a Slurm batch
+script, a Kubernetes Job and its headless Service.
+
+Every node runs one ``torchrun`` that starts ``cluster.procs_per_node`` ranks and joins a c10d
+rendezvous hosted on the first node; each rank runs ``moe train --config <resolved JSON>``, so
+every node trains exactly the config the pipeline resolved (no Hydra on the nodes). The run
+directory must be on storage every node shares (a parallel file system under Slurm, a
+ReadWriteMany volume under Kubernetes).
+
+These functions return text (for ``sbatch`` or ``kubectl apply``) or the ``kubernetes``
+client's models and submit nothing; ``flows.launchers`` submits them. This module imports no
+other module of ``flows``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from moe_core.config import ConfigError, RunConfig, check_path
+from moe_core.files import sha256_hex
+from moe_core.plan import check_cluster
+
+
+def run_id(run: RunConfig) -> str:
+    """A stable id for a run (its model and output directory): the rendezvous id."""
+    digest = sha256_hex(run.out_dir.encode())[:8]
+    model = re.sub(r"[^a-z0-9]+", "-", run.model.name.lower()).strip("-")[:40] or "model"
+    return f"moe-{model}-{digest}"
+
+
+def torchrun_command(
+    run: RunConfig,
+    config_path: str,
+    nnodes: int,
+    node_rank: int | None,
+    rdzv_endpoint: str,
+    *,
+    rdzv_id: str | None = None,
+    python: str | None = None,
+    max_restarts: int = 0,
+) -> list[str]:
+    """The command one node runs: ``torchrun`` with a c10d rendezvous at ``rdzv_endpoint``
+    (``host:port`` of the first node), ``cluster.procs_per_node`` ranks, then
+    ``moe train --config config_path``.
+
+    c10d assigns node ranks at the rendezvous: torchrun ignores ``--node-rank`` (with a warning),
+    so ``node_rank`` is only checked and passed along; None leaves it out (Slurm, Kubernetes).
+    ``python`` runs torchrun through that interpreter (``python -m torch.distributed.run``)
+    instead of the ``torchrun`` on PATH.
+    """
+    check_cluster(run)
+    procs = run.cluster.procs_per_node
+    world = run.parallel.world_size
+    if nnodes < 1 or nnodes * procs != world:
+        raise ConfigError(
+            f"nnodes={nnodes} is not allowed: with cluster.procs_per_node={procs} the layout's "
+            f"{world} processes need nnodes={world // procs}."
+        )
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise ConfigError(f"node_rank={node_rank} is not allowed: from 0 to {nnodes - 1}.")
+    if not re.fullmatch(r"[^\s:]+:\d+", rdzv_endpoint):
+        raise ConfigError(
+            f"rdzv_endpoint={rdzv_endpoint!r} is not allowed: host:port of the first node."
+        )
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts={max_restarts} is not allowed: zero or more.")
+    options = [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={procs}",
+        *([f"--node-rank={node_rank}"] if node_rank is not None else []),
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id or run_id(run)}",
+        f"--max-restarts={max_restarts}",
+    ]
+    return _torchrun(python, options, config_path)
+
+
+def standalone_command(config_path: str, nproc: int, python: str) -> list[str]:
+    """One node on its own (``cluster.kind='local'``): ``torchrun --standalone`` of ``nproc``
+    ranks through ``python``, each running ``moe train --config config_path``."""
+    return _torchrun(python, ["--standalone", f"--nproc-per-node={nproc}"], config_path)
+
+
+def _torchrun(python: str | None, options: list[str], config_path: str) -> list[str]:
+    """torchrun (``python -m torch.distributed.run`` when ``python`` is given, else the
+    ``torchrun`` on PATH) with ``options``, every rank running ``moe train --config``."""
+    head = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
+    return [*head, *options, "-m", "moe_core.cli", "train", "--config", config_path]
+
+
+def _shell(args: list[str]) -> str:
+    """Shell words; an argument holding ``${`` (our own variables) is expanded by the shell."""
+    return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
+
+
+def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
+    c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
+    c = run.cluster
+    if c.kind != "slurm":
+        raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
+    check_cluster(run)
+    run_dir = check_path("run_dir", run_dir)
+    config_path = check_path("config_path", config_path)
+    directives = [
+        f"--job-name={run_id(run)}",
+        f"--nodes={c.nodes}",
+        "--ntasks-per-node=1",
+        *([f"--gpus-per-node={c.gpus_per_node}"] if c.gpus_per_node else []),
+        *([f"--partition={c.partition}"] if c.partition else []),
+        *([f"--account={c.account}"] if c.account else []),
+        f"--time={c.time_limit}",
+        f"--output={run_dir}/slurm-%j.out",
+        f"--chdir={run_dir}",
+        "--exclusive",
+    ]
+    cmd = torchrun_command(
+        run,
+        config_path,
+        c.nodes,
+        None,
+        f"${{MOE_RDZV_HOST}}:{c.rdzv_port}",
+        rdzv_id="${SLURM_JOB_ID}",
+    )
+    layout = run.parallel
+    lines = [
+        "#!/bin/bash",
+        f"# moe_core: model {run.model.name}, pp {layout.pp} x dp {layout.dp} x ep {layout.ep} "
+        f"on {c.nodes} nodes x {c.procs_per_node} processes (rendered by flows/launch.py).",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -euo pipefail",
+        "# The first node of the allocation hosts the c10d rendezvous.",
+        'MOE_RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_RDZV_HOST"',
+        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none '
+        "--kill-on-bad-exit=1 \\",
+        "  " + _shell(cmd),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _kubernetes_client() -> Any:
+    try:
+        from kubernetes import client
+    except ImportError:
+        raise ConfigError(
+            "cluster.kind='kubernetes' is not allowed without the kubernetes package: install it "
+            "with pip install 'moe-core[kubernetes]'."
+        ) from None
+    return client
+
+
+def kubernetes_objects(
+    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+) -> tuple[Any, Any]:
+    """A headless Service (stable DNS for the rendezvous host, pod 0) and an Indexed Job of
+    ``cluster.nodes`` pods, each a torchrun on ``gpus_per_node`` GPUs, as the ``kubernetes``
+    client's typed models. The PersistentVolumeClaim ``cluster.volume_claim`` is mounted at
+    ``cluster.volume_path`` in every pod, as on the machine that wrote the run directory, which
+    must lie below it. ``attempt`` N names the Job ``<run id>-N`` (a Job cannot be rerun, so
+    each launch of the pipeline is a Job of its own); None names it ``<run id>``."""
+    c = run.cluster
+    if c.kind != "kubernetes":
+        raise ConfigError(
+            f"cluster.kind={c.kind!r} is not allowed here: 'kubernetes' (cluster=kubernetes)."
+        )
+    check_cluster(run)
+    run_dir = check_path("run_dir", run_dir)
+    config_path = check_path("config_path", config_path)
+    volume = PurePosixPath(c.volume_path)
+    for key, path in (("run_dir", run_dir), ("config_path", config_path)):
+        if not PurePosixPath(path).is_relative_to(volume):
+            raise ConfigError(
+                f"{key}={path!r} is not allowed: it must lie below cluster.volume_path "
+                f"({c.volume_path}), where the pods mount cluster.volume_claim."
+            )
+    k8s = _kubernetes_client()
+    service_name = run_id(run)
+    job_name = service_name if attempt is None else f"{service_name}-{attempt}"
+    labels = {"app.kubernetes.io/name": "moe-core", "moe-core/run": service_name}
+
+    def meta(name: str) -> Any:
+        return k8s.V1ObjectMeta(name=name, namespace=c.namespace, labels=dict(labels))
+
+    rdzv_host = f"{job_name}-0.{service_name}"  # pod 0 of the Indexed Job, through the Service
+    cmd = torchrun_command(run, config_path, c.nodes, None, f"{rdzv_host}:{c.rdzv_port}")
+    container = k8s.V1Container(
+        name="trainer",
+        image=c.image,
+        working_dir=run_dir,
+        command=cmd,
+        env=[k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")],
+        ports=[k8s.V1ContainerPort(name="rdzv", container_port=c.rdzv_port)],
+        volume_mounts=[
+            k8s.V1VolumeMount(name="runs", mount_path=c.volume_path),
+            k8s.V1VolumeMount(name="shm", mount_path="/dev/shm"),
+        ],
+        resources=(
+            k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": str(c.gpus_per_node)})
+            if c.gpus_per_node
+            else None
+        ),
+    )
+    service = k8s.V1Service(
+        api_version="v1",
+        kind="Service",
+        metadata=meta(service_name),
+        spec=k8s.V1ServiceSpec(
+            cluster_ip="None",
+            publish_not_ready_addresses=True,
+            selector={"moe-core/run": service_name},
+            ports=[k8s.V1ServicePort(name="rdzv", port=c.rdzv_port, target_port=c.rdzv_port)],
+        ),
+    )
+    pod = k8s.V1PodSpec(
+        subdomain=service_name,
+        restart_policy="Never",
+        containers=[container],
+        volumes=[
+            k8s.V1Volume(
+                name="runs",
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=c.volume_claim
+                ),
+            ),
+            k8s.V1Volume(name="shm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
+        ],
+    )
+    job = k8s.V1Job(
+        api_version="batch/v1",
+        kind="Job",
+        metadata=meta(job_name),
+        spec=k8s.V1JobSpec(
+            completion_mode="Indexed",
+            completions=c.nodes,
+            parallelism=c.nodes,
+            backoff_limit=0,  # a failed pod fails the Job; the pipeline launches a new one
+            template=k8s.V1PodTemplateSpec(
+                metadata=k8s.V1ObjectMeta(labels=dict(labels)), spec=pod
+            ),
+        ),
+    )
+    return service, job
+
+
+def render_kubernetes(
+    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+) -> str:
+    """The manifests of ``kubernetes_objects`` as YAML, for ``kubectl apply -f``."""
+    objects = kubernetes_objects(run, run_dir, config_path, attempt)
+    api = _kubernetes_client().ApiClient()
+    header = (
+        f"# moe_core: model {run.model.name} on {run.cluster.nodes} pods x "
+        f"{run.cluster.procs_per_node} processes (rendered by flows/launch.py); kubectl apply -f "
+        "this file.\n"
+    )
+    return header + yaml.safe_dump_all(
+        [api.sanitize_for_serialization(o) for o in objects], sort_keys=False
+    )
