@@ -16,13 +16,9 @@ off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_D
 layout fits the machine's memory (the figure the 47B run is compared with). The test suite
 runs it.
 
-What is not a benchmark script lives here: ``pipeline-kill`` runs ``moe pipeline`` and kills one
-training rank once the run has passed ``--kill-at`` steps; the train stage must relaunch
-training from its newest checkpoint and the pipeline finish; a second run of the same pipeline
-must find it done, and the export load in ``transformers`` (issue 21, run 7). On this CPU machine
-with ``--config-name pretrain-tiny`` (two gloo ranks, one killed after step 60 or 62 in two
-tries): the stage relaunched from step 50 and finished, the rerun skipped every stage as
-verified and ``transformers`` loaded the export; 2 min 40-46 s in all.
+The calls are data, ``multi_gpu.toml`` (each call's GPUs, minutes, what it covers, its
+commands); this file reads it and runs it. ``pipeline-kill`` (the call x8-pipeline) is the
+fault-injection run of ``pipeline_kill.py``.
 """
 
 from __future__ import annotations
@@ -31,58 +27,27 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-PY = "python3"
-TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
-STEP = [PY, "benchmarks/trainer_step.py", "--layers", "16", "--precision", "pure-bf16"]
-# Rowwise receive buffers on 8 GPUs: dropless they hold every rank's rows in every layer's
-# activations (173.5 GiB planned at EP=8, over an H200); twice the uniform load plans 66.3 GiB
-# (Olmo-core 3's rowwise path defaults to 1.25; ours stops the step on an overflow).
-ROWWISE_EP8 = ["--ep-capacity-factor", "2.0"]
-# moe train at EP=2 (all-to-all) with FP8 parts (the argument after this list)
-FP8_STEP = [
-    *[PY, "benchmarks/trainer_step.py", "--layers", "16", "--precision", "fp8", "--skip-bare"],
-    *["--ep", "2", "--dispatcher", "all_to_all", "--fp8-parts"],
-]
-# OLMoE-1B-7B's pipeline on one 8-GPU node, a couple of hundred steps on the kjv-gpt2 corpus.
-PIPELINE = [
-    "--config-name",
-    "pretrain-olmoe-1b-7b",
-    "precision=pure-bf16",  # bf16 state: each checkpoint ~42 GB of the node's disk
-    "train.steps=200",
-    "train.global_batch_size=32",
-    "train.micro_batch_size=4",
-    "train.checkpoint_every=50",
-    "train.eval_every=100",
-]
-# pretrain-47b at EP=8 on the 8 GPUs of one node: its plan's PP=2 x EP=8 needs 16 GPUs, so one
-# stage and one data-parallel replica, with block recompute to fit.
-P47B = [
-    "--config-name",
-    "pretrain-47b",
-    "data=synthetic",  # a few timed steps: no shards needed
-    "parallel=ep8",
-    "parallel.recompute=block",  # 121.5 of 141 GiB planned; without it 153.4
-    "cluster=local-gpu",
-    "cluster.nodes=1",
-    "train.global_batch_size=8",
-    "train.steps=6",
-    "train.checkpoint_at_end=false",
-    "train.save_model=false",
-]
+RUNBOOK = tomllib.loads((HERE / "multi_gpu.toml").read_text())
+ENV: dict[str, str] = RUNBOOK["env"]
+WORDS = {name: shlex.split(text) for name, text in RUNBOOK["words"].items()}
+STEP, FP8_STEP = WORDS["STEP"], WORDS["FP8_STEP"]
+
+
+def words(command: str) -> list[str]:
+    """A command of the runbook as arguments, each ``$NAME`` replaced by ``WORDS[NAME]``."""
+    out: list[str] = []
+    for word in shlex.split(command):
+        out += WORDS[word[1:]] if word.startswith("$") else [word]
+    return out
 
 
 @dataclass
@@ -100,211 +65,16 @@ class Call:
 
 
 def calls() -> list[Call]:
-    peer = ["bash", "benchmarks/peer_ep.sh", "{peer_kit}", "{peer_wheels}"]
     return [
         Call(
-            "x2-tests",
-            2,
-            9,
-            "1. pytest -m gpu in full, incl. the 2-GPU tests (the NCCL parity test among them)",
-            [[PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]],
-        ),
-        Call(
-            "x2-dispatch",
-            2,
-            5,
-            "2. dispatch + combine at 512 MiB/rank, each dispatcher; the MoE layer EP=1 vs EP=2",
-            [
-                [
-                    *TORCHRUN,
-                    "--nproc-per-node=2",
-                    "benchmarks/ep_dispatch.py",
-                    "--out",
-                    "{out}/ep_dispatch_2xh200.json",
-                ],
-                [
-                    *TORCHRUN,
-                    "--nproc-per-node=2",
-                    "benchmarks/moe_layer_ep.py",
-                    "--dispatchers",
-                    "all_to_all,nvshmem_rowwise",
-                    "--expert-gemm",
-                    "auto",
-                    "--out",
-                    "{out}/moe_layer_ep_2xh200.json",
-                ],
-            ],
-        ),
-        Call(
-            "x2-step",
-            2,
-            9,
-            "3-4. moe train at EP=2 (each dispatcher) and DP=2 against the bare EP=1 step",
-            [
-                [
-                    *STEP,
-                    "--ep",
-                    "2",
-                    "--dispatcher",
-                    "nvshmem_rowwise",
-                    "--out",
-                    "{out}/trainer_step_ep2_rowwise_2xh200.json",
-                ],
-                [
-                    *STEP,
-                    "--ep",
-                    "2",
-                    "--dispatcher",
-                    "all_to_all",
-                    "--skip-bare",
-                    "--out",
-                    "{out}/trainer_step_ep2_all_to_all_2xh200.json",
-                ],
-                [*STEP, "--dp", "2", "--skip-bare", "--out", "{out}/trainer_step_dp2_2xh200.json"],
-            ],
-        ),
-        Call(
-            "x2-fp8",
-            2,
-            5,
-            "4. moe train at EP=2 with FP8 experts, token rows sent in bf16 and in FP8 (issue "
-            "17's dispatch part)",
-            [
-                [
-                    *FP8_STEP,
-                    "experts",
-                    "--out",
-                    "{out}/trainer_step_ep2_fp8_experts_2xh200.json",
-                ],
-                [
-                    *FP8_STEP,
-                    "experts,dispatch",
-                    "--out",
-                    "{out}/trainer_step_ep2_fp8_experts_dispatch_2xh200.json",
-                ],
-            ],
-        ),
-        Call(
-            "x2-peer",
-            2,
-            8,
-            "3. Olmo-core 3's EP=2 step, rowwise NVSHMEM and sync 1D (the peer kit)",
-            [
-                [*peer, "2", "rowwise_nvshmem", "{out}/peer_ep2_rowwise_2xh200.json"],
-                [*peer, "2", "sync_1d", "{out}/peer_ep2_sync_1d_2xh200.json"],
-            ],
-            needs=["peer_kit", "peer_wheels"],
-        ),
-        Call(
-            "x8-step",
-            8,
-            9,
-            "5. moe train at EP=8 (8 experts per GPU, each dispatcher) and DP=2 x EP=4",
-            [
-                [
-                    *STEP,
-                    "--ep",
-                    "8",
-                    "--dispatcher",
-                    "nvshmem_rowwise",
-                    *ROWWISE_EP8,
-                    "--out",
-                    "{out}/trainer_step_ep8_rowwise_8xh200.json",
-                ],
-                [
-                    *STEP,
-                    "--ep",
-                    "8",
-                    "--dispatcher",
-                    "all_to_all",
-                    "--skip-bare",
-                    "--out",
-                    "{out}/trainer_step_ep8_all_to_all_8xh200.json",
-                ],
-                [
-                    *STEP,
-                    "--ep",
-                    "4",
-                    "--dp",
-                    "2",
-                    "--dispatcher",
-                    "nvshmem_rowwise",
-                    *ROWWISE_EP8,
-                    "--skip-bare",
-                    "--out",
-                    "{out}/trainer_step_dp2_ep4_rowwise_8xh200.json",
-                ],
-            ],
-        ),
-        Call(
-            "x8-peer",
-            8,
-            5,
-            "5. Olmo-core 3's EP=8 step, rowwise NVSHMEM (the peer kit)",
-            [[*peer, "8", "rowwise_nvshmem", "{out}/peer_ep8_rowwise_8xh200.json"]],
-            needs=["peer_kit", "peer_wheels"],
-        ),
-        Call(
-            "x8-pool",
-            8,
-            6,
-            "6. expert pool 8 -> 128 at fixed active parameters, EP=1 vs EP=8, one MoE layer",
-            [
-                [
-                    *TORCHRUN,
-                    "--nproc-per-node=8",
-                    "benchmarks/moe_layer_ep.py",
-                    "--experts",
-                    "8,16,32,64,128",
-                    "--top-k",
-                    "4",
-                    "--expert-gemm",
-                    "auto",
-                    "--dispatchers",
-                    "nvshmem_rowwise,all_to_all",
-                    "--out",
-                    "{out}/pool_ep8_8xh200.json",
-                ],
-            ],
-        ),
-        Call(
-            "x8-pipeline",
-            8,
-            10,
-            "7. moe pipeline end to end on token shards, one rank killed mid-train, resumed",
-            [
-                [
-                    PY,
-                    "benchmarks/multi_gpu.py",
-                    "pipeline-kill",
-                    "--out",
-                    "{out}",
-                    "--kill-at",
-                    "100",
-                    "--",
-                    *PIPELINE,
-                ]
-            ],
-        ),
-        Call(
-            "x8-47b",
-            8,
-            8,
-            "8. pretrain-47b (EP=8) for a few steps against moe plan's memory and time",
-            [
-                [PY, "-m", "moe_core.cli", "plan", *P47B],
-                [
-                    *TORCHRUN,
-                    "--nproc-per-node=8",
-                    "-m",
-                    "moe_core.cli",
-                    "train",
-                    *P47B,
-                    "train.log_every=1",
-                    "out_dir={out}/p47b",
-                ],
-            ],
-        ),
+            c["name"],
+            c["gpus"],
+            c["minutes"],
+            c["what"],
+            [words(command) for command in c["commands"]],
+            c.get("needs", []),
+        )
+        for c in RUNBOOK["call"]
     ]
 
 
@@ -429,91 +199,6 @@ def run_call(call: Call, values: dict[str, str | None]) -> int:
     return worst
 
 
-def newest_step(run_dir: Path) -> int:
-    """The last step the train stage logged whole (-1 before any)."""
-    metrics = run_dir / "train" / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):  # a line still being written
-            continue
-    return -1
-
-
-def training_ranks(run_dir: Path) -> list[int]:
-    """Process ids of the train stage's ranks: their command line names the stage's config
-    (``moe_core.cli train --config RUN_DIR/train/config.json``); torchrun's does too, and is
-    left out."""
-    marker = str(run_dir / "train" / "config.json").encode()
-    ranks = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker in cmdline and b"torch.distributed.run" not in cmdline:
-            ranks.append(int(pid))
-    return sorted(ranks)
-
-
-def loads_in_transformers(hf_dir: Path) -> dict:
-    """Whether ``transformers`` loads the exported checkpoint (in a child process: 14 GB)."""
-    code = (
-        "import sys, torch; from transformers import AutoModelForCausalLM as M; "
-        "m = M.from_pretrained(sys.argv[1], dtype=torch.bfloat16); "
-        "print(sum(p.numel() for p in m.parameters()))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(hf_dir)], capture_output=True, text=True, timeout=600
-    )
-    params = done.stdout.split()[-1] if done.returncode == 0 and done.stdout.split() else None
-    return {"rc": done.returncode, "parameters": params, "stderr_tail": done.stderr[-400:]}
-
-
-def pipeline_kill(out: Path, kill_at: int, overrides: list[str], timeout_s: float) -> dict:
-    """``moe pipeline`` until training has logged ``kill_at`` steps, then one rank SIGKILLed:
-    the train stage relaunches training from its newest checkpoint (``cluster.launch_retries``;
-    with none left the run fails and the second run resumes it). Then the same pipeline again,
-    which must find every stage done (or finish it), and the export loaded in ``transformers``.
-    Both runs' output goes to ``pipeline_{first,second}.log`` in ``out``; the record holds the
-    kill, the stage's relaunch lines, the exit codes and the load."""
-    run_dir = out / "pipeline"
-    cmd = [sys.executable, "-m", "moe_core.cli", "pipeline", *overrides, f"run_dir={run_dir}"]
-    env = {**os.environ, **ENV}
-    start = time.time()
-    out.mkdir(parents=True, exist_ok=True)
-    logs = [out / "pipeline_first.log", out / "pipeline_second.log"]
-    with logs[0].open("w") as log:
-        first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        killed = None
-        while first.poll() is None and time.time() - start < timeout_s:
-            step = newest_step(run_dir)
-            if killed is None and step >= kill_at and (ranks := training_ranks(run_dir)):
-                killed = {"pid": ranks[-1], "ranks": len(ranks), "after_step": step}
-                os.kill(ranks[-1], signal.SIGKILL)
-            time.sleep(1)
-        if first.poll() is None:
-            first.kill()
-    record = {"command": cmd[2:], "killed": killed, "first_rc": first.wait()}
-    resumed_at = time.time()
-    with logs[1].open("w") as log:
-        second = subprocess.run(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
-        )
-    text = logs[0].read_text() + logs[1].read_text()
-    record |= {
-        "relaunched": [line[-200:] for line in text.splitlines() if "launching again" in line],
-        "resumed": [line[-200:] for line in text.splitlines() if "resumed from" in line],
-        "second_rc": second.returncode,
-        "second_seconds": time.time() - resumed_at,
-        "last_step": newest_step(run_dir),
-        "hf_load": loads_in_transformers(run_dir / "hf") if second.returncode == 0 else None,
-        "seconds": time.time() - start,
-    }
-    return record
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -551,13 +236,11 @@ def main() -> None:
         }
         sys.exit(run_call(by_name(args.call), values))
     else:
-        record = pipeline_kill(Path(args.out), args.kill_at, args.overrides, args.timeout_s)
-        (Path(args.out) / "pipeline_kill.json").write_text(json.dumps(record, indent=2) + "\n")
-        print(json.dumps(record))
-        resumed = record["relaunched"] or record["first_rc"] != 0
-        loaded = record["hf_load"] is not None and record["hf_load"]["rc"] == 0
-        ok = record["killed"] and resumed and record["second_rc"] == 0 and loaded
-        sys.exit(0 if ok else 1)
+        import pipeline_kill
+
+        sys.exit(
+            pipeline_kill.run(Path(args.out), args.kill_at, args.overrides, args.timeout_s, ENV)
+        )
 
 
 if __name__ == "__main__":

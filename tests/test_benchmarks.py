@@ -133,7 +133,7 @@ def test_multi_gpu_runbook_refuses_before_starting_anything(scripts, tmp_path):
 def test_pipeline_kill_finds_the_train_stage_ranks_not_torchrun(scripts, tmp_path):
     """The rank to kill: a process whose command line names the stage's config, not the
     torchrun launcher that names it too; the newest logged step tolerates a half-written line."""
-    runbook = scripts("multi_gpu")
+    runbook = scripts("pipeline_kill")
     config = tmp_path / "train" / "config.json"
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     rank = subprocess.Popen([*sleep, "-m", "moe_core.cli", "train", "--config", str(config)])
