@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.render import kubernetes_objects, render_kubernetes, run_id
 from flows.launchers import KubernetesLauncher, LaunchTimeoutError
+from flows.render import kubernetes_objects, render_kubernetes, run_id
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, RunConfig, from_dict, to_dict
 

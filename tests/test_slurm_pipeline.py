@@ -19,8 +19,8 @@ import torch
 from helpers import copy_of, masters, run_pipeline, seeded_run
 from test_multinode import free_port
 
-from flows.render import render_slurm
 from flows.launchers import LaunchTimeoutError
+from flows.render import render_slurm
 from moe_core.config import RunConfig, from_dict
 
 pytestmark = pytest.mark.slow
