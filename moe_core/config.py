@@ -410,13 +410,24 @@ class ParallelConfig:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
         return self.compile if self.compile is not None else device_type == "cuda"
 
+    @property
+    def rowwise_ep(self) -> bool:
+        """Whether tokens travel through the rowwise dispatcher: ``ep > 1`` over
+        ``nvshmem_rowwise`` (with ``ep = 1`` no token leaves its rank, whatever is set)."""
+        return self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
+
     def cuda_graph_on(self, device_type: str) -> bool:
         """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA in
-        one process, and with ``ep > 1`` over ``nvshmem_rowwise`` and no pipeline."""
+        one process, and with ``rowwise_ep`` and no pipeline. ``cuda_graph=true`` on another
+        device is refused (the device is known only once the processes start)."""
+        if self.cuda_graph and device_type != "cuda":
+            raise ConfigError(
+                f"parallel.cuda_graph=true needs CUDA GPUs, and this run is on {device_type}; "
+                "set it to false or null."
+            )
         if self.cuda_graph is not None:
             return self.cuda_graph
-        rowwise = self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
-        return device_type == "cuda" and self.pp == 1 and (rowwise or self.world_size == 1)
+        return device_type == "cuda" and self.pp == 1 and (self.rowwise_ep or self.world_size == 1)
 
     def __post_init__(self) -> None:
         p = "parallel."
