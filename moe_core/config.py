@@ -99,6 +99,176 @@ def _at_most(name: str, value: int, limit: int, why: str) -> None:
         _fail(name, value, f"at most {limit:,}, {why}")
 
 
+# --------------------------------------------------------------------------------------------
+# The layout rules: one table that config validation (``_check_rules``) and the plan page
+# (``planner.js``'s ``ruleRefusal``, which receives it as JSON) both read. A row holds when its
+# check is true of its two operands (a quantity of ``rule_quantities`` or a literal); where it
+# does not, the run is refused with the row's sentence. Each check is written once here and once
+# in planner.js.
+
+RULE_CHECKS: dict[str, typing.Callable[[Any, Any], bool]] = {
+    "multiple_of": lambda a, b: a % b == 0,
+    "divides": lambda a, b: b % a == 0,
+    "at_most": lambda a, b: a <= b,
+    "at_least": lambda a, b: a >= b,
+    "equals": lambda a, b: a == b,
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A refusal: in ``section``'s check (``train``, ``parallel`` or ``run``, the cross-section
+    checks), where ``when`` (a quantity, or None: always) is true and ``check(a, b)`` is not,
+    the sentence ``{field}={value!r} is not allowed: {allowed}.`` (or ``sentence`` itself,
+    raised as not built yet). ``allowed`` and ``sentence`` name quantities as ``{name}`` or
+    ``{name!r}`` (Python's repr)."""
+
+    section: str
+    field: str
+    check: str
+    a: str
+    b: str | int
+    allowed: str = ""
+    when: str | None = None
+    sentence: str | None = None  # a whole sentence of an option not built yet
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "train",
+        "train.global_batch_size",
+        "multiple_of",
+        "train.global_batch_size",
+        "train.micro_batch_size",
+        "a multiple of train.micro_batch_size ({train.micro_batch_size})",
+    ),
+    Rule(
+        "parallel",
+        "parallel.pp",
+        "at_least",
+        "parallel.pp",
+        2,
+        "at least 2 with parallel.pp_schedule=interleaved_1f1b",
+        when="interleaved",
+    ),
+    Rule(
+        "run",
+        "train.seq_len",
+        "at_most",
+        "train.seq_len",
+        "model.max_seq_len",
+        "at most model.max_seq_len ({model.max_seq_len})",
+    ),
+    Rule(
+        "run",
+        "parallel.ep",
+        "divides",
+        "parallel.ep",
+        "model.n_experts",
+        "a divisor of model.n_experts ({model.n_experts})",
+    ),
+    Rule(
+        "run",
+        "parallel.pp",
+        "divides",
+        "chunks",
+        "model.n_layers",
+        "pp x virtual_stages ({chunks}) must divide model.n_layers ({model.n_layers}) so every "
+        "stage gets whole blocks",
+    ),
+    Rule(
+        "run",
+        "train.global_batch_size",
+        "multiple_of",
+        "train.global_batch_size",
+        "per_step",
+        "a multiple of micro_batch_size x dp x ep ({per_step})",
+    ),
+    Rule(
+        "run",
+        "train.eval_batches",
+        "multiple_of",
+        "train.eval_batches",
+        "data_parallel",
+        "a multiple of dp x ep ({data_parallel})",
+    ),
+    Rule(
+        "run",
+        "train.global_batch_size",
+        "multiple_of",
+        "micro_batches",
+        "parallel.pp",
+        "interleaved 1F1B needs micro-batches per step ({micro_batches}) divisible by "
+        "parallel.pp ({parallel.pp})",
+        when="interleaved",
+    ),
+    Rule(
+        "run",
+        "precision.fp8_parts",
+        "at_least",
+        "parallel.ep",
+        2,
+        "a list without 'dispatch' when parallel.ep=1 (no token rows travel)",
+        when="fp8_dispatch",
+    ),
+    Rule(
+        "run",
+        "precision.fp8_parts",
+        "equals",
+        "parallel.dispatcher",
+        "all_to_all",
+        when="fp8_dispatch",
+        sentence="precision.fp8_parts 'dispatch' with parallel.dispatcher={parallel.dispatcher!r} "
+        "is not built yet: FP8 token rows travel through the all_to_all dispatcher; use "
+        "parallel.dispatcher=all_to_all or leave 'dispatch' out.",
+    ),
+)
+
+
+def rule_quantities(**sections: Any) -> dict[str, Any]:
+    """What the rules read of the sections given (``train=``, ``parallel=``, ``model=``,
+    ``precision=``): every field as ``section.field``, and the layout's derived counts.
+    planner.js's ``ruleQuantities`` builds the same names from a page layout."""
+    q = {
+        f"{name}.{f.name}": getattr(s, f.name)
+        for name, s in sections.items()
+        for f in dataclasses.fields(s)
+    }
+    par, t, prec = sections.get("parallel"), sections.get("train"), sections.get("precision")
+    if par is not None:
+        q["interleaved"] = par.pp_schedule == "interleaved_1f1b"
+        q["chunks"] = par.pp * par.virtual_stages
+        q["data_parallel"] = par.dp * par.ep
+    if par is not None and t is not None:
+        q["per_step"] = t.micro_batch_size * q["data_parallel"]
+        q["micro_batches"] = t.global_batch_size // q["per_step"]
+    if prec is not None:
+        q["fp8_dispatch"] = "dispatch" in prec.fp8_parts
+    return q
+
+
+def _fill(template: str, q: dict[str, Any]) -> str:
+    """``template`` with each ``{name}`` / ``{name!r}`` replaced by quantity ``name``."""
+    return re.sub(
+        r"\{([\w.]+)(!r)?\}",
+        lambda m: repr(q[m.group(1)]) if m.group(2) else str(q[m.group(1)]),
+        template,
+    )
+
+
+def _check_rules(section: str, q: dict[str, Any]) -> None:
+    """Raise the sentence of the first rule of ``section`` that ``q`` breaks (``RULES``)."""
+    for r in RULES:
+        if r.section != section or (r.when is not None and not q[r.when]):
+            continue
+        b = q.get(r.b, r.b) if isinstance(r.b, str) else r.b
+        if RULE_CHECKS[r.check](q[r.a], b):
+            continue
+        if r.sentence is not None:
+            raise OptionNotImplementedError(_fill(r.sentence, q))
+        _fail(r.field, q[r.field], _fill(r.allowed, q))
+
+
 # Sizes no real model reaches, refused before a model (or its converter) spends minutes and
 # gigabytes on them: the largest published MoE decoders have about 100 layers, 384 experts and
 # 16k hidden; token ids are stored as uint32.
@@ -241,12 +411,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(p + name, getattr(self, name), "a number in [0, 1)")
-        if self.global_batch_size % self.micro_batch_size:
-            _fail(
-                p + "global_batch_size",
-                self.global_batch_size,
-                f"a multiple of train.micro_batch_size ({self.micro_batch_size})",
-            )
+        _check_rules("train", rule_quantities(train=self))
 
 
 GPT2_VOCAB_SIZE = 50257  # data.tokenizer=gpt2, known without loading it
@@ -410,13 +575,24 @@ class ParallelConfig:
         """Whether blocks are compiled on ``device_type``: as set, else on for CUDA only."""
         return self.compile if self.compile is not None else device_type == "cuda"
 
+    @property
+    def rowwise_ep(self) -> bool:
+        """Whether tokens travel through the rowwise dispatcher: ``ep > 1`` over
+        ``nvshmem_rowwise`` (with ``ep = 1`` no token leaves its rank, whatever is set)."""
+        return self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
+
     def cuda_graph_on(self, device_type: str) -> bool:
         """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA in
-        one process, and with ``ep > 1`` over ``nvshmem_rowwise`` and no pipeline."""
+        one process, and with ``rowwise_ep`` and no pipeline. ``cuda_graph=true`` on another
+        device is refused (the device is known only once the processes start)."""
+        if self.cuda_graph and device_type != "cuda":
+            raise ConfigError(
+                f"parallel.cuda_graph=true needs CUDA GPUs, and this run is on {device_type}; "
+                "set it to false or null."
+            )
         if self.cuda_graph is not None:
             return self.cuda_graph
-        rowwise = self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
-        return device_type == "cuda" and self.pp == 1 and (rowwise or self.world_size == 1)
+        return device_type == "cuda" and self.pp == 1 and (self.rowwise_ep or self.world_size == 1)
 
     def __post_init__(self) -> None:
         p = "parallel."
@@ -431,8 +607,7 @@ class ParallelConfig:
                 self.virtual_stages,
                 "at least 2 with parallel.pp_schedule=interleaved_1f1b",
             )
-        if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
-            _fail(p + "pp", self.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b")
+        _check_rules("parallel", rule_quantities(parallel=self))
         if self.cuda_graph and self.pp > 1:
             _fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
         if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":
@@ -789,52 +964,9 @@ class RunConfig:
         vocab = self.data.tokenizer_vocab_size
         if self.data.kind == "tokens" and vocab is not None:
             check_tokenizer_fits(self.data, vocab, self.model.vocab_size)
-        m, t, par = self.model, self.train, self.parallel
-        if t.seq_len > m.max_seq_len:
-            _fail("train.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
-        if m.n_experts % par.ep:
-            _fail("parallel.ep", par.ep, f"a divisor of model.n_experts ({m.n_experts})")
-        chunks = par.pp * par.virtual_stages
-        if m.n_layers % chunks:
-            _fail(
-                "parallel.pp",
-                par.pp,
-                f"pp x virtual_stages ({chunks}) must divide model.n_layers ({m.n_layers}) "
-                "so every stage gets whole blocks",
-            )
-        per_step = t.micro_batch_size * par.data_parallel
-        if t.global_batch_size % per_step:
-            _fail(
-                "train.global_batch_size",
-                t.global_batch_size,
-                f"a multiple of micro_batch_size x dp x ep ({per_step})",
-            )
-        if t.eval_batches % par.data_parallel:
-            _fail(
-                "train.eval_batches",
-                t.eval_batches,
-                f"a multiple of dp x ep ({par.data_parallel})",
-            )
-        n_micro = t.global_batch_size // per_step
-        if par.pp_schedule == "interleaved_1f1b" and n_micro % par.pp:
-            _fail(
-                "train.global_batch_size",
-                t.global_batch_size,
-                f"interleaved 1F1B needs micro-batches per step ({n_micro}) divisible by "
-                f"parallel.pp ({par.pp})",
-            )
-        if "dispatch" in self.precision.fp8_parts and par.ep == 1:
-            _fail(
-                "precision.fp8_parts",
-                list(self.precision.fp8_parts),
-                "a list without 'dispatch' when parallel.ep=1 (no token rows travel)",
-            )
-        if "dispatch" in self.precision.fp8_parts and par.dispatcher != "all_to_all":
-            raise OptionNotImplementedError(
-                f"precision.fp8_parts 'dispatch' with parallel.dispatcher={par.dispatcher!r} is "
-                "not built yet: FP8 token rows travel through the all_to_all dispatcher; use "
-                "parallel.dispatcher=all_to_all or leave 'dispatch' out."
-            )
+        m, par = self.model, self.parallel
+        sections = ("model", "train", "parallel", "precision")
+        _check_rules("run", rule_quantities(**{s: getattr(self, s) for s in sections}))
         if "dense" in self.precision.fp8_parts and not m.n_shared_experts:
             _fail(
                 "precision.fp8_parts",

@@ -4,6 +4,7 @@ refusals of a bad output path."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -558,3 +559,63 @@ def test_run_page_is_replaced_and_never_stops_a_run(tmp_path, monkeypatch, caplo
     assert write_run_page(run, tmp_path / "other") is None
     assert not (tmp_path / "other" / "plan.html").exists()
     assert "no plan.html for this run: config directory" in caplog.text
+
+
+def test_config_and_page_refuse_a_grid_of_layouts_with_the_same_rule_table(page: str):
+    """``config.RULES`` read by both sides: on a grid of layouts built to break each row, the
+    page's ``configRefusal`` gives the sentence config validation raises (or none where it
+    accepts), and every row of the table is met."""
+    from moe_core.config import RULES
+    from moe_core.planpage import run_of
+
+    data, _ = page_scripts(page)
+    assert data["rules"] == [dataclasses.asdict(r) for r in RULES]
+    dispatch = {**data["precisions"]["fp8"], "fp8_parts": ["experts", "dispatch"]}
+    data["precisions"]["fp8 dispatch"] = dispatch  # no preset sends FP8 rows
+    grid = [
+        {**layout(), "model": model, **kw}
+        for model in ("small-64e", "olmoe-1b-7b")
+        for kw in (
+            {},
+            {"global_batch_size": 3, "micro_batch_size": 2},
+            {"virtual_stages": 2},
+            {"seq_len": 8192},
+            {"ep": 3, "gpus_per_node": 1, "nodes": 3, "global_batch_size": 3},
+            {"pp": 3, "nodes": 3, "global_batch_size": 2},
+            {"dp": 2, "gpus_per_node": 2, "global_batch_size": 3, "micro_batch_size": 1},
+            {"pp": 2, "virtual_stages": 2, "nodes": 2, "global_batch_size": 3},
+            {"precision": "fp8 dispatch", "ep": 1},
+            {
+                "precision": "fp8 dispatch",
+                "ep": 2,
+                "gpus_per_node": 2,
+                "dispatcher": "nvshmem_rowwise",
+            },
+            {"ep": 2, "gpus_per_node": 2, "dispatcher": "nvshmem_rowwise", "precision": "bf16"},
+        )
+    ]
+    js = page_engine(page)
+    js.eval(f"DATA.precisions['fp8 dispatch'] = {json.dumps(dispatch)};")
+    script = (
+        f"JSON.stringify({json.dumps(grid)}.map((L) => configRefusal("
+        "DATA.models[L.model].config, L, DATA.precisions[L.precision], DATA.rules)))"
+    )
+    mine = json.loads(js.eval(script))
+    met = set()
+    for lay, got in zip(grid, mine, strict=True):
+        try:
+            run_of(lay, data)
+            want = None
+        except ConfigError as err:
+            want = str(err)
+        if got is None:  # the page checks the cluster's size after config (check_cluster)
+            assert want is None, lay
+        else:
+            assert got == want, lay
+        for i, r in enumerate(RULES):
+            pattern = re.sub(r"\\\{.*?\\\}", ".*", re.escape(r.sentence or r.allowed))
+            if got is not None and re.search(pattern, got):
+                met.add(i)
+    # the page sets train.eval_batches to dp x ep (run_of): the one row it never trips
+    untripped = {i for i, r in enumerate(RULES) if r.field == "train.eval_batches"}
+    assert met == set(range(len(RULES))) - untripped, met

@@ -28,8 +28,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_core.config import ParallelConfig
 from moe_core.model.moe import Experts
 from moe_core.parallel.mesh import Mesh, reduce_scatter_flat
+
+
+@dataclass(frozen=True)
+class ReduceGroups:
+    """How many ranks of a pipeline stage reduce (and ZeRO-1 shard) each kind of weight: the
+    sizes of ``Mesh.dense_dp_group`` and ``Mesh.expert_dp_group``."""
+
+    dense: int  # every one of the stage's dp x ep ranks holds the dense weights
+    expert: int  # the dp ranks holding the same experts
+
+
+def reduce_groups(par: ParallelConfig) -> ReduceGroups:
+    """The reduction groups of layout ``par`` (what ``plan`` counts buffers and traffic over)."""
+    return ReduceGroups(dense=par.dp * par.ep, expert=par.dp)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

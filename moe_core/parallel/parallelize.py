@@ -139,7 +139,7 @@ def parallelize(
     attention = choose_kernels(pcfg, precision, mesh.device)
     dtype = DTYPES[precision.params]
     exchange = None
-    if pcfg.ep > 1 and pcfg.dispatcher == "nvshmem_rowwise":
+    if pcfg.rowwise_ep:
         exchange = rowwise_exchange(cfg, pcfg, mesh, tokens, dtype)
     fp8_rows = "dispatch" in precision.fp8_parts
     chunks: dict[int, Transformer] = {}

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from moe_core.config import ModelConfig, RunConfig
+from moe_core.parallel.ddp import reduce_groups
 from moe_core.plan.memory import StageMemory, element_bytes, tokens_per_micro_batch
 
 
@@ -71,9 +72,9 @@ def zero1_bytes(run: RunConfig, dense: int, experts: int) -> tuple[float, float]
     rank holding ``dense`` and ``experts`` parameters, over their groups ``dp x ep`` and
     ``dp``."""
     bp, _, bo = element_bytes(run)
-    dense_group, expert_group = run.parallel.dp * run.parallel.ep, run.parallel.dp
-    reduce_scatter = ring(bo * dense, dense_group) + ring(bo * experts, expert_group)
-    all_gather = ring(bp * dense, dense_group) + ring(bp * experts, expert_group)
+    groups = reduce_groups(run.parallel)
+    reduce_scatter = ring(bo * dense, groups.dense) + ring(bo * experts, groups.expert)
+    all_gather = ring(bp * dense, groups.dense) + ring(bp * experts, groups.expert)
     return reduce_scatter, all_gather
 
 

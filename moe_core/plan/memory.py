@@ -53,6 +53,7 @@ from moe_core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts
 from moe_core.model.transformer import Transformer
+from moe_core.parallel.ddp import reduce_groups
 from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
 from moe_core.parallel.parallelize import DTYPES
 from moe_core.parallel.pipeline import rank_chunks, schedule
@@ -157,7 +158,7 @@ def autograd_keeps_gradients(run: RunConfig) -> bool:
     """A rank that reduces nothing keeps autograd's gradients (one micro-batch, or gradients
     already in the optimizer's dtype) instead of the buffers of ``parallel.ddp``."""
     bp, _, bo = element_bytes(run)
-    return run.parallel.data_parallel == 1 and (run.micro_batches == 1 or bp == bo)
+    return reduce_groups(run.parallel).dense == 1 and (run.micro_batches == 1 or bp == bo)
 
 
 def gradients_follow_activations(run: RunConfig) -> bool:
@@ -172,9 +173,9 @@ def gradient_bytes(run: RunConfig, p: StageParameters) -> tuple[float, int]:
     bp, _, bo = element_bytes(run)
     if autograd_keeps_gradients(run):
         return bp * (p.dense + p.experts), 0
-    dense_group, expert_group = run.parallel.dp * run.parallel.ep, run.parallel.dp
-    dense_shard = p.dense / dense_group if dense_group > 1 else 0
-    expert_shard = p.experts / expert_group if expert_group > 1 else 0
+    groups = reduce_groups(run.parallel)
+    dense_shard = p.dense / groups.dense if groups.dense > 1 else 0
+    expert_shard = p.experts / groups.expert if groups.expert > 1 else 0
     return bo * (p.dense + p.experts) + bo * (dense_shard + expert_shard), p.largest * bp
 
 
@@ -183,8 +184,8 @@ def optimizer_bytes(run: RunConfig, p: StageParameters) -> float:
     over the dense group ``dp x ep`` and the expert group ``dp``."""
     bp, _, bo = element_bytes(run)
     state_bytes = 2 * bo + (4 if bp < bo else 0)
-    dense_group, expert_group = run.parallel.dp * run.parallel.ep, run.parallel.dp
-    return state_bytes * (p.dense / dense_group + p.experts / expert_group)
+    groups = reduce_groups(run.parallel)
+    return state_bytes * (p.dense / groups.dense + p.experts / groups.expert)
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +304,7 @@ class RowwiseBuffers:
 
 def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
     m, par = run.model, run.parallel
-    if par.ep == 1 or par.dispatcher != "nvshmem_rowwise":
+    if not par.rowwise_ep:
         return RowwiseBuffers(0, 0, 0)
     bp, _, _ = element_bytes(run)
     tokens = tokens_per_micro_batch(run)

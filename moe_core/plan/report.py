@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from moe_core.parallel.ddp import reduce_groups
 from moe_core.plan.memory import GIB
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def _layout_rows(p: Plan) -> Rows:
 def _memory_rows(p: Plan) -> Rows:
     """The busiest rank's memory part by part, its total and every stage's total."""
     par, mem, od = p.parallel, p.memory, p.optimizer_dtype
+    groups = reduce_groups(par)
     master = "fp32 master + " if p.param_dtype != od else ""
     grads = f"{od}, plus the reduced shard"
     if mem.grads_follow_activations:
@@ -78,7 +80,7 @@ def _memory_rows(p: Plan) -> Rows:
         (
             "  optimizer",
             mem.optimizer,
-            f"{master}2 {od} moments, dense / {par.dp * par.ep}, experts / {par.dp}",
+            f"{master}2 {od} moments, dense / {groups.dense}, experts / {groups.expert}",
         ),
         ("  activations", mem.activations, f"recompute {par.recompute}{compiled}"),
         ("  pipeline send buffers", mem.p2p_buffers, "held until the step ends"),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from moe_core.config import ConfigError
 from moe_core.hardware import GPU, GPUS, MEASURED, Measurement
+from moe_core.parallel.ddp import reduce_groups
 from moe_core.plan.planner import Plan
 
 BLOCK_RECOMPUTE_FLOPS = 4 / 3  # block recompute runs each forward twice: 8 of 6 FLOPs per param
@@ -71,7 +72,7 @@ def step_time(p: Plan, gpu: GPU | None = None, measured: Measurement = MEASURED)
     flops = tokens * p.flops_per_token / par.pp * rerun
     compute = flops / (g.peak_tflops * 1e12 * measured.fraction_of_peak)
     a2a = _a2a_seconds(c.all_to_all, par.ep, per_node, g)
-    span = par.dp * par.ep
+    span = reduce_groups(par).dense  # the dense group spans the expert one
     reduce_scatter = _ring_seconds(c.reduce_scatter, span, per_node, g)
     all_gather = _ring_seconds(c.all_gather, span, per_node, g)
     sends = _ring_seconds(c.pipeline, par.world_size, per_node, g)

@@ -26,6 +26,7 @@ import yaml
 
 from moe_core.compose import compose_run, config_dir
 from moe_core.config import (
+    RULES,
     ClusterConfig,
     ConfigError,
     ModelConfig,
@@ -331,6 +332,7 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
         "gpus_per_node": list(GPUS_PER_NODE),
         "models": models,
         "custom_model": CUSTOM_MODEL,
+        "rules": [dataclasses.asdict(r) for r in RULES],  # config's refusals, for configRefusal
         "initial": layout_of(run, key, precisions),
         "tour": tour,
     }

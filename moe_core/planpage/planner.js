@@ -27,10 +27,58 @@ function inFlight(pp, v, s, nMb) {
   return Math.min(warmup + 1, total);
 }
 
+// Python's repr() of a rule quantity: a number, a string, a boolean or a list of strings.
+function pyValue(v) {
+  if (Array.isArray(v)) return `[${v.map(pyValue).join(", ")}]`;
+  if (typeof v === "boolean") return v ? "True" : "False";
+  return typeof v === "string" ? `'${v}'` : String(v);
+}
+
+// The named checks of moe_core.config.RULE_CHECKS (each written once there, once here).
+const RULE_CHECKS = {
+  multiple_of: (a, b) => a % b === 0,
+  divides: (a, b) => b % a === 0,
+  at_most: (a, b) => a <= b,
+  at_least: (a, b) => a >= b,
+  equals: (a, b) => a === b,
+};
+
+// moe_core.config.rule_quantities of the run config planpage.run_of builds from layout L.
+function ruleQuantities(m, L, prec) {
+  const q = { interleaved: L.virtual_stages > 1, chunks: L.pp * L.virtual_stages,
+    data_parallel: L.dp * L.ep, fp8_dispatch: prec.fp8_parts.includes("dispatch") };
+  for (const [name, v] of Object.entries(m)) q[`model.${name}`] = v;
+  for (const [name, v] of Object.entries(prec)) q[`precision.${name}`] = v;
+  for (const name of ["seq_len", "micro_batch_size", "global_batch_size"])
+    q[`train.${name}`] = L[name];
+  q["train.eval_batches"] = Math.max(q.data_parallel, 1); // as run_of sets it
+  for (const name of ["pp", "dp", "ep", "virtual_stages", "dispatcher"])
+    q[`parallel.${name}`] = L[name];
+  q.per_step = L.micro_batch_size * q.data_parallel;
+  q.micro_batches = Math.floor(L.global_batch_size / q.per_step);
+  return q;
+}
+
+// moe_core.config._check_rules: the sentence of the first rule of section that q breaks, or
+// null (rules: moe_core.config.RULES, as the page data carries them).
+function ruleRefusal(rules, section, q) {
+  const fill = (t) => t.replace(/\{([\w.]+)(!r)?\}/g, (_, name, r) =>
+    r ? pyValue(q[name]) : String(q[name]));
+  for (const rule of rules) {
+    if (rule.section !== section || (rule.when !== null && !q[rule.when])) continue;
+    const b = typeof rule.b === "string" && rule.b in q ? q[rule.b] : rule.b;
+    if (RULE_CHECKS[rule.check](q[rule.a], b)) continue;
+    if (rule.sentence !== null) return fill(rule.sentence);
+    return `${rule.field}=${pyValue(q[rule.field])} is not allowed: ${fill(rule.allowed)}.`;
+  }
+  return null;
+}
+
 // The first config check the layout fails (the sentence moe_core.config raises), or null;
-// prec: the layout's precision section.
-function configRefusal(m, L, prec) {
+// prec: the layout's precision section; the layout rules come from the table (rules).
+function configRefusal(m, L, prec, rules) {
   const fail = (name, value, allowed) => `${name}=${value} is not allowed: ${allowed}.`;
+  const q = ruleQuantities(m, L, prec);
   const positive = (names) => {
     for (const [name, key] of names)
       if (!(L[key] > 0)) return fail(name, L[key], "it must be positive");
@@ -39,46 +87,16 @@ function configRefusal(m, L, prec) {
   const dpep = L.dp * L.ep;
   const train = positive([["train.seq_len", "seq_len"],
     ["train.micro_batch_size", "micro_batch_size"],
-    ["train.global_batch_size", "global_batch_size"]]);
+    ["train.global_batch_size", "global_batch_size"]]) || ruleRefusal(rules, "train", q);
   if (train) return train;
-  if (L.global_batch_size % L.micro_batch_size)
-    return fail("train.global_batch_size", L.global_batch_size,
-      `a multiple of train.micro_batch_size (${L.micro_batch_size})`);
   const par = positive([["parallel.pp", "pp"], ["parallel.dp", "dp"], ["parallel.ep", "ep"],
-    ["parallel.virtual_stages", "virtual_stages"]]);
+    ["parallel.virtual_stages", "virtual_stages"]]) || ruleRefusal(rules, "parallel", q);
   if (par) return par;
-  if (L.virtual_stages > 1 && L.pp < 2)
-    return fail("parallel.pp", L.pp, "at least 2 with parallel.pp_schedule=interleaved_1f1b");
   const cluster = positive([["cluster.nodes", "nodes"],
     ["cluster.procs_per_node", "gpus_per_node"]]);
   if (cluster) return cluster;
-  if (L.seq_len > m.max_seq_len)
-    return fail("train.seq_len", L.seq_len, `at most model.max_seq_len (${m.max_seq_len})`);
-  if (m.n_experts % L.ep)
-    return fail("parallel.ep", L.ep, `a divisor of model.n_experts (${m.n_experts})`);
-  const chunks = L.pp * L.virtual_stages;
-  if (m.n_layers % chunks)
-    return fail("parallel.pp", L.pp,
-      `pp x virtual_stages (${chunks}) must divide model.n_layers (${m.n_layers}) ` +
-      "so every stage gets whole blocks");
-  const perStep = L.micro_batch_size * dpep;
-  if (L.global_batch_size % perStep)
-    return fail("train.global_batch_size", L.global_batch_size,
-      `a multiple of micro_batch_size x dp x ep (${perStep})`);
-  const nMicro = L.global_batch_size / perStep;
-  if (L.virtual_stages > 1 && nMicro % L.pp)
-    return fail("train.global_batch_size", L.global_batch_size,
-      `interleaved 1F1B needs micro-batches per step (${nMicro}) divisible by ` +
-      `parallel.pp (${L.pp})`);
-  const parts = prec.fp8_parts;
-  const pyList = `[${parts.map((p) => `'${p}'`).join(", ")}]`; // as Python prints the list
-  if (parts.includes("dispatch") && L.ep === 1)
-    return fail("precision.fp8_parts", pyList,
-      "a list without 'dispatch' when parallel.ep=1 (no token rows travel)");
-  if (parts.includes("dispatch") && L.dispatcher !== "all_to_all")
-    return `precision.fp8_parts 'dispatch' with parallel.dispatcher='${L.dispatcher}' is not ` +
-      "built yet: FP8 token rows travel through the all_to_all dispatcher; use " +
-      "parallel.dispatcher=all_to_all or leave 'dispatch' out.";
+  const run = ruleRefusal(rules, "run", q);
+  if (run) return run;
   const world = L.pp * dpep;
   const procs = L.nodes * L.gpus_per_node;
   if (procs !== world) {
@@ -98,7 +116,7 @@ function planLayout(data, L) {
   const model = data.models[L.model];
   const m = model.config;
   const prec = data.precisions[L.precision];
-  const refusal = configRefusal(m, L, prec);
+  const refusal = configRefusal(m, L, prec, data.rules);
   if (refusal) return { refusal };
   const C = data.constants;
   const gpu = data.gpus[L.gpu];
@@ -418,4 +436,5 @@ function countRefusal(md) {
   return null;
 }
 
-if (typeof module !== "undefined") module.exports = { planLayout, inFlight, modelData };
+if (typeof module !== "undefined")
+  module.exports = { planLayout, inFlight, modelData, configRefusal };
