@@ -1,6 +1,10 @@
 """Stage manifests: what a stage consumed (a hash of its config and of its inputs' manifests)
 and what it produced (checksums), so a rerun skips a stage whose outputs still verify, redoes one
-whose outputs are missing or corrupt, and redoes everything downstream of a changed input."""
+whose outputs are missing or corrupt, and redoes everything downstream of a changed input.
+
+``KEY_VERSION`` says how a manifest's key was computed: a manifest from before it (version 1,
+the field absent) is accepted when its key is the one the old computation gives for the current
+config (``flows.migrate``), and is then rewritten with the current key."""
 
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flows.layout import RunLayout
 from moe_core.files import file_sha256, plain_relative
 
-STAGES = ("tokenize", "init", "train", "convert", "evaluate")
+# 2: keys hash the config as it is laid out now (1: precision at its keys from before the
+# precision section, ``flows.migrate.old_stage_keys``).
+KEY_VERSION = 2
 
 
 def digest(value: Any) -> str:
@@ -30,7 +37,7 @@ def checksums(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
 
 
 def manifest_path(run_dir: Path, stage: str) -> Path:
-    return run_dir / "stages" / f"{stage}.json"
+    return RunLayout(run_dir).manifest(stage)
 
 
 def read(run_dir: Path, stage: str) -> dict[str, Any] | None:
@@ -41,24 +48,47 @@ def read(run_dir: Path, stage: str) -> dict[str, Any] | None:
         return None
 
 
-def write(run_dir: Path, stage: str, key: str, files: dict, summary: dict) -> dict[str, Any]:
-    """Atomically record a finished stage."""
-    record = {"stage": stage, "key": key, "files": files, "summary": summary, "at": time.time()}
+def _store(run_dir: Path, stage: str, record: dict[str, Any]) -> None:
     path = manifest_path(run_dir, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
+
+
+def write(run_dir: Path, stage: str, key: str, files: dict, summary: dict) -> dict[str, Any]:
+    """Atomically record a finished stage."""
+    record = {"stage": stage, "key": key, "key_version": KEY_VERSION, "files": files}
+    record |= {"summary": summary, "at": time.time()}
+    _store(run_dir, stage, record)
     return record
 
 
-def verify(run_dir: Path, stage: str, key: str) -> tuple[dict[str, Any] | None, str]:
-    """(the manifest, "") if the stage is done for ``key`` and its files are intact, else
-    (None, why it must run)."""
+def current(record: dict[str, Any]) -> bool:
+    """Whether a manifest's key was computed the way keys are computed now."""
+    return record.get("key_version", 1) == KEY_VERSION
+
+
+def rekey(run_dir: Path, stage: str, record: dict[str, Any], key: str) -> dict[str, Any]:
+    """Atomically rewrite a manifest accepted under its old key with the current ``key`` (its
+    files, summary and time kept; the old key kept as ``old_key``)."""
+    record = {**record, "key": key, "key_version": KEY_VERSION, "old_key": record.get("key")}
+    _store(run_dir, stage, record)
+    return record
+
+
+def verify(
+    run_dir: Path, stage: str, key: str, old_key: str | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """(the manifest, "") if the stage is done for ``key`` (or, for a manifest written before
+    ``KEY_VERSION``, for ``old_key``) and its files are intact, else (None, why it must run)."""
     record = read(run_dir, stage)
     if not isinstance(record, dict):
         return None, "no manifest"
-    if record.get("key") != key:
+    # Any version holding the current key is this config's (a stage whose key did not change);
+    # only one from before KEY_VERSION may hold the old one.
+    accepted = {key} if current(record) or old_key is None else {key, old_key}
+    if record.get("key") not in accepted:
         return None, "its inputs or config changed"
     files = record.get("files")
     if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):

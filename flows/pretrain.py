@@ -33,7 +33,9 @@ from prefect.states import Completed, Failed
 from flows import manifests
 from flows.launch import check_launchable, launch_attempts
 from flows.launchers import Attempt, launcher_class
-from flows.manifests import STAGES, digest
+from flows.layout import RunLayout
+from flows.manifests import digest
+from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
     StageProgress,
@@ -54,7 +56,6 @@ from moe_core.config import (
     check_folder,
     check_path,
     from_dict,
-    old_layout,
     to_dict,
 )
 from moe_core.errors import RunFailedError, refusals
@@ -66,44 +67,26 @@ EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both m
 @dataclass
 class Context:
     run: RunConfig  # resolved: out_dir is the train folder, data.dir the data folder
-    run_dir: Path
+    layout: RunLayout
     tracker: Tracker
     keys: dict[str, str]
+    old_keys: dict[str, str]  # as run folders from before manifests.KEY_VERSION hold them
 
     @property
-    def train_dir(self) -> Path:
-        return self.run_dir / "train"
+    def run_dir(self) -> Path:
+        return self.layout.root
 
     @property
     def final_checkpoint(self) -> Path:
-        from moe_core.train.checkpoint import step_dir_name
-
-        return self.train_dir / "checkpoints" / step_dir_name(self.run.train.steps)
+        return self.layout.train_checkpoint(self.run.train.steps)
 
 
 def stage_keys(run: RunConfig) -> dict[str, str]:
-    """Each stage's input hash: its config and the keys of the stages it reads."""
-    data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
-    keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
-    keys["init"] = digest({"model": to_dict(run.model), "seed": run.train.seed})
-    sections = old_layout(run)  # precision where it lived before: old run folders' keys hold
-    train = {
-        "model": sections["model"],
-        "train": sections["train"],
-        "parallel": sections["parallel"],
-        "tokenize": keys["tokenize"],
-        "init": keys["init"],
-    }
-    ev = to_dict(run.eval)
-    if run.eval.every:  # in-training downstream scores are part of what train writes
-        train["eval"] = ev
-    keys["train"] = digest(train)
-    keys["convert"] = digest({"train": keys["train"]})
-    final = {k: ev[k] for k in ("tasks", "limit", "seed", "tasks_from")}
-    evaluate = {"convert": keys["convert"], "batches": EVAL_BATCHES}
-    if run.eval.tasks:
-        evaluate["downstream"] = final
-    keys["evaluate"] = digest(evaluate)
+    """Each stage's input hash: what its row says it depends on (its config, the keys of the
+    stages before it), in the order of ``STAGES``."""
+    keys: dict[str, str] = {}
+    for stage in STAGES:
+        keys[stage.name] = digest(stage.key(run, keys))
     return keys
 
 
@@ -111,28 +94,31 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
     """The run's config with every path inside ``run_dir`` (validated on the way)."""
     if config.get("cluster", {}).get("kind", ClusterConfig.kind) != "local":
         check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
+    layout = RunLayout(run_dir)
     data = dict(config.get("data", {}))
-    if data.get("dir") not in (None, str(run_dir / "data")):
+    if data.get("dir") not in (None, str(layout.data)):
         raise ConfigError(
             f"data.dir={data['dir']!r} is not allowed for the pipeline: its tokenize stage "
-            f"writes the shards into the run folder ({run_dir / 'data'}), so leave it unset."
+            f"writes the shards into the run folder ({layout.data}), so leave it unset."
         )
-    data["dir"] = str(run_dir / "data")
+    data["dir"] = str(layout.data)
     kind = data.get("kind", DataConfig.kind)
     if kind != "tokens":
         raise ConfigError(
             f"data.kind={kind!r} is not allowed for the pipeline: it tokenizes a "
             "corpus, so use a token data option (e.g. data=kjv)."
         )
-    return from_dict(RunConfig, {**config, "data": data, "out_dir": str(run_dir / "train")})
+    return from_dict(RunConfig, {**config, "data": data, "out_dir": str(layout.train)})
 
 
 def _supersede(ctx: Context, stage: str, folder: Path) -> None:
     """Outputs another configuration left in ``folder`` are moved aside (kept, never deleted);
-    outputs of this configuration (an interrupted attempt) stay, to be resumed."""
-    marker = ctx.run_dir / "stages" / f"{stage}.key"
+    outputs of this configuration (an interrupted attempt, also one from before
+    ``manifests.KEY_VERSION``) stay, to be resumed."""
+    marker = ctx.layout.marker(stage)
     key = ctx.keys[stage]
-    stale = folder.exists() and (not marker.is_file() or marker.read_text() != key)
+    ours = (key, ctx.old_keys[stage])
+    stale = folder.exists() and (not marker.is_file() or marker.read_text() not in ours)
     if stale and any(folder.iterdir()):
         set_aside([folder])
     marker.parent.mkdir(parents=True, exist_ok=True)
@@ -145,27 +131,47 @@ def _status(err: BaseException) -> str:
     return "FAILED" if isinstance(err, Exception) else "KILLED"
 
 
-def _stage(
-    name: str,
-    ctx: Context,
-    body: Callable[[Context, str | None], tuple[dict, list[Path]]],
-    extra_check: Callable[[Context], str | None] | None = None,
-):
-    """Skip when the manifest (and ``extra_check``) verify; else run ``body``, record it."""
-    logger = get_run_logger()
-    key = ctx.keys[name]
-    record, why = manifests.verify(ctx.run_dir, name, key)
-    if record is not None and extra_check is not None:
-        problem = extra_check(ctx)
+@dataclass(frozen=True)
+class Stage:
+    """One row of the pipeline (``STAGES``): adding a stage is a row and its function."""
+
+    name: str
+    # What its key hashes: its config and the keys of the stages before it (given so far).
+    key: Callable[[RunConfig, dict[str, str]], dict[str, Any]]
+    # Writes its outputs; returns its summary and the outputs its manifest checksums.
+    run: Callable[[Context, str | None], tuple[dict, list[Path]]]
+    # Why its outputs are not intact beyond the manifest's checksums (None: they are).
+    intact: Callable[[Context], str | None] | None = None
+    # What its artifact lists as produced: paths under the run folder, globs in the last parts.
+    produced: Callable[[RunLayout], list[Path]] = lambda layout: []
+    timeout_s: Callable[[RunConfig], float | None] = lambda run: None
+
+
+def _stage(stage: Stage, ctx: Context):
+    """Skip when the manifest (and ``stage.intact``) verify; else run the stage, record it. A
+    manifest accepted under its old key (``flows.migrate``) is rewritten with the current one."""
+    logger, name = get_run_logger(), stage.name
+    key, old_key = ctx.keys[name], ctx.old_keys[name]
+    record, why = manifests.verify(ctx.run_dir, name, key, old_key)
+    if record is not None and stage.intact is not None:
+        problem = stage.intact(ctx)
         record, why = (record, "") if problem is None else (None, problem)
     if record is not None:
+        if not manifests.current(record):
+            record = manifests.rekey(ctx.run_dir, name, record, key)
+            marker = ctx.layout.marker(name)
+            if marker.is_file() and marker.read_text() == old_key:
+                marker.write_text(key)
+            logger.info(
+                "%s: manifest from before key version %d rekeyed", name, record["key_version"]
+            )
         logger.info("%s: outputs verified, skipped", name)
-        _publish(ctx, name, "Skipped", record["summary"], ctx.tracker.state["stages"].get(name))
+        _publish(ctx, stage, "Skipped", record["summary"], ctx.tracker.state["stages"].get(name))
         return Completed(name="Skipped", message="outputs verified", data=record["summary"])
     logger.info("%s: runs (%s)", name, why)
     run_id = ctx.tracker.stage(name)
     try:
-        summary, outputs = body(ctx, run_id)
+        summary, outputs = stage.run(ctx, run_id)
     except refusals() as err:  # its sentence is the whole story: no traceback
         ctx.tracker.finish(run_id, "FAILED")
         return Failed(message=str(err), data=err)
@@ -176,26 +182,38 @@ def _stage(
     manifests.write(ctx.run_dir, name, key, files, summary)
     ctx.tracker.artifacts(run_id, manifests.manifest_path(ctx.run_dir, name), "manifest")
     ctx.tracker.finish(run_id)
-    _publish(ctx, name, "Completed", summary, run_id)
+    _publish(ctx, stage, "Completed", summary, run_id)
     return summary
 
 
-def _publish(ctx: Context, name: str, status: str, summary: dict, run_id: str | None) -> None:
+def _publish(ctx: Context, stage: Stage, status: str, summary: dict, run_id: str | None) -> None:
     """The stage's markdown artifact in Prefect (what it produced, key numbers, MLflow link)."""
-    tracker = ctx.tracker
+    tracker, name = ctx.tracker, stage.name
     where = mlflow_where(name, tracker.link(run_id), tracker.page(run_id), tracker.uri)
-    markdown = stage_markdown(name, status, summary, ctx.run_dir, where)
+    produced = ctx.layout.found(stage.produced(ctx.layout))
+    markdown = stage_markdown(name, status, summary, ctx.run_dir, where, produced)
     publish(artifact_key(ctx.run_dir, name), markdown, f"{name} stage of {ctx.run_dir}")
 
 
+@task(cache_policy=NO_CACHE)
+def stage_task(stage: Stage, ctx: Context):
+    """A stage as a Prefect task (named after it: ``STAGES`` runs it ``with_options``)."""
+    return _stage(stage, ctx)
+
+
 # ---- tokenize ----------------------------------------------------------------------------
+
+
+def _tokenize_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
+    return {"data": data, "vocab": run.model.vocab_size}
 
 
 def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.data.manifest import read_manifest
     from moe_core.data.tokenize import tokenize_corpus, without_text_sentence
 
-    out = ctx.run_dir / "data"
+    out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
     with StageProgress("tokenize") as progress:
         tokenize_corpus(
@@ -214,35 +232,33 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     ctx.tracker.params(run_id, {"data": summary})
     for f in sorted(out.glob("tokenizer*.json")) + sorted(out.glob("special_tokens_map.json")):
         ctx.tracker.artifacts(run_id, f, "tokenizer")
-    ctx.tracker.artifacts(run_id, out / "manifest.json", "data")
-    return summary, [out / "manifest.json"]
+    ctx.tracker.artifacts(run_id, ctx.layout.data_manifest, "data")
+    return summary, [ctx.layout.data_manifest]
 
 
 def _tokenize_intact(ctx: Context) -> str | None:
     from moe_core.data.manifest import verify_data_dir
 
     try:
-        verify_data_dir(ctx.run_dir / "data", checksums=True)
+        verify_data_dir(ctx.layout.data, checksums=True)
     except Exception as err:
         return str(err)
     return None
 
 
-@task(name="tokenize", cache_policy=NO_CACHE)
-def tokenize_stage(ctx: Context):
-    return _stage("tokenize", ctx, _tokenize, _tokenize_intact)
-
-
 # ---- init --------------------------------------------------------------------------------
+
+
+def _init_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    return {"model": to_dict(run.model), "seed": run.train.seed}
 
 
 def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.model.flops import count
     from moe_core.train.init import write_initial_checkpoint
 
-    out = ctx.run_dir / "init"
-    _supersede(ctx, "init", out)
-    path = write_initial_checkpoint(ctx.run, out / "checkpoints")
+    _supersede(ctx, "init", ctx.layout.init)
+    path = write_initial_checkpoint(ctx.run, ctx.layout.init_checkpoints)
     counts = count(ctx.run.model)
     summary = {"checkpoint": str(path), "total_params": counts.total_params}
     ctx.tracker.params(run_id, {"init": summary})
@@ -250,17 +266,26 @@ def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
 
 def _init_intact(ctx: Context) -> str | None:
-    from moe_core.train.checkpoint import step_dir_name, verify
+    from moe_core.train.checkpoint import verify
 
-    return verify(ctx.run_dir / "init" / "checkpoints" / step_dir_name(0))
-
-
-@task(name="init", cache_policy=NO_CACHE)
-def init_stage(ctx: Context):
-    return _stage("init", ctx, _init, _init_intact)
+    return verify(ctx.layout.init_checkpoint())
 
 
 # ---- train -------------------------------------------------------------------------------
+
+
+def _train_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    train = {
+        "model": to_dict(run.model),
+        "train": to_dict(run.train),
+        "parallel": to_dict(run.parallel),
+        "precision": to_dict(run.precision),
+        "tokenize": keys["tokenize"],
+        "init": keys["init"],
+    }
+    if run.eval.every:  # in-training downstream scores are part of what train writes
+        train["eval"] = to_dict(run.eval)
+    return train
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -283,13 +308,13 @@ def _link_tree(src: Path, dst: Path) -> None:
 def _start_from_init(ctx: Context) -> None:
     """A fresh train folder begins at the init stage's checkpoint (linked, not copied); one
     that holds checkpoints of this configuration (an interrupted attempt) is resumed."""
-    from moe_core.train.checkpoint import step_dir_name
+    from moe_core.train.checkpoint import step_of
 
-    _supersede(ctx, "train", ctx.train_dir)
-    checkpoints = ctx.train_dir / "checkpoints"
-    if not any(checkpoints.glob("step_*")):
-        first = step_dir_name(0)
-        _link_tree(ctx.run_dir / "init" / "checkpoints" / first, checkpoints / first)
+    layout = ctx.layout
+    _supersede(ctx, "train", layout.train)
+    found = layout.train_checkpoints.iterdir() if layout.train_checkpoints.is_dir() else []
+    if not any(step_of(p.name) is not None for p in found):
+        _link_tree(layout.init_checkpoint(), layout.train_checkpoint(0))
 
 
 def _write_train_config(ctx: Context, run_id: str | None) -> None:
@@ -297,7 +322,7 @@ def _write_train_config(ctx: Context, run_id: str | None) -> None:
     # Resume is what makes retries continue; the export is the convert stage's job.
     train = dataclasses.replace(ctx.run.train, resume=True, save_model=False)
     resolved = dataclasses.replace(ctx.run, train=train)
-    (ctx.train_dir / "config.json").write_text(json.dumps(to_dict(resolved), indent=1))
+    ctx.layout.train_config.write_text(json.dumps(to_dict(resolved), indent=1))
     ctx.tracker.params(run_id, to_dict(resolved))
 
 
@@ -312,7 +337,7 @@ def _check_final_checkpoint(ctx: Context) -> None:
 def _train_summary(ctx: Context, run_id: str | None, attempts: list[Attempt]) -> dict[str, Any]:
     """The stage's numbers from ``metrics.jsonl`` (medians leave out the warm-up step), also as
     MLflow metrics."""
-    lines = [json.loads(x) for x in (ctx.train_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in ctx.layout.metrics.read_text().splitlines()]
     summary = {
         "final_loss": lines[-1]["loss"],
         "first_loss": lines[0]["loss"],
@@ -337,16 +362,16 @@ def _train(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     """Start from init (or resume), write the config, launch until an attempt finishes (the
     launcher of ``cluster.kind``, ``flows.launch.launch_attempts``), check the final
     checkpoint, plot, summarize."""
-    logger, out = get_run_logger(), ctx.train_dir
+    logger, layout = get_run_logger(), ctx.layout
     _start_from_init(ctx)
     _write_train_config(ctx, run_id)
-    launcher = launcher_class(ctx.run)(ctx.run, out, logger.info)
+    launcher = launcher_class(ctx.run)(ctx.run, layout.train, logger.info)
     attempts = launch_attempts(launcher, ctx.tracker, run_id, logger)
     _check_final_checkpoint(ctx)
-    for p in training_plots(out / "metrics.jsonl", ctx.run_dir / "plots"):
+    for p in training_plots(layout.metrics, layout.plots):
         ctx.tracker.artifacts(run_id, p, "plots")
     summary = _train_summary(ctx, run_id, attempts)
-    outputs = [ctx.final_checkpoint / "manifest.json", out / "metrics.jsonl", out / "launches.json"]
+    outputs = [ctx.final_checkpoint / "manifest.json", layout.metrics, layout.launches]
     return summary, outputs + [Path(a.script) for a in attempts[-1:] if a.script]
 
 
@@ -356,12 +381,11 @@ def _train_intact(ctx: Context) -> str | None:
     return verify(ctx.final_checkpoint)
 
 
-@task(name="train", cache_policy=NO_CACHE)
-def train_stage(ctx: Context):
-    return _stage("train", ctx, _train, _train_intact)
-
-
 # ---- convert -----------------------------------------------------------------------------
+
+
+def _convert_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    return {"train": keys["train"]}
 
 
 def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
@@ -369,15 +393,16 @@ def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.data.manifest import read_manifest
     from moe_core.parallel.parallelize import DTYPES
 
-    out = ctx.run_dir / "hf"
+    layout = ctx.layout
+    out = layout.hf
     dtype = DTYPES[ctx.run.precision.params]
-    eos = read_manifest(ctx.run_dir / "data").content.get("tokenizer", {}).get("eos_id")
-    checkpoint_to_hf(ctx.final_checkpoint, out, dtype, ctx.run_dir / "data", eos, overwrite=True)
+    eos = read_manifest(layout.data).content.get("tokenizer", {}).get("eos_id")
+    checkpoint_to_hf(ctx.final_checkpoint, out, dtype, layout.data, eos, overwrite=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     if size <= ctx.run.tracking.hf_artifact_max_gib * 2**30:
         ctx.tracker.artifacts(run_id, out, "hf")
     else:
-        link = ctx.run_dir / "hf_location.txt"
+        link = layout.hf_location
         link.write_text(f"{out.resolve()}\n")
         ctx.tracker.artifacts(run_id, link, "hf")
     summary = {"hf_dir": str(out), "bytes": size, "dtype": str(dtype).removeprefix("torch.")}
@@ -385,41 +410,45 @@ def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     return summary, [out]
 
 
-@task(name="convert", cache_policy=NO_CACHE)
-def convert_stage(ctx: Context):
-    return _stage("convert", ctx, _convert)
-
-
 # ---- evaluate ----------------------------------------------------------------------------
+
+
+def _evaluate_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    evaluate: dict[str, Any] = {"convert": keys["convert"], "batches": EVAL_BATCHES}
+    if run.eval.tasks:
+        ev = to_dict(run.eval)
+        evaluate["downstream"] = {k: ev[k] for k in ("tasks", "limit", "seed", "tasks_from")}
+    return evaluate
 
 
 def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.eval.perplexity import evaluate, write_samples
 
-    out = ctx.run_dir / "eval"
+    layout = ctx.layout
+    out = layout.eval
     out.mkdir(parents=True, exist_ok=True)
     what = {"scoring": "held-out micro-batches scored", "sampling": "prompts continued"}
     with StageProgress("evaluate") as progress:
         result = evaluate(
             ctx.final_checkpoint,
-            ctx.run_dir / "hf",
-            ctx.run_dir / "data",
+            layout.hf,
+            layout.data,
             EVAL_BATCHES,
             on_progress=lambda phase, done, total: progress.update(
                 f"{done} of {total} {what[phase]}", done, total, force=done == total
             ),
         )
     tolerance = 1e-4 if ctx.run.precision.params == "fp32" else 2e-2
-    (out / "result.json").write_text(json.dumps(result.as_dict(), indent=1))
-    write_samples(result, out / "samples.md")
+    layout.eval_result.write_text(json.dumps(result.as_dict(), indent=1))
+    write_samples(result, layout.eval_samples)
     numbers = {k: float(v) for k, v in result.as_dict().items() if isinstance(v, int | float)}
     ctx.tracker.metrics(run_id, numbers)
-    outputs = [out / "result.json", out / "samples.md"]
+    outputs = [layout.eval_result, layout.eval_samples]
     summary = result.as_dict()
     if ctx.run.eval.tasks:
         from moe_core.eval.downstream import evaluate_checkpoint, write_scores
 
-        scores = evaluate_checkpoint(ctx.final_checkpoint, ctx.run_dir / "data", ctx.run.eval)
+        scores = evaluate_checkpoint(ctx.final_checkpoint, layout.data, ctx.run.eval)
         outputs += write_scores(scores, out)
         summary["downstream"] = {s.task: {"examples": s.examples, **s.metrics()} for s in scores}
         ctx.tracker.metrics(run_id, downstream_metrics(summary["downstream"]))
@@ -451,20 +480,38 @@ def downstream_metrics(table: dict[str, dict]) -> dict[str, float]:
     }
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_stage(ctx: Context):
-    return _stage("evaluate", ctx, _evaluate)
+# ---- the stages, in order -----------------------------------------------------------------
+
+STAGES = (
+    Stage(
+        "tokenize",
+        _tokenize_key,
+        _tokenize,
+        _tokenize_intact,
+        lambda L: [L.data_manifest, L.data / "tokenizer.json", L.data / "*.npy"],
+    ),
+    Stage("init", _init_key, _init, _init_intact, lambda L: [L.init_checkpoints / "step_*"]),
+    Stage(
+        "train",
+        _train_key,
+        _train,
+        _train_intact,
+        lambda L: [L.train_checkpoints, L.metrics, L.launches, L.plots / "*.png"],
+        # retries are the stage's own (flows.launchers)
+        timeout_s=lambda run: run.cluster.train_timeout_s or None,
+    ),
+    Stage(
+        "convert",
+        _convert_key,
+        _convert,
+        produced=lambda L: [L.hf / "config.json", L.hf / "*.safetensors", L.hf / "tokenizer.json"],
+    ),
+    Stage("evaluate", _evaluate_key, _evaluate, produced=lambda L: [L.eval_result, L.eval_samples]),
+)
+NAMES = tuple(stage.name for stage in STAGES)
 
 
 # ---- the flow ----------------------------------------------------------------------------
-
-TASKS = {
-    "tokenize": tokenize_stage,
-    "init": init_stage,
-    "train": train_stage,
-    "convert": convert_stage,
-    "evaluate": evaluate_stage,
-}
 
 
 def default_run_dir(cluster: dict[str, Any] | None = None) -> str:
@@ -542,24 +589,23 @@ def _pipeline(config: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
 
 def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     """Every stage in order, tracked; the flow's outcome."""
-    (root / "config.json").write_text(json.dumps(to_dict(run), indent=1))
+    layout = RunLayout(root)
+    layout.config.write_text(json.dumps(to_dict(run), indent=1))
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     from moe_core.planpage import write_run_page  # the run's build-a-run page (moe plan --html)
 
     page = write_run_page(run, root)
-    tracker.begin(to_dict(run), [root / "config.json", *([page] if page is not None else [])])
-    ctx = Context(run, root, tracker, stage_keys(run))
+    tracker.begin(to_dict(run), [layout.config, *([page] if page is not None else [])])
+    ctx = Context(run, layout, tracker, stage_keys(run), old_stage_keys(run, EVAL_BATCHES))
     outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}
     try:
-        for name in STAGES:
-            fn = TASKS[name]
-            if name == "train":  # retries are the stage's own (flows.launchers)
-                fn = fn.with_options(timeout_seconds=run.cluster.train_timeout_s or None)
-            state = fn(ctx, return_state=True)
-            outcome["stages"][name] = state.name
+        for stage in STAGES:
+            fn = stage_task.with_options(name=stage.name, timeout_seconds=stage.timeout_s(run))
+            state = fn(stage, ctx, return_state=True)
+            outcome["stages"][stage.name] = state.name
             summary = state.result()
             if isinstance(summary, dict):
-                outcome[name] = summary
+                outcome[stage.name] = summary
     except BaseException as err:
         tracker.finish(tracker.current, _status(err))
         raise
@@ -591,7 +637,7 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
             rows = [{"task": task, **row} for task, row in downstream.items()]
             tracker.table(parent, rows, "downstream.json")
         tracker.finish(parent)
-    outcome["hf_dir"] = str(root / "hf")
+    outcome["hf_dir"] = str(layout.hf)
     outcome["perplexity"] = evaluation.get("perplexity")
     # A store that was unreachable during the run has nothing to show yet: no link offered.
     link = tracker.link(tracker.parent)  # a server's run page, else how to serve the sqlite store

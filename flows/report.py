@@ -16,15 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Per stage, what it writes under the run folder (globs), listed in its artifact.
-PRODUCED = {
-    "tokenize": ["data/manifest.json", "data/tokenizer.json", "data/*.npy"],
-    "init": ["init/checkpoints/step_*"],
-    "train": ["train/checkpoints", "train/metrics.jsonl", "train/launches.json", "plots/*.png"],
-    "convert": ["hf/config.json", "hf/*.safetensors", "hf/tokenizer.json"],
-    "evaluate": ["eval/result.json", "eval/samples.md"],
-}
-
 LABELS = {
     "total_tokens": "tokens",
     "total_params": "parameters",
@@ -92,17 +83,16 @@ def _rows(summary: dict[str, Any], run_dir: Path) -> list[str]:
     return rows
 
 
-def _produced(name: str, run_dir: Path) -> list[str]:
-    found = []
-    for pattern in PRODUCED.get(name, []):
-        found += sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob(pattern))
-    return found
-
-
 def stage_markdown(
-    name: str, status: str, summary: dict[str, Any], run_dir: Path, mlflow: str | None
+    name: str,
+    status: str,
+    summary: dict[str, Any],
+    run_dir: Path,
+    mlflow: str | None,
+    produced: tuple[str, ...] | list[str] = (),
 ) -> str:
-    """A stage's artifact: its status, key numbers, the files it produced and where its MLflow
+    """A stage's artifact: its status, key numbers, the files it produced (``produced``, paths
+    relative to the run folder: its row's in ``flows.pretrain.STAGES``) and where its MLflow
     run is (``mlflow``: markdown, see ``mlflow_where``)."""
     head = f"## {name}: {status.lower()}"
     if status == "Skipped":
@@ -117,7 +107,6 @@ def stage_markdown(
             lines.append(f"- *{sample['prompt']}* → `{continuation}`")
     if summary.get("samples"):
         lines.append("")
-    produced = _produced(name, run_dir)
     if produced:
         lines += ["Produced:", "", *(f"- `{p}`" for p in produced), ""]
     if mlflow is not None:

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flows.layout import RunLayout
 from moe_core.rundir import set_aside
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ def tracking_uri(configured: str | None, run_dir: Path) -> tuple[str, str]:
                 "MLFLOW_TRACKING_URI or the Prefect variable %s, which infra/deploy.sh sets "
                 "while infra/start-mlflow.sh's server runs): it logs to %s.",
                 PREFECT_VARIABLE,
-                run_dir / "mlflow.db",
+                RunLayout(run_dir).mlflow_db,
             )
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}", RUN_FOLDER
+    return f"sqlite:///{RunLayout(run_dir).mlflow_db.resolve()}", RUN_FOLDER
 
 
 def sqlite_problem(uri: str) -> str | None:
@@ -150,7 +151,7 @@ class Tracker:
     def __init__(self, run_dir: Path, uri: str | None, experiment: str, run_name: str) -> None:
         self.run_dir = run_dir
         self.run_name = run_name
-        self.state_path = run_dir / "mlflow.json"
+        self.state_path = RunLayout(run_dir).mlflow_state
         self.state: dict[str, Any] = {
             "parent": None,
             "parents": [],
@@ -230,7 +231,7 @@ class Tracker:
             if found.tags.get(KIND_TAG) is None:
                 self.client.set_experiment_tag(self.experiment_id, KIND_TAG, MODEL_TRAINING)
         else:
-            location = (self.run_dir / "mlartifacts").resolve().as_uri() if local else None
+            location = RunLayout(self.run_dir).mlartifacts.resolve().as_uri() if local else None
             self.experiment_id = self.client.create_experiment(
                 experiment, location, tags={KIND_TAG: MODEL_TRAINING}
             )

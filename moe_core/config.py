@@ -746,7 +746,7 @@ class PrecisionConfig:
 
 # Where each precision setting lived before the precision section (old key -> new key). A user
 # who still writes an old key is told the new one; configs that checkpoints saved are read
-# through ``upgrade_saved`` and the pipeline hashes ``old_layout`` (so old run folders resume).
+# through ``upgrade_saved`` (and ``flows.migrate`` recognizes old run folders' stage keys).
 MOVED_TO_PRECISION = {
     "train.dtype": "precision.compute",
     "train.optimizer_dtype": "precision.optimizer",
@@ -754,10 +754,6 @@ MOVED_TO_PRECISION = {
     "parallel.fp8_parts": "precision.fp8_parts",
     "parallel.fp8_scaling": "precision.fp8_scaling",
 }
-
-# Options added after run folders existed, with the value that means "as before": the pipeline
-# hashes one only when set otherwise, so existing folders' stage keys hold (``old_layout``).
-ADDED_LATER = {"parallel.gather_rows": False}
 
 
 def refuse_moved(key: str, value: Any) -> None:
@@ -779,22 +775,6 @@ def upgrade_saved(config: dict[str, Any]) -> dict[str, Any]:
         section, key = old.split(".")
         if isinstance(out.get(section), dict) and key in out[section]:
             out.setdefault("precision", {})[new.split(".")[1]] = out[section].pop(key)
-    return out
-
-
-def old_layout(run: RunConfig) -> dict[str, Any]:
-    """``to_dict(run)`` with the precision settings at their keys from before the precision
-    section, and without options added later where they keep their old meaning (``ADDED_LATER``):
-    what the pipeline hashes, so the stage keys of existing run folders still match."""
-    out = to_dict(run)
-    precision = out.pop("precision")
-    for old, new in MOVED_TO_PRECISION.items():
-        section, key = old.split(".")
-        out[section][key] = precision[new.split(".")[1]]
-    for added, as_before in ADDED_LATER.items():
-        section, key = added.split(".")
-        if out[section][key] == as_before:
-            del out[section][key]
     return out
 
 

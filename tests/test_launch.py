@@ -478,7 +478,11 @@ def test_stage_keys_of_run_folders_from_before_the_precision_section_still_match
     """The train key hashes precision where it lived before (train.dtype, parallel.param_dtype,
     ...), so rerunning an existing run folder skips its finished stages. The digests were
     computed by the code before the precision section on these configs."""
-    from flows.pretrain import resolve, stage_keys
+    from flows.migrate import old_stage_keys
+    from flows.pretrain import EVAL_BATCHES, resolve
+
+    def stage_keys(run):  # the keys as run folders of that time hold them (flows.migrate)
+        return old_stage_keys(run, EVAL_BATCHES)
 
     before = {
         "pretrain-tiny": "334a55d6317397a86305bc8741b9b32a39a013256ae7e32bfbbc9d66a2ec9f8a",
@@ -490,7 +494,7 @@ def test_stage_keys_of_run_folders_from_before_the_precision_section_still_match
         resolve(compose_dict(["precision=fp8"], config_name="pretrain-tiny"), tmp_path)
     )
     assert fp8["train"] == "0d8e8c597159682c5ac9c9bc93536a9048ced4da05cf7abaa516918eace9b3fa"
-    # an option added later is hashed only when set otherwise than before (config.ADDED_LATER)
+    # an option added later is hashed only when set otherwise than before (migrate.ADDED_LATER)
     gathered = ["parallel.ep=1", "parallel.expert_gemm=quack", "parallel.gather_rows=true"]
     quack = resolve(compose_dict(gathered[:2], config_name="pretrain-tiny"), tmp_path)
     assert (

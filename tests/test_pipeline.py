@@ -31,7 +31,7 @@ from helpers import (
     write_toy_tasks,
 )
 
-from flows.manifests import STAGES
+from flows.pretrain import NAMES as STAGES
 from moe_core.compose import compose_dict
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,129 @@
+"""Where a pipeline run keeps its files: every path under the run folder, derived here and read
+by the flow, its stage manifests, its reports and its tracking, so a folder's layout is spelled
+once. Checkpoint folders inside ``checkpoints/`` are named by
+``moe_core.train.checkpoint.step_dir_name``, the trainer's one rule for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The files of the pipeline run in ``root``."""
+
+    root: Path
+
+    # ---- the run's own files ---------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"  # the resolved config of the latest invocation
+
+    @property
+    def stages(self) -> Path:
+        return self.root / "stages"
+
+    def manifest(self, stage: str) -> Path:
+        """A finished stage's manifest (its key, its outputs' checksums, its summary)."""
+        return self.stages / f"{stage}.json"
+
+    def marker(self, stage: str) -> Path:
+        """The key of the configuration whose outputs a stage's folder holds (finished or
+        not), so another configuration's are moved aside before it writes."""
+        return self.stages / f"{stage}.key"
+
+    @property
+    def mlflow_state(self) -> Path:
+        return self.root / "mlflow.json"
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.root / "mlflow.db"  # the run folder's own store (no server configured)
+
+    @property
+    def mlartifacts(self) -> Path:
+        return self.root / "mlartifacts"
+
+    # ---- the stages' outputs ---------------------------------------------------------------
+    @property
+    def data(self) -> Path:
+        return self.root / "data"  # the token shards: the tokenize stage's output, data.dir
+
+    @property
+    def data_manifest(self) -> Path:
+        return self.data / "manifest.json"
+
+    @property
+    def init(self) -> Path:
+        return self.root / "init"
+
+    @property
+    def init_checkpoints(self) -> Path:
+        return self.init / "checkpoints"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"  # the trainer's out_dir
+
+    @property
+    def train_checkpoints(self) -> Path:
+        return self.train / "checkpoints"
+
+    @property
+    def train_config(self) -> Path:
+        return self.train / "config.json"  # what every launch attempt trains
+
+    @property
+    def metrics(self) -> Path:
+        return self.train / "metrics.jsonl"
+
+    @property
+    def launches(self) -> Path:
+        return self.train / "launches.json"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def hf(self) -> Path:
+        return self.root / "hf"  # the Hugging Face export
+
+    @property
+    def hf_location(self) -> Path:
+        return self.root / "hf_location.txt"  # logged instead of an export too large for MLflow
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def eval_result(self) -> Path:
+        return self.eval / "result.json"
+
+    @property
+    def eval_samples(self) -> Path:
+        return self.eval / "samples.md"
+
+    def init_checkpoint(self) -> Path:
+        return checkpoint(self.init_checkpoints, 0)
+
+    def train_checkpoint(self, step: int) -> Path:
+        return checkpoint(self.train_checkpoints, step)
+
+    def found(self, patterns: list[Path]) -> list[str]:
+        """The files and folders under the run folder that ``patterns`` (paths below ``root``,
+        globs in their last parts) name, relative to it."""
+        out: list[str] = []
+        for pattern in patterns:
+            rel = pattern.relative_to(self.root).as_posix()
+            out += sorted(p.relative_to(self.root).as_posix() for p in self.root.glob(rel))
+        return out
+
+
+def checkpoint(folder: Path, step: int) -> Path:
+    """Checkpoint ``step`` in a ``checkpoints`` folder."""
+    from moe_core.train.checkpoint import step_dir_name  # lazily: it imports torch
+
+    return folder / step_dir_name(step)
