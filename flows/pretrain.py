@@ -367,7 +367,7 @@ def train_stage(ctx: Context):
 def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.convert.checkpoint import checkpoint_to_hf
     from moe_core.data.manifest import read_manifest
-    from moe_core.parallel.parallelize import DTYPES
+    from moe_core.model.dtypes import DTYPES
 
     out = ctx.run_dir / "hf"
     dtype = DTYPES[ctx.run.precision.params]

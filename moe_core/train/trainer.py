@@ -57,13 +57,14 @@ from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 from moe_core.model import Transformer
+from moe_core.model.dtypes import DTYPES
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, Router, router_stats_paused
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.ddp import GradBuckets
 from moe_core.parallel.mesh import Mesh, gather_experts, init_distributed
 from moe_core.parallel.optimizer import ShardedAdamW
-from moe_core.parallel.parallelize import DTYPES, parallelize
+from moe_core.parallel.parallelize import parallelize
 from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
 from moe_core.rundir import RunLock
 from moe_core.train.checkpoint import Checkpointer, router_buffers
