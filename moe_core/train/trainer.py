@@ -18,7 +18,9 @@ waits only for the transfer and logs the metrics while the GPU runs the optimize
 time is wall time from the previous step's host read to its own (data, optimizer and logging
 included), so TFLOP/s over steps is the run's real rate.
 
-This module is the loop and the build; its parts live beside it: ``step_metrics`` (the step's
+This module is the loop; its parts live beside it: ``stack`` (the model and optimizer it
+builds), ``batches`` (its data), ``evaluation`` (held-out loss, downstream tasks),
+``step_metrics`` (the step's
 values, reduced in one collective and read in one transfer, and the logged ``StepMetrics``),
 ``router_stats`` (router statistics, expert-bias update, health, dropped rows) and
 ``checkpoint_policy`` (resume or start fresh, when to save, what is never saved, halting).
