@@ -391,7 +391,7 @@ def _convert_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
 def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.convert.checkpoint import checkpoint_to_hf
     from moe_core.data.manifest import read_manifest
-    from moe_core.parallel.parallelize import DTYPES
+    from moe_core.model.dtypes import DTYPES
 
     layout = ctx.layout
     out = layout.hf

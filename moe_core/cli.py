@@ -228,7 +228,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         refuse_overlap(Path(args.src), Path(args.out), Path(tokenizer))
     if args.direction == "to-hf" and (Path(args.src) / ".metadata").is_file():
         from moe_core.convert.checkpoint import checkpoint_to_hf
-        from moe_core.parallel.parallelize import DTYPES
+        from moe_core.model.dtypes import DTYPES
 
         dtype = DTYPES[args.dtype]
         out = checkpoint_to_hf(

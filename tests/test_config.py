@@ -261,7 +261,7 @@ def test_dtype_names_are_the_keys_of_the_one_dtype_map():
     from typing import get_args
 
     from moe_core.config import Dtype
-    from moe_core.parallel.parallelize import DTYPES
+    from moe_core.model.dtypes import DTYPES
 
     assert sorted(get_args(Dtype)) == sorted(DTYPES)
 

@@ -28,6 +28,7 @@ from flows.manifests import checksums
 from flows.manifests import verify as verify_stage
 from flows.manifests import write as write_stage
 from flows.pretrain import _run_root
+from moe_core.ckpt.dcp_read import REFUSAL, load, quiet, read_metadata
 from moe_core.cli import main
 from moe_core.config import ConfigError, DataConfig
 from moe_core.convert.hf import INDEX, OUR_CONFIG, load_hf, save_hf
@@ -39,7 +40,6 @@ from moe_core.data.shards import scan_split, shard_problem
 from moe_core.errors import CheckpointError
 from moe_core.files import file_sha256, inside
 from moe_core.model import build_model
-from moe_core.train.dcp_read import REFUSAL, load, quiet, read_metadata
 
 TINY = [*BASE, "model.n_layers=2"]
 ALLOWED = "only a relative path to a file inside"

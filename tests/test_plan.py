@@ -23,10 +23,10 @@ from moe_core.config import (
     RunConfig,
     TrainConfig,
 )
+from moe_core.model.dtypes import DTYPES
 from moe_core.model.eager import seal
 from moe_core.model.moe import Experts
 from moe_core.model.transformer import build_model
-from moe_core.parallel.parallelize import DTYPES
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.plan import (
     GIB,

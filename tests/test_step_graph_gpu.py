@@ -12,9 +12,10 @@ import torch.distributed as dist
 from helpers import BASE, one_rank_nccl_group
 
 from moe_core.compose import compose_run
+from moe_core.model.dtypes import DTYPES
 from moe_core.model.moe import MoE
 from moe_core.parallel.dispatch import RowwiseDispatcher
-from moe_core.parallel.parallelize import DTYPES, rowwise_exchange
+from moe_core.parallel.parallelize import rowwise_exchange
 from moe_core.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Read model weights out of a training checkpoint, one tensor (or one expert) at a time.
 
-Training checkpoints (``moe_core.train.checkpoint``) hold fp32 master weights as chunks of
+Training checkpoints (``moe_core.train.checkpoint`` writes them; their format is
+``moe_core.ckpt.format``) hold fp32 master weights as chunks of
 each flattened global tensor, in whatever layout wrote them. ``CheckpointSource`` assembles
 any parameter, or one expert's slice of a stacked expert tensor, from the chunks that cover it,
 reading only those chunks; export and evaluation use it without a process group and without
@@ -14,20 +15,13 @@ from pathlib import Path
 
 import torch
 
+from moe_core.ckpt import dcp_read
+from moe_core.ckpt.format import MANIFEST, buffer_key, parse_key, step_of, trainer_state, verify
 from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict, upgrade_saved
 from moe_core.convert.hf import expected_names, refuse_overlap, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
-from moe_core.train import dcp_read
-from moe_core.train.checkpoint import (
-    MANIFEST,
-    buffer_key,
-    parse_key,
-    step_of,
-    trainer_state,
-    verify,
-)
 
 
 class CheckpointSource:
@@ -157,7 +151,7 @@ def checkpoint_to_hf(
 ) -> Path:
     """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
     One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
-    without running code from it (``train.dcp_read``)."""
+    without running code from it (``ckpt.dcp_read``)."""
     refuse_overlap(
         Path(path), Path(out_dir), None if tokenizer_dir is None else Path(tokenizer_dir)
     )

@@ -7,8 +7,6 @@ walk that picks one of them uniformly. A model that learns the successor table r
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -23,11 +21,6 @@ class SyntheticTokens:
         g = torch.Generator().manual_seed(seed)
         self.successors_VB = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
         self._successors = self.successors_VB.numpy().reshape(-1)  # [v * branching + choice]
-
-    @property
-    def entropy(self) -> float:
-        """The loss floor (nats per token) of a model that has learned the table."""
-        return math.log(self.branching)
 
     def sequences(self, start: int, count: int, seq_len: int) -> torch.Tensor:
         """Walks ``start .. start + count - 1`` of ``seq_len + 1`` tokens each.

@@ -58,7 +58,6 @@ class ShardedAdamW:
         self,
         buckets: GradBuckets,
         mesh: Mesh,
-        lr: float,
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
@@ -77,7 +76,8 @@ class ShardedAdamW:
         ]
         # Moments per bucket, allocated at the first update (or when a checkpoint loads).
         self.moments: list[dict[str, torch.Tensor]] = [{} for _ in self.buckets]
-        self.lr_t = torch.tensor(lr, dtype=torch.float32, device=mesh.device)
+        # The learning rate, set before every step (``set_lr``: the schedule's value).
+        self.lr_t = torch.zeros((), dtype=torch.float32, device=mesh.device)
         self.step_t = torch.zeros((), dtype=torch.float32, device=mesh.device)
 
     def set_lr(self, lr: float) -> None:

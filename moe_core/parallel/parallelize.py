@@ -21,6 +21,7 @@ from moe_core.config import (
 )
 from moe_core.model import Transformer
 from moe_core.model.attention import Attention, flash4_installed
+from moe_core.model.dtypes import DTYPES
 from moe_core.model.fp8 import apply_fp8
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE
@@ -35,8 +36,6 @@ from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.pipeline import chunk_layers, rank_chunks
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.parallel.symmetric import symmetric_heap
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # every config.Dtype name, as torch has it
 
 
 def choose_kernels(pcfg: ParallelConfig, precision: PrecisionConfig, device: torch.device) -> str:

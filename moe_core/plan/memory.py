@@ -50,12 +50,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from moe_core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moe_core.model.dtypes import DTYPES
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts
 from moe_core.model.transformer import Transformer
 from moe_core.parallel.ddp import reduce_groups
 from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
-from moe_core.parallel.parallelize import DTYPES
 from moe_core.parallel.pipeline import rank_chunks, schedule
 
 GIB = 2**30

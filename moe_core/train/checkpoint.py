@@ -28,7 +28,6 @@ import errno
 import json
 import math
 import os
-import re
 import secrets
 import shutil
 import time
@@ -44,57 +43,29 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moe_core.ckpt import dcp_read
+from moe_core.ckpt.dcp_read import inner_error
+from moe_core.ckpt.dcp_read import quiet as _quiet
+from moe_core.ckpt.format import (
+    MANIFEST,
+    buffer_key,
+    parse_key,
+    run_id_of,
+    state_key,
+    step_dir_name,
+    step_of,
+    trainer_state,
+    verify,
+)
 from moe_core.config import ModelConfig, from_dict
 from moe_core.errors import CheckpointError, RunFileError
-from moe_core.files import file_sha256, plain_relative
+from moe_core.files import file_sha256
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
-from moe_core.train import dcp_read
-from moe_core.train.dcp_read import inner_error
-from moe_core.train.dcp_read import quiet as _quiet
 
-MANIFEST = "manifest.json"
-# Eight digits at least: every folder so far keeps its name, a step past 99,999,999 gets more.
-_STEP_DIR = re.compile(r"step_(\d{8,})")
-# The key format of every checkpoint: a range of a parameter's optimizer state (the master
-# weights are ``param``) from flat offset ``start``, and a non-trained buffer.
-_KEY = re.compile(r"opt/(.+)/(param|exp_avg|exp_avg_sq)/(\d+)")
-_BUFFER_KEY = re.compile(r"buf/(.+)")
 # How torch's stream writer reports a write that came out short (the disk filled up).
 _SHORT_WRITE = "unexpected pos"
-
-
-def step_dir_name(step: int) -> str:
-    """The folder name of checkpoint ``step`` (the one spelling every part uses)."""
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a checkpoint folder's name says, or None for any other name (a zero-padded
-    spelling other than ``step_dir_name``'s would name a step twice)."""
-    m = _STEP_DIR.fullmatch(name)
-    return int(m.group(1)) if m and step_dir_name(int(m.group(1))) == name else None
-
-
-def state_key(name: str, kind: str, start: int) -> str:
-    """The key of ``name``'s optimizer state ``kind`` (param, exp_avg, exp_avg_sq) from flat
-    offset ``start``."""
-    return f"opt/{name}/{kind}/{start}"
-
-
-def buffer_key(name: str) -> str:
-    return f"buf/{name}"
-
-
-def parse_key(key: str) -> tuple[str, str, int] | tuple[str, None, None] | None:
-    """``(name, kind, start)`` for an optimizer-state key, ``(name, None, None)`` for a buffer,
-    None for anything else."""
-    if m := _KEY.fullmatch(key):
-        return m.group(1), m.group(2), int(m.group(3))
-    if m := _BUFFER_KEY.fullmatch(key):
-        return m.group(1), None, None
-    return None
 
 
 @dataclass
@@ -126,30 +97,6 @@ def new_run_id() -> str:
     return secrets.token_hex(8)
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The checkpoint's manifest as a dict, or None when it is missing or unreadable."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-def run_id_of(path: Path) -> str | None:
-    """The id of the run that wrote checkpoint ``path`` (None: unreadable, or written before
-    checkpoints carried run ids)."""
-    manifest = read_manifest(path)
-    run = None if manifest is None else manifest.get("run_id")
-    return run if isinstance(run, str) else None
-
-
-def trainer_state(path: str | Path) -> dict[str, Any]:
-    """The trainer state a checkpoint holds (step, guards, config, loader), read alone."""
-    request = {"trainer": ""}
-    dcp_read.load(request, path, no_dist=True)
-    return json.loads(request["trainer"])
-
-
 def check_fits(
     path: Path,
     saved: dict[tuple[str, str], list[tuple[int, int, str]]],
@@ -172,51 +119,6 @@ def check_fits(
             f"checkpoint {path} was written for another model ({problem}): resume it with "
             "the model settings it was written with, or train into a new out_dir."
         )
-
-
-def verify(path: Path, checksums: bool = True) -> str | None:
-    """None if the checkpoint verifies, else why not (one sentence): the one rule resume,
-    retention and convert apply. Its manifest must list every file in the folder (a file it
-    does not list is never checked), each with its size and sha256, and, in a ``step_N``
-    folder, say step N (a renamed folder would be resumed and pruned as another step).
-
-    ``checksums=False`` checks the files' presence and sizes only (for checkpoints this process
-    wrote and hashed itself)."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return f"{path.name} has no {MANIFEST}"
-    try:
-        meta = json.loads(manifest.read_text())
-        files, step = meta["files"], meta["step"]
-        if not isinstance(files, dict) or not isinstance(step, int):
-            raise ValueError
-    except (ValueError, KeyError, TypeError):
-        return f"{path.name}/{MANIFEST} is unreadable"
-    named = step_of(path.name)
-    if named is not None and step != named:
-        return f"{path.name}/{MANIFEST} says step {step}, not the {named} its folder name says"
-    if not files:
-        return f"{path.name}/{MANIFEST} lists no files"
-    on_disk = {
-        f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() or f.is_symlink()
-    }
-    unlisted = sorted(on_disk - set(files) - {MANIFEST})
-    if unlisted:
-        return f"{path.name}/{unlisted[0]} is not listed in its {MANIFEST}"
-    for rel, info in files.items():
-        if not plain_relative(rel) or not isinstance(info, dict):
-            return f"{path.name}/{MANIFEST} is unreadable"
-        f = path / rel
-        if not f.is_file():
-            return f"{path.name}/{rel} is missing"
-        if f.stat().st_size != info.get("bytes"):
-            return (
-                f"{path.name}/{rel} has {f.stat().st_size} bytes, "
-                f"the manifest says {info.get('bytes')}"
-            )
-        if checksums and file_sha256(f) != info.get("sha256"):
-            return f"{path.name}/{rel} does not match its sha256"
-    return None
 
 
 class Checkpointer:
@@ -449,10 +351,10 @@ class Checkpointer:
         saved: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
         dtypes: dict[str, torch.dtype] = {}  # as saved: fp32, or bf16 from the pure-bf16 preset
         for key, md in metadata.items():
-            if m := _KEY.fullmatch(key):
-                saved.setdefault((m.group(1), m.group(2)), []).append(
-                    (int(m.group(3)), md.size[0], key)
-                )
+            parsed = parse_key(key)
+            if parsed is not None and parsed[1] is not None:  # a range of optimizer state
+                name, kind, start = parsed
+                saved.setdefault((name, kind), []).append((start, md.size[0], key))
                 dtypes[key] = md.properties.dtype
         if shapes is not None:
             check_fits(path, saved, shapes)

@@ -18,7 +18,9 @@ waits only for the transfer and logs the metrics while the GPU runs the optimize
 time is wall time from the previous step's host read to its own (data, optimizer and logging
 included), so TFLOP/s over steps is the run's real rate.
 
-This module is the loop and the build; its parts live beside it: ``step_metrics`` (the step's
+This module is the loop; its parts live beside it: ``stack`` (the model and optimizer it
+builds), ``batches`` (its data), ``evaluation`` (held-out loss, downstream tasks),
+``step_metrics`` (the step's
 values, reduced in one collective and read in one transfer, and the logged ``StepMetrics``),
 ``router_stats`` (router statistics, expert-bias update, health, dropped rows) and
 ``checkpoint_policy`` (resume or start fresh, when to save, what is never saved, halting).
@@ -32,7 +34,7 @@ import gc
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,42 +43,37 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import (
-    RunConfig,
-    check_tokenizer_fits,
-    check_validation_fits,
-    to_dict,
-)
+from moe_core.config import RunConfig, to_dict
 from moe_core.convert.native import save_model_dir
-from moe_core.data.errors import DataError
-from moe_core.data.loader import TokenLoader
-from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
-from moe_core.data.prefetch import Prefetcher, pinned
-from moe_core.data.shards import SPLITS
-from moe_core.data.synthetic import SyntheticTokens
+from moe_core.data.prefetch import pinned
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
-from moe_core.model import Transformer
 from moe_core.model.flops import count
-from moe_core.model.moe import Experts, Router, router_stats_paused
-from moe_core.parallel.compile import loss_function
-from moe_core.parallel.ddp import GradBuckets
+from moe_core.model.moe import Experts, Router
 from moe_core.parallel.mesh import Mesh, gather_experts, init_distributed
-from moe_core.parallel.optimizer import ShardedAdamW
-from moe_core.parallel.parallelize import DTYPES, parallelize
-from moe_core.parallel.pipeline import PipelineRunner, p2p_groups
 from moe_core.rundir import RunLock
+from moe_core.train.batches import Batches, check_data_fits
 from moe_core.train.checkpoint import Checkpointer, router_buffers
 from moe_core.train.checkpoint_policy import CheckpointPolicy
+from moe_core.train.evaluation import Downstream, held_out_batches, held_out_loss
 from moe_core.train.guards import Guards
 from moe_core.train.metrics import ConsoleSink, JsonlSink, MetricsSink, peak_tflops, throughput
 from moe_core.train.router_stats import RouterStats, routers_by_layer
 from moe_core.train.schedule import lr_multiplier
+from moe_core.train.stack import build_stack
 from moe_core.train.step_graph import StepGraphs
 from moe_core.train.step_metrics import StepMetrics, StepValues
 
 __all__ = ["StepMetrics", "Trainer", "routers_by_layer", "threading_main"]
 
-EVAL_BASE = 1 << 40  # held-out synthetic sequences are numbered from here
+
+@dataclass(frozen=True)
+class QueuedStep:
+    """A step whose device work is queued: what the host needs to finish it."""
+
+    lr: float
+    n_batches: int  # this rank's micro-batches
+    bias: torch.Tensor | None  # the expert-bias rows the update used
+    read: Callable[[], StepValues]  # waits for the step's one host transfer
 
 
 class Trainer:
@@ -129,81 +126,46 @@ class Trainer:
     def _build(self) -> None:
         """Model, optimizer, data and checkpoints: everything that comes after the lock."""
         cfg = self.cfg
-        tc, pc = cfg.train, cfg.parallel
         if cfg.data.kind == "tokens":
-            self._check_data_fits()
-        torch.manual_seed(tc.seed)
-        tokens = tc.micro_batch_size * tc.seq_len
-        self.chunks: dict[int, Transformer] = parallelize(
-            cfg.model, pc, cfg.precision, self.mesh, tc.seed, tokens
-        )
-        self.loss_fn = loss_function(pc.compile_on(self.device.type))
+            check_data_fits(cfg)
+        torch.manual_seed(cfg.train.seed)
+        self._build_model()
+        self.batches = Batches(cfg, self.mesh, self.console, self._warn)
+        self.downstream_set: Downstream | None = None
+        if cfg.eval.every:
+            loader = self.batches.loader
+            assert loader is not None
+            self.downstream_set = Downstream(cfg, loader.dataset.manifest.tokenizer.get("eos_id"))
+        self._clock: float | None = None  # when the last step's host read returned
+        self.flops_per_token = count(cfg.model, cfg.train.seq_len).flops_per_token
+        self.peak = peak_tflops(self.device)
+        self._build_policy()
+
+    def _build_model(self) -> None:
+        """This rank's model chunks and what trains them (``stack.build_stack``), and the
+        router statistics and buffers read from them."""
+        stack = build_stack(self.cfg, self.mesh)
+        self.chunks = stack.chunks
+        self.loss_fn, self.buckets, self.optimizer = stack.loss_fn, stack.buckets, stack.optimizer
+        self.autocast, self.pipeline = stack.autocast, stack.pipeline
         modules = list(self.chunks.values())
-        self.router_stats = RouterStats(cfg, self.mesh, modules)
+        self.router_stats = RouterStats(self.cfg, self.mesh, modules)
         self.buffers = router_buffers(modules)
-        state_dtype = DTYPES[cfg.precision.optimizer]
-        self.buckets = GradBuckets(
-            modules,
-            self.mesh,
-            pc.bucket_mb,
-            divisor=pc.data_parallel,
-            grad_dtype=state_dtype,
-            micro_batches=cfg.micro_batches,
-        )
-        self.optimizer = ShardedAdamW(
-            self.buckets,
-            self.mesh,
-            tc.lr,
-            (tc.beta1, tc.beta2),
-            tc.eps,
-            tc.weight_decay,
-            state_dtype=state_dtype,
-        )
         # Whether this step's update applies (the guards' rule on the device; a graph reads it).
         self._apply = torch.ones((), dtype=torch.bool, device=self.device)
-        # Autocast only where it changes something: bf16 compute over fp32 weights. bf16 weights
-        # compute in bf16 as they are (norms, router and loss keep fp32 inside the model).
-        bf16_over_fp32 = cfg.precision.compute == "bf16" and cfg.precision.params == "fp32"
-        self.autocast = torch.autocast(self.device.type, torch.bfloat16, enabled=bf16_over_fp32)
-        self.pipeline = None
-        if pc.pp > 1:
-            shape = (tc.micro_batch_size, tc.seq_len, cfg.model.d_model)
-            self.pipeline = PipelineRunner(
-                self.chunks,
-                self.mesh,
-                p2p_groups(pc, self.mesh),
-                shape,
-                DTYPES[cfg.precision.params],
-                self.autocast,
-            )
-        self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
-        self.loader: TokenLoader | None = None
-        if cfg.data.kind == "tokens":
-            assert cfg.data.dir is not None
-            self._verify_data()
-            self.loader = TokenLoader(
-                cfg.data.dir,
-                "train",
-                tc.seq_len,
-                tc.micro_batch_size,
-                dp_rank=self.mesh.data_rank,
-                dp_size=pc.data_parallel,
-                seed=tc.seed,
-            )
-            self._train_iter = iter(self.loader)
-        self.downstream_requests: list | None = None
-        if cfg.eval.every:
-            self._prepare_downstream()
-        # The loader's position after the last step that ran (what a checkpoint records; the
-        # loader itself may already be a step ahead, prefetching).
-        self._loader_state = None if self.loader is None else self.loader.state_dict()
-        self._prefetch: Prefetcher[list[torch.Tensor]] | None = None
-        self._clock: float | None = None  # when the last step's host read returned
-        self.flops_per_token = count(cfg.model, tc.seq_len).flops_per_token
-        self.peak = peak_tflops(self.device)
+
+    def _build_policy(self) -> None:
+        """Guards and checkpoints; resume from the newest valid checkpoint or start fresh."""
+        tc = self.cfg.train
         self.guards = Guards(tc.max_consecutive_skips, tc.spike_sigma, tc.spike_window)
         self.checkpoints = CheckpointPolicy(
-            cfg, self.mesh, self.out, self.optimizer, self.buffers, self._trainer_state, self._warn
+            self.cfg,
+            self.mesh,
+            self.out,
+            self.optimizer,
+            self.buffers,
+            self._trainer_state,
+            self._warn,
         )
         self.step = 0
         self.stop_requested = False
@@ -239,85 +201,24 @@ class Trainer:
         """The checkpoint this run resumed from (None: it started fresh)."""
         return self.checkpoints.resumed_from
 
-    # ---- data -----------------------------------------------------------------------------
+    # ---- data (``batches.py``) ------------------------------------------------------------
 
-    def _check_data_fits(self) -> None:
-        """The token data's vocabulary and validation split against the run, from its manifest
-        alone, before the model is built (refusals otherwise come after training steps)."""
-        cfg = self.cfg
-        assert cfg.data.dir is not None
-        manifest = read_manifest(cfg.data.dir)
-        where = str(manifest.data_dir / MANIFEST)
-        vocab = manifest.tokenizer["vocab_size"]
-        check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size, manifest=where)
-        instances = manifest.tokens("validation") // (cfg.train.seq_len + 1)
-        check_validation_fits(cfg.train, cfg.parallel.data_parallel, instances, where)
+    @property
+    def loader(self):
+        """The token loader (None for synthetic data)."""
+        return self.batches.loader
 
-    def _verify_data(self) -> None:
-        """Hash every shard against the data manifest before the first step (rank 0, streamed,
-        timed); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
-        dc = self.cfg.data
-        problem: list[str | None] = [None]
-        if self.is_main and dc.verify_checksums:
-            tick = time.perf_counter()
-            try:
-                manifest = verify_data_dir(str(dc.dir), checksums=True)
-            except DataError as err:
-                problem[0] = str(err)
-            else:
-                shards = [s for split in SPLITS for s in manifest.shards(split)]
-                size = sum((manifest.data_dir / s["file"]).stat().st_size for s in shards)
-                self.console.print(
-                    f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB) in "
-                    f"{time.perf_counter() - tick:.1f} s (data.verify_checksums=false skips this)",
-                    highlight=False,
-                )
-        elif self.is_main:
-            self._warn(
-                "data.verify_checksums=false: shard sha256 not checked (sizes, headers and token "
-                "ids still are), so bytes flipped within the vocabulary would train unnoticed"
-            )
-        if self.mesh.distributed:
-            dist.broadcast_object_list(problem, src=0)
-        if problem[0] is not None:
-            raise DataError(problem[0])
+    @property
+    def _loader_state(self) -> dict[str, Any] | None:
+        return self.batches.loader_state
 
     def micro_batches(self) -> list[torch.Tensor]:
         """This rank's micro-batches of the current step, on the device (made one step ahead on
-        a background thread; see ``_produce``)."""
-        if self._prefetch is None:
-            self._prefetch = Prefetcher(self._produce)
-        batches, self._loader_state = self._prefetch.take(self.step)
-        return [b.to(self.device, non_blocking=True) for b in batches]
-
-    def _produce(self, step: int) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
-        """Step ``step``'s micro-batches in host memory, and the loader's state after them.
-        Token shards: the loader's next ones (a step holds the same instances for any layout).
-        Synthetic: sequences are numbered globally, and data rank ``d`` reads the ``d``-th
-        contiguous slice of the step's batch."""
-        tc = self.cfg.train
-        if self.loader is not None:
-            batches = [next(self._train_iter) for _ in range(self.cfg.micro_batches)]
-            return [pinned(b, self.device) for b in batches], self.loader.state_dict()
-        per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
-        start = step * tc.global_batch_size + self.mesh.data_rank * per_rank
-        return self._sequences(start, self.cfg.micro_batches), None
-
-    def _sequences(self, start: int, n_micro: int) -> list[torch.Tensor]:
-        """Synthetic walks ``start ..`` as ``n_micro`` micro-batches in (pinned) host memory."""
-        mb, seq_len = self.cfg.train.micro_batch_size, self.cfg.train.seq_len
-        tokens = pinned(self.data.sequences(start, n_micro * mb, seq_len), self.device)
-        return list(tokens.split(mb))
+        a background thread)."""
+        return self.batches.take(self.step)
 
     def _stop_prefetching(self) -> None:
-        """Drop a step made ahead; the loader goes back to where the last step left it."""
-        if self._prefetch is None:
-            return
-        self._prefetch.close()
-        self._prefetch = None
-        if self.loader is not None and self._loader_state is not None:
-            self.loader.load_state_dict(self._loader_state)
-            self._train_iter = iter(self.loader)
+        self.batches.stop()
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -348,7 +249,15 @@ class Trainer:
         return ce_sum, aux_sum, self.optimizer.grad_norm()
 
     def train_step(self) -> StepMetrics:
-        tc, pc = self.cfg.train, self.cfg.parallel
+        """One optimizer step: its device work queued, then its one host read made into the
+        step's metrics while the GPU runs the update."""
+        return self._step_metrics(self._queue_step())
+
+    def _queue_step(self) -> QueuedStep:
+        """Queue the step: forward and backward of every micro-batch, reduced gradients and
+        their norm, the next step's batches started, then the values the host reads and the
+        update (``_queue_read``, ``_queue_update``)."""
+        tc = self.cfg.train
         if self._clock is None:
             self._clock = time.perf_counter()
         if self.device.type == "cuda":
@@ -361,8 +270,16 @@ class Trainer:
         else:
             ce_sum, aux_sum, grad_norm = self.graphs.compute(self._compute, batches)
         if self.step + 1 < tc.steps:
-            self._prefetch.prepare(self.step + 1)  # type: ignore[union-attr]
+            self.batches.prepare(self.step + 1)
+        reduced, bias, read = self._queue_read(ce_sum, aux_sum, grad_norm)
+        self._queue_update(reduced, grad_norm)
+        return QueuedStep(lr, len(batches), bias, read)
 
+    def _queue_read(
+        self, ce_sum: torch.Tensor, aux_sum: torch.Tensor, grad_norm: torch.Tensor
+    ) -> tuple[StepValues, torch.Tensor | None, Callable[[], StepValues]]:
+        """The step's values reduced over all ranks in one collective, the expert-bias rows
+        from them, and the step's one host read started."""
         routers = self.router_stats
         # Host values join the device's through pinned memory: an asynchronous copy, no sync.
         known = torch.tensor([len(routers.routers), self.stop_requested, self._peak_mem_gib()])
@@ -381,9 +298,13 @@ class Trainer:
         reduced = local.all_reduce(self.mesh.rank, world)
         bias = routers.bias_rows(reduced.router_table)
         read = replace(reduced, expert_bias=bias).start_read()  # the step's one host read
-        # The guards' skip rule and the dropped-row stop, decided on the device from the values
-        # the host is about to read: the update is queued now and changes nothing when the step
-        # is not applied, so the GPU goes on to it without waiting for the host.
+        return reduced, bias, read
+
+    def _queue_update(self, reduced: StepValues, grad_norm: torch.Tensor) -> None:
+        """The guards' skip rule and the dropped-row stop, decided on the device from the values
+        the host is about to read: the update is queued now and changes nothing when the step
+        is not applied, so the GPU goes on to it without waiting for the host."""
+        tc = self.cfg.train
         ok = torch.isfinite(reduced.ce) & torch.isfinite(reduced.grad_norm) & (reduced.dropped == 0)
         self._apply.copy_(ok)
         clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
@@ -392,15 +313,21 @@ class Trainer:
         else:
             update = functools.partial(self.optimizer.update, grad_norm, clip, self._apply)
             self.graphs.update(update, prepare=self.optimizer.allocate_state)
-        host = read()
+
+    def _step_metrics(self, q: QueuedStep) -> StepMetrics:
+        """Wait for the step's host read; the guards' verdict, router health, the stop request
+        and throughput from it; the step counted."""
+        tc, pc = self.cfg.train, self.cfg.parallel
+        routers = self.router_stats
+        host = q.read()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
         routers.check_dropped(host.dropped.item(), f"step {self.step}")
-        n_micro = len(batches) * pc.data_parallel
+        n_micro = q.n_batches * pc.data_parallel
         loss, norm = host.ce.item() / n_micro, host.grad_norm.item()
         verdict = self.guards.check(loss, norm)  # skips exactly where ``ok`` was false
         health = routers.finish_step(
-            bias, host.router_table, host.expert_bias, applied=not verdict.skip
+            q.bias, host.router_table, host.expert_bias, applied=not verdict.skip
         )
         self.stop_requested = self.stop_requested or host.stop.item() > 0
         speed = throughput(
@@ -411,7 +338,7 @@ class Trainer:
             self.peak,
         )
         self.step += 1
-        per_router_call = max(host.routers.item(), 1) * len(batches)
+        per_router_call = max(host.routers.item(), 1) * q.n_batches
         return StepMetrics(
             step=self.step - 1,
             loss=loss,
@@ -419,7 +346,7 @@ class Trainer:
             lb_loss=host.lb.item() / per_router_call,
             z_loss=host.z.item() / per_router_call,
             grad_norm=norm,
-            lr=lr,
+            lr=q.lr,
             tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
             model_tflops_per_gpu=speed["model_tflops_per_gpu"],
             mfu=speed.get("mfu"),
@@ -441,88 +368,26 @@ class Trainer:
             peak = max(peak, torch.cuda.max_memory_reserved(self.device))
         return peak / 2**30
 
-    @torch.no_grad()
+    # ---- evaluation (``evaluation.py``) ---------------------------------------------------
+
     def evaluate(self) -> float:
         """Mean held-out loss over ``eval_batches`` micro-batches, split over the data ranks
         (the same sequences whatever the layout)."""
-        tc, pc = self.cfg.train, self.cfg.parallel
-        per_rank = tc.eval_batches // pc.data_parallel
-        if self.loader is not None:
-            assert self.cfg.data.dir is not None
-            held_out = TokenLoader(
-                self.cfg.data.dir,
-                "validation",
-                tc.seq_len,
-                tc.micro_batch_size,
-                dp_rank=self.mesh.data_rank,
-                dp_size=pc.data_parallel,
-            )
-            batches = [b.to(self.device) for b, _ in zip(held_out, range(per_rank), strict=False)]
-            if len(batches) < per_rank:
-                raise ValueError(
-                    f"train.eval_batches={tc.eval_batches} is not allowed: the validation split "
-                    f"holds {len(batches) * pc.data_parallel} micro-batches."
-                )
-        else:
-            start = EVAL_BASE + self.mesh.data_rank * per_rank * tc.micro_batch_size
-            batches = [b.to(self.device) for b in self._sequences(start, per_rank)]
-        with router_stats_paused():
-            ce_sum, _ = self._forward_backward(batches, forward_only=True)
-        read = torch.stack([ce_sum, self.router_stats.dropped()])
-        if self.mesh.distributed:
-            dist.all_reduce(read)
-        ce, dropped = read.tolist()
-        self.router_stats.check_dropped(dropped, f"evaluation after step {self.step}")
-        return ce / tc.eval_batches
-
-    def _prepare_downstream(self) -> None:
-        """The in-training subset of every task (``eval.every_limit`` examples, by
-        ``eval.seed``), encoded once with the run's tokenizer."""
-        from moe_core.data.tokenizer import load_tokenizer
-        from moe_core.eval.downstream import encode_tasks
-        from moe_core.eval.tasks import load_tasks, subset
-
-        ev = self.cfg.eval
-        assert self.loader is not None and self.cfg.data.dir is not None
-        self.downstream_tasks = [subset(t, ev.every_limit, ev.seed) for t in load_tasks(ev)]
-        self.downstream_requests = encode_tasks(
-            self.downstream_tasks,
-            load_tokenizer(self.cfg.data.dir),
-            self.cfg.model.vocab_size,
-            self.loader.dataset.manifest.tokenizer.get("eos_id"),
+        held_out = held_out_batches(self.cfg, self.mesh, self.batches)
+        return held_out_loss(
+            self.cfg, self.mesh, held_out, self._forward_backward, self.router_stats, self.step
         )
 
-    @torch.no_grad()
     def downstream(self) -> dict[str, dict[str, float]]:
-        """Accuracies of the in-training task subsets with the model as it is: batches of the
-        training micro-batch's shape (``[micro_batch_size, seq_len]``, so static buffers and
-        compiled graphs are reused), split over every rank (``parallel.pp`` is 1 here)."""
-        from moe_core.eval.downstream import request_logprobs, scores_from
-
-        assert self.downstream_requests is not None
-        tc, model = self.cfg.train, self.chunks[0]
+        """Accuracies of the in-training task subsets with the model as it is."""
+        assert self.downstream_set is not None
+        model = self.chunks[0]
 
         def forward(tokens_BT: torch.Tensor) -> torch.Tensor:
             with self.autocast:
                 return model(tokens_BT)[0]
 
-        with router_stats_paused():
-            logp = request_logprobs(
-                self.downstream_requests,
-                forward,
-                tc.seq_len,
-                tc.micro_batch_size,
-                self.device,
-                fixed_shape=True,
-            )
-        read = self.router_stats.dropped()
-        if self.mesh.distributed:
-            dist.all_reduce(read)
-        self.router_stats.check_dropped(
-            float(read), f"downstream evaluation after step {self.step}"
-        )
-        scores = scores_from(self.downstream_tasks, self.downstream_requests, logp)
-        return {s.key: s.metrics() for s in scores}
+        return self.downstream_set.scores(forward, self.mesh, self.router_stats, self.step)
 
     # ---- checkpoints (the policy: ``checkpoint_policy.py``) --------------------------------
 
@@ -535,11 +400,6 @@ class Trainer:
             "loader": self._loader_state,
         }
 
-    def save_checkpoint(self) -> None:
-        """Checkpoint the current state. A state holding NaN or infinity is never written (resume
-        would pick it): the run stops instead, naming the checkpoint to resume from."""
-        self.checkpoints.save(self.step)
-
     def _resume(self) -> None:
         """Continue from the newest valid checkpoint, if any: step, guards, loader position."""
         state = self.checkpoints.resume()
@@ -547,18 +407,14 @@ class Trainer:
             return
         self.step = int(state["step"])
         self.guards.load_state_dict(state.get("guards", {}))
-        if self.loader is not None and state.get("loader") is not None:
-            problem = self.loader.state_problem(state["loader"])
-            if problem is not None:
-                raise CheckpointError(
-                    f"{self.resumed_from} was trained on other data or another sequence length "
-                    f"({problem}), so it is not allowed to resume here: resume with the settings "
-                    "it was trained with (data.dir, train.seq_len, train.seed) or train into "
-                    "another out_dir."
-                )
-            self.loader.load_state_dict(state["loader"])
-            self._train_iter = iter(self.loader)
-            self._loader_state = self.loader.state_dict()
+        problem = self.batches.resume_at(state.get("loader"))
+        if problem is not None:
+            raise CheckpointError(
+                f"{self.resumed_from} was trained on other data or another sequence length "
+                f"({problem}), so it is not allowed to resume here: resume with the settings "
+                "it was trained with (data.dir, train.seq_len, train.seed) or train into "
+                "another out_dir."
+            )
         if self.is_main:
             self.console.print(f"resumed from {self.resumed_from} (step {self.step})")
 

@@ -1,0 +1,1 @@
+"""The checkpoint format shared by training and its readers (no torch.distributed state)."""

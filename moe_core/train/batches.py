@@ -1,0 +1,147 @@
+"""The trainer's data: each step's micro-batches from token shards (the loader) or synthetic
+walks, made one step ahead on a background thread (``data.prefetch``), and the checks of the
+token data against the run before anything trains on it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits
+from moe_core.data.errors import DataError
+from moe_core.data.loader import TokenLoader
+from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
+from moe_core.data.prefetch import Prefetcher, pinned
+from moe_core.data.shards import SPLITS
+from moe_core.data.synthetic import SyntheticTokens
+from moe_core.parallel.mesh import Mesh
+
+
+def check_data_fits(cfg: RunConfig) -> None:
+    """The token data's vocabulary and validation split against the run, from its manifest
+    alone, before the model is built (refusals otherwise come after training steps)."""
+    assert cfg.data.dir is not None
+    manifest = read_manifest(cfg.data.dir)
+    where = str(manifest.data_dir / MANIFEST)
+    vocab = manifest.tokenizer["vocab_size"]
+    check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size, manifest=where)
+    instances = manifest.tokens("validation") // (cfg.train.seq_len + 1)
+    check_validation_fits(cfg.train, cfg.parallel.data_parallel, instances, where)
+
+
+class Batches:
+    """This rank's micro-batches step by step. Token data is verified (rank 0) when this is
+    built; ``loader_state`` is the loader's position after the last step taken (what a
+    checkpoint records: the loader itself may be a step ahead, prefetching)."""
+
+    def __init__(
+        self, cfg: RunConfig, mesh: Mesh, console: Console, warn: Callable[[str], None]
+    ) -> None:
+        tc = cfg.train
+        self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
+        self.console, self._warn = console, warn
+        self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
+        self.loader: TokenLoader | None = None
+        if cfg.data.kind == "tokens":
+            assert cfg.data.dir is not None
+            self._verify_data()
+            self.loader = TokenLoader(
+                cfg.data.dir,
+                "train",
+                tc.seq_len,
+                tc.micro_batch_size,
+                dp_rank=mesh.data_rank,
+                dp_size=cfg.parallel.data_parallel,
+                seed=tc.seed,
+            )
+            self._train_iter = iter(self.loader)
+        self.loader_state = None if self.loader is None else self.loader.state_dict()
+        self._prefetch: Prefetcher[list[torch.Tensor]] | None = None
+
+    def _verify_data(self) -> None:
+        """Hash every shard against the data manifest before the first step (rank 0, streamed,
+        timed); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
+        dc = self.cfg.data
+        main = self.mesh.rank == 0
+        problem: list[str | None] = [None]
+        if main and dc.verify_checksums:
+            tick = time.perf_counter()
+            try:
+                manifest = verify_data_dir(str(dc.dir), checksums=True)
+            except DataError as err:
+                problem[0] = str(err)
+            else:
+                shards = [s for split in SPLITS for s in manifest.shards(split)]
+                size = sum((manifest.data_dir / s["file"]).stat().st_size for s in shards)
+                self.console.print(
+                    f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB) in "
+                    f"{time.perf_counter() - tick:.1f} s (data.verify_checksums=false skips this)",
+                    highlight=False,
+                )
+        elif main:
+            self._warn(
+                "data.verify_checksums=false: shard sha256 not checked (sizes, headers and token "
+                "ids still are), so bytes flipped within the vocabulary would train unnoticed"
+            )
+        if self.mesh.distributed:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise DataError(problem[0])
+
+    def take(self, step: int) -> list[torch.Tensor]:
+        """Step ``step``'s micro-batches, on the device (made ahead by ``prepare``)."""
+        if self._prefetch is None:
+            self._prefetch = Prefetcher(self._produce)
+        batches, self.loader_state = self._prefetch.take(step)
+        return [b.to(self.device, non_blocking=True) for b in batches]
+
+    def prepare(self, step: int) -> None:
+        """Start making step ``step``'s micro-batches on the background thread."""
+        self._prefetch.prepare(step)  # type: ignore[union-attr]
+
+    def _produce(self, step: int) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+        """Step ``step``'s micro-batches in host memory, and the loader's state after them.
+        Token shards: the loader's next ones (a step holds the same instances for any layout).
+        Synthetic: sequences are numbered globally, and data rank ``d`` reads the ``d``-th
+        contiguous slice of the step's batch."""
+        tc = self.cfg.train
+        if self.loader is not None:
+            batches = [next(self._train_iter) for _ in range(self.cfg.micro_batches)]
+            return [pinned(b, self.device) for b in batches], self.loader.state_dict()
+        per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
+        start = step * tc.global_batch_size + self.mesh.data_rank * per_rank
+        return self.sequences(start, self.cfg.micro_batches), None
+
+    def sequences(self, start: int, n_micro: int) -> list[torch.Tensor]:
+        """Synthetic walks ``start ..`` as ``n_micro`` micro-batches in (pinned) host memory."""
+        mb, seq_len = self.cfg.train.micro_batch_size, self.cfg.train.seq_len
+        tokens = pinned(self.data.sequences(start, n_micro * mb, seq_len), self.device)
+        return list(tokens.split(mb))
+
+    def stop(self) -> None:
+        """Drop a step made ahead; the loader goes back to where the last step left it."""
+        if self._prefetch is None:
+            return
+        self._prefetch.close()
+        self._prefetch = None
+        if self.loader is not None and self.loader_state is not None:
+            self.loader.load_state_dict(self.loader_state)
+            self._train_iter = iter(self.loader)
+
+    def resume_at(self, saved: dict[str, Any] | None) -> str | None:
+        """Put the loader where a checkpoint's loader state ``saved`` says (nothing to do for
+        synthetic data or a state without one); why not, when it was saved for other data."""
+        if self.loader is None or saved is None:
+            return None
+        problem = self.loader.state_problem(saved)
+        if problem is not None:
+            return problem
+        self.loader.load_state_dict(saved)
+        self._train_iter = iter(self.loader)
+        self.loader_state = self.loader.state_dict()
+        return None
