@@ -60,104 +60,22 @@ import torch
 
 from kernels._triton import use_triton
 from kernels.expert_mlp import check_operands
+from kernels.fp8_format import E4M3 as E4M3
+from kernels.fp8_format import E4M3_MAX as E4M3_MAX
+from kernels.fp8_quantize import dequantize as dequantize
+from kernels.fp8_quantize import dequantize_mx as dequantize_mx
+from kernels.fp8_quantize import quantize_columnwise as quantize_columnwise
+from kernels.fp8_quantize import quantize_columnwise_reference as quantize_columnwise_reference
+from kernels.fp8_quantize import quantize_mx as quantize_mx
+from kernels.fp8_quantize import quantize_mx_reference as quantize_mx_reference
+from kernels.fp8_quantize import quantize_rowwise as quantize_rowwise
+from kernels.fp8_quantize import quantize_rowwise_reference as quantize_rowwise_reference
 from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad
 from kernels.swiglu import swiglu_grads, swiglu_values
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-AMAX_FLOOR = 2.0**-116  # 448 / 2^-116 is finite in fp32
-E8M0 = torch.float8_e8m0fnu
-MX_BLOCK = 32
-
-
-def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 values [M, K], fp32 scales [M]) with ``x ~= q * scale[:, None]`` (module doc)."""
-    x32 = x_MK.float()
-    amax_M = x32.abs().amax(dim=1)
-    floored_M = amax_M.clamp_min(AMAX_FLOOR)
-    fp8_max_M = torch.full_like(amax_M, E4M3_MAX)
-    # Tensor by tensor: correctly rounded on the GPU too (torch divides by a Python number
-    # through its reciprocal there, an ulp off).
-    scale_M = torch.where(amax_M > 0, floored_M / fp8_max_M, 1.0)
-    inv_M = torch.where(amax_M > 0, fp8_max_M / floored_M, 1.0)
-    y_MK = (x32 * inv_M[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    q_MK = (y_MK.to(E4M3).float() + 0.0).to(E4M3)  # + 0.0: a zero is +0, also from -1e-9
-    return q_MK, scale_M
-
-
-def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise E4M3 quantization of a 2D tensor with a contiguous last dimension."""
-    if x_MK.ndim != 2:
-        raise ValueError(f"quantize_rowwise takes [M, K], got {tuple(x_MK.shape)}")
-    if use_triton(x_MK):
-        from kernels import fp8_triton
-
-        return fp8_triton.quantize_rowwise(x_MK)
-    return quantize_rowwise_reference(x_MK)
-
-
-def quantize_columnwise_reference(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 values [G, K, N], fp32 scales [G, K]): each ``w[g]`` quantized over N, one scale
-    per column, by the rowwise rules; defined as the rowwise quantization of the transposed
-    copy (what the input gradient's operand was before the fused kernel)."""
-    G, N, K = w_GNK.shape
-    q, scale = quantize_rowwise_reference(w_GNK.transpose(-2, -1).contiguous().view(G * K, N))
-    return q.view(G, K, N), scale.view(G, K)
-
-
-def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert weights [G, N, K] quantized over N, already in the row-major [G, K, N] layout the
-    input gradient's GEMM takes, with scales [G, K] (Triton: straight from ``w``, no copy)."""
-    if w_GNK.ndim != 3:
-        raise ValueError(f"quantize_columnwise takes [G, N, K], got {tuple(w_GNK.shape)}")
-    if use_triton(w_GNK):
-        from kernels import fp8_triton
-
-        return fp8_triton.quantize_columnwise(w_GNK)
-    return quantize_columnwise_reference(w_GNK)
-
-
-def dequantize(q_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:
-    return q_MK.float() * scale_M[:, None]
-
-
-def quantize_mx_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 values [M, K], E8M0 scales [M, K / 32]) with ``x ~= q * 2^e`` per 32-value block
-    along K (module doc)."""
-    M, K = x_MK.shape
-    x = x_MK.float().view(M, K // MX_BLOCK, MX_BLOCK)
-    amax = x.abs().amax(dim=2)
-    ratio = amax / torch.full_like(amax, E4M3_MAX)  # correctly rounded, as the kernel's
-    # ceil(log2(ratio)) read off the fp32 bits: the exponent, plus one unless a power of two;
-    # zero and subnormal ratios (below 2^-126) take the floor, -127.
-    bits = ratio.view(torch.int32)
-    biased = (bits >> 23) & 0xFF
-    exponent = biased - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    exponent = torch.where(biased == 0, -127, exponent).clamp(-127, 127)
-    scale = torch.ldexp(torch.ones_like(ratio), exponent)
-    y = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
-    q = (y.to(E4M3).float() + 0.0).to(E4M3).view(M, K)
-    return q, (exponent + 127).to(torch.uint8).view(E8M0)
-
-
-def quantize_mx(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 quantization of a 2D tensor whose last dimension is a multiple of 32."""
-    if x_MK.ndim != 2 or x_MK.shape[1] % MX_BLOCK:
-        raise ValueError(
-            f"quantize_mx takes [M, K] with K a multiple of 32, got {tuple(x_MK.shape)}"
-        )
-    if use_triton(x_MK):
-        from kernels import fp8_triton
-
-        return fp8_triton.quantize_mx(x_MK)
-    return quantize_mx_reference(x_MK)
-
-
-def dequantize_mx(q_MK: torch.Tensor, scale_MB: torch.Tensor) -> torch.Tensor:
-    M, K = q_MK.shape
-    exponent = scale_MB.view(torch.uint8).to(torch.int32) - 127
-    scale = torch.ldexp(torch.ones(exponent.shape, device=q_MK.device), exponent)
-    return (q_MK.float().view(M, -1, MX_BLOCK) * scale[..., None]).view(M, K)
+# The quantizers live in kernels.fp8_quantize (kernels.swiglu and the dispatcher use them
+# without the GEMMs) and the format's numbers in kernels.fp8_format; they are named here too,
+# as the FP8 ops' public surface.
 
 
 def scaled_mm_supported(x: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import INTERPRET, cdiv, next_pow2
-from kernels.fp8 import AMAX_FLOOR, E4M3_MAX
+from kernels.fp8_format import AMAX_FLOOR, E4M3_MAX, MX_BLOCK
 
 HW_CAST = not INTERPRET  # the GPU's E4M3 conversion; the interpreter's rounds wrongly
 
@@ -180,9 +180,6 @@ def quantize_columnwise(
         HW_CAST=hw_cast, num_warps=num_warps,
     )  # fmt: skip
     return q_GKN, scale_GK
-
-
-MX_BLOCK = 32
 
 
 @triton.jit

@@ -20,24 +20,11 @@ addressable the same way); the references run elsewhere. Neither reads the host.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kernels._triton import use_triton
-
-
-@dataclass(frozen=True)
-class PeerRows:
-    """One symmetric allocation as rows: every rank's [capacity + 1, F] view (index = rank) and
-    their base addresses (int64, on the buffers' device)."""
-
-    views: list[torch.Tensor]
-    ptrs_P: torch.Tensor
-
-    @property
-    def capacity(self) -> int:
-        return self.views[0].shape[0] - 1
+from kernels.peer_rows import PeerRows as PeerRows  # named here too: the moves' operand type
 
 
 def _dest(slot_TP: torch.Tensor, base_P: torch.Tensor, capacity: int, p: int) -> torch.Tensor:

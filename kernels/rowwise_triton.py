@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import cdiv, next_pow2
-from kernels.rowwise import PeerRows
+from kernels.peer_rows import PeerRows
 
 TILE = 4096  # elements per [BLOCK_T, BLOCK_F] tile of the widest payload
 MAX_BLOCK_F = 1024

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import use_triton
+from kernels.fp8_quantize import quantize_rowwise
 
 
 def _check_shape(h_M2F: torch.Tensor) -> None:
@@ -79,7 +80,7 @@ def swiglu_grads(
     """The backward alone: (dh, dweight in the weight's dtype or None, and with ``activation``
     the forward's output ``swiglu_values(h, weight)`` written again, bit for bit, in the same
     pass (else None)) for a caller that keeps h but not the activation. ``quantize_into``
-    (E4M3 [M, 2F], fp32 [M]) receives ``kernels.fp8.quantize_rowwise(dh)``, from the same
+    (E4M3 [M, 2F], fp32 [M]) receives ``kernels.fp8_quantize.quantize_rowwise(dh)``, from the same
     Triton pass where a row fits one program (``swiglu_triton.QUANTIZE_MAX_F``)."""
     if use_triton(h_M2F):
         from kernels import swiglu_triton
@@ -104,8 +105,6 @@ def swiglu_grads(
 
 
 def _quantize_into(dh_M2F: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-    from kernels.fp8 import quantize_rowwise  # kernels.fp8 imports this module
-
     q_M2F, scale_M = quantize_rowwise(dh_M2F)
     out[0].copy_(q_M2F)
     out[1].copy_(scale_M)

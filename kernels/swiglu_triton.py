@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8
+from kernels import fp8_format
 from kernels._triton import cdiv, next_pow2
 from kernels.fp8_triton import HW_CAST, _row_scales, _scale_to_e4m3
 
-# kernels.fp8's constants as globals a Triton kernel may read
-E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
-AMAX_FLOOR = tl.constexpr(fp8.AMAX_FLOOR)
+# kernels.fp8_format's constants as globals a Triton kernel may read
+E4M3_MAX = tl.constexpr(fp8_format.E4M3_MAX)
+AMAX_FLOOR = tl.constexpr(fp8_format.AMAX_FLOOR)
 
 TILE = 4096
 MAX_BLOCK_F = 1024
