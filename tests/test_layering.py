@@ -131,6 +131,42 @@ def test_no_cycle_among_the_units():
     assert not cycles, f"units on an import cycle: {cycles}"
 
 
+def module_imports(path: Path, known: set[str]) -> set[str]:
+    """The modules of ours ``path`` imports, wherever the statement sits: ``from a import b``
+    names the module ``a.b`` where ``b`` is one, else ``a``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # a name inside a module: the module
+                name = name.rpartition(".")[0]
+            if name:
+                out.add(name)
+    return out
+
+
+def test_no_cycle_among_the_files():
+    """No module of kernels, moe_core or flows is reached back from a module it imports (lazy
+    imports count: a circle hidden inside a function is still one)."""
+    files = {n: p for n, p in sources().items() if unit(n) != "benchmarks"}
+    edges = {n: module_imports(p, set(files)) - {n} for n, p in files.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in edges[start] - seen:
+            seen.add(nxt)
+            if nxt == goal or reaches(nxt, goal, seen):
+                return True
+        return False
+
+    cycles = sorted(n for n in edges if reaches(n, n, set()))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
 def test_the_library_never_imports_the_orchestration_and_only_compose_imports_hydra():
     for name, path in sources().items():
         tops = {m.split(".")[0] for m in imports(path)}
