@@ -27,7 +27,8 @@ from typing import Any
 import yaml
 
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_dict
-from moe_core.config import ClusterConfig, RunConfig, from_dict, to_dict
+from moe_core.config import ClusterConfig, RunConfig
+from moe_core.config_dict import from_dict, to_dict
 
 # A process work pool per cluster kind; start its worker where that kind launches
 # (infra/start-worker.sh POOL).

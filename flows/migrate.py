@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from flows.manifests import digest
-from moe_core.config import MOVED_TO_PRECISION, RunConfig, to_dict
+from moe_core.config import RunConfig
+from moe_core.config_dict import MOVED_TO_PRECISION, to_dict
 
 # Options added after run folders existed, with the value that means "as before": the old keys
 # hashed one only when set otherwise.

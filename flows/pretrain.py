@@ -55,9 +55,8 @@ from moe_core.config import (
     RunConfig,
     check_folder,
     check_path,
-    from_dict,
-    to_dict,
 )
+from moe_core.config_dict import from_dict, to_dict
 from moe_core.errors import RunFailedError, refusals
 from moe_core.rundir import RunLock, set_aside
 

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moe_core.config import ConfigError, Dtype, RunConfig, check_folder, from_dict
+from moe_core.config import ConfigError, Dtype, RunConfig, check_folder
+from moe_core.config_dict import from_dict
 from moe_core.errors import refusals
 
 DEFAULT_CONFIG_NAME = "config"

@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_core.config import ConfigError, RunConfig, from_dict, refuse_moved, to_dict
+from moe_core.config import ConfigError, RunConfig
+from moe_core.config_dict import from_dict, refuse_moved, to_dict
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 

@@ -11,13 +11,11 @@ import dataclasses
 import math
 import os
 import re
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal
 
-T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -28,11 +26,11 @@ class OptionNotImplementedError(ConfigError, NotImplementedError):
     """An option that is configured but not built yet; the message names it."""
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
+def fail(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{name}={value!r} is not allowed: {allowed}.")
 
 
-# Values written into a batch script or a Kubernetes manifest (flows/launch.py) are held to these
+# Values written into a batch script or a Kubernetes manifest (flows/render.py) are held to these
 # shapes, so none of them can end a line, close a quote or reach the shell.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 NAME_ALLOWED = "letters, digits and . _ - (starting with a letter or digit, at most 100)"
@@ -50,14 +48,14 @@ DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
 
 def _matches(name: str, value: str | None, pattern: re.Pattern[str], allowed: str) -> None:
     if value is not None and not pattern.fullmatch(value):
-        _fail(name, value, allowed)
+        fail(name, value, allowed)
 
 
 def check_path(name: str, path: str) -> str:
     """``path`` made absolute, refused in one sentence unless a script can hold it unquoted."""
     absolute = os.path.abspath(path)
     if not SAFE_PATH.fullmatch(absolute):
-        _fail(name, path, SAFE_PATH_ALLOWED)
+        fail(name, path, SAFE_PATH_ALLOWED)
     return absolute
 
 
@@ -65,7 +63,7 @@ def check_folder(name: str, path: str) -> str:
     """``path`` unless it is empty or blank (an unset shell variable), which would put a run's
     files in the current folder and its data at the filesystem root."""
     if not path.strip():
-        _fail(name, path, "a folder path (it is empty or blank: an unset variable?)")
+        fail(name, path, "a folder path (it is empty or blank: an unset variable?)")
     return path
 
 
@@ -81,22 +79,22 @@ def _finite(section: Any, prefix: str) -> None:
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            _fail(prefix + f.name, value, "a finite number")
+            fail(prefix + f.name, value, "a finite number")
 
 
 def _positive(name: str, value: int | float) -> None:
     if value <= 0:
-        _fail(name, value, "it must be positive")
+        fail(name, value, "it must be positive")
 
 
 def _non_negative(name: str, value: int | float) -> None:
     if value < 0:
-        _fail(name, value, "it must be zero or positive")
+        fail(name, value, "it must be zero or positive")
 
 
 def _at_most(name: str, value: int, limit: int, why: str) -> None:
     if value > limit:
-        _fail(name, value, f"at most {limit:,}, {why}")
+        fail(name, value, f"at most {limit:,}, {why}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,7 +264,7 @@ def _check_rules(section: str, q: dict[str, Any]) -> None:
             continue
         if r.sentence is not None:
             raise OptionNotImplementedError(_fill(r.sentence, q))
-        _fail(r.field, q[r.field], _fill(r.allowed, q))
+        fail(r.field, q[r.field], _fill(r.allowed, q))
 
 
 # Sizes no real model reaches, refused before a model (or its converter) spends minutes and
@@ -329,15 +327,15 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         _positive(p + "n_kv_heads", self.n_kv_heads)
         if self.top_k > self.n_experts:
-            _fail(p + "top_k", self.top_k, f"at most model.n_experts ({self.n_experts})")
+            fail(p + "top_k", self.top_k, f"at most model.n_experts ({self.n_experts})")
         if self.d_model % self.n_heads:
-            _fail(p + "n_heads", self.n_heads, f"it must divide model.d_model ({self.d_model})")
+            fail(p + "n_heads", self.n_heads, f"it must divide model.d_model ({self.d_model})")
         if self.n_heads % self.n_kv_heads:
-            _fail(
+            fail(
                 p + "n_kv_heads", self.n_kv_heads, f"it must divide model.n_heads ({self.n_heads})"
             )
         if self.head_dim % 2:
-            _fail(
+            fail(
                 p + "n_heads", self.n_heads, "d_model / n_heads must be even for rotary embeddings"
             )
 
@@ -405,12 +403,12 @@ class TrainConfig:
         for name in ("checkpoint_every", "keep_last", "keep_every"):
             _non_negative(p + name, getattr(self, name))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail(p + "min_lr_ratio", self.min_lr_ratio, "a number from 0 to 1")
+            fail(p + "min_lr_ratio", self.min_lr_ratio, "a number from 0 to 1")
         if not 0.0 < self.decay_fraction <= 1.0:
-            _fail(p + "decay_fraction", self.decay_fraction, "a number in (0, 1]")
+            fail(p + "decay_fraction", self.decay_fraction, "a number in (0, 1]")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                _fail(p + name, getattr(self, name), "a number in [0, 1)")
+                fail(p + name, getattr(self, name), "a number in [0, 1)")
         _check_rules("train", rule_quantities(train=self))
 
 
@@ -455,10 +453,10 @@ class DataConfig:
         _finite(self, p)
         _positive(p + "branching", self.branching)
         if self.path is not None and self.hub is not None:
-            _fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
+            fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
         for name in ("path", "hub", "text_field", "tokenizer", "hub_split"):
             if getattr(self, name) == "":
-                _fail(p + name, "", "a non-empty string")
+                fail(p + name, "", "a non-empty string")
         if self.dir is not None:
             check_folder(p + "dir", self.dir)
         if self.max_documents is not None:
@@ -466,13 +464,13 @@ class DataConfig:
         for name in ("bpe_train_chars", "shard_tokens"):
             _positive(p + name, getattr(self, name))
         if self.bpe_vocab_size < MIN_BPE_VOCAB_SIZE:
-            _fail(
+            fail(
                 p + "bpe_vocab_size",
                 self.bpe_vocab_size,
                 f"at least {MIN_BPE_VOCAB_SIZE} (256 byte symbols and the end-of-text token)",
             )
         if not 0.0 <= self.validation_fraction <= 0.5:
-            _fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
+            fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
@@ -496,15 +494,15 @@ def check_tokenizer_fits(
     if vocab_size <= model_vocab_size:
         return
     if manifest is not None:
-        _fail(
+        fail(
             "model.vocab_size",
             model_vocab_size,
             f"at least the {vocab_size} tokens of the tokenizer {manifest} records; choose a "
             "model whose vocabulary holds them or data tokenized with a smaller tokenizer",
         )
     if data.tokenizer == "bpe":
-        _fail("data.bpe_vocab_size", vocab_size, f"at most model.vocab_size ({model_vocab_size})")
-    _fail(
+        fail("data.bpe_vocab_size", vocab_size, f"at most model.vocab_size ({model_vocab_size})")
+    fail(
         "data.tokenizer",
         data.tokenizer,
         f"it has {vocab_size} tokens, more than model.vocab_size ({model_vocab_size}); choose a "
@@ -521,7 +519,7 @@ def check_validation_fits(t: TrainConfig, data_parallel: int, instances: int, wh
         return
     available = instances // (t.micro_batch_size * data_parallel) * data_parallel
     if t.eval_batches > available:
-        _fail(
+        fail(
             "train.eval_batches",
             t.eval_batches,
             f"at most {available}, the micro-batches of train.micro_batch_size="
@@ -600,29 +598,29 @@ class ParallelConfig:
         for name in ("pp", "dp", "ep", "virtual_stages", "bucket_mb"):
             _positive(p + name, getattr(self, name))
         if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
-            _fail(p + "virtual_stages", self.virtual_stages, "1 with parallel.pp_schedule=1f1b")
+            fail(p + "virtual_stages", self.virtual_stages, "1 with parallel.pp_schedule=1f1b")
         if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
-            _fail(
+            fail(
                 p + "virtual_stages",
                 self.virtual_stages,
                 "at least 2 with parallel.pp_schedule=interleaved_1f1b",
             )
         _check_rules("parallel", rule_quantities(parallel=self))
         if self.cuda_graph and self.pp > 1:
-            _fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
+            fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
         if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":
-            _fail(
+            fail(
                 p + "cuda_graph",
                 True,
                 "false or null with parallel.dispatcher=all_to_all, which reads split sizes on "
                 "the host each layer (nvshmem_rowwise does not)",
             )
         if self.gather_rows and self.expert_gemm != "quack":
-            _fail(
+            fail(
                 p + "gather_rows", True, "false unless parallel.expert_gemm=quack (QuACK gathers)"
             )
         if self.gather_rows and self.ep > 1:
-            _fail(
+            fail(
                 p + "gather_rows",
                 True,
                 "false with parallel.ep > 1 (expert-parallel dispatchers receive rows already in "
@@ -630,13 +628,13 @@ class ParallelConfig:
             )
         if self.ep_capacity_factor is not None:
             if not self.ep_capacity_factor >= 1.0:  # also refuses nan
-                _fail(
+                fail(
                     p + "ep_capacity_factor",
                     self.ep_capacity_factor,
                     "at least 1.0 (the load expected under uniform routing), or null (dropless)",
                 )
             if self.dispatcher != "nvshmem_rowwise":
-                _fail(
+                fail(
                     p + "ep_capacity_factor",
                     self.ep_capacity_factor,
                     "null unless parallel.dispatcher=nvshmem_rowwise (all_to_all is dropless)",
@@ -710,13 +708,13 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         p = "precision."
         if self.params == "bf16" and self.compute == "fp32":
-            _fail(
+            fail(
                 p + "compute",
                 "fp32",
                 "bf16 with precision.params=bf16 (bf16 weights compute in bf16)",
             )
         if self.optimizer == "bf16" and self.params == "fp32":
-            _fail(
+            fail(
                 p + "optimizer",
                 "bf16",
                 "fp32 with precision.params=fp32 (bf16 optimizer state is for bf16 weights: "
@@ -724,58 +722,24 @@ class PrecisionConfig:
             )
         for part in self.fp8_parts:
             if part not in FP8_PARTS:
-                _fail(
+                fail(
                     p + "fp8_parts",
                     list(self.fp8_parts),
                     f"a list of {', '.join(map(repr, FP8_PARTS))}, each at most once",
                 )
         if len(set(self.fp8_parts)) != len(self.fp8_parts):
-            _fail(p + "fp8_parts", list(self.fp8_parts), "a list naming each part at most once")
+            fail(p + "fp8_parts", list(self.fp8_parts), "a list naming each part at most once")
         if self.fp8_parts and self.params != "bf16":
-            _fail(p + "fp8_parts", list(self.fp8_parts), "[] unless precision.params=bf16")
+            fail(p + "fp8_parts", list(self.fp8_parts), "[] unless precision.params=bf16")
         if self.fp8_scaling == "mx" and not self.fp8_parts:
-            _fail(p + "fp8_scaling", "mx", "'rowwise' unless precision.fp8_parts names a part")
+            fail(p + "fp8_scaling", "mx", "'rowwise' unless precision.fp8_parts names a part")
         if self.fp8_scaling == "mx" and self.fp8_parts != ["experts"]:
-            _fail(
+            fail(
                 p + "fp8_parts",
                 list(self.fp8_parts),
                 "['experts'] with precision.fp8_scaling='mx' (MX scaling is built for the "
                 "experts only)",
             )
-
-
-# Where each precision setting lived before the precision section (old key -> new key). A user
-# who still writes an old key is told the new one; configs that checkpoints saved are read
-# through ``upgrade_saved`` (and ``flows.migrate`` recognizes old run folders' stage keys).
-MOVED_TO_PRECISION = {
-    "train.dtype": "precision.compute",
-    "train.optimizer_dtype": "precision.optimizer",
-    "parallel.param_dtype": "precision.params",
-    "parallel.fp8_parts": "precision.fp8_parts",
-    "parallel.fp8_scaling": "precision.fp8_scaling",
-}
-
-
-def refuse_moved(key: str, value: Any) -> None:
-    """Refuse ``key`` in one sentence naming its new key, when it is one that moved."""
-    if key in MOVED_TO_PRECISION:
-        _fail(
-            key,
-            value,
-            f"it moved to {MOVED_TO_PRECISION[key]} (or choose a preset: precision=bf16, "
-            "pure-bf16, fp8, ...)",
-        )
-
-
-def upgrade_saved(config: dict[str, Any]) -> dict[str, Any]:
-    """A run config saved before the precision section (in a checkpoint) with its precision keys
-    moved to where they live now; other configs come back unchanged."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
-    for old, new in MOVED_TO_PRECISION.items():
-        section, key = old.split(".")
-        if isinstance(out.get(section), dict) and key in out[section]:
-            out.setdefault("precision", {})[new.split(".")[1]] = out[section].pop(key)
-    return out
 
 
 @dataclass
@@ -818,10 +782,10 @@ class ClusterConfig:
         _non_negative(p + "train_timeout_s", self.train_timeout_s)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
         if self.rdzv_port > 65535:
-            _fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")
+            fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")
         for name in ("image", "namespace", "volume_claim", "time_limit"):
             if not getattr(self, name):
-                _fail(p + name, getattr(self, name), "a non-empty string")
+                fail(p + name, getattr(self, name), "a non-empty string")
         _matches(p + "name", self.name, NAME, NAME_ALLOWED)
         _matches(p + "partition", self.partition, PARTITION, NAME_ALLOWED + ", comma-separated")
         _matches(p + "account", self.account, NAME, NAME_ALLOWED)
@@ -848,10 +812,10 @@ class ClusterConfig:
             "a Kubernetes claim name: lower-case letters, digits, . and -",
         )
         if not self.volume_path.startswith("/"):
-            _fail(p + "volume_path", self.volume_path, "an absolute path")
+            fail(p + "volume_path", self.volume_path, "an absolute path")
         _matches(p + "volume_path", self.volume_path, SAFE_PATH, SAFE_PATH_ALLOWED)
         if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
-            _fail(
+            fail(
                 p + "procs_per_node",
                 self.procs_per_node,
                 f"one process per GPU, so equal to cluster.gpus_per_node ({self.gpus_per_node})",
@@ -905,7 +869,7 @@ class EvalConfig:
         if not isinstance(self.tasks, list | tuple) or not all(
             isinstance(t, str) for t in self.tasks
         ):
-            _fail(p + "tasks", self.tasks, "a list of TASK:VARIANT strings")
+            fail(p + "tasks", self.tasks, "a list of TASK:VARIANT strings")
         self.tasks = list(self.tasks)
         for t in self.tasks:
             _matches(
@@ -916,9 +880,9 @@ class EvalConfig:
                 "first), e.g. arc_easy:rc_5shot",
             )
         if len(set(self.tasks)) != len(self.tasks):
-            _fail(p + "tasks", self.tasks, "each task at most once")
+            fail(p + "tasks", self.tasks, "each task at most once")
         if self.every and not self.tasks:
-            _fail(p + "every", self.every, "0 while eval.tasks is empty (nothing to score)")
+            fail(p + "every", self.every, "0 while eval.tasks is empty (nothing to score)")
 
 
 @dataclass
@@ -948,7 +912,7 @@ class RunConfig:
         sections = ("model", "train", "parallel", "precision")
         _check_rules("run", rule_quantities(**{s: getattr(self, s) for s in sections}))
         if "dense" in self.precision.fp8_parts and not m.n_shared_experts:
-            _fail(
+            fail(
                 "precision.fp8_parts",
                 list(self.precision.fp8_parts),
                 "a list without 'dense' when model.n_shared_experts=0 ('dense' is the shared "
@@ -956,7 +920,7 @@ class RunConfig:
             )
         for part, name, n_out, n_in in fp8_linear_shapes(m, self.precision.fp8_parts):
             if n_out % FP8_GEMM_ALIGN or n_in % FP8_GEMM_ALIGN:
-                _fail(
+                fail(
                     "precision.fp8_parts",
                     list(self.precision.fp8_parts),
                     f"part {part!r} runs {name}, a [{n_out}, {n_in}] weight, as an FP8 GEMM, "
@@ -964,7 +928,7 @@ class RunConfig:
                     f"out (or choose model sizes that divide by {FP8_GEMM_ALIGN})",
                 )
         if self.eval.every and self.data.kind != "tokens":
-            _fail(
+            fail(
                 "eval.every",
                 self.eval.every,
                 "0 with data.kind=synthetic (downstream tasks need the tokenizer of token data)",
@@ -985,74 +949,3 @@ class RunConfig:
 
 # --------------------------------------------------------------------------------------------
 # dict -> dataclass, with one-sentence errors for unknown keys and wrong types
-
-
-def _describe(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if isinstance(tp, type):
-        return f"a {tp.__name__}"
-    return str(tp)
-
-
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        inner = [o for o in options if o is not type(None)]
-        return _coerce(name, value, inner[0])
-    if origin is Literal:
-        if value not in get_args(tp):
-            _fail(name, value, _describe(tp))
-        return value
-    if origin is list:
-        if not isinstance(value, list | tuple):
-            _fail(name, value, f"a list of {_describe(get_args(tp)[0])} values")
-        return [_coerce(name, v, get_args(tp)[0]) for v in value]
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            _fail(name, value, f"a mapping of {tp.__name__} fields")
-        return from_dict(tp, value, prefix=name + ".")
-    if tp is bool:
-        if not isinstance(value, bool):
-            _fail(name, value, "true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(name, value, "an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            _fail(name, value, "a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(name, value, "a string")
-        return value
-    return value
-
-
-def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass ``cls`` from a plain dict, refusing unknown keys and mistyped values."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - fields)
-    for key in unknown:
-        refuse_moved(prefix + key, data[key])
-    if unknown:
-        key = prefix + unknown[0]
-        section = prefix.rstrip(".") or "the run config"
-        raise ConfigError(
-            f"{key} is not a known option: {section} takes {', '.join(sorted(fields))}."
-        )
-    kwargs = {k: _coerce(prefix + k, v, hints[k]) for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A dataclass config as a plain dict (JSON- and Hydra-friendly)."""
-    return dataclasses.asdict(obj)

@@ -9,7 +9,8 @@ import torch
 
 from moe_core.cli import main
 from moe_core.compose import DEFAULT_CONFIG_DIR, compose_run
-from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict
+from moe_core.config import ConfigError, ModelConfig, RunConfig
+from moe_core.config_dict import from_dict
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.train.trainer import Trainer
@@ -218,7 +219,8 @@ def test_no_group_yaml_repeats_a_dataclass_default():
     import yaml
 
     from moe_core.compose import DEFAULT_CONFIG_DIR
-    from moe_core.config import RunConfig, to_dict
+    from moe_core.config import RunConfig
+    from moe_core.config_dict import to_dict
 
     defaults = to_dict(RunConfig())
     conf = DEFAULT_CONFIG_DIR
@@ -270,7 +272,7 @@ def test_old_precision_keys_in_a_saved_config_are_refused_naming_the_new_key(tmp
     """``moe train --config`` of a resolved JSON written before the precision section."""
     import json
 
-    from moe_core.config import MOVED_TO_PRECISION
+    from moe_core.config_dict import MOVED_TO_PRECISION
 
     for old, new in MOVED_TO_PRECISION.items():
         section, key = old.split(".")
@@ -290,7 +292,8 @@ def test_checkpoints_written_before_the_precision_section_still_read(monkeypatch
     """A checkpoint's trainer state holds the config of the run that wrote it; old runs kept
     precision in train and parallel (``upgrade_saved`` moves it), new ones read unchanged."""
     import moe_core.convert.checkpoint as ckpt
-    from moe_core.config import PrecisionConfig, to_dict
+    from moe_core.config import PrecisionConfig
+    from moe_core.config_dict import to_dict
 
     new = to_dict(compose_run(["model=tiny", "precision=mxfp8"]))
     old = {k: dict(v) if isinstance(v, dict) else v for k, v in new.items()}

@@ -10,7 +10,8 @@ import pytest
 from flows.launchers import KubernetesLauncher, LaunchTimeoutError
 from flows.render import kubernetes_objects, render_kubernetes, run_id
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, RunConfig, from_dict, to_dict
+from moe_core.config import ConfigError, RunConfig
+from moe_core.config_dict import from_dict, to_dict
 
 # the `kubernetes` extra (in `test`); a GPU machine running `pytest -m gpu` may lack it
 client = pytest.importorskip("kubernetes.client", reason="needs the kubernetes extra")

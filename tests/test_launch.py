@@ -16,7 +16,8 @@ import yaml
 from flows.render import render_kubernetes, render_slurm, run_id, torchrun_command
 from moe_core.cli import main
 from moe_core.compose import compose_dict, compose_run
-from moe_core.config import ConfigError, to_dict
+from moe_core.config import ConfigError
+from moe_core.config_dict import to_dict
 
 
 def one_sentence(message: str) -> bool:
@@ -344,7 +345,8 @@ WRITTEN = [
 @pytest.mark.parametrize("section,key", WRITTEN)
 @pytest.mark.parametrize("bad", ["gpu\nrm -rf ~", "gpu'; reboot; '", "$(reboot)", "a b", "`id`"])
 def test_a_line_break_quote_or_shell_syntax_is_refused(section: str, key: str, bad: str):
-    from moe_core.config import RunConfig, from_dict
+    from moe_core.config import RunConfig
+    from moe_core.config_dict import from_dict
 
     with pytest.raises(ConfigError) as err:
         from_dict(RunConfig, _with(section, key, bad))
@@ -404,7 +406,8 @@ def test_a_line_break_quote_or_shell_syntax_is_refused(section: str, key: str, b
 )
 def test_refusal_messages(section: str, key: str, value: str, message: str):
     from moe_core.compose import compose_dict
-    from moe_core.config import RunConfig, from_dict
+    from moe_core.config import RunConfig
+    from moe_core.config_dict import from_dict
 
     if section:
         config = _with(section, key, value)
@@ -429,7 +432,8 @@ def test_refusal_messages(section: str, key: str, value: str, message: str):
     ],
 )
 def test_ordinary_values_pass_and_reach_the_script_as_written(tmp_path: Path, key, value):
-    from moe_core.config import RunConfig, from_dict
+    from moe_core.config import RunConfig
+    from moe_core.config_dict import from_dict
 
     run = from_dict(RunConfig, _with("cluster", key, value))
     assert getattr(run.cluster, key) == value

@@ -21,9 +21,10 @@ LEAF = "moe_core.config"
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "moe_core.config": set(),
+    "moe_core.config_dict": {LEAF},  # configs as dicts: coercion, moved keys
     "moe_core.files": set(),
     "moe_core.hardware": set(),
-    "moe_core.compose": {LEAF},
+    "moe_core.compose": {LEAF, "moe_core.config_dict"},
     "moe_core.errors": {LEAF, "moe_core.data"},  # refusals() names DataError, lazily
     "moe_core.rundir": {"moe_core.errors"},
     "moe_core.model": {LEAF, "kernels"},
@@ -37,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
         "moe_core.model",
         "moe_core.data",
         "moe_core.ckpt",
+        "moe_core.config_dict",
     },
     "moe_core.eval": {LEAF, "moe_core.model", "moe_core.data", "moe_core.convert"},
     "moe_core.train": {
@@ -52,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "moe_core.ckpt",
         "moe_core.eval",
         "moe_core.convert",
+        "moe_core.config_dict",
     },
     "moe_core.plan": {LEAF, "moe_core.hardware", "moe_core.model", "moe_core.parallel"},
     "moe_core.planpage": {
@@ -60,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
         "moe_core.hardware",
         "moe_core.model",
         "moe_core.plan",
+        "moe_core.config_dict",
     },
 }
 LIBRARY = {u for u in ALLOWED}  # kernels and moe_core, without the CLI

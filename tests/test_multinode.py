@@ -15,7 +15,7 @@ from helpers import BASE, losses
 
 from flows.render import torchrun_command
 from moe_core.compose import compose_run
-from moe_core.config import to_dict
+from moe_core.config_dict import to_dict
 from moe_core.convert.native import load_model_dir
 
 LAYOUT = ["parallel.ep=2", "parallel.dp=2"]  # the session's one-node run (conftest)

@@ -19,7 +19,8 @@ from rich.console import Console
 
 import moe_core.cli as cli
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, ModelConfig, ParallelConfig, from_dict, to_dict
+from moe_core.config import ConfigError, ModelConfig, ParallelConfig
+from moe_core.config_dict import from_dict, to_dict
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.plan import fit_refusal, max_in_flight, plan, step_time
 from moe_core.planpage import (

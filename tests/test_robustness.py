@@ -25,7 +25,8 @@ from rich.console import Console
 
 from moe_core.cli import main
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig, from_dict
+from moe_core.config import ConfigError, DataConfig, ParallelConfig, RunConfig
+from moe_core.config_dict import from_dict
 from moe_core.convert.hf import INDEX, OUR_CONFIG, load_hf, save_hf
 from moe_core.convert.native import WEIGHTS, save_model_dir
 from moe_core.data.errors import DataError

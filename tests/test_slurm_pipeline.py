@@ -21,7 +21,8 @@ from test_multinode import free_port
 
 from flows.launchers import LaunchTimeoutError
 from flows.render import render_slurm
-from moe_core.config import RunConfig, from_dict
+from moe_core.config import RunConfig
+from moe_core.config_dict import from_dict
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ import torch
 
 from moe_core.ckpt import dcp_read
 from moe_core.ckpt.format import MANIFEST, buffer_key, parse_key, step_of, trainer_state, verify
-from moe_core.config import ConfigError, ModelConfig, RunConfig, from_dict, upgrade_saved
+from moe_core.config import ConfigError, ModelConfig, RunConfig
+from moe_core.config_dict import from_dict, upgrade_saved
 from moe_core.convert.hf import expected_names, refuse_overlap, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError

@@ -22,7 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_core.config import ConfigError, ModelConfig, from_dict, safe_name, to_dict
+from moe_core.config import ConfigError, ModelConfig, safe_name
+from moe_core.config_dict import from_dict, to_dict
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.files import (
     TMP_MARK,

@@ -34,9 +34,8 @@ from moe_core.config import (
     PrecisionConfig,
     RunConfig,
     TrainConfig,
-    from_dict,
-    to_dict,
 )
+from moe_core.config_dict import from_dict, to_dict
 from moe_core.hardware import GPUS, MEASURED
 from moe_core.model.flops import count
 from moe_core.plan import (

@@ -57,7 +57,8 @@ from moe_core.ckpt.format import (
     trainer_state,
     verify,
 )
-from moe_core.config import ModelConfig, from_dict
+from moe_core.config import ModelConfig
+from moe_core.config_dict import from_dict
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.files import file_sha256
 from moe_core.model.transformer import parameter_shapes, shape_mismatch

@@ -18,7 +18,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from moe_core.ckpt.format import buffer_key, state_key, step_dir_name
-from moe_core.config import ParallelConfig, RunConfig, to_dict
+from moe_core.config import ParallelConfig, RunConfig
+from moe_core.config_dict import to_dict
 from moe_core.model.meta import on_meta
 from moe_core.model.transformer import Transformer, init_plan, seeded_normal_
 from moe_core.parallel.mesh import Mesh

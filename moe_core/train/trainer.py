@@ -43,7 +43,8 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import RunConfig, to_dict
+from moe_core.config import RunConfig
+from moe_core.config_dict import to_dict
 from moe_core.convert.native import save_model_dir
 from moe_core.data.prefetch import pinned
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
