@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels.grouped_gemm import BACKENDS
+from kernels.grouped_gemm import check_backend
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,7 @@ class Kernels:
     fused_mlp: bool = True
 
     def __post_init__(self) -> None:
-        if self.gemm not in BACKENDS:
-            raise ValueError(f"grouped GEMM backend {self.gemm!r}: one of {', '.join(BACKENDS)}")
+        check_backend(self.gemm)
         if self.attention not in ("sdpa", "flash4"):
             raise ValueError(f"attention {self.attention!r}: 'sdpa' or 'flash4'")
         if self.fp8_scaling not in ("rowwise", "mx"):
