@@ -68,6 +68,7 @@ def block(args: argparse.Namespace) -> dict:
     from benchmarks.baselines.flash4_op import flash4_attention
     from moe_core.model.attention import Attention, RotaryEmbedding
     from moe_core.model.eager import seal
+    from moe_core.model.kernel_choice import Kernels
 
     cfg = olmoe()
     torch.manual_seed(0)
@@ -75,7 +76,7 @@ def block(args: argparse.Namespace) -> dict:
     variants = {"sdpa": sdpa_block}
     for name in ("flash4", "flash4_op"):
         variants[name] = copy.deepcopy(sdpa_block)
-        variants[name].impl = "flash4"
+        variants[name].kernels = Kernels(attention="flash4")
     seal()  # the model's compile boundaries, as apply_compile makes them
     model_call = attention._flash4
     core = {"sdpa": model_call, "flash4": model_call, "flash4_op": flash4_attention}

@@ -24,7 +24,7 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
-from kernels import expert_mlp, grouped_gemm
+from kernels import expert_mlp
 
 CFG = olmoe()
 TOKENS = 16384
@@ -59,18 +59,15 @@ def operands(n_experts: int, top_k: int, seed: int = 0) -> dict:
 
 
 def time_op(ops: dict, fused: bool, warmup: int, iters: int) -> float:
-    expert_mlp.set_fused(fused)
     args = [ops[k] for k in ("x", "w_gate_up", "w_down", "offs", "weight")]
-    assert expert_mlp.fuses(*args[:3]) == fused
+    choice = {"backend": "quack", "fused": fused}  # both paths on QuACK's grouped GEMMs
+    assert expert_mlp.fuses(*args[:3], **choice) == fused
 
     def step() -> None:
-        y = expert_mlp.expert_mlp(*args)
+        y = expert_mlp.expert_mlp(*args, **choice)
         y.backward(ops["dy"])
 
-    try:
-        return statistics.median(cuda_times_ms(step, warmup, iters))
-    finally:
-        expert_mlp.set_fused(True)
+    return statistics.median(cuda_times_ms(step, warmup, iters))
 
 
 def candidate_configs() -> list:
@@ -182,7 +179,6 @@ def main() -> None:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    grouped_gemm.set_backend("quack")
     results = {}
     for n_experts, top_k in ((CFG.n_experts, CFG.top_k), (128, 4)):
         ops = operands(n_experts, top_k)

@@ -106,11 +106,13 @@ def run_case(args: argparse.Namespace, K: int, E: int, kind: str) -> dict:
 
     def permuted() -> torch.Tensor:
         x_MD = permute_to_slots(x_TD, slots.slot_TK, slots.n_rows)
-        return grouped_mm(x_MD, w_GKN, slots.offs_E)
+        return grouped_mm(x_MD, w_GKN, slots.offs_E, backend=args.expert_gemm)
 
     def gathered() -> torch.Tensor:
         idx_M = slot_tokens(slots.slot_TK, slots.n_rows)
-        return gathered_grouped_mm(x_TD, idx_M, w_GKN, slots.offs_E, slots.slot_TK)
+        return gathered_grouped_mm(
+            x_TD, idx_M, w_GKN, slots.offs_E, slots.slot_TK, backend=args.expert_gemm
+        )
 
     paths = {"permute": permuted, "gathered": gathered}
     name = f"E={E} top-{K} {kind}"
@@ -190,10 +192,10 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     if args.iters < 10:
         raise SystemExit(f"--iters {args.iters}: at least 10 timed runs")
-    grouped_gemm.set_backend(args.expert_gemm)
     commit = args.commit or commit_id()
     probe = torch.empty(1, args.d_model, device="cuda", dtype=BF16)
-    impl = "quack A_idx" if gathers_in_gemm(probe) else "reference (index + grouped GEMM)"
+    in_gemm = gathers_in_gemm(probe, args.expert_gemm)
+    impl = "quack A_idx" if in_gemm else "reference (index + grouped GEMM)"
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}  commit {commit}  expert_gemm={args.expert_gemm}")
     print(f"gathered path: {impl}; median of {args.iters} runs after {args.warmup} warm-up")

@@ -7,7 +7,7 @@ Launch on a machine with N GPUs:
 On one GPU (N = 1, or plain `python benchmarks/moe_layer_ep.py` without torchrun) the rowwise
 dispatcher runs with one PE: its own overhead against the local path, with no link in between.
 `--fp8` adds each layer again with FP8 experts (`kernels.fp8`), same inputs; `--unfused` each
-layer again with the experts' MLP unfused (`kernels.expert_mlp.set_fused(False)`: the SwiGLU
+layer again with the experts' MLP unfused (`Kernels(fused_mlp=False)`: the SwiGLU
 as its own pass instead of in QuACK's GEMM epilogues; the same where QuACK does not run).
 `--experts 8,16,32,64,128 --top-k 4` sweeps the expert pool at fixed active parameters (each
 count a layer of its own, expert hidden and top-k fixed), EP=1 against EP=N at each: the
@@ -35,7 +35,8 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
-from kernels import expert_mlp, grouped_gemm
+from kernels import expert_mlp
+from moe_core.model.kernel_choice import Kernels
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -140,7 +141,6 @@ def main() -> None:
     bad = [e for e in counts if e < 1 or e % gpus]
     if bad:  # before any process group or GPU memory
         raise SystemExit(f"--experts {bad} is not allowed: counts divisible by the {gpus} GPUs.")
-    grouped_gemm.set_backend(args.expert_gemm)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -178,8 +178,10 @@ def main() -> None:
     for key, n_experts, ep, dispatcher, *fp8 in sweep:
         cfg = dataclasses.replace(CFG, n_experts=n_experts, top_k=args.top_k)
         moe = build(cfg, ep, dist.group.WORLD, rank, dispatcher, args.capacity_factor)
-        moe.experts.fp8 = bool(fp8)
-        expert_mlp.set_fused(not key.endswith("-unfused"))
+        kernels = Kernels(
+            gemm=args.expert_gemm, fp8_experts=bool(fp8), fused_mlp=not key.endswith("-unfused")
+        )
+        moe.experts.kernels = kernels
         times = time_steps(moe, x, grad, args.warmup, args.iters)
         med = statistics.median(times)
         share, top = profile_steps(moe, x, grad)
@@ -190,7 +192,11 @@ def main() -> None:
             "dispatcher": dispatcher,
             "fp8_experts": bool(fp8),
             "mlp_fused": expert_mlp.fuses(
-                x.view(-1, CFG.d_model), moe.experts.w_gate_up, moe.experts.w_down
+                x.view(-1, CFG.d_model),
+                moe.experts.w_gate_up,
+                moe.experts.w_down,
+                backend=kernels.gemm,
+                fused=kernels.fused_mlp,
             ),
             "median_ms": med,
             "tokens_per_s_per_gpu": TOKENS / (med / 1e3),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import re
 import shutil
@@ -36,7 +37,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from train_step import moe_layer_step, parser, train_step_parts
 
-from kernels import expert_mlp, grouped_gemm
+from moe_core.model.moe import Experts
 
 CATEGORIES = [  # the first pattern a kernel's name matches names its category
     ("optimizer", r"multi_tensor|adam"),
@@ -147,6 +148,10 @@ def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[
     out = tempfile.mkdtemp()
     atexit.register(shutil.rmtree, out, True)
     trainer = Trainer(compose_run(trainer_overrides(trainer_shape(args), out, data_dir="")))
+    if args.unfused_mlp:  # no run option: the experts' choice, before the first (compiled) step
+        for m in (m for c in trainer.chunks.values() for m in c.modules()):
+            if isinstance(m, Experts):
+                m.kernels = dataclasses.replace(m.kernels, fused_mlp=False)
     for _ in range(args.warmup):
         trainer.train_step()
     step_ms: list[float] = []
@@ -172,8 +177,6 @@ def profile_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = profile_parser().parse_args()
-    grouped_gemm.set_backend(args.expert_gemm)  # as train_step.py (the trainer sets its own)
-    expert_mlp.set_fused(not args.unfused_mlp)
     if args.trainer:
         whole, step_ms = trainer_step_fn(args)
         for _ in range(args.iters):

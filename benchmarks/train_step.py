@@ -38,13 +38,13 @@ from shapes import olmoe
 from timing import cuda_times_ms
 
 from benchmarks.baselines.adamw import AdamW
-from kernels import expert_mlp, grouped_gemm
 from moe_core.config import ModelConfig
 from moe_core.model import build_model
-from moe_core.model.attention import Attention
 from moe_core.model.eager import seal
 from moe_core.model.flops import count
-from moe_core.model.moe import Experts, MoE, Router, Routing
+from moe_core.model.kernel_choice import Kernels
+from moe_core.model.moe import MoE, Router, Routing
+from moe_core.model.transformer import apply_kernels
 from moe_core.parallel.compile import apply_compile, loss_function
 from moe_core.train.metrics import peak_tflops
 
@@ -93,11 +93,7 @@ def train_step_parts(args: argparse.Namespace) -> Phases:
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     force_routing(model, args.routing)
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.impl = args.attention
-        if isinstance(m, Experts):
-            m.gather_rows = args.gather_rows
+    apply_kernels(model, kernel_choice(args))
     if args.compile:
         apply_compile(model)
     loss_fn = loss_function(args.compile)
@@ -162,6 +158,8 @@ def moe_layer_step(args: argparse.Namespace, n_experts: int, top_k: int = 4) -> 
         for p in moe.parameters():
             p.normal_(0.0, 0.02)
     moe = moe.to(torch.bfloat16)
+    # the layer alone permutes its rows (no --gather-rows here: it measures the layer as built)
+    apply_kernels(moe, dataclasses.replace(kernel_choice(args), gather_rows=False))
     if args.compile:
         seal()
         moe.compile()  # the router fuses, as inside a compiled block; dispatch stays eager
@@ -239,6 +237,17 @@ def pool_sweep(args: argparse.Namespace) -> dict:
     return {"benchmark": "expert_pool_scaling", "top_k": 4, "tokens": T, "rows": rows}
 
 
+def kernel_choice(args: argparse.Namespace) -> Kernels:
+    """The model's ``Kernels`` from the kernel options, as ``parallelize.choose_kernels``
+    resolves a run's (bf16 experts; ``--unfused-mlp`` where the parser has it)."""
+    return Kernels(
+        gemm=args.expert_gemm,
+        attention=args.attention,
+        gather_rows=args.gather_rows,
+        fused_mlp=not getattr(args, "unfused_mlp", False),
+    )
+
+
 def add_kernel_options(p: argparse.ArgumentParser) -> None:
     """The kernel libraries a step runs on: the experts' grouped GEMMs and the attention core
     (``parallel.expert_gemm``, ``parallel.attention``)."""
@@ -283,8 +292,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    grouped_gemm.set_backend(args.expert_gemm)
-    expert_mlp.set_fused(not args.unfused_mlp)
     if args.layer_vs_dense:
         result = layer_vs_dense(args)
     elif args.experts_sweep:

@@ -5,8 +5,9 @@ first; ``w_down`` [G, D, F]; both in their stored layout).
 
 Unfused, this is three ops: the gate+up grouped GEMM, the (weighted) SwiGLU pass
 (``kernels.swiglu``) and the down grouped GEMM, keeping the pre-activation h [M, 2F] and the
-SwiGLU output a [M, F] for backward. Fused (QuACK where it runs, ``kernels.grouped_gemm``'s
-rule, and never inside ``references_only()``), the elementwise work rides in GEMM epilogues
+SwiGLU output a [M, F] for backward. Fused (QuACK where it runs under the caller's ``backend``,
+``kernels.grouped_gemm``'s rule; unless ``fused=False``, which measures the unfused path; never
+inside ``references_only()``), the elementwise work rides in GEMM epilogues
 and a is never stored:
 
 - forward: the gate+up GEMM writes h and ``swiglu(h)`` (its epilogue); the down GEMM scales
@@ -34,19 +35,18 @@ from kernels._triton import in_references_only
 from kernels.grouped_gemm import _aligned, _quack_runs, grouped_mm, grouped_mm_supported
 from kernels.swiglu import swiglu
 
-_fused = True
 
-
-def set_fused(on: bool) -> None:
-    """Whether the op fuses where QuACK runs (default on); off measures the unfused path
-    (benchmarks) with everything else unchanged."""
-    global _fused
-    _fused = bool(on)
-
-
-def fuses(x_MD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether ``expert_mlp`` on these operands takes the fused QuACK path."""
-    if not _fused or in_references_only() or not _quack_runs(x_MD):
+def fuses(
+    x_MD: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    backend: str = "auto",
+    fused: bool = True,
+) -> bool:
+    """Whether ``expert_mlp`` on these operands, with ``backend`` and ``fused``, takes the fused
+    QuACK path."""
+    if not fused or in_references_only() or not _quack_runs(x_MD, backend):
         return False
     return (
         x_MD.shape[0] > 0  # an expert-parallel rank may receive no rows: the unfused ops then
@@ -65,10 +65,13 @@ def expert_mlp_reference(
     w_down: torch.Tensor,
     offs_G: torch.Tensor,
     weight_M: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The unfused composition (differentiable): grouped GEMM, weighted SwiGLU, grouped GEMM."""
-    h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offs_G)
-    return grouped_mm(swiglu(h_M2F, weight_M), w_down.transpose(-2, -1), offs_G)
+    h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offs_G, backend=backend)
+    a_MF = swiglu(h_M2F, weight_M)
+    return grouped_mm(a_MF, w_down.transpose(-2, -1), offs_G, backend=backend)
 
 
 class _FusedExpertMLP(torch.autograd.Function):
@@ -142,12 +145,16 @@ def expert_mlp(
     w_down: torch.Tensor,
     offs_G: torch.Tensor,
     weight_M: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    fused: bool = True,
 ) -> torch.Tensor:
     """Differentiable ``weight_M * (swiglu(x @ w_gate_up^T) @ w_down^T)`` per expert segment
     (see the module doc). x_MD: rows sorted by expert; offs_G: int32 cumulative row ends on x's
     device; weight_M: optional per-row scale (the router weights), fp32 math, which gets a
-    gradient when it needs one. Weights in x's dtype. No host read."""
+    gradient when it needs one. Weights in x's dtype. ``backend``: the grouped GEMMs'
+    (``kernels.grouped_gemm``); ``fused``: fuse where QuACK runs. No host read."""
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
-    if fuses(x_MD, w_gate_up, w_down):
+    if fuses(x_MD, w_gate_up, w_down, backend=backend, fused=fused):
         return _FusedExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M)
-    return expert_mlp_reference(x_MD, w_gate_up, w_down, offs_G, weight_M)
+    return expert_mlp_reference(x_MD, w_gate_up, w_down, offs_G, weight_M, backend=backend)

@@ -70,7 +70,7 @@ from kernels.fp8_quantize import quantize_mx as quantize_mx
 from kernels.fp8_quantize import quantize_mx_reference as quantize_mx_reference
 from kernels.fp8_quantize import quantize_rowwise as quantize_rowwise
 from kernels.fp8_quantize import quantize_rowwise_reference as quantize_rowwise_reference
-from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad
+from kernels.grouped_gemm import check_backend, grouped_mm_reference, grouped_mm_wgrad
 from kernels.swiglu import swiglu_grads, swiglu_values
 
 # The quantizers live in kernels.fp8_quantize (kernels.swiglu and the dispatcher use them
@@ -167,17 +167,21 @@ def _input_grad(dy_MN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, 
     return _rowwise_mm(dy_MN, qw_GKN, sw_GK, offs_G, dy_MN.dtype)
 
 
-def _weight_grad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GNK):
-    """``dy[rows of g]^T @ x[rows of g]`` in bf16, in the weight's own [G, N, K] layout."""
+def _weight_grad(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GNK, backend: str
+) -> torch.Tensor:
+    """``dy[rows of g]^T @ x[rows of g]`` in bf16, in the weight's own [G, N, K] layout (the
+    grouped GEMM ``backend``'s, ``kernels.grouped_gemm``)."""
     w_GKN = w_GNK.transpose(-2, -1)
-    return grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).transpose(-2, -1).to(w_GNK.dtype)
+    dw_GKN = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN, backend)
+    return dw_GKN.transpose(-2, -1).to(w_GNK.dtype)
 
 
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str):  # type: ignore[override]
+    def forward(ctx, x_MK, w_GNK, offs_G, scaling: str, backend: str):  # type: ignore[override]
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
-        ctx.scaling = scaling
+        ctx.scaling, ctx.backend = scaling, backend
         return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype, scaling)
 
     @staticmethod
@@ -188,8 +192,8 @@ class _FP8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _input_grad(dy_MN, w_GNK, offs_G, ctx.scaling)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(x_MK, dy_MN, offs_G, w_GNK)
-        return dx, dw, None, None
+            dw = _weight_grad(x_MK, dy_MN, offs_G, w_GNK, ctx.backend)
+        return dx, dw, None, None, None
 
 
 def _check_scaling(offs_G: torch.Tensor, scaling: str) -> None:
@@ -200,21 +204,27 @@ def _check_scaling(offs_G: torch.Tensor, scaling: str) -> None:
 
 
 def fp8_grouped_mm(
-    x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str = "rowwise"
+    x_MK: torch.Tensor,
+    w_GNK: torch.Tensor,
+    offs_G: torch.Tensor,
+    scaling: str = "rowwise",
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ w[g]^T`` for experts stored [G, N, K], forward and input
     gradient in FP8 (module doc) with ``scaling`` "rowwise" or "mx"; int32 cumulative
-    ``offs_G`` as ``grouped_mm`` takes them."""
+    ``offs_G`` as ``grouped_mm`` takes them; ``backend``: the bf16 weight gradient's."""
     _check_scaling(offs_G, scaling)
-    return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G, scaling)
+    check_backend(backend)
+    return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G, scaling, backend)
 
 
 class _FP8ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str):  # type: ignore[override]
+    def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str, backend: str):  # type: ignore[override]
         h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
         ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
-        ctx.scaling = scaling
+        ctx.scaling, ctx.backend = scaling, backend
         if scaling == "mx":
             return _scaled_mm(swiglu_values(h_M2F, weight_M), w_down, offs_G, x_MD.dtype, "mx")
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)  # the SwiGLU output is never written
@@ -238,7 +248,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
             h_M2F, da_MF, weight_M, activation=need[2], quantize_into=qdh
         )
         del da_MF
-        dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down) if need[2] else None
+        dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down, ctx.backend) if need[2] else None
         del a_MF
         dx = None
         if qdh is not None:
@@ -246,8 +256,10 @@ class _FP8ExpertMLP(torch.autograd.Function):
             del qdh  # not alive beside the weight gradient below
         elif need[0]:
             dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling)
-        dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up) if need[1] else None
-        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None
+        dw_gate_up = None
+        if need[1]:
+            dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up, ctx.backend)
+        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None, None
 
 
 def fp8_expert_mlp(
@@ -257,6 +269,8 @@ def fp8_expert_mlp(
     offs_G: torch.Tensor,
     weight_M: torch.Tensor | None = None,
     scaling: str = "rowwise",
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The experts' SwiGLU MLP ``weight_M * (swiglu(x @ w_gate_up[g]^T) @ w_down[g]^T)`` per
     expert segment (``kernels.expert_mlp``'s function) with both projections as
@@ -264,10 +278,12 @@ def fp8_expert_mlp(
     output and every gradient, but keeping only x and the pre-activation h for backward. The
     SwiGLU output, the down projection's input, is written again by the SwiGLU backward's pass
     for the down weight gradient instead of being kept: a [M, F] tensor per layer less (the
-    fused bf16 path keeps none either)."""
+    fused bf16 path keeps none either). ``backend``: the bf16 weight gradients' grouped GEMMs
+    (``kernels.grouped_gemm``)."""
     _check_scaling(offs_G, scaling)
+    check_backend(backend)
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
-    return _FP8ExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M, scaling)
+    return _FP8ExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M, scaling, backend)
 
 
 def _dense_mm(

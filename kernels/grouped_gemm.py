@@ -6,10 +6,11 @@ it cannot run (dtype, alignment, device generation) a per-group loop computes th
 Only the loop reads ``offs`` on the host.
 
 On CUDA, where ``quack-kernels`` is installed (the ``[gpu]`` extra; sm90 and newer, bf16), QuACK's
-variable-length GEMMs (``grouped_gemm_quack``) are a second fast path. Which one runs is
-``set_backend``'s (``parallel.expert_gemm``): ``torch``, ``quack``, or ``auto``: QuACK where it
-runs, else torch. Measured on one H200 (benchmarks/RESULTS.md): the OLMoE-1B-7B MoE layer's
-grouped GEMMs take 6.91 ms with QuACK against 7.22 with torch per forward + backward, and
+variable-length GEMMs (``grouped_gemm_quack``) are a second fast path. Which one runs is the
+caller's ``backend`` argument (``parallel.expert_gemm``, which the model's experts hold in their
+``Kernels``): ``torch``, ``quack``, or ``auto`` (the default): QuACK where it runs, else torch.
+Measured on one H200 (benchmarks/RESULTS.md): the OLMoE-1B-7B MoE layer's grouped GEMMs
+take 6.91 ms with QuACK against 7.22 with torch per forward + backward, and
 QuACK's weight gradients are 1.4x torch's at 128 experts; one product at one shape (the
 gate+up forward, uniform groups, alone) is 5 % slower.
 
@@ -31,7 +32,6 @@ from kernels.slot_permute import _check_rows, _sum_over_slots, _zero_unmapped
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 BACKENDS = ("auto", "torch", "quack")
-_backend = "auto"
 
 
 @functools.cache
@@ -44,17 +44,15 @@ def _sm90_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def set_backend(name: str) -> None:
-    """Which fast path the grouped products take on CUDA (see the module docstring)."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"grouped GEMM backend {name!r}: one of {', '.join(BACKENDS)}")
-    _backend = name
+def check_backend(backend: str) -> None:
+    """Refuses a backend name that is not one of ``BACKENDS``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"grouped GEMM backend {backend!r}: one of {', '.join(BACKENDS)}")
 
 
-def _quack_runs(x: torch.Tensor) -> bool:
-    """Whether the products on ``x`` take QuACK's GEMMs."""
-    if _backend == "torch" or x.device.type != "cuda" or x.dtype != torch.bfloat16:
+def _quack_runs(x: torch.Tensor, backend: str) -> bool:
+    """Whether the products on ``x`` take QuACK's GEMMs under ``backend``."""
+    if backend == "torch" or x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
     return quack_installed() and _sm90_or_newer(x.device.index or 0)
 
@@ -110,10 +108,12 @@ def grouped_mm_wgrad_reference(
     return out
 
 
-def _forward(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+def _forward(
+    x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, backend: str
+) -> torch.Tensor:
     if not grouped_mm_supported(x_MK, w_GKN):
         return grouped_mm_reference(x_MK, w_GKN, offs_G)
-    if _quack_runs(x_MK):
+    if _quack_runs(x_MK, backend):
         from kernels import grouped_gemm_quack as quack
 
         return quack.grouped_mm(x_MK, w_GKN, offs_G)
@@ -126,7 +126,11 @@ def _stored_transposed(w_GKN: torch.Tensor) -> bool:
 
 
 def grouped_mm_wgrad(
-    x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GKN: torch.Tensor
+    x_MK: torch.Tensor,
+    dy_MN: torch.Tensor,
+    offs_G: torch.Tensor,
+    w_GKN: torch.Tensor,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The weight gradient in the memory layout of ``w_GKN``.
 
@@ -136,7 +140,7 @@ def grouped_mm_wgrad(
     transposed [G, K, N] gradient (one strided pass over all expert weights per layer).
     """
     quack = None
-    if _quack_runs(x_MK):
+    if _quack_runs(x_MK, backend):
         from kernels import grouped_gemm_quack as quack
     if _stored_transposed(w_GKN):
         dy_NM = dy_MN.t()
@@ -154,9 +158,12 @@ def grouped_mm_wgrad(
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, backend: str
+    ) -> torch.Tensor:
         ctx.save_for_backward(x_MK, w_GKN, offs_G)
-        return _forward(x_MK, w_GKN, offs_G)
+        ctx.backend = backend
+        return _forward(x_MK, w_GKN, offs_G, backend)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
@@ -166,31 +173,35 @@ class _GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _forward(dy_MN, w_GKN.transpose(-2, -1), offs_G)
+            dx = _forward(dy_MN, w_GKN.transpose(-2, -1), offs_G, ctx.backend)
         if ctx.needs_input_grad[1]:
-            dw = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN).to(w_GKN.dtype)
-        return dx, dw, None
+            dw = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN, ctx.backend).to(w_GKN.dtype)
+        return dx, dw, None, None
 
 
-def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+def grouped_mm(
+    x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
     """Differentiable grouped product.
 
     x_MK: rows sorted by group; w_GKN: one [K, N] matrix per group (any strides);
-    offs_G: int32 cumulative row ends on the device of ``x_MK``, the last equal to M.
+    offs_G: int32 cumulative row ends on the device of ``x_MK``, the last equal to M;
+    backend: which fast path runs on CUDA (module doc), for all three products.
     """
     if offs_G.dtype != torch.int32:
         raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
-    return _GroupedMM.apply(x_MK, w_GKN, offs_G)
+    check_backend(backend)
+    return _GroupedMM.apply(x_MK, w_GKN, offs_G, backend)
 
 
-def gathers_in_gemm(x_TD: torch.Tensor) -> bool:
+def gathers_in_gemm(x_TD: torch.Tensor, backend: str = "auto") -> bool:
     """Whether ``gathered_grouped_mm`` reads the rows of ``x_TD`` inside the GEMM (QuACK's
     ``A_idx``; see ``_quack_runs``; never inside ``references_only()``, so the unfused model
     permutes). Elsewhere it runs its reference (index, then the grouped product), which writes
     the same copy a permute does: callers take it only to test it."""
     if in_references_only():
         return False
-    return _quack_runs(x_TD) and x_TD.stride(-1) == 1 and _aligned(x_TD)
+    return _quack_runs(x_TD, backend) and x_TD.stride(-1) == 1 and _aligned(x_TD)
 
 
 def _with_zero_row(x_TD: torch.Tensor, zero_row: bool) -> torch.Tensor:
@@ -205,11 +216,12 @@ def _gathered_wgrad(
     offs_G: torch.Tensor,
     w_GKN: torch.Tensor,
     in_gemm: bool,
+    backend: str,
 ) -> torch.Tensor:
     """``grouped_mm_wgrad(a_TD[idx_M], dy_MN, offs_G, w_GKN)``, without the gathered copy where
     QuACK runs (the same output layout: [G, N, K] storage for a transposed weight)."""
     if not in_gemm:
-        return grouped_mm_wgrad(a_TD[idx_M], dy_MN, offs_G, w_GKN)
+        return grouped_mm_wgrad(a_TD[idx_M], dy_MN, offs_G, w_GKN, backend)
     from kernels import grouped_gemm_quack as quack
 
     if _stored_transposed(w_GKN):
@@ -227,10 +239,12 @@ class _GatheredGroupedMM(torch.autograd.Function):
         offs_G: torch.Tensor,
         slot_TK: torch.Tensor,
         zero_row: bool,
+        backend: str,
     ) -> torch.Tensor:
         a_TD = _with_zero_row(x_TD, zero_row)
+        ctx.backend = backend
         ctx.in_gemm = (
-            gathers_in_gemm(a_TD)
+            gathers_in_gemm(a_TD, backend)
             and grouped_mm_supported(a_TD, w_GKN)
             and idx_M.is_contiguous()
             and _aligned(idx_M)
@@ -242,7 +256,7 @@ class _GatheredGroupedMM(torch.autograd.Function):
             from kernels import grouped_gemm_quack as quack
 
             return quack.gathered_mm(a_TD, idx_M, w_GKN, offs_G)
-        return _forward(a_TD[idx_M], w_GKN, offs_G)
+        return _forward(a_TD[idx_M], w_GKN, offs_G, backend)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
@@ -252,10 +266,12 @@ class _GatheredGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # The input gradient of each slot's row, then each token's rows summed (the
             # permute's own backward: deterministic, fp32 sums, unmapped rows never read).
-            dx = _sum_over_slots(_forward(dy_MN, w_GKN.transpose(-2, -1), offs_G), slot_TK)
+            dy_MK = _forward(dy_MN, w_GKN.transpose(-2, -1), offs_G, ctx.backend)
+            dx = _sum_over_slots(dy_MK, slot_TK)
         if ctx.needs_input_grad[2]:
-            dw = _gathered_wgrad(a_TD, idx_M, dy_MN, offs_G, w_GKN, ctx.in_gemm).to(w_GKN.dtype)
-        return dx, None, dw, None, None, None
+            dw = _gathered_wgrad(a_TD, idx_M, dy_MN, offs_G, w_GKN, ctx.in_gemm, ctx.backend)
+            dw = dw.to(w_GKN.dtype)
+        return dx, None, dw, None, None, None, None
 
 
 def gathered_grouped_mm(
@@ -266,6 +282,7 @@ def gathered_grouped_mm(
     slot_TK: torch.Tensor,
     *,
     every_row_mapped: bool | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``grouped_mm(permute_to_slots(x_TD, slot_TK, M), w_GKN, offs_G)`` without the permuted
     copy: row m of group g is ``x_TD[idx_M[m]] @ w_GKN[g]``, and backward keeps ``x_TD``.
@@ -277,7 +294,8 @@ def gathered_grouped_mm(
     ``every_row_mapped`` as for ``permute_to_slots``: where rows may be unmapped, the zero row
     costs one copy of ``x_TD`` (1/K of the permuted rows); where every row is said to be
     mapped there is none, and a broken promise reads past ``x_TD`` (an index error on the
-    CPU). Differentiable in ``x_TD`` and ``w_GKN``; no host read.
+    CPU). ``backend`` as for ``grouped_mm``. Differentiable in ``x_TD`` and ``w_GKN``; no host
+    read.
     """
     if idx_M.dtype != torch.int32 or idx_M.dim() != 1:
         raise TypeError(f"idx_M must be a 1-D int32 row index, got {idx_M.dtype} {idx_M.dim()}-D")
@@ -290,4 +308,5 @@ def gathered_grouped_mm(
     n_rows = idx_M.shape[0]
     _check_rows(slot_TK, n_rows, every_row_mapped)
     zero_row = _zero_unmapped(slot_TK, n_rows, every_row_mapped)
-    return _GatheredGroupedMM.apply(x_TD, idx_M, w_GKN, offs_G, slot_TK, zero_row)
+    check_backend(backend)
+    return _GatheredGroupedMM.apply(x_TD, idx_M, w_GKN, offs_G, slot_TK, zero_row, backend)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-
 class ConfigError(ValueError):
     """A configuration value or combination that moe_core refuses, explained in one sentence."""
 
@@ -616,9 +615,7 @@ class ParallelConfig:
                 "the host each layer (nvshmem_rowwise does not)",
             )
         if self.gather_rows and self.expert_gemm != "quack":
-            fail(
-                p + "gather_rows", True, "false unless parallel.expert_gemm=quack (QuACK gathers)"
-            )
+            fail(p + "gather_rows", True, "false unless parallel.expert_gemm=quack (QuACK gathers)")
         if self.gather_rows and self.ep > 1:
             fail(
                 p + "gather_rows",

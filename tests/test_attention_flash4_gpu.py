@@ -12,6 +12,7 @@ import torch
 from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, RotaryEmbedding
 from moe_core.model.eager import seal
+from moe_core.model.kernel_choice import Kernels
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4")
@@ -24,7 +25,7 @@ def test_flash4_attention_equals_sdpa(kv_heads, compiled):
     torch.manual_seed(0)
     sdpa = Attention(cfg).cuda().to(torch.bfloat16)
     flash = copy.deepcopy(sdpa)
-    flash.impl = "flash4"
+    flash.kernels = Kernels(attention="flash4")
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(1024, torch.device("cuda"))
     x = torch.randn(2, 1024, cfg.d_model, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import expert_mlp as em
+from moe_core.model.kernel_choice import Kernels
 from tests import fake_quack
 
 SIZES = {
@@ -51,7 +52,7 @@ def make(sizes, extra_rows, with_weight, seed=0):
 def fused(monkeypatch):
     """QuACK "runs" (the stand-in) for the fused op."""
     with fake_quack.installed():
-        monkeypatch.setattr(em, "_quack_runs", lambda x: True)
+        monkeypatch.setattr(em, "_quack_runs", lambda x, backend: True)
         yield
 
 
@@ -100,18 +101,14 @@ def test_unfused_path_is_the_three_op_composition():
     )
 
 
-def test_set_fused_off_and_references_only_take_the_unfused_path(fused):
+def test_fused_off_and_references_only_take_the_unfused_path(fused):
     from kernels._triton import references_only
 
     x, w_gate_up, w_down, _, _ = make(SIZES["uneven"], 0, True)
     assert em.fuses(x, w_gate_up, w_down)
     with references_only():
         assert not em.fuses(x, w_gate_up, w_down)
-    em.set_fused(False)
-    try:
-        assert not em.fuses(x, w_gate_up, w_down)
-    finally:
-        em.set_fused(True)
+    assert not em.fuses(x, w_gate_up, w_down, fused=False)
     assert not em.fuses(x.t().contiguous().t(), w_gate_up, w_down)  # rows not contiguous
     assert not em.fuses(x[:0], w_gate_up, w_down)  # no rows (an expert-parallel rank's share)
 
@@ -160,11 +157,8 @@ def test_moe_layer_takes_the_fused_mlp_where_it_fuses_and_matches_unfused(fused,
 
     y_fused, dx_fused, g_fused = run()
     assert calls == []  # the SwiGLU ran in the (stand-in) epilogue
-    em.set_fused(False)
-    try:
-        y_ref, dx_ref, g_ref = run()
-    finally:
-        em.set_fused(True)
+    layer.experts.kernels = Kernels(fused_mlp=False)
+    y_ref, dx_ref, g_ref = run()
     assert calls  # and here as its own pass
     torch.testing.assert_close(y_fused, y_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dx_fused, dx_ref, rtol=1e-5, atol=1e-6)

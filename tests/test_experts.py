@@ -18,6 +18,7 @@ from kernels.grouped_gemm import (
 from kernels.routing import expert_counts, expert_slots
 from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
 from kernels.swiglu import swiglu
+from moe_core.model.kernel_choice import Kernels
 from moe_core.model.moe import MoE, Routing
 
 
@@ -252,9 +253,9 @@ def test_local_dispatcher_gathers_rows_exactly_when_asked_and_quack_runs(monkeyp
     x = torch.rand(2, 12, cfg.d_model, requires_grad=True)
     params = [x, layer.router.weight, layer.experts.w_gate_up, layer.experts.w_down]
     assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model))
-    monkeypatch.setattr(moe_module, "gathers_in_gemm", lambda x_TD: True)
+    monkeypatch.setattr(moe_module, "gathers_in_gemm", lambda x_TD, backend: True)
     assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model)), "off unless asked for"
-    layer.experts.gather_rows = True
+    layer.experts.kernels = Kernels(gather_rows=True)
     calls = []
 
     def counted(*args, **kwargs):
@@ -264,13 +265,13 @@ def test_local_dispatcher_gathers_rows_exactly_when_asked_and_quack_runs(monkeyp
     monkeypatch.setattr(moe_module, "gathered_grouped_mm", counted)
     results = []
     for gathers in (False, True):
-        monkeypatch.setattr(moe_module, "gathers_in_gemm", lambda x_TD, on=gathers: on)
+        monkeypatch.setattr(moe_module, "gathers_in_gemm", lambda x_TD, backend, on=gathers: on)
         y, _ = layer(x)
         results.append((y, *torch.autograd.grad(y.square().sum(), params)))
         assert len(calls) == int(gathers)
     for got, ref in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, ref)
-    layer.experts.fp8 = True
+    layer.experts.kernels = Kernels(gather_rows=True, fp8_experts=True)
     assert not layer.experts.gathers_rows(x.reshape(-1, cfg.d_model))
 
 
@@ -282,7 +283,7 @@ def test_gathers_in_gemm_only_where_quack_runs_and_not_in_references_only(monkey
 
     x_TD = torch.randn(8, 16)
     assert not gg.gathers_in_gemm(x_TD)  # no QuACK here
-    monkeypatch.setattr(gg, "_quack_runs", lambda x: True)
+    monkeypatch.setattr(gg, "_quack_runs", lambda x, backend: True)
     assert gg.gathers_in_gemm(x_TD)
     assert not gg.gathers_in_gemm(x_TD[:, 1:]), "a row start off 16 bytes"
     assert not gg.gathers_in_gemm(x_TD.t()), "rows with a non-unit stride"

@@ -12,7 +12,9 @@ from moe_core.config import FP8_PARTS, ConfigError, fp8_linear_shapes
 from moe_core.model import Transformer, build_model
 from moe_core.model.attention import Attention
 from moe_core.model.fp8 import FP8Linear, apply_fp8
+from moe_core.model.kernel_choice import Kernels
 from moe_core.model.moe import Experts, SwiGLU
+from moe_core.model.transformer import apply_kernels
 
 
 def tiny_model(shared: int = 1) -> Transformer:
@@ -21,6 +23,13 @@ def tiny_model(shared: int = 1) -> Transformer:
     model = Transformer(cfg)
     model.init_weights(seed=3)
     return model.to(torch.bfloat16)
+
+
+def to_fp8(model: Transformer, parts: list[str]) -> None:
+    """``precision.fp8_parts=parts`` as ``parallelize`` applies it: FP8 experts through the
+    model's ``Kernels``, the other parts' linears swapped by ``apply_fp8``."""
+    apply_kernels(model, Kernels(fp8_experts="experts" in parts))
+    apply_fp8(model, parts, torch.device("cpu"))
 
 
 def loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
@@ -39,7 +48,7 @@ def test_fp8_parts_swap_exactly_the_named_linears_and_keep_every_parameter(parts
     before = loss(model, tokens)
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
-    apply_fp8(model, parts, "rowwise", torch.device("cpu"))
+    to_fp8(model, parts)
     expected = {
         "attention": {
             f"layers.{i}.attn.{n}"
@@ -56,7 +65,7 @@ def test_fp8_parts_swap_exactly_the_named_linears_and_keep_every_parameter(parts
     assert swapped == set().union(*(expected[p] for p in parts))
     assert all(not m.tensor_cores for m in model.modules() if isinstance(m, FP8Linear))
     experts = [m for m in model.modules() if isinstance(m, Experts)]
-    assert all(m.fp8 == ("experts" in parts) for m in experts)
+    assert all(m.kernels.fp8_experts == ("experts" in parts) for m in experts)
     # the same parameter objects under the same names: optimizer, buckets, checkpoints unchanged
     after = dict(model.named_parameters())
     assert list(after) == list(params) and all(after[n] is params[n] for n in params)
@@ -71,7 +80,7 @@ def test_fp8_parts_keep_the_model_causal():
     """Every part quantized (scales per token row, never over the sequence): changing the
     tokens from position 20 on leaves every logit before it as it was."""
     model = tiny_model()
-    apply_fp8(model, ["experts", "attention", "dense", "lm_head"], "rowwise", torch.device("cpu"))
+    to_fp8(model, ["experts", "attention", "dense", "lm_head"])
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=gen)
     changed = tokens.clone()
@@ -96,9 +105,9 @@ def test_dense_without_shared_experts_is_refused_at_load():
 
 def test_experts_only_swaps_no_linear():
     model = tiny_model(shared=0)
-    apply_fp8(model, ["experts"], "rowwise", torch.device("cpu"))
+    to_fp8(model, ["experts"])
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
-    assert all(m.fp8 for m in model.modules() if isinstance(m, Experts))
+    assert all(m.kernels.fp8_experts for m in model.modules() if isinstance(m, Experts))
     assert any(isinstance(m, Attention) for m in model.modules())
     assert not any(isinstance(m, SwiGLU) for m in model.modules())
 
@@ -118,7 +127,7 @@ MODELS = {name: [f"model={name}"] for name in PRESETS} | OTHERS
 
 def swapped_shapes(model: nn.Module, part: str) -> set[tuple[str, str, int, int]]:
     """(part, projection, out, in) of every linear ``apply_fp8`` swaps for ``part``."""
-    apply_fp8(model, [part], "rowwise", torch.device("cpu"))
+    apply_fp8(model, [part], torch.device("cpu"))
     return {
         (part, name.rsplit(".", 1)[-1], *m.weight.shape)
         for name, m in model.named_modules()

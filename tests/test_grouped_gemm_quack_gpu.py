@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_core.model.kernel_choice import Kernels
+
 pytestmark = pytest.mark.gpu
 quack_gemm = pytest.importorskip("kernels.grouped_gemm_quack", reason="needs quack-kernels")
 
@@ -91,14 +93,10 @@ def test_auto_backend_takes_quack_and_gives_torchs_outputs_and_gradients():
     w_GNK = bf16(len(groups), N, K, gen=gen, scale=0.05).requires_grad_()
     dy = bf16(sum(groups), N, gen=gen)
     results = {}
-    try:
-        for backend in ("torch", "auto"):
-            gg.set_backend(backend)
-            assert gg._quack_runs(x) == (backend == "auto")
-            y = gg.grouped_mm(x, w_GNK.transpose(-2, -1), offs_G)
-            results[backend] = (y, *torch.autograd.grad(y, (x, w_GNK), dy))
-    finally:
-        gg.set_backend("auto")
+    for backend in ("torch", "auto"):
+        assert gg._quack_runs(x, backend) == (backend == "auto")
+        y = gg.grouped_mm(x, w_GNK.transpose(-2, -1), offs_G, backend=backend)
+        results[backend] = (y, *torch.autograd.grad(y, (x, w_GNK), dy))
     for got, ref in zip(results["auto"], results["torch"], strict=True):
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=2**-8 * scale)
@@ -131,23 +129,25 @@ def test_gathered_gemm_on_quack_equals_permute_then_torch_grouped_mm(routing_nam
     dy = bf16(slots.n_rows, N, gen=gen)
     assert gg.gathers_in_gemm(x), "QuACK must run the gathered GEMM here"
     results = {}
-    try:
-        for backend in ("auto", "torch"):
-            gg.set_backend(backend)
-            saved = []
-            with torch.autograd.graph.saved_tensors_hooks(
-                lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
-            ):
-                if backend == "auto":
-                    y = gg.gathered_grouped_mm(
-                        x, idx_M, w_GNK.mT, slots.offs_E, slots.slot_TK, every_row_mapped=mapped
-                    )
-                else:
-                    x_MD = permute_to_slots(x, slots.slot_TK, slots.n_rows, every_row_mapped=mapped)
-                    y = gg.grouped_mm(x_MD, w_GNK.mT, slots.offs_E)
-            results[backend] = (y, *torch.autograd.grad(y, (x, w_GNK), dy), saved)
-    finally:
-        gg.set_backend("auto")
+    for backend in ("auto", "torch"):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
+        ):
+            if backend == "auto":
+                y = gg.gathered_grouped_mm(
+                    x,
+                    idx_M,
+                    w_GNK.mT,
+                    slots.offs_E,
+                    slots.slot_TK,
+                    every_row_mapped=mapped,
+                    backend=backend,
+                )
+            else:
+                x_MD = permute_to_slots(x, slots.slot_TK, slots.n_rows, every_row_mapped=mapped)
+                y = gg.grouped_mm(x_MD, w_GNK.mT, slots.offs_E, backend=backend)
+        results[backend] = (y, *torch.autograd.grad(y, (x, w_GNK), dy), saved)
     (y, dx, dw, saved), ref = results["auto"], results["torch"]
     for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), ref[:3], strict=True):
         scale = want.float().abs().max().item()
@@ -167,20 +167,14 @@ def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
     """Asked to gather (``parallel.gather_rows``), the MoE layer takes the gathered GEMM
     exactly when QuACK runs (``auto``), not under ``torch``, and both give the same output and
     gradients."""
-    from kernels import grouped_gemm as gg
-
     cfg, layer, x = bf16_moe_layer()
     params = [x, layer.experts.w_gate_up, layer.experts.w_down]
-    layer.experts.gather_rows = True  # parallel.gather_rows
     results = {}
-    try:
-        for backend in ("auto", "torch"):
-            gg.set_backend(backend)
-            assert layer.experts.gathers_rows(x.view(-1, cfg.d_model)) == (backend == "auto")
-            y, _ = layer(x)
-            results[backend] = (y, *torch.autograd.grad(y.float().square().sum(), params))
-    finally:
-        gg.set_backend("auto")
+    for backend in ("auto", "torch"):
+        layer.experts.kernels = Kernels(gemm=backend, gather_rows=True)  # parallel.gather_rows
+        assert layer.experts.gathers_rows(x.view(-1, cfg.d_model)) == (backend == "auto")
+        y, _ = layer(x)
+        results[backend] = (y, *torch.autograd.grad(y.float().square().sum(), params))
     for got, want in zip(results["auto"], results["torch"], strict=True):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2**-7 * scale)
@@ -209,19 +203,15 @@ def test_fused_expert_mlp_on_quack_equals_the_unfused_ops(sizes, extra_rows, wit
     dy = bf16(M + extra_rows, K, gen=gen)
     inputs = [t for t in (x, w_gate_up, w_down, weight) if t is not None]
     results = {}
-    try:
-        for fused in (True, False):
-            em.set_fused(fused)
-            assert em.fuses(x, w_gate_up, w_down) == fused
-            saved = []
-            with torch.autograd.graph.saved_tensors_hooks(
-                lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
-            ):
-                y = em.expert_mlp(x, w_gate_up, w_down, offs_G, weight)
-            grads = torch.autograd.grad(y[:M], inputs, dy[:M])
-            results[fused] = ([y[:M], *(g[:M] if g.shape[0] > M else g for g in grads)], saved)
-    finally:
-        em.set_fused(True)
+    for fused in (True, False):
+        assert em.fuses(x, w_gate_up, w_down, fused=fused) == fused
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
+        ):
+            y = em.expert_mlp(x, w_gate_up, w_down, offs_G, weight, fused=fused)
+        grads = torch.autograd.grad(y[:M], inputs, dy[:M])
+        results[fused] = ([y[:M], *(g[:M] if g.shape[0] > M else g for g in grads)], saved)
     (got, saved), (want, saved_unfused) = results[True], results[False]
     names = ["y", "dx", "dw_gate_up", "dw_down", "dweight"]
     for name, g, w in zip(names, got, want, strict=False):
@@ -237,23 +227,18 @@ def test_fused_expert_mlp_on_quack_equals_the_unfused_ops(sizes, extra_rows, wit
 def test_moe_layer_runs_the_fused_mlp_under_quack_and_matches_unfused():
     """Under ``auto`` the MoE layer's experts take the fused MLP (no SwiGLU kernel launched)
     and give the unfused layer's output and gradients, router included."""
-    from kernels import expert_mlp as em
-
     _, layer, x = bf16_moe_layer()
     params = [x, *layer.parameters()]
     results = {}
-    try:
-        for fused in (True, False):
-            em.set_fused(fused)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                y, aux = layer(x)
-                grads = torch.autograd.grad(y.float().square().sum() + aux, params)
-                torch.cuda.synchronize()
-            kernels = " ".join(e.name for e in prof.events())
-            assert ("_swiglu_forward" in kernels) != fused, "SwiGLU pass launched (or not)"
-            results[fused] = (y, *grads)
-    finally:
-        em.set_fused(True)
+    for fused in (True, False):
+        layer.experts.kernels = Kernels(fused_mlp=fused)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y, aux = layer(x)
+            grads = torch.autograd.grad(y.float().square().sum() + aux, params)
+            torch.cuda.synchronize()
+        launched = " ".join(e.name for e in prof.events())
+        assert ("_swiglu_forward" in launched) != fused, "SwiGLU pass launched (or not)"
+        results[fused] = (y, *grads)
     for got, want in zip(results[True], results[False], strict=True):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2**-7 * scale)

@@ -25,8 +25,8 @@ from moe_core.config import (
 )
 from moe_core.model.dtypes import DTYPES
 from moe_core.model.eager import seal
-from moe_core.model.moe import Experts
-from moe_core.model.transformer import build_model
+from moe_core.model.kernel_choice import Kernels
+from moe_core.model.transformer import apply_kernels, build_model
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.plan import (
     GIB,
@@ -194,9 +194,7 @@ def _saved_bytes_per_token(
     ``compiled``: the block through ``torch.compile`` with Inductor's partitioner and
     decompositions (``aot_eager_decomp_partition``: what Inductor saves, without its code)."""
     model = build_model(dataclasses.replace(m, n_layers=1))
-    for mod in model.modules():
-        if isinstance(mod, Experts):
-            mod.gather_rows, mod.fp8 = gather_rows, fp8
+    apply_kernels(model, Kernels(gather_rows=gather_rows, fp8_experts=fp8))
     pdt = DTYPES[dtype]
     for p in model.parameters():
         p.data = p.data.to(pdt)
@@ -287,8 +285,8 @@ def test_activation_formula_follows_the_experts_path(path, monkeypatch):
     )  # fmt: skip
     unfused = _saved_bytes_per_token(m, "bf16", "none", tokens=128)
     with fake_quack.installed():
-        monkeypatch.setattr(expert_mlp, "_quack_runs", lambda x: True)
-        monkeypatch.setattr(grouped_gemm, "_quack_runs", lambda x: True)
+        monkeypatch.setattr(expert_mlp, "_quack_runs", lambda x, backend: True)
+        monkeypatch.setattr(grouped_gemm, "_quack_runs", lambda x, backend: True)
         gather = path == "gather_rows"
         measured = _saved_bytes_per_token(
             m, "bf16", "none", tokens=128, gather_rows=gather, fp8=path == "fp8"

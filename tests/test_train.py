@@ -145,7 +145,9 @@ def test_fp8_presets_train_through_the_emulated_fp8_experts_on_cpu(tmp_path):
         run = compose_run([*args, f"precision={preset}", f"out_dir={tmp_path / preset}"])
         trainer = Trainer(run)
         experts = [m for m in trainer.chunks[0].modules() if isinstance(m, Experts)]
-        assert experts and all(m.fp8 and m.fp8_scaling == scaling for m in experts)
+        assert experts and all(
+            m.kernels.fp8_experts and m.kernels.fp8_scaling == scaling for m in experts
+        )
         got = losses[preset] = [m.loss for m in trainer.fit(show_progress=False)]
         assert all(math.isfinite(v) for v in got) and got != ref
         assert all(abs(a - b) < 0.01 * b for a, b in zip(got, ref, strict=True)), (got, ref)

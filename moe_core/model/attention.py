@@ -1,11 +1,11 @@
 """Causal self-attention with rotary embeddings, QK-norm and grouped-query heads.
 
-The attention core is torch's SDPA (cuDNN on Hopper) or, with ``impl = "flash4"`` (set from
-``parallel.attention`` by ``parallelize``), FlashAttention 4's CuTe kernels (``flash-attn-4``,
-the ``[gpu]`` extra): on one H200 at OLMoE-1B-7B's shape, forward + backward 1.76 ms against
-SDPA's 2.03 ms (benchmarks/RESULTS.md); it runs bf16 and fp16 only, so fp32 compute takes
-SDPA. Its call runs eagerly (a graph break in a compiled
-block, as the token dispatch is): its kernels are compiled by CuTe's own compiler.
+The attention core is torch's SDPA (cuDNN on Hopper) or, with ``kernels.attention == "flash4"``
+(the module's ``Kernels``, from ``parallel.attention`` through ``parallelize``), FlashAttention 4's
+CuTe kernels (``flash-attn-4``, the ``[gpu]`` extra): on one H200 at OLMoE-1B-7B's shape, forward +
+backward 1.76 ms against SDPA's 2.03 ms (benchmarks/RESULTS.md); it runs bf16 and fp16 only, so
+fp32 compute takes SDPA. Its call runs eagerly (a graph break in a compiled block, as the token
+dispatch is): its kernels are compiled by CuTe's own compiler.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig
 from moe_core.model.eager import eager
+from moe_core.model.kernel_choice import Kernels
 from moe_core.model.norm import RMSNorm
 
 
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.norm_eps)
-        self.impl = "sdpa"  # or "flash4" (see the module docstring)
+        self.kernels = Kernels()  # its ``attention`` field picks the core (module docstring)
 
     def forward(self, x_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -90,7 +91,8 @@ class Attention(nn.Module):
         cos_Sd, sin_Sd = rope
         q = apply_rotary(q, cos_Sd.to(q.dtype), sin_Sd.to(q.dtype))
         k = apply_rotary(k.transpose(1, 2), cos_Sd.to(k.dtype), sin_Sd.to(k.dtype))
-        if self.impl == "flash4" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        if self.kernels.attention == "flash4" and q.is_cuda and half:
             o_BSHd = _flash4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.o_proj(o_BSHd.reshape(B, S, -1))
         o = F.scaled_dot_product_attention(

@@ -1,9 +1,10 @@
 """FP8 parts of a built model, applied from outside (``precision.fp8_parts``).
 
 ``apply_fp8`` swaps the chosen ``nn.Linear`` modules for ``FP8Linear`` (``kernels.fp8.fp8_linear``:
-forward and input gradient in FP8 with rowwise scales, weight gradient in bf16) and switches the
-routed experts to their FP8 op. The swapped module keeps the same ``weight`` parameter, so
-parameter names, checkpoints, optimizer buckets and conversion are unchanged.
+forward and input gradient in FP8 with rowwise scales, weight gradient in bf16). The routed
+experts take their FP8 op from the model's ``Kernels`` (``fp8_experts``), not from here. The
+swapped module keeps the same ``weight`` parameter, so parameter names, checkpoints, optimizer
+buckets and conversion are unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from kernels.fp8 import fp8_linear
 from moe_core.config import ConfigError
 from moe_core.model.attention import Attention
-from moe_core.model.moe import Experts, SwiGLU
+from moe_core.model.moe import SwiGLU
 from moe_core.model.transformer import Transformer
 
 
@@ -61,17 +62,14 @@ def _linears(model: nn.Module, part: str) -> list[tuple[nn.Module, str]]:
     ]
 
 
-def apply_fp8(model: nn.Module, parts: Sequence[str], scaling: str, device: torch.device) -> None:
-    """Run ``parts`` of ``model`` in FP8 (``precision.fp8_parts``; ``scaling`` the experts'),
-    in place, before the model is compiled or its gradients are bucketed. On a GPU (Hopper or
-    newer: ``parallelize.choose_kernels`` has refused others) the projections take FP8 tensor
-    cores, whose GEMMs need both dimensions of each weight divisible by 16: ``RunConfig`` refuses
+def apply_fp8(model: nn.Module, parts: Sequence[str], device: torch.device) -> None:
+    """Run the projections that ``parts`` names of ``model`` in FP8 (``precision.fp8_parts``), in
+    place (FP8 experts are the model's ``Kernels``, ``fp8_experts``: not switched here), before the
+    model is compiled or its gradients are bucketed. On a GPU (Hopper or newer:
+    ``parallelize.choose_kernels`` has refused others) the projections take FP8 tensor cores, whose
+    GEMMs need both dimensions of each weight divisible by 16: ``RunConfig`` refuses
     other shapes at load, on any device (``config.fp8_linear_shapes`` lists what this swaps)."""
     tensor_cores = device.type == "cuda"
-    for m in model.modules():
-        if isinstance(m, Experts):
-            m.fp8 = "experts" in parts
-            m.fp8_scaling = scaling
     for part in parts:
         for parent, name in _linears(model, part):
             linear = getattr(parent, name)

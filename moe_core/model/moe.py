@@ -24,6 +24,7 @@ from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, su
 from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
 from moe_core.model.eager import eager
+from moe_core.model.kernel_choice import Kernels
 
 # A plain global rather than a ContextVar: torch.compile traces (and guards on) globals, and a
 # recompute re-runs forwards inside backward while the training loop waits for it.
@@ -179,9 +180,10 @@ class Experts(nn.Module):
         self.expert_offset = 0
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.fp8 = False  # GEMMs' forward and input gradient in FP8 (``kernels.fp8``; from outside)
-        self.fp8_scaling = "rowwise"  # or "mx" (precision.fp8_scaling)
-        self.gather_rows = False  # gate+up GEMM reads token rows by index (parallel.gather_rows)
+        # Which kernels run (the grouped GEMMs' backend, FP8, gathering rows, fusing): a frozen
+        # value that ``parallelize`` hands over (``transformer.apply_kernels``), a constant to
+        # torch.compile.
+        self.kernels = Kernels()
 
     def forward(
         self, x_MD: torch.Tensor, offs_E: torch.Tensor, weights_M: torch.Tensor | None = None
@@ -192,11 +194,16 @@ class Experts(nn.Module):
         QuACK runs, bf16 ones (``kernels.expert_mlp``: the SwiGLU and the weights in GEMM
         epilogues) run the whole MLP as one op that keeps no SwiGLU output, so selective
         recompute has nothing left to recompute there."""
+        k = self.kernels
         w_gate_up, w_down = self.w_gate_up.to(x_MD.dtype), self.w_down.to(x_MD.dtype)
-        if self.fp8:
-            return fp8_expert_mlp(x_MD, w_gate_up, w_down, offs_E, weights_M, self.fp8_scaling)
-        if fuses(x_MD, w_gate_up, w_down):
-            return expert_mlp(x_MD, w_gate_up, w_down, offs_E, weights_M)
+        if k.fp8_experts:
+            return fp8_expert_mlp(
+                x_MD, w_gate_up, w_down, offs_E, weights_M, k.fp8_scaling, backend=k.gemm
+            )
+        if fuses(x_MD, w_gate_up, w_down, backend=k.gemm, fused=k.fused_mlp):
+            return expert_mlp(
+                x_MD, w_gate_up, w_down, offs_E, weights_M, backend=k.gemm, fused=k.fused_mlp
+            )
         gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
@@ -205,7 +212,8 @@ class Experts(nn.Module):
         tokens: asked for (``parallel.gather_rows``, off by default: it saves memory, not time)
         and QuACK running (``kernels.grouped_gemm.gathers_in_gemm``); FP8 experts quantize a
         permuted copy."""
-        return self.gather_rows and not self.fp8 and gathers_in_gemm(x_TD)
+        k = self.kernels
+        return k.gather_rows and not k.fp8_experts and gathers_in_gemm(x_TD, k.gemm)
 
     def forward_gathered(
         self,
@@ -221,7 +229,9 @@ class Experts(nn.Module):
         tokens x top-8)."""
         idx_M = slot_tokens(slot_TK, n_rows)
         w_GKN = self.w_gate_up.to(x_TD.dtype).transpose(-2, -1)
-        gate_up_M2F = gathered_grouped_mm(x_TD, idx_M, w_GKN, offs_E, slot_TK)
+        gate_up_M2F = gathered_grouped_mm(
+            x_TD, idx_M, w_GKN, offs_E, slot_TK, backend=self.kernels.gemm
+        )
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
     def activation_and_down(
@@ -235,7 +245,8 @@ class Experts(nn.Module):
 
     def _project(self, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_E: torch.Tensor):
         """Each expert's rows times its weight (stored [E, N, K], used transposed)."""
-        return grouped_mm(x_MK, w_GNK.to(x_MK.dtype).transpose(-2, -1), offs_E)
+        w_GKN = w_GNK.to(x_MK.dtype).transpose(-2, -1)
+        return grouped_mm(x_MK, w_GKN, offs_E, backend=self.kernels.gemm)
 
 
 class TokenDispatcher(Protocol):

@@ -16,6 +16,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, RotaryEmbedding
+from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE, Router
 from moe_core.model.norm import RMSNorm
@@ -135,6 +136,14 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
         model.to_empty(device=device)
         model.init_weights(seed)
     return model
+
+
+def apply_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Hand one model its kernel choice: every ``Attention`` and ``Experts`` holds ``kernels``
+    (``moe_core.model.kernel_choice``), in place, before the model is compiled."""
+    for m in model.modules():
+        if isinstance(m, (Attention, Experts)):
+            m.kernels = kernels
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.grouped_gemm import quack_installed, set_backend
+from kernels.grouped_gemm import quack_installed
 from moe_core.config import (
     ConfigError,
     ModelConfig,
@@ -20,11 +20,13 @@ from moe_core.config import (
     PrecisionConfig,
 )
 from moe_core.model import Transformer
-from moe_core.model.attention import Attention, flash4_installed
+from moe_core.model.attention import flash4_installed
 from moe_core.model.dtypes import DTYPES
 from moe_core.model.fp8 import apply_fp8
+from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE
+from moe_core.model.transformer import apply_kernels
 from moe_core.parallel.compile import apply_compile
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -38,11 +40,13 @@ from moe_core.parallel.recompute import apply_recompute
 from moe_core.parallel.symmetric import symmetric_heap
 
 
-def choose_kernels(pcfg: ParallelConfig, precision: PrecisionConfig, device: torch.device) -> str:
-    """Set the experts' grouped GEMM backend and return the attention core for this run's
-    device (``parallel.expert_gemm``, ``parallel.attention``); a library asked for by name, or
-    FP8 (``precision.fp8_parts``), that cannot run here is refused in one sentence. (FP8 on the
-    CPU runs its emulation: the dequantized product.)"""
+def choose_kernels(
+    pcfg: ParallelConfig, precision: PrecisionConfig, device: torch.device
+) -> Kernels:
+    """The model's kernel choice for this run's device, resolved once (``parallel.expert_gemm``,
+    ``parallel.attention``, ``parallel.gather_rows``, FP8 experts from ``precision``); a library
+    asked for by name, or FP8 (``precision.fp8_parts``), that cannot run here is refused in one
+    sentence. (FP8 on the CPU runs its emulation: the dequantized product.)"""
     gpu = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     if pcfg.expert_gemm == "quack" and not (gpu and quack_installed()):
         raise ConfigError(
@@ -72,10 +76,16 @@ def choose_kernels(pcfg: ParallelConfig, precision: PrecisionConfig, device: tor
             "numerics run emulated on CPU, and the Blackwell GEMM path awaits a machine to "
             "measure it on; use precision=fp8."
         )
-    set_backend(pcfg.expert_gemm)
-    if pcfg.attention == "auto":
-        return "flash4" if gpu and flash4_installed() else "sdpa"
-    return pcfg.attention
+    attention = pcfg.attention
+    if attention == "auto":
+        attention = "flash4" if gpu and flash4_installed() else "sdpa"
+    return Kernels(
+        gemm=pcfg.expert_gemm,
+        attention=attention,
+        gather_rows=pcfg.gather_rows,
+        fp8_experts="experts" in precision.fp8_parts,
+        fp8_scaling=precision.fp8_scaling,
+    )
 
 
 def rowwise_exchange(
@@ -135,7 +145,7 @@ def parallelize(
 ) -> dict[int, Transformer]:
     """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized, in
     ``precision`` (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
-    attention = choose_kernels(pcfg, precision, mesh.device)
+    kernels = choose_kernels(pcfg, precision, mesh.device)
     dtype = DTYPES[precision.params]
     exchange = None
     if pcfg.rowwise_ep:
@@ -148,12 +158,8 @@ def parallelize(
         model.init_weights(seed)
         for p in model.parameters():
             p.data = p.data.to(dtype)
-        for m in model.modules():
-            if isinstance(m, Attention):
-                m.impl = attention
-            if isinstance(m, Experts):
-                m.gather_rows = pcfg.gather_rows
-        apply_fp8(model, precision.fp8_parts, precision.fp8_scaling, mesh.device)
+        apply_kernels(model, kernels)
+        apply_fp8(model, precision.fp8_parts, mesh.device)
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)
