@@ -116,6 +116,20 @@ def test_every_import_between_packages_is_one_the_table_allows():
     assert not found, "\n".join(line for lines in found.values() for line in lines)
 
 
+def on_cycle(edges: dict[str, set[str]], start: str) -> bool:
+    """Whether ``start`` is reached back from the nodes it points at."""
+    seen: set[str] = set()
+    todo = list(edges.get(start, ()))
+    while todo:
+        node = todo.pop()
+        if node == start:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(edges.get(node, ()))
+    return False
+
+
 def test_no_cycle_among_the_units():
     """The units' import graph, as the source has it, is acyclic: a folder that imports another
     is never reached back from it, also through a third (train -> eval -> convert -> train)."""
@@ -124,14 +138,7 @@ def test_no_cycle_among_the_units():
         src = unit(name)
         edges[src] |= {d for t in imports(path) if (d := unit(t)) is not None and d != src}
 
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        for nxt in edges[start] - seen:
-            seen.add(nxt)
-            if nxt == goal or reaches(nxt, goal, seen):
-                return True
-        return False
-
-    cycles = sorted(u for u in list(edges) if reaches(u, u, set()))
+    cycles = sorted(u for u in list(edges) if on_cycle(edges, u))
     assert not cycles, f"units on an import cycle: {cycles}"
 
 
@@ -160,14 +167,7 @@ def test_no_cycle_among_the_files():
     files = {n: p for n, p in sources().items() if unit(n) != "benchmarks"}
     edges = {n: module_imports(p, set(files)) - {n} for n, p in files.items()}
 
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        for nxt in edges[start] - seen:
-            seen.add(nxt)
-            if nxt == goal or reaches(nxt, goal, seen):
-                return True
-        return False
-
-    cycles = sorted(n for n in edges if reaches(n, n, set()))
+    cycles = sorted(n for n in edges if on_cycle(edges, n))
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
