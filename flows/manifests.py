@@ -22,6 +22,36 @@ from moe_core.files import file_sha256, plain_relative
 KEY_VERSION = 2
 
 
+# Options added after key version 2, each with what means "as before" (a value, or the value
+# computed from its section): a key hashes one only when it is set otherwise, so adding an
+# option does not make every existing run folder's stages run again.
+ADDED_SINCE: dict[str, Any] = {
+    "model.head_dim": lambda m: m["d_model"] // m["n_heads"],
+    "model.qk_norm": "projection",
+    "model.rotary_fraction": 1.0,
+    "model.attention_bias": "none",
+    "model.n_dense_layers": 0,
+    "model.dense_hidden": None,
+    "model.n_expert_groups": 1,
+    "model.top_k_groups": 1,
+    "model.routed_scale": 1.0,
+    "model.tie_embeddings": False,
+}
+
+
+def keyed(section: str, value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` (``to_dict`` of config section ``section``) without the options of
+    ``ADDED_SINCE`` that hold their as-before value: what a stage key hashes of that section."""
+    out = dict(value)
+    for added, as_before in ADDED_SINCE.items():
+        where, key = added.split(".")
+        if where == section and key in out:
+            before = as_before(value) if callable(as_before) else as_before
+            if out[key] == before:
+                del out[key]
+    return out
+
+
 def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.manifests import digest
+from flows.manifests import digest, keyed
 from moe_core.config import RunConfig
 from moe_core.config_dict import MOVED_TO_PRECISION, to_dict
 
@@ -20,6 +20,7 @@ def old_layout(run: RunConfig) -> dict[str, Any]:
     """``to_dict(run)`` with the precision settings at their keys from before the precision
     section, and without the options of ``ADDED_LATER`` where they keep their old meaning."""
     out = to_dict(run)
+    out["model"] = keyed("model", out["model"])
     precision = out.pop("precision")
     for old, new in MOVED_TO_PRECISION.items():
         section, key = old.split(".")
@@ -35,7 +36,7 @@ def old_stage_keys(run: RunConfig, eval_batches: int) -> dict[str, str]:
     """Each stage's key as version 1 computed it (``eval_batches``: the evaluate stage's)."""
     data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
     keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
-    keys["init"] = digest({"model": to_dict(run.model), "seed": run.train.seed})
+    keys["init"] = digest({"model": keyed("model", to_dict(run.model)), "seed": run.train.seed})
     sections = old_layout(run)
     train = {
         "model": sections["model"],

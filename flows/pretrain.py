@@ -34,7 +34,7 @@ from flows import manifests
 from flows.launch import check_launchable, launch_attempts
 from flows.launchers import Attempt, launcher_class
 from flows.layout import RunLayout
-from flows.manifests import digest
+from flows.manifests import digest, keyed
 from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
@@ -249,7 +249,7 @@ def _tokenize_intact(ctx: Context) -> str | None:
 
 
 def _init_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
-    return {"model": to_dict(run.model), "seed": run.train.seed}
+    return {"model": keyed("model", to_dict(run.model)), "seed": run.train.seed}
 
 
 def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
@@ -275,7 +275,7 @@ def _init_intact(ctx: Context) -> str | None:
 
 def _train_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
     train = {
-        "model": to_dict(run.model),
+        "model": keyed("model", to_dict(run.model)),
         "train": to_dict(run.train),
         "parallel": to_dict(run.parallel),
         "precision": to_dict(run.precision),

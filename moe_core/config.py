@@ -275,6 +275,8 @@ MAX_SIZES = {
     "d_model": 1 << 17,
     "expert_hidden": 1 << 20,
     "n_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "dense_hidden": 1 << 20,
     "n_shared_experts": 1 << 10,
     "vocab_size": 1 << 32,
     "max_seq_len": 1 << 24,
@@ -294,19 +296,34 @@ class ModelConfig:
     n_layers: int = 16
     n_heads: int = 16
     n_kv_heads: int | None = None  # None: as many as n_heads (no grouping)
+    head_dim: int | None = None  # None: d_model / n_heads (Qwen3 and GLM-4.5 set their own)
+    # RMSNorm of the queries and keys before RoPE: over the whole projection (OLMoE), over each
+    # head's head_dim (Qwen3, GLM-4.5 use_qk_norm) or none (Mixtral)
+    qk_norm: Literal["projection", "head", "none"] = "projection"
+    rotary_fraction: float = 1.0  # the leading share of head_dim that RoPE rotates (GLM: 0.5)
+    attention_bias: Literal["none", "qkv", "qkvo"] = "none"  # which projections carry a bias
     n_experts: int = 64
     top_k: int = 8
     expert_hidden: int = 1024
     n_shared_experts: int = 0  # a dense SwiGLU of n_shared_experts * expert_hidden, always on
+    n_dense_layers: int = 0  # the first N blocks: a dense SwiGLU instead of experts
+    dense_hidden: int | None = None  # that SwiGLU's width (needed when n_dense_layers > 0)
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     router: Literal["softmax", "sigmoid"] = "softmax"
     normalize_top_k: bool = False
+    # Group-limited routing (DeepSeek, GLM n_group/topk_group): experts fall into n_expert_groups
+    # equal groups, a token picks its top_k_groups best groups (each scored by its two best
+    # experts) and its top_k experts among them. 1 and 1: plain top-k.
+    n_expert_groups: int = 1
+    top_k_groups: int = 1
+    routed_scale: float = 1.0  # the routed experts' combine weights times this
     aux_loss_coef: float = 0.01  # Switch-style load balancing
     z_loss_coef: float = 0.001  # router z-loss
     expert_bias: bool = False  # auxiliary-loss-free balancing: a selection-only bias per expert
     expert_bias_rate: float = 1e-3
+    tie_embeddings: bool = False  # the LM head reads the embedding matrix
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -318,29 +335,91 @@ class ModelConfig:
             _positive(p + name, getattr(self, name))
         for name in ("expert_hidden", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
             _positive(p + name, getattr(self, name))
+        for name in ("n_expert_groups", "top_k_groups", "routed_scale"):
+            _positive(p + name, getattr(self, name))
         for name in ("n_shared_experts", "aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             _non_negative(p + name, getattr(self, name))
-        for name, limit in MAX_SIZES.items():
-            _at_most(p + name, getattr(self, name), limit, "as no real model is larger")
+        _non_negative(p + "n_dense_layers", self.n_dense_layers)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _positive(p + "n_kv_heads", self.n_kv_heads)
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                fail(
+                    p + "n_heads",
+                    self.n_heads,
+                    f"it must divide model.d_model ({self.d_model}), or set model.head_dim",
+                )
+            self.head_dim = self.d_model // self.n_heads
+        _positive(p + "head_dim", self.head_dim)
+        for name, limit in MAX_SIZES.items():
+            value = getattr(self, name)
+            if value is not None:
+                _at_most(p + name, value, limit, "as no real model is larger")
         if self.top_k > self.n_experts:
             fail(p + "top_k", self.top_k, f"at most model.n_experts ({self.n_experts})")
-        if self.d_model % self.n_heads:
-            fail(p + "n_heads", self.n_heads, f"it must divide model.d_model ({self.d_model})")
         if self.n_heads % self.n_kv_heads:
             fail(
                 p + "n_kv_heads", self.n_kv_heads, f"it must divide model.n_heads ({self.n_heads})"
             )
-        if self.head_dim % 2:
+        if not 0 < self.rotary_fraction <= 1:
+            fail(p + "rotary_fraction", self.rotary_fraction, "a share of head_dim in (0, 1]")
+        if self.rotary_dim == 0 or self.rotary_dim % 2:
             fail(
-                p + "n_heads", self.n_heads, "d_model / n_heads must be even for rotary embeddings"
+                p + "head_dim",
+                self.head_dim,
+                f"head_dim x rotary_fraction ({self.head_dim} x {self.rotary_fraction}, rounded "
+                "down) must be a positive even number of rotated dimensions",
+            )
+        if self.n_dense_layers >= self.n_layers:
+            fail(
+                p + "n_dense_layers",
+                self.n_dense_layers,
+                f"fewer than model.n_layers ({self.n_layers}), so at least one block has experts",
+            )
+        if (self.dense_hidden is None) != (self.n_dense_layers == 0):
+            given = "is unset" if self.dense_hidden is None else "is set"
+            fail(
+                p + "dense_hidden",
+                self.dense_hidden,
+                f"a positive width exactly when model.n_dense_layers > 0 (it {given} with "
+                f"n_dense_layers={self.n_dense_layers})",
+            )
+        if self.dense_hidden is not None:
+            _positive(p + "dense_hidden", self.dense_hidden)
+        self._check_groups(p)
+
+    def _check_groups(self, p: str) -> None:
+        groups, per_group = self.n_expert_groups, self.n_experts // self.n_expert_groups
+        if self.n_experts % groups:
+            fail(
+                p + "n_expert_groups", groups, f"it must divide model.n_experts ({self.n_experts})"
+            )
+        if groups > 1 and per_group < 2:
+            fail(
+                p + "n_expert_groups",
+                groups,
+                "at most model.n_experts / 2: each group is scored by its two best experts",
+            )
+        if self.top_k_groups > groups:
+            fail(p + "top_k_groups", self.top_k_groups, f"at most model.n_expert_groups ({groups})")
+        if self.top_k > self.top_k_groups * per_group:
+            fail(
+                p + "top_k",
+                self.top_k,
+                f"at most top_k_groups x experts per group ({self.top_k_groups} x {per_group})",
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that RoPE rotates (HF's rounding: down)."""
+        assert self.head_dim is not None
+        return int(self.head_dim * self.rotary_fraction)
+
+    @property
+    def moe_layers(self) -> range:
+        """The blocks with routed experts (the rest, leading, are dense)."""
+        return range(self.n_dense_layers, self.n_layers)
 
     @property
     def kv_heads(self) -> int:

@@ -28,3 +28,29 @@ def test_an_old_manifest_holding_the_old_key_of_this_config_verifies_and_is_reke
     assert manifests.verify(tmp_path, "train", keys["train"], old["train"])[1] == ""
     # a rekeyed (current) manifest no longer answers to its old key
     assert manifests.verify(tmp_path, "train", "another", old["train"])[0] is None
+
+
+# ModelConfig's fields when key version 2 was set: an option added since hashes only when set
+# otherwise than before (manifests.ADDED_SINCE), so existing run folders keep their keys.
+MODEL_FIELDS_AT_V2 = {
+    "name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "n_experts", "top_k",
+    "expert_hidden", "n_shared_experts", "max_seq_len", "rope_theta", "norm_eps", "router",
+    "normalize_top_k", "aux_loss_coef", "z_loss_coef", "expert_bias", "expert_bias_rate",
+    "init_std",
+}  # fmt: skip
+
+
+def test_options_added_since_key_version_2_leave_existing_keys_alone(tmp_path):
+    from dataclasses import replace
+
+    from moe_core.config_dict import to_dict
+
+    run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
+    assert set(manifests.keyed("model", to_dict(run.model))) == MODEL_FIELDS_AT_V2
+    before = stage_keys(run)
+    changed = replace(run, model=replace(run.model, qk_norm="head"))
+    after = stage_keys(changed)
+    assert after["tokenize"] == before["tokenize"] and after["init"] != before["init"]
+    # head_dim is "as before" when it is d_model / n_heads, whether given or not
+    same = replace(run, model=replace(run.model, head_dim=run.model.d_model // run.model.n_heads))
+    assert stage_keys(same) == before
