@@ -36,6 +36,7 @@ ADDED_SINCE: dict[str, Any] = {
     "model.top_k_groups": 1,
     "model.routed_scale": 1.0,
     "model.tie_embeddings": False,
+    "model.aux_loss_reduction": "sum",
 }
 
 

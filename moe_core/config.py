@@ -320,6 +320,8 @@ class ModelConfig:
     top_k_groups: int = 1
     routed_scale: float = 1.0  # the routed experts' combine weights times this
     aux_loss_coef: float = 0.01  # Switch-style load balancing
+    # how the MoE layers' load-balancing terms make one loss: their sum, or their mean
+    aux_loss_reduction: Literal["sum", "mean"] = "sum"
     z_loss_coef: float = 0.001  # router z-loss
     expert_bias: bool = False  # auxiliary-loss-free balancing: a selection-only bias per expert
     expert_bias_rate: float = 1e-3
