@@ -1,5 +1,5 @@
 """The optimizer's update over OLMoE-1B-7B's parameters (one GPU, pure bf16): the trainer's
-pass after every step's gradient norm (``ShardedAdamW.update`` on ``kernels.adamw``), at
+pass after every step's gradient norm (``ShardedAdamW.update`` on ``moe_kernels.adamw``), at
 several program sizes.
 
     python benchmarks/adamw_update.py --out results.json
@@ -27,9 +27,9 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 
-from kernels import adamw_triton
 from moe_core.model import Transformer
 from moe_core.model.meta import on_meta
+from moe_kernels import adamw_triton
 
 HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

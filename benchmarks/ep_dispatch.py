@@ -26,7 +26,6 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
-from kernels.routing import expert_counts
 from moe_core.model.moe import Routing
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -35,6 +34,7 @@ from moe_core.parallel.dispatch import (
     rowwise_capacity,
 )
 from moe_core.parallel.symmetric import CudaSymmetricHeap
+from moe_kernels.routing import expert_counts
 
 T = 16384
 D, E, K = olmoe().d_model, olmoe().n_experts, olmoe().top_k

@@ -1,4 +1,4 @@
-"""The experts' SwiGLU MLP fused into QuACK's GEMM epilogues (``kernels.expert_mlp``) against
+"""The experts' SwiGLU MLP fused into QuACK's GEMM epilogues (``moe_kernels.expert_mlp``) against
 the unfused ops, and the tile configurations of its epilogue GEMMs (one H200 or other sm90+).
 
     python benchmarks/expert_mlp.py --out results.json [--configs]
@@ -24,7 +24,7 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
-from kernels import expert_mlp
+from moe_kernels import expert_mlp
 
 CFG = olmoe()
 TOKENS = 16384
@@ -97,7 +97,7 @@ def sweep_configs(ops: dict, warmup: int, iters: int, rounds: int) -> list[dict]
     configs and the last (the 3-round sweep of 2026-12-02 in RESULTS.md)."""
     from quack.gemm_interface import gemm_act, gemm_dgated, gemm_tuned
 
-    from kernels import grouped_gemm_quack as quack
+    from moe_kernels import grouped_gemm_quack as quack
 
     x, wgu, wd = ops["x"].detach(), ops["w_gate_up"].detach(), ops["w_down"].detach()
     cu = torch.nn.functional.pad(ops["offs"], (1, 0))

@@ -1,5 +1,5 @@
-"""FP8 dense projections (``kernels.fp8.fp8_linear``) against bf16 ``nn.Linear`` at OLMoE-1B-7B's
-shapes on one GPU, forward + backward, as the model runs them:
+"""FP8 dense projections (``moe_kernels.fp8.fp8_linear``) against bf16 ``nn.Linear`` at
+OLMoE-1B-7B's shapes on one GPU, forward + backward, as the model runs them:
 
 - ``attention in``: RMSNorm then the q, k and v projections (compiled, as a block is), the
   three outputs summed so one backward covers them;

@@ -1,4 +1,4 @@
-"""The FP8 quantizers' block sizes (``kernels.fp8_triton``) at OLMoE-1B-7B's shapes on one GPU:
+"""The FP8 quantizers' block sizes (``moe_kernels.fp8_triton``) at OLMoE-1B-7B's shapes on one GPU:
 each candidate against the others and against a plain copy of the same tensor.
 
     python benchmarks/fp8_quantize.py --out results.json
@@ -10,7 +10,7 @@ the SwiGLU output [M, F], the output gradient [M, D], the pre-activation gradien
 transposed. A rowwise candidate whose ``block_k`` covers the row reads it once (the kernel's
 one-pass form); ``hw_cast: false`` rounds in fp32 before an exact cast (the interpreter's way)
 instead of the GPU's conversion instruction. Every candidate's output is checked equal, byte for
-byte, to the PyTorch reference's (``kernels.fp8``) on the same tensor; the candidates of one
+byte, to the PyTorch reference's (``moe_kernels.fp8``) on the same tensor; the candidates of one
 tensor are timed interleaved (one of each per iteration, CUDA events, median), and the rate
 counts bf16 read once plus E4M3 written once.
 """
@@ -27,7 +27,7 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 
-from kernels import fp8, fp8_triton
+from moe_kernels import fp8, fp8_triton
 
 CFG = olmoe()
 M = 16384 * CFG.top_k

@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when impo
 from report import save, stamp
 from timing import cuda_times_ms
 
-from kernels import grouped_gemm
-from kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
-from kernels.routing import expert_slots
-from kernels.slot_permute import permute_to_slots, slot_tokens
+from moe_kernels import grouped_gemm
+from moe_kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
+from moe_kernels.routing import expert_slots
+from moe_kernels.slot_permute import permute_to_slots, slot_tokens
 
 BF16 = torch.bfloat16
 MIB = 1 << 20

@@ -8,7 +8,7 @@ from ``conf/model/olmoe-1b-7b.yaml``, 16 layers), the same for every variant. Ea
 returns the fp32 global L2 norm; all are checked against an fp64 reference, then timed with
 CUDA events after warm-up, the variants interleaved (one of each per iteration, so clock drift
 reaches all alike; median), against the time to read the bytes at the GPU's measured copy
-bandwidth. The Triton pass (``kernels.sum_squares``) is also timed at other program sizes
+bandwidth. The Triton pass (``moe_kernels.sum_squares``) is also timed at other program sizes
 (``--runs``: BLOCK x ITERS pairs) over the large tensors.
 """
 
@@ -23,11 +23,11 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms, cuda_times_ms
 
-from kernels import sum_squares_triton
-from kernels.sum_squares import sum_squares_reference
 from moe_core.model import Transformer
 from moe_core.model.meta import on_meta
 from moe_core.parallel.optimizer import LARGE, global_norm
+from moe_kernels import sum_squares_triton
+from moe_kernels.sum_squares import sum_squares_reference
 
 
 def foreach(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -37,7 +37,7 @@ def foreach(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def per_tensor(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One ``torch.linalg.vector_norm`` reduction per tensor (``kernels.sum_squares``'s
+    """One ``torch.linalg.vector_norm`` reduction per tensor (``moe_kernels.sum_squares``'s
     reference)."""
     return sum_squares_reference(grads, torch.float32).sqrt()
 

@@ -128,7 +128,7 @@ def libraries(names: str) -> dict[str, object]:
         if name == "triton":
             from benchmarks.baselines import grouped_gemm_triton as lib
         elif name == "quack":
-            from kernels import grouped_gemm_quack as lib  # type: ignore[no-redef]
+            from moe_kernels import grouped_gemm_quack as lib  # type: ignore[no-redef]
         else:
             raise SystemExit(f"--impls: unknown implementation {name!r} (triton, quack)")
         out[name] = lib

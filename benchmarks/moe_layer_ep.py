@@ -6,7 +6,7 @@ Launch on a machine with N GPUs:
 
 On one GPU (N = 1, or plain `python benchmarks/moe_layer_ep.py` without torchrun) the rowwise
 dispatcher runs with one PE: its own overhead against the local path, with no link in between.
-`--fp8` adds each layer again with FP8 experts (`kernels.fp8`), same inputs; `--unfused` each
+`--fp8` adds each layer again with FP8 experts (`moe_kernels.fp8`), same inputs; `--unfused` each
 layer again with the experts' MLP unfused (`Kernels(fused_mlp=False)`: the SwiGLU
 as its own pass instead of in QuACK's GEMM epilogues; the same where QuACK does not run).
 `--experts 8,16,32,64,128 --top-k 4` sweeps the expert pool at fixed active parameters (each
@@ -35,7 +35,6 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_times_ms
 
-from kernels import expert_mlp
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.moe import Experts, MoE
 from moe_core.parallel.dispatch import (
@@ -45,6 +44,7 @@ from moe_core.parallel.dispatch import (
     rowwise_capacity,
 )
 from moe_core.parallel.symmetric import CudaSymmetricHeap
+from moe_kernels import expert_mlp
 
 CFG = olmoe()
 TOKENS = 16384

@@ -268,7 +268,7 @@ def parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=["torch", "moe_core"],
         default="torch",
-        help="torch's fused AdamW or ours (kernels.adamw); both keep moments in bf16",
+        help="torch's fused AdamW or ours (moe_kernels.adamw); both keep moments in bf16",
     )
     p.add_argument(
         "--optimizer-dtype",

@@ -637,7 +637,7 @@ class ParallelConfig:
     # (many small kernels, no host read).
     cuda_graph: bool | None = None
     # The experts' grouped GEMMs on CUDA: torch._grouped_mm, QuACK's (the [gpu] extra), or auto:
-    # QuACK where installed (sm90+), else torch (``kernels.grouped_gemm``, measured there).
+    # QuACK where installed (sm90+), else torch (``moe_kernels.grouped_gemm``, measured there).
     expert_gemm: Literal["auto", "torch", "quack"] = "auto"
     # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
     # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA.
@@ -771,7 +771,7 @@ class PrecisionConfig:
     # Gradient buffers and Adam moments: fp32 (plus an fp32 master copy of bf16 weights), or bf16
     # (moments and gradients in bf16, no master: bf16 weights updated in place; pure-bf16).
     optimizer: Dtype = "fp32"
-    # Parts whose GEMMs run in FP8 (E4M3, rowwise dynamic scales, ``kernels.fp8``: forward and
+    # Parts whose GEMMs run in FP8 (E4M3, rowwise dynamic scales, ``moe_kernels.fp8``: forward and
     # input gradient; weight gradients stay bf16; sm90+ on GPU): "experts" (the routed experts),
     # "attention" (q, k, v, o projections), "dense" (the shared expert's MLP), "lm_head", and
     # "dispatch": the token rows the all-to-all dispatcher sends to the experts' ranks travel

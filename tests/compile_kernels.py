@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from benchmarks.baselines import grouped_gemm_triton, router_topk_triton, weighted_combine_triton
-from kernels import adamw_triton, fp8_triton, routing_triton, slot_permute_triton, swiglu_triton
+from moe_kernels import adamw_triton, fp8_triton, routing_triton, slot_permute_triton, swiglu_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
 E4M3_CAST = "cvt.rn.satfinite.e4m3x2.f32"
@@ -162,7 +162,7 @@ def compile_one(fn: JITFunction, ptrs: dict[str, str], constexprs: dict) -> None
             signature[name] = ptrs.get(name, "i32")  # scalars: i32 unless the case says
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     ptx = triton.compile(src, target=TARGET, options={"num_warps": 4}).asm["ptx"]
-    # kernels.fp8's rounding (nearest, ties to even; no value past 448 by then) from the GPU's
+    # moe_kernels.fp8's rounding (nearest, ties to even; no value past 448 by then) from the GPU's
     # conversion: the instruction must be the round-to-nearest one
     if constexprs.get("HW_CAST") and E4M3_CAST not in ptx:
         raise AssertionError(f"no {E4M3_CAST} in the PTX")

@@ -31,7 +31,7 @@ def _interpret_kernel_tests(request: pytest.FixtureRequest):
     tests (the model on CPU) take the PyTorch references, as CPU training does."""
     kernel_test = request.module.__name__.startswith(("test_kernels", "test_baselines"))
     if kernel_test and not torch.cuda.is_available():
-        from kernels._triton import interpret_on_cpu
+        from moe_kernels._triton import interpret_on_cpu
 
         with interpret_on_cpu():
             yield

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.routing import expert_counts
 from moe_core.compose import compose_run
 from moe_core.model.moe import Experts, LocalDispatcher, Routing, TokenDispatcher
 from moe_core.parallel.dispatch import AllToAllDispatcher, RowwiseDispatcher, RowwiseExchange
 from moe_core.parallel.symmetric import symmetric_heap
 from moe_core.train.trainer import Trainer
+from moe_kernels.routing import expert_counts
 
 
 def optimizer_state(out: str, overrides: list[str]) -> None:
@@ -112,7 +112,7 @@ def dispatch_parity(out: str, args: list[str]) -> None:
     mode = args[0]
     dist.init_process_group("gloo")
     if mode == "interpret":
-        from kernels._triton import interpret_on_cpu
+        from moe_kernels._triton import interpret_on_cpu
 
         with interpret_on_cpu():
             checked = _dispatch_cases(torch.float32, 1e-5, triton=True)
@@ -129,7 +129,7 @@ def dispatch_parity(out: str, args: list[str]) -> None:
 
 def dispatch_fp8_parity(out: str, args: list[str]) -> None:
     """AllToAllDispatcher with FP8 rows (EP=2, gloo, fp32) vs LocalDispatcher with all experts
-    on the token rows quantized and dequantized once (``kernels.fp8``'s rowwise rules): the same
+    on the token rows quantized and dequantized once (``moe_kernels.fp8``'s rowwise rules): the same
     outputs and gradients (the quantization is straight-through), and unlike the unquantized
     run; the token rows travel as bytes with one fp32 scale each, the combine's rows in fp32.
     Rank 0 writes what each rank saw."""
@@ -166,7 +166,7 @@ def dispatch_fp8_cuda(out: str, args: list[str]) -> None:
     """One GPU over NCCL: the all-to-all dispatcher with FP8 rows (one rank: every row to
     itself, through the GPU's quantizer and a uint8 all-to-all) against LocalDispatcher on the
     rows quantized once, bf16; the largest relative error of each output and gradient."""
-    from kernels.fp8 import dequantize, quantize_rowwise
+    from moe_kernels.fp8 import dequantize, quantize_rowwise
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
@@ -199,8 +199,8 @@ def dispatch_fp8_cuda(out: str, args: list[str]) -> None:
 
 
 def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool, fp8: bool = False) -> list[dict]:
-    from kernels._triton import use_triton
-    from kernels.fp8 import dequantize, quantize_rowwise_reference
+    from moe_kernels._triton import use_triton
+    from moe_kernels.fp8 import dequantize, quantize_rowwise_reference
 
     rank = dist.get_rank()
     assert dist.get_world_size() == 2
@@ -284,7 +284,7 @@ def rowwise_parity(out: str, args: list[str]) -> None:
         dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
     if mode == "interpret":
-        from kernels._triton import interpret_on_cpu
+        from moe_kernels._triton import interpret_on_cpu
 
         with interpret_on_cpu():
             seen = _rowwise_cases(rank, P, torch.float32, 1e-5, device)

@@ -1,6 +1,6 @@
-"""A CPU stand-in for the few ``quack-kernels`` entry points ``kernels.grouped_gemm_quack`` calls,
-written from QuACK's documented semantics (its ``*_ref`` functions and epilogue library), so the
-code around them (layouts, the interleaved gate/up pairs, the router-weight epilogues) is
+"""A CPU stand-in for the few ``quack-kernels`` entry points ``moe_kernels.grouped_gemm_quack``
+calls, written from QuACK's documented semantics (its ``*_ref`` functions and epilogue library),
+so the code around them (layouts, the interleaved gate/up pairs, the router-weight epilogues) is
 exercised where QuACK cannot run. The GPU tests hold the real library to the same outputs.
 
 Outputs QuACK allocates start as NaN here, so a caller reading rows the real kernels leave
@@ -170,16 +170,16 @@ def gemm_epilogue(**_):
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
     """``import quack...`` resolves to this stand-in inside (and a fresh
-    ``kernels.grouped_gemm_quack`` is imported against it). Where the real library was
+    ``moe_kernels.grouped_gemm_quack`` is imported against it). Where the real library was
     imported before (a GPU machine running CPU and GPU tests in one process), all of it is set
-    aside meanwhile and put back after: its submodules, and the ``kernels`` package's
-    attribute, which ``from kernels import grouped_gemm_quack`` reads before ``sys.modules``."""
-    import kernels
+    aside meanwhile and put back after: its submodules, and the ``moe_kernels`` package's
+    attribute, which ``from moe_kernels import grouped_gemm_quack`` reads before ``sys.modules``."""
+    import moe_kernels
 
-    ours = "kernels.grouped_gemm_quack"
+    ours = "moe_kernels.grouped_gemm_quack"
     saved = {n: m for n, m in sys.modules.items() if n == "quack" or n.startswith("quack.")}
     saved_ours = sys.modules.get(ours)
-    attribute = kernels.__dict__.get("grouped_gemm_quack")
+    attribute = moe_kernels.__dict__.get("grouped_gemm_quack")
     for n in saved:
         del sys.modules[n]
     root = types.ModuleType("quack")
@@ -194,7 +194,7 @@ def installed() -> Iterator[None]:
     stand_ins["quack.gemm_config"] = config
     sys.modules.update(stand_ins)
     sys.modules.pop(ours, None)
-    kernels.__dict__.pop("grouped_gemm_quack", None)
+    moe_kernels.__dict__.pop("grouped_gemm_quack", None)
     try:
         yield
     finally:
@@ -202,8 +202,8 @@ def installed() -> Iterator[None]:
             del sys.modules[n]
         sys.modules.update(saved)
         sys.modules.pop(ours, None)
-        kernels.__dict__.pop("grouped_gemm_quack", None)
+        moe_kernels.__dict__.pop("grouped_gemm_quack", None)
         if saved_ours is not None:
             sys.modules[ours] = saved_ours
         if attribute is not None:
-            kernels.grouped_gemm_quack = attribute
+            moe_kernels.grouped_gemm_quack = attribute

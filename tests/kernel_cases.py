@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels._triton import use_triton
-from kernels.routing import expert_slots_reference
-from kernels.slot_permute import (
+from moe_kernels._triton import use_triton
+from moe_kernels.routing import expert_slots_reference
+from moe_kernels.slot_permute import (
     combine_from_slots_reference,
     permute_to_slots,
     permute_to_slots_reference,

@@ -1,6 +1,6 @@
 """The Triton grouped GEMM baseline (benchmarks/baselines/grouped_gemm_triton.py): the forward
 and both orientations of the weight gradient equal the per-group references of
-kernels/grouped_gemm.py on every group
+moe_kernels/grouped_gemm.py on every group
 layout (empty groups first, in the middle and last; all rows in one group; sizes off the block
 grid), for a weight given transposed (stride(-2) == 1, the model's layout) or contiguous, in
 fp32 and bf16, writing every output element. On CPU they run in Triton's interpreter with
@@ -22,7 +22,7 @@ from helpers import no_host_sync
 from kernel_cases import DEVICE, assert_matches, assert_triton_path, randn
 
 from benchmarks.baselines import grouped_gemm_triton as ggt
-from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad_reference
+from moe_kernels.grouped_gemm import grouped_mm_reference, grouped_mm_wgrad_reference
 
 BLOCK = (16, 16, 16)
 SIZES = {

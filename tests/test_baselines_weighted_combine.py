@@ -29,8 +29,8 @@ from benchmarks.baselines.weighted_combine import (
     combine_from_slots,
     combine_from_slots_reference_backward,
 )
-from kernels.routing import expert_slots_reference
-from kernels.slot_permute import combine_from_slots_reference, permute_to_slots
+from moe_kernels.routing import expert_slots_reference
+from moe_kernels.slot_permute import combine_from_slots_reference, permute_to_slots
 
 
 @pytest.mark.parametrize("dtype", SLOT_DTYPES, ids=["fp32", "bf16"])

@@ -44,7 +44,7 @@ def test_all_to_all_dispatcher_equals_local_dispatcher(mode, tmp_path, monkeypat
 @pytest.mark.slow
 def test_fp8_rows_travel_as_bytes_and_the_experts_see_them_quantized(tmp_path):
     """precision.fp8_parts 'dispatch' (2 ranks, gloo): every case's outputs and gradients equal
-    the local dispatcher's on token rows quantized once by kernels.fp8's rules (the gradient
+    the local dispatcher's on token rows quantized once by moe_kernels.fp8's rules (the gradient
     passes the quantization straight through) and differ from the unquantized run's; the token
     rows go out as one byte per value plus one fp32 scale per row, the combine in fp32."""
     out = tmp_path / "dispatch-fp8.json"

@@ -1,5 +1,5 @@
-"""``kernels.expert_mlp``: the fused path (QuACK's epilogues, here through a CPU stand-in written
-from QuACK's documented semantics, ``tests/fake_quack.py``) equals the unfused definition in
+"""``moe_kernels.expert_mlp``: the fused path (QuACK's epilogues, here through a CPU stand-in
+written from QuACK's documented semantics, ``tests/fake_quack.py``) equals the unfused definition in
 output and every gradient, incl. the router weights' gradient, empty experts, all rows in one
 expert and rows past the last group end; the MoE layer takes it exactly when it fuses. The GPU
 test (``test_grouped_gemm_quack_gpu.py``) holds the real library to the same."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import expert_mlp as em
 from moe_core.model.kernel_choice import Kernels
+from moe_kernels import expert_mlp as em
 from tests import fake_quack
 
 SIZES = {
@@ -102,7 +102,7 @@ def test_unfused_path_is_the_three_op_composition():
 
 
 def test_fused_off_and_references_only_take_the_unfused_path(fused):
-    from kernels._triton import references_only
+    from moe_kernels._triton import references_only
 
     x, w_gate_up, w_down, _, _ = make(SIZES["uneven"], 0, True)
     assert em.fuses(x, w_gate_up, w_down)
@@ -169,30 +169,30 @@ def test_moe_layer_takes_the_fused_mlp_where_it_fuses_and_matches_unfused(fused,
 def test_the_quack_stand_in_sets_an_imported_real_library_aside_and_restores_it():
     """On a GPU machine the real QuACK may be imported by an earlier test of the same process:
     inside ``fake_quack.installed()`` no part of it may answer (its submodules, the
-    ``kernels`` package's attribute that ``from kernels import ...`` reads first), and after
+    ``moe_kernels`` package's attribute that ``from moe_kernels import ...`` reads first), and after
     it everything is as before."""
     import sys
     import types
 
-    import kernels
+    import moe_kernels
 
     real_sub, real_ours = types.ModuleType("quack.epilogue.library"), types.ModuleType("ours")
-    had = kernels.__dict__.get("grouped_gemm_quack")
+    had = moe_kernels.__dict__.get("grouped_gemm_quack")
     sys.modules["quack.epilogue.library"] = real_sub
-    sys.modules["kernels.grouped_gemm_quack"] = kernels.grouped_gemm_quack = real_ours
+    sys.modules["moe_kernels.grouped_gemm_quack"] = moe_kernels.grouped_gemm_quack = real_ours
     try:
         with fake_quack.installed():
-            from kernels import grouped_gemm_quack as inside
+            from moe_kernels import grouped_gemm_quack as inside
 
             assert inside is not real_ours and inside.gemm is fake_quack.gemm
             assert "quack.epilogue.library" not in sys.modules
         assert sys.modules["quack.epilogue.library"] is real_sub
-        from kernels import grouped_gemm_quack as after
+        from moe_kernels import grouped_gemm_quack as after
 
-        assert after is real_ours and sys.modules["kernels.grouped_gemm_quack"] is real_ours
+        assert after is real_ours and sys.modules["moe_kernels.grouped_gemm_quack"] is real_ours
     finally:
         sys.modules.pop("quack.epilogue.library", None)
-        sys.modules.pop("kernels.grouped_gemm_quack", None)
-        kernels.__dict__.pop("grouped_gemm_quack", None)
+        sys.modules.pop("moe_kernels.grouped_gemm_quack", None)
+        moe_kernels.__dict__.pop("grouped_gemm_quack", None)
         if had is not None:
-            kernels.grouped_gemm_quack = had
+            moe_kernels.grouped_gemm_quack = had

@@ -8,18 +8,18 @@ import torch.nn.functional as F
 from helpers import small_config
 from kernel_cases import ROUTING_NAMES, drop_assignments, routing
 
-from kernels.grouped_gemm import (
+from moe_core.model.kernel_choice import Kernels
+from moe_core.model.moe import MoE, Routing
+from moe_kernels.grouped_gemm import (
     gathered_grouped_mm,
     grouped_mm,
     grouped_mm_reference,
     grouped_mm_supported,
     grouped_mm_wgrad_reference,
 )
-from kernels.routing import expert_counts, expert_slots
-from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
-from kernels.swiglu import swiglu
-from moe_core.model.kernel_choice import Kernels
-from moe_core.model.moe import MoE, Routing
+from moe_kernels.routing import expert_counts, expert_slots
+from moe_kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
+from moe_kernels.swiglu import swiglu
 
 
 def loop_experts(x_TD, experts_TK, weights_TK, w_gate_up, w_down):
@@ -278,8 +278,8 @@ def test_local_dispatcher_gathers_rows_exactly_when_asked_and_quack_runs(monkeyp
 def test_gathers_in_gemm_only_where_quack_runs_and_not_in_references_only(monkeypatch):
     """The gathered GEMM runs in QuACK exactly where QuACK's products run, on rows it can read
     (unit stride, 16-byte aligned), and never inside ``references_only()`` (the unfused model)."""
-    from kernels import grouped_gemm as gg
-    from kernels._triton import references_only
+    from moe_kernels import grouped_gemm as gg
+    from moe_kernels._triton import references_only
 
     x_TD = torch.randn(8, 16)
     assert not gg.gathers_in_gemm(x_TD)  # no QuACK here

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import small_gpu_model
 
-from kernels._triton import references_only
 from moe_core.parallel.compile import apply_compile, loss_function
+from moe_kernels._triton import references_only
 
 pytestmark = pytest.mark.gpu
 STEPS = 50

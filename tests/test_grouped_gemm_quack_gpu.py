@@ -12,7 +12,7 @@ import torch
 from moe_core.model.kernel_choice import Kernels
 
 pytestmark = pytest.mark.gpu
-quack_gemm = pytest.importorskip("kernels.grouped_gemm_quack", reason="needs quack-kernels")
+quack_gemm = pytest.importorskip("moe_kernels.grouped_gemm_quack", reason="needs quack-kernels")
 
 K, N = 256, 384
 SIZES = {
@@ -84,7 +84,7 @@ def test_quack_grouped_gemms_equal_torch_grouped_mm(sizes, extra_rows):
 def test_auto_backend_takes_quack_and_gives_torchs_outputs_and_gradients():
     """``auto`` (the default) runs QuACK where it is installed; through the differentiable op,
     in the experts' transposed layout, outputs and gradients equal torch's path."""
-    from kernels import grouped_gemm as gg
+    from moe_kernels import grouped_gemm as gg
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     groups = SIZES["uneven"]
@@ -112,9 +112,9 @@ def test_gathered_gemm_on_quack_equals_permute_then_torch_grouped_mm(routing_nam
     no [M, D] row copy for backward."""
     from kernel_cases import drop_assignments, routing
 
-    from kernels import grouped_gemm as gg
-    from kernels.routing import expert_slots
-    from kernels.slot_permute import permute_to_slots, slot_tokens
+    from moe_kernels import grouped_gemm as gg
+    from moe_kernels.routing import expert_slots
+    from moe_kernels.slot_permute import permute_to_slots, slot_tokens
 
     T, E = 500, 8
     experts_TK = routing(routing_name, T, E, 2).cuda()
@@ -185,10 +185,10 @@ def test_moe_layer_gathers_rows_under_quack_and_matches_torch():
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_fused_expert_mlp_on_quack_equals_the_unfused_ops(sizes, extra_rows, with_weight):
     """The experts' MLP with the SwiGLU, the router weights and their gradient in QuACK's GEMM
-    epilogues (``kernels.expert_mlp``) gives the unfused ops' output and every gradient (the
+    epilogues (``moe_kernels.expert_mlp``) gives the unfused ops' output and every gradient (the
     weights' included), on empty experts, all rows in one expert and rows past the last end;
     it keeps no [M, F] SwiGLU output for backward."""
-    from kernels import expert_mlp as em
+    from moe_kernels import expert_mlp as em
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     groups = SIZES[sizes]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, assert_cast_once, assert_matches, assert_triton_path, randn
 
-from kernels import adamw_triton
-from kernels.adamw import adamw_reference_, adamw_step_
+from moe_kernels import adamw_triton
+from moe_kernels.adamw import adamw_reference_, adamw_step_
 
 HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

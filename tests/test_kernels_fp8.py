@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, assert_triton_path
 
-from kernels.fp8 import (
+from moe_kernels.fp8 import (
     E4M3_MAX,
     _scaled_mm,
     dequantize,
@@ -25,8 +25,8 @@ from kernels.fp8 import (
     quantize_rowwise_reference,
     scaled_mm_supported,
 )
-from kernels.grouped_gemm import grouped_mm
-from kernels.swiglu import swiglu
+from moe_kernels.grouped_gemm import grouped_mm
+from moe_kernels.swiglu import swiglu
 
 
 def assert_within_e4m3(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -63,7 +63,7 @@ def test_quantizer_kernel_equals_the_reference_bit_for_bit(K, dtype):
 def test_quantizers_give_the_same_bytes_in_every_block_configuration():
     """The block sizes ``benchmarks/fp8_quantize.py`` sweeps change the schedule, never the
     bytes: rows and columns past one block and no multiple of it."""
-    from kernels import fp8_triton
+    from moe_kernels import fp8_triton
 
     x = rows(1, 37, 300, torch.bfloat16)
     w = expert_weights(2, 2, 75, 70, torch.bfloat16)
@@ -275,7 +275,7 @@ def test_swiglu_quantizer_equals_the_two_kernels_bit_for_bit(dtype, weighted):
     """The one-pass SwiGLU + rowwise quantization gives the bytes of the SwiGLU kernel's output
     quantized by the rowwise kernel, its definition (each of those equals its reference in its
     own tests); F not a power of two, a zero row, several row blocks."""
-    from kernels import fp8_triton, swiglu_triton
+    from moe_kernels import fp8_triton, swiglu_triton
 
     h = rows(4, 37, 2 * 20, dtype)
     h[6] = 0.0
@@ -294,8 +294,8 @@ def test_swiglu_backward_quantizes_dh_bit_for_bit(dtype, weighted, wide, monkeyp
     """``swiglu_grads(quantize_into=...)`` fills the buffers with ``quantize_rowwise(dh)`` of the
     dh it returns, and changes nothing else it returns: in the backward's own pass where a row
     fits one program, else by the rowwise quantizer after it; a zero row, F no power of two."""
-    from kernels import swiglu_triton
-    from kernels.swiglu import swiglu_grads
+    from moe_kernels import swiglu_triton
+    from moe_kernels.swiglu import swiglu_grads
 
     if wide:
         monkeypatch.setattr(swiglu_triton, "QUANTIZE_MAX_F", 16)
@@ -368,7 +368,7 @@ def test_fp8_linear_multiplies_operands_quantized_along_the_contraction():
 
 
 def test_fp8_linear_under_torch_compile_is_the_eager_function():
-    """Traced by ``torch.compile`` the quantizers are the references (``kernels._triton``'s
+    """Traced by ``torch.compile`` the quantizers are the references (``moe_kernels._triton``'s
     rule: Inductor writes its own kernels from them), which equal the Triton kernels byte for
     byte, so the compiled op gives the eager one's output and gradients."""
     x, w, dy = linear_operands(9, (2, 24))

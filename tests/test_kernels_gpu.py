@@ -16,22 +16,22 @@ from benchmarks.baselines.weighted_combine import (
     combine_from_slots,
     combine_from_slots_reference_backward,
 )
-from kernels import slot_permute_triton
-from kernels.fp8 import (
+from moe_kernels import slot_permute_triton
+from moe_kernels.fp8 import (
     _scaled_mm,
     fp8_grouped_mm,
     quantize_columnwise,
     quantize_columnwise_reference,
 )
-from kernels.grouped_gemm import grouped_mm
-from kernels.routing import expert_slots, expert_slots_reference
-from kernels.slot_permute import (
+from moe_kernels.grouped_gemm import grouped_mm
+from moe_kernels.routing import expert_slots, expert_slots_reference
+from moe_kernels.slot_permute import (
     combine_from_slots_reference,
     permute_to_slots,
     permute_to_slots_reference,
     permute_to_slots_reference_backward,
 )
-from kernels.swiglu import swiglu, swiglu_reference
+from moe_kernels.swiglu import swiglu, swiglu_reference
 
 pytestmark = pytest.mark.gpu
 

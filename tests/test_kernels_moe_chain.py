@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import D, E, T, assert_triton_path, rand_weights, randn, routing
 
-from kernels.grouped_gemm import grouped_mm
-from kernels.routing import expert_slots
-from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
-from kernels.swiglu import swiglu
+from moe_kernels.grouped_gemm import grouped_mm
+from moe_kernels.routing import expert_slots
+from moe_kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
+from moe_kernels.swiglu import swiglu
 
 HIDDEN = 24
 

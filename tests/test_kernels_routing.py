@@ -15,8 +15,8 @@ from kernel_cases import (
     valid_rows,
 )
 
-from kernels import routing_triton
-from kernels.routing import expert_slots, expert_slots_reference, slot_rows
+from moe_kernels import routing_triton
+from moe_kernels.routing import expert_slots, expert_slots_reference, slot_rows
 
 
 def check_layout(

@@ -10,8 +10,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, assert_matches, assert_triton_path, randn
 
-from kernels import rowwise_triton
-from kernels.rowwise import PeerRows, gather_rows_reference, put_rows, put_rows_reference
+from moe_kernels import rowwise_triton
+from moe_kernels.rowwise import PeerRows, gather_rows_reference, put_rows, put_rows_reference
 
 T, CAPACITY = 37, 29
 

@@ -26,9 +26,9 @@ from kernel_cases import (
     slot_case,
 )
 
-from kernels import slot_permute_triton
-from kernels.routing import expert_slots_reference
-from kernels.slot_permute import (
+from moe_kernels import slot_permute_triton
+from moe_kernels.routing import expert_slots_reference
+from moe_kernels.slot_permute import (
     permute_to_slots,
     permute_to_slots_reference,
     permute_to_slots_reference_backward,
@@ -105,7 +105,7 @@ def test_permute_reference_backward_is_the_derivative_of_its_forward(pattern):
 
 def test_empty_batch_passes_through():
     """No tokens (an expert-parallel rank may receive none): empty outputs, padding zero."""
-    from kernels.routing import expert_slots
+    from moe_kernels.routing import expert_slots
 
     experts_TK = torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
     slot_TK, counts_E, offs_E, n_rows = expert_slots(experts_TK, E, 8)

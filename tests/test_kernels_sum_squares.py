@@ -1,4 +1,4 @@
-"""The gradient norm's read-bound pass (``kernels.sum_squares``): the Triton kernel against an
+"""The gradient norm's read-bound pass (``moe_kernels.sum_squares``): the Triton kernel against an
 fp64 sum, over tensors whose sizes are no multiple of a program's run, in bf16 and fp32."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, assert_triton_path, randn
 
-from kernels import sum_squares_triton
-from kernels.sum_squares import sum_squares, sum_squares_reference
+from moe_kernels import sum_squares_triton
+from moe_kernels.sum_squares import sum_squares, sum_squares_reference
 
 # Small runs on purpose (the interpreter costs about half a millisecond per program).
 BLOCK, ITERS = 64, 2

@@ -16,9 +16,9 @@ from kernel_cases import (
     randn,
 )
 
-from kernels import swiglu_triton
-from kernels._triton import references_only, use_triton
-from kernels.swiglu import (
+from moe_kernels import swiglu_triton
+from moe_kernels._triton import references_only, use_triton
+from moe_kernels.swiglu import (
     swiglu,
     swiglu_grads,
     swiglu_reference,

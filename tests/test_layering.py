@@ -19,7 +19,7 @@ SUBPACKAGES = ("model", "parallel", "data", "ckpt", "train", "eval", "convert", 
 # subpackage, or a top-level moe_core module.
 LEAF = "moe_core.config"
 ALLOWED: dict[str, set[str]] = {
-    "kernels": set(),
+    "moe_kernels": set(),
     "moe_core.config": set(),
     "moe_core.config_dict": {LEAF},  # configs as dicts: coercion, moved keys
     "moe_core.files": set(),
@@ -27,8 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "moe_core.compose": {LEAF, "moe_core.config_dict"},
     "moe_core.errors": {LEAF, "moe_core.data"},  # refusals() names DataError, lazily
     "moe_core.rundir": {"moe_core.errors"},
-    "moe_core.model": {LEAF, "kernels"},
-    "moe_core.parallel": {LEAF, "kernels", "moe_core.model"},
+    "moe_core.model": {LEAF, "moe_kernels"},
+    "moe_core.parallel": {LEAF, "moe_kernels", "moe_core.model"},
     "moe_core.data": {LEAF, "moe_core.files"},
     "moe_core.ckpt": {"moe_core.errors", "moe_core.files"},  # the checkpoint format
     "moe_core.convert": {
@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "moe_core.eval": {LEAF, "moe_core.model", "moe_core.data", "moe_core.convert"},
     "moe_core.train": {
         LEAF,
-        "kernels",
+        "moe_kernels",
         "moe_core.errors",
         "moe_core.files",
         "moe_core.rundir",
@@ -76,7 +76,7 @@ ALLOWED["benchmarks"] = LIBRARY
 def unit(module: str) -> str | None:
     """The unit a dotted module name belongs to, or None for a third-party module."""
     parts = module.split(".")
-    if parts[0] in ("kernels", "flows", "benchmarks"):
+    if parts[0] in ("moe_kernels", "flows", "benchmarks"):
         return parts[0]
     if parts[0] != "moe_core":
         return None
@@ -96,7 +96,7 @@ def imports(path: Path) -> list[str]:
 
 def sources() -> dict[str, Path]:
     files = {}
-    for top in ("kernels", "moe_core", "flows", "benchmarks"):
+    for top in ("moe_kernels", "moe_core", "flows", "benchmarks"):
         for path in sorted((ROOT / top).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             files[name.removesuffix(".__init__")] = path

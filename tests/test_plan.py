@@ -276,7 +276,7 @@ def test_activation_formula_follows_the_experts_path(path, monkeypatch):
     expert-ordered copy: the formula's keywords (``expert_activations``) match what autograd
     keeps on each path (run on the CPU, through the QuACK stand-in, ``tests/fake_quack.py``,
     where QuACK is named), and the plan takes them from the run's options."""
-    from kernels import expert_mlp, grouped_gemm
+    from moe_kernels import expert_mlp, grouped_gemm
     from tests import fake_quack
 
     m = ModelConfig(

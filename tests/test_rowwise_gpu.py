@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from helpers import no_host_sync, one_rank_nccl_group
 
-from kernels.routing import expert_counts
 from moe_core.model.moe import Experts, LocalDispatcher, Routing
 from moe_core.parallel.dispatch import RowwiseDispatcher, RowwiseExchange
 from moe_core.parallel.symmetric import CudaSymmetricHeap
+from moe_kernels.routing import expert_counts
 
 pytestmark = pytest.mark.gpu
 E, K, D, F, T = 16, 4, 256, 128, 512

@@ -1,4 +1,4 @@
-"""AdamW on the fused ``kernels.adamw`` update: one pass per tensor, no host synchronization.
+"""AdamW on the fused ``moe_kernels.adamw`` update: one pass per tensor, no host synchronization.
 
 Moments are kept in each parameter's dtype (as ``torch.optim.AdamW`` keeps them), or, with
 ``master_weights``, in fp32 beside an fp32 master copy of each lower-precision parameter (the
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from kernels.adamw import adamw_step_
+from moe_kernels.adamw import adamw_step_
 
 
 class AdamW(torch.optim.Optimizer):

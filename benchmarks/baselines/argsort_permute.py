@@ -1,6 +1,6 @@
 """The argsort permutation path: the PyTorch MoE dispatch the slot kernels replaced (a baseline).
 
-``benchmarks/moe_kernels.py`` times it against the slot kernels (``kernels.slot_permute``) and
+``benchmarks/moe_ops.py`` times it against the slot kernels (``moe_kernels.slot_permute``) and
 the tests check that both compute the same rows. Training does not call it.
 
 A routed assignment is a pair (token t, choice k); flattened it is ``a = t * K + k``. Sorting the

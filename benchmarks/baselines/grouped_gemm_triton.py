@@ -1,6 +1,6 @@
 """Triton grouped GEMMs over expert segments, with the group offsets only on the device.
 
-A baseline, not on the training path (``kernels.grouped_gemm`` takes ``torch._grouped_mm`` or
+A baseline, not on the training path (``moe_kernels.grouped_gemm`` takes ``torch._grouped_mm`` or
 QuACK): slower than ``torch._grouped_mm`` at the model's shapes except skewed down-projection
 weight gradients (benchmarks/RESULTS.md); ``benchmarks/grouped_gemm.py`` times it, and it is
 the starting point for a persistent grouped GEMM.
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv, next_pow2
+from moe_kernels._triton import cdiv, next_pow2
 
 # (BLOCK_M, BLOCK_N, BLOCK_K) for the forward and (BLOCK_M, BLOCK_P, BLOCK_Q) for the weight
 # gradient where no override is given on CPU (the interpreter: few, small programs).

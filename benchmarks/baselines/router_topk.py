@@ -1,7 +1,7 @@
 """Fused softmax router top-k: probabilities, (bias-steered) expert choice and combine weights.
 
 A baseline, not on the training path: the router takes ``torch.topk``, which Inductor fuses
-with the softmax inside a compiled block; ``benchmarks/moe_kernels.py`` times this kernel
+with the softmax inside a compiled block; ``benchmarks/moe_ops.py`` times this kernel
 against the PyTorch router.
 
 ``topk_softmax(logits_TE, k, bias_E, normalize)`` computes what ``moe_core``'s softmax
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
+from moe_kernels._triton import use_triton
 
 
 def topk_softmax_reference(

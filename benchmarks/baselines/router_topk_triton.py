@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv, next_pow2
+from moe_kernels._triton import cdiv, next_pow2
 
 
 @triton.jit

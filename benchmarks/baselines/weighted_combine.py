@@ -2,19 +2,19 @@
 weights, in one pass (a baseline).
 
 The MoE layer no longer runs it: it applies the router weights inside the SwiGLU and combines
-with the plain ``kernels.slot_permute.sum_from_slots``, which keeps no expert output for
-backward. ``benchmarks/moe_kernels.py`` times this path; its forward reference
-(``combine_from_slots_reference``) stays in ``kernels.slot_permute``, the definition the layer's
+with the plain ``moe_kernels.slot_permute.sum_from_slots``, which keeps no expert output for
+backward. ``benchmarks/moe_ops.py`` times this path; its forward reference
+(``combine_from_slots_reference``) stays in ``moe_kernels.slot_permute``, the definition the layer's
 combine is tested against. Its Triton kernels (``weighted_combine_triton``) follow
-``kernels.slot_permute_triton``'s conventions and reuse its launch helpers.
+``moe_kernels.slot_permute_triton``'s conventions and reuse its launch helpers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
-from kernels.slot_permute import (
+from moe_kernels._triton import use_triton
+from moe_kernels.slot_permute import (
     _acc_dtype,
     _check_rows,
     _rows_at,

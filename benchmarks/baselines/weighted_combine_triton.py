@@ -1,6 +1,6 @@
 """Triton kernels of the weighted combine (``weighted_combine``; a baseline): forward and backward.
 
-Built on ``kernels.slot_permute_triton``'s launch helpers and conventions (token-major
+Built on ``moe_kernels.slot_permute_triton``'s launch helpers and conventions (token-major
 programs, no atomics, rows masked to the buffer, unmapped rows zero-filled from per-row flags).
 """
 
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv, next_pow2
-from kernels.slot_permute_triton import _blocks, _must_zero, _row_major, _zero_unmarked
+from moe_kernels._triton import cdiv, next_pow2
+from moe_kernels.slot_permute_triton import _blocks, _must_zero, _row_major, _zero_unmarked
 
 
 @triton.jit

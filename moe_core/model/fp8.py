@@ -1,10 +1,10 @@
 """FP8 parts of a built model, applied from outside (``precision.fp8_parts``).
 
-``apply_fp8`` swaps the chosen ``nn.Linear`` modules for ``FP8Linear`` (``kernels.fp8.fp8_linear``:
-forward and input gradient in FP8 with rowwise scales, weight gradient in bf16). The routed
-experts take their FP8 op from the model's ``Kernels`` (``fp8_experts``), not from here. The
-swapped module keeps the same ``weight`` parameter, so parameter names, checkpoints, optimizer
-buckets and conversion are unchanged.
+``apply_fp8`` swaps the chosen ``nn.Linear`` modules for ``FP8Linear``
+(``moe_kernels.fp8.fp8_linear``: forward and input gradient in FP8 with rowwise scales, weight
+gradient in bf16). The routed experts take their FP8 op from the model's ``Kernels``
+(``fp8_experts``), not from here. The swapped module keeps the same ``weight`` parameter, so
+parameter names, checkpoints, optimizer buckets and conversion are unchanged.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kernels.fp8 import fp8_linear
 from moe_core.config import ConfigError
 from moe_core.model.attention import Attention
 from moe_core.model.moe import SwiGLU
 from moe_core.model.transformer import Transformer
+from moe_kernels.fp8 import fp8_linear
 
 
 class FP8Linear(nn.Linear):

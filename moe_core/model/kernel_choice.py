@@ -2,12 +2,12 @@
 
 ``parallel.parallelize.choose_kernels`` resolves it once from the run's config (the device, the
 libraries installed) and ``transformer.apply_kernels`` hands it to the modules that act on it;
-each holds it as a plain attribute and passes its fields into the ``kernels`` functions as
+each holds it as a plain attribute and passes its fields into the ``moe_kernels`` functions as
 arguments (``grouped_mm(..., backend=)``, ``expert_mlp(..., fused=)``). No process-wide switch:
 two models in one process never see each other's choice. A frozen dataclass of strings and
 bools is a constant to ``torch.compile`` (guarded like any attribute), never a tensor.
 
-The type lives here, in the model, and ``kernels`` takes plain arguments: the ops stay a flat
+The type lives here, in the model, and ``moe_kernels`` takes plain arguments: the ops stay a flat
 library that knows nothing of a run, while the choices grouped here (the attention core,
 gathering token rows, FP8 experts) are the model's own and only its modules act on them.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels.grouped_gemm import check_backend
+from moe_kernels.grouped_gemm import check_backend
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.expert_mlp import expert_mlp, fuses
-from kernels.fp8 import fp8_expert_mlp
-from kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
-from kernels.routing import expert_counts, expert_slots
-from kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
-from kernels.swiglu import swiglu
 from moe_core.config import ModelConfig
 from moe_core.model.eager import eager
 from moe_core.model.kernel_choice import Kernels
+from moe_kernels.expert_mlp import expert_mlp, fuses
+from moe_kernels.fp8 import fp8_expert_mlp
+from moe_kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
+from moe_kernels.routing import expert_counts, expert_slots
+from moe_kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
+from moe_kernels.swiglu import swiglu
 
 # A plain global rather than a ContextVar: torch.compile traces (and guards on) globals, and a
 # recompute re-runs forwards inside backward while the training loop waits for it.
@@ -190,8 +190,8 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """Rows of ``x_MD`` sorted by expert; ``offs_E`` their int32 cumulative ends;
         ``weights_M`` an optional per-row output scale (the router weights, applied to the
-        down projection's input). FP8 experts (``kernels.fp8.fp8_expert_mlp``) and, where
-        QuACK runs, bf16 ones (``kernels.expert_mlp``: the SwiGLU and the weights in GEMM
+        down projection's input). FP8 experts (``moe_kernels.fp8.fp8_expert_mlp``) and, where
+        QuACK runs, bf16 ones (``moe_kernels.expert_mlp``: the SwiGLU and the weights in GEMM
         epilogues) run the whole MLP as one op that keeps no SwiGLU output, so selective
         recompute has nothing left to recompute there."""
         k = self.kernels
@@ -210,7 +210,7 @@ class Experts(nn.Module):
     def gathers_rows(self, x_TD: torch.Tensor) -> bool:
         """Whether ``forward_gathered`` reads token rows inside the gate+up GEMM for these
         tokens: asked for (``parallel.gather_rows``, off by default: it saves memory, not time)
-        and QuACK running (``kernels.grouped_gemm.gathers_in_gemm``); FP8 experts quantize a
+        and QuACK running (``moe_kernels.grouped_gemm.gathers_in_gemm``); FP8 experts quantize a
         permuted copy."""
         k = self.kernels
         return k.gather_rows and not k.fp8_experts and gathers_in_gemm(x_TD, k.gemm)

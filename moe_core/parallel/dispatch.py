@@ -8,7 +8,7 @@ into the owners' buffers through symmetric memory and reads the host never.
 A token routed to several experts of one rank travels to that rank once; the receiving rank runs
 its experts on it, sums their weighted outputs and sends one row back. With top-8 over 2 ranks
 that is ~4x fewer rows on the wire than one row per routed assignment, in both directions and in
-backward. Every row move is a slot kernel (``kernels.slot_permute``, Triton on GPU):
+backward. Every row move is a slot kernel (``moe_kernels.slot_permute``, Triton on GPU):
 
 - sender: the (token, rank) pairs a token visits form a [T, P] slot map into the send buffer
   (rank-major, token order within a rank; -1 where a token does not visit a rank), built by the
@@ -24,7 +24,7 @@ backward. Every row move is a slot kernel (``kernels.slot_permute``, Triton on G
 - back on the sender, ``sum_from_slots`` sums the rows returned by the ranks.
 
 With FP8 rows (``precision.fp8_parts`` naming "dispatch") the sender quantizes the send
-buffer by rows (``kernels.fp8.quantize_rowwise``: E4M3 with one fp32 scale per row) and the
+buffer by rows (``moe_kernels.fp8.quantize_rowwise``: E4M3 with one fp32 scale per row) and the
 two travel in two all-to-alls, about half the bytes of bf16 rows; the receiver dequantizes
 into the weights' dtype before its experts. The combine's rows and every gradient travel in
 the weights' dtype; the quantization is a straight-through step (its gradient the identity).
@@ -46,12 +46,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from kernels.fp8 import E4M3, dequantize, quantize_rowwise
-from kernels.routing import ExpertSlots, expert_slots
-from kernels.rowwise import PeerRows, gather_rows, put_rows
-from kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 from moe_core.model.moe import Experts, Routing
 from moe_core.parallel.symmetric import SymmetricHeap
+from moe_kernels.fp8 import E4M3, dequantize, quantize_rowwise
+from moe_kernels.routing import ExpertSlots, expert_slots
+from moe_kernels.rowwise import PeerRows, gather_rows, put_rows
+from moe_kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 
 EXACT_FP32_INTS = 2**24  # expert ids travel as fp32 beside the weights
 
@@ -223,7 +223,7 @@ class AllToAllDispatcher:
 # (``rowwise_capacity``: dropless by default, or bounded by ``parallel.ep_capacity_factor``);
 # rows or assignments that found no room are counted on the device and the trainer stops the
 # step at its single host read (``ReceiveBufferOverflowError``), before anything is applied.
-# The moves are ``kernels.rowwise`` (Triton on the GPU: one kernel per move carrying token and
+# The moves are ``moe_kernels.rowwise`` (Triton on the GPU: one kernel per move carrying token and
 # routing rows together, the destination row computed in it from the send slot and the
 # owner's base; the PyTorch reference on the CPU). Received rows are read in place from the
 # buffer (no copy); a rank's results are copied into its buffer to be read back.
@@ -309,7 +309,7 @@ class RowwiseExchange:
         self, rows: list[torch.Tensor], slot_TP: torch.Tensor, base_P: torch.Tensor
     ) -> list[torch.Tensor]:
         """Each source's token rows (and routing rows) into the receive buffers of the ranks
-        they visit (``kernels.rowwise.put_rows``); returns this rank's receive buffers as
+        they visit (``moe_kernels.rowwise.put_rows``); returns this rank's receive buffers as
         views, valid until the next move (their readers run before it, in stream order)."""
         bufs = self._buffers(rows)
         self.heap.barrier()

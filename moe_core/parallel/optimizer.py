@@ -8,7 +8,7 @@ Per step: the gradient buckets have been reduce-scattered (``ddp.GradBuckets``);
 gradient norm comes from one pass over this rank's shards (``sum_of_squares``: a read-bound
 kernel over the large shards, one multi-tensor pass over the small ones; fp32 accumulation)
 summed over every shard of every stage; each rank updates its shards with the fused AdamW
-update of ``kernels.adamw`` (one pass per shard on the GPU: gradient, master and moments read
+update of ``moe_kernels.adamw`` (one pass per shard on the GPU: gradient, master and moments read
 once, master and moments written once, the clipping scale applied inside it, and
 the bf16 model weights written from the fp32 masters in the same pass) and all-gathers the
 updated weights into the bucket's flat parameter buffer, which the model's parameters view.
@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.adamw import adamw_step_
-from kernels.sum_squares import sum_squares
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
 from moe_core.parallel.mesh import Mesh, all_gather_flat, gather_experts
+from moe_kernels.adamw import adamw_step_
+from moe_kernels.sum_squares import sum_squares
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -35,7 +35,7 @@ LARGE = 1 << 20
 def sum_of_squares(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The sum of the squares of every element of ``tensors``, accumulated in ``dtype``, as a
     0-d tensor on their device (zero for none). The large tensors go through one read-bound
-    pass (``kernels.sum_squares``); the many small ones (norms, router, biases) share one
+    pass (``moe_kernels.sum_squares``); the many small ones (norms, router, biases) share one
     ``torch._foreach_norm`` pass, for which a launch per tensor would cost more than the
     reading (``benchmarks/grad_norm.py`` times both against the alternatives)."""
     large = [t for t in tensors if t.numel() >= LARGE]

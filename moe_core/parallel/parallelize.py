@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.grouped_gemm import quack_installed
 from moe_core.config import (
     ConfigError,
     ModelConfig,
@@ -38,6 +37,7 @@ from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.pipeline import chunk_layers, rank_chunks
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.parallel.symmetric import symmetric_heap
+from moe_kernels.grouped_gemm import quack_installed
 
 
 def choose_kernels(

@@ -3,9 +3,9 @@
 ``block``: each transformer block keeps only its inputs and recomputes the rest in backward.
 ``selective``: only the experts' SwiGLU activation (and the down projection's input) is
 recomputed, the largest activation of an MoE layer for a small share of its FLOPs. (Where the
-experts' MLP runs as one op, ``kernels.expert_mlp`` fused or FP8 experts' ``kernels.fp8``, it
-already keeps no SwiGLU output and writes it again in backward, so there is nothing left for
-``selective`` to do there.)
+experts' MLP runs as one op, ``moe_kernels.expert_mlp`` fused or FP8 experts'
+``moe_kernels.fp8``, it already keeps no SwiGLU output and writes it again in backward, so
+there is nothing left for ``selective`` to do there.)
 Recomputed forwards do not add to router statistics.
 """
 

@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from kernels.rowwise import PeerRows
 from moe_core.config import ConfigError
+from moe_kernels.rowwise import PeerRows
 
 
 class SymmetricBuffer:

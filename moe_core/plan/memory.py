@@ -283,8 +283,8 @@ def experts_keep(
 ) -> dict[str, bool]:
     """With ``parallel.gather_rows`` (bf16 experts) the gate+up GEMM reads the token rows, so
     no expert-ordered copy is kept (one of the tokens with a zero row appended, where slots are
-    padded); FP8 experts (``kernels.fp8.fp8_expert_mlp``; they ignore ``gather_rows`` and
-    quantize a permuted copy) and the fused bf16 MLP (``kernels.expert_mlp``:
+    padded); FP8 experts (``moe_kernels.fp8.fp8_expert_mlp``; they ignore ``gather_rows`` and
+    quantize a permuted copy) and the fused bf16 MLP (``moe_kernels.expert_mlp``:
     ``parallel.expert_gemm=quack`` with bf16 weights, not gathering) keep no SwiGLU output.
     ``expert_gemm=auto`` is counted unfused: whether QuACK is installed is a property of the
     machine that runs, not of the plan (an upper bound)."""

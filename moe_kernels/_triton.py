@@ -5,7 +5,7 @@ kernel tests: Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set befor
 imported); the PyTorch reference otherwise (CPU training stays fast), where triton is not
 installed, for empty inputs, inside ``references_only()``, or while ``torch.compile`` traces
 (Inductor writes its own fused kernels from the reference's ops).
-This module imports no kernel, so ``kernels`` loads on a machine without a GPU or triton.
+This module imports no kernel, so ``moe_kernels`` loads on a machine without a GPU or triton.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ expert g, with ``swiglu(h) = silu(h[:, :F]) * h[:, F:]`` (``w_gate_up`` [G, 2F, 
 first; ``w_down`` [G, D, F]; both in their stored layout).
 
 Unfused, this is three ops: the gate+up grouped GEMM, the (weighted) SwiGLU pass
-(``kernels.swiglu``) and the down grouped GEMM, keeping the pre-activation h [M, 2F] and the
+(``moe_kernels.swiglu``) and the down grouped GEMM, keeping the pre-activation h [M, 2F] and the
 SwiGLU output a [M, F] for backward. Fused (QuACK where it runs under the caller's ``backend``,
-``kernels.grouped_gemm``'s rule; unless ``fused=False``, which measures the unfused path; never
+``moe_kernels.grouped_gemm``'s rule; unless ``fused=False``, which measures the unfused path; never
 inside ``references_only()``), the elementwise work rides in GEMM epilogues
 and a is never stored:
 
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import in_references_only
-from kernels.grouped_gemm import _aligned, _quack_runs, grouped_mm, grouped_mm_supported
-from kernels.swiglu import swiglu
+from moe_kernels._triton import in_references_only
+from moe_kernels.grouped_gemm import _aligned, _quack_runs, grouped_mm, grouped_mm_supported
+from moe_kernels.swiglu import swiglu
 
 
 def fuses(
@@ -84,7 +84,7 @@ class _FusedExpertMLP(torch.autograd.Function):
         offs_G: torch.Tensor,
         weight_M: torch.Tensor | None,
     ) -> torch.Tensor:
-        from kernels import grouped_gemm_quack as quack
+        from moe_kernels import grouped_gemm_quack as quack
 
         # 16-byte aligned fp32 copy (a slot-weight view may start 4 bytes in): M floats.
         scale_M = None if weight_M is None else weight_M.float().clone()
@@ -100,7 +100,7 @@ class _FusedExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]
-        from kernels import grouped_gemm_quack as quack
+        from moe_kernels import grouped_gemm_quack as quack
 
         x_MD, w_gate_up, w_down, offs_G, h_M2F, scale_M = ctx.saved_tensors
         dy_MD = dy_MD.contiguous()  # a broadcast gradient has zero strides
@@ -126,7 +126,7 @@ def check_operands(
     weight_M: torch.Tensor | None,
 ) -> None:
     """Refuses, in one sentence, operands that are not an expert MLP's (this op's and
-    ``kernels.fp8.fp8_expert_mlp``'s)."""
+    ``moe_kernels.fp8.fp8_expert_mlp``'s)."""
     if offs_G.dtype != torch.int32:
         raise TypeError(f"offs_G must be int32 cumulative ends, got {offs_G.dtype}")
     G, two_f, d = w_gate_up.shape
@@ -153,7 +153,7 @@ def expert_mlp(
     (see the module doc). x_MD: rows sorted by expert; offs_G: int32 cumulative row ends on x's
     device; weight_M: optional per-row scale (the router weights), fp32 math, which gets a
     gradient when it needs one. Weights in x's dtype. ``backend``: the grouped GEMMs'
-    (``kernels.grouped_gemm``); ``fused``: fuse where QuACK runs. No host read."""
+    (``moe_kernels.grouped_gemm``); ``fused``: fuse where QuACK runs. No host read."""
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
     if fuses(x_MD, w_gate_up, w_down, backend=backend, fused=fused):
         return _FusedExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M)

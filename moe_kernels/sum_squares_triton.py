@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv
+from moe_kernels._triton import cdiv
 
 # Measured on one H200 over OLMoE-1B-7B's large gradients (benchmarks/grad_norm.py): 4096 x 4
 # read at 4.1 TB/s, 2048 x 8 and 4096 x 8 within 2.5 % of it, 8192 x 4 and 4096 x 16 10 % slower.

@@ -1,5 +1,5 @@
-"""``PeerRows``, the operand of the rowwise moves (``kernels.rowwise``), in a leaf of its own so
-that their Triton kernels (``kernels.rowwise_triton``) take it without importing the module that
+"""``PeerRows``, the operand of the rowwise moves (``moe_kernels.rowwise``), in a leaf of its own so
+that their Triton kernels (``moe_kernels.rowwise_triton``) take it without importing the module that
 launches them."""
 
 from __future__ import annotations

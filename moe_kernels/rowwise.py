@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._triton import use_triton
-from kernels.peer_rows import PeerRows as PeerRows  # named here too: the moves' operand type
+from moe_kernels._triton import use_triton
+from moe_kernels.peer_rows import PeerRows as PeerRows  # named here too: the moves' operand type
 
 
 def _dest(slot_TP: torch.Tensor, base_P: torch.Tensor, capacity: int, p: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def put_rows(
     rank it visits (see the module doc); nothing is written for rows past the capacity."""
     _check(rows, peers, slot_TP)
     if use_triton(slot_TP, *rows):
-        from kernels import rowwise_triton
+        from moe_kernels import rowwise_triton
 
         rowwise_triton.put_rows(rows, peers, slot_TP, base_P)
     else:
@@ -105,7 +105,7 @@ def gather_rows(
     t visits (rank order, fp32 sum, the buffers' dtype): ``put_rows``'s adjoint."""
     _check(None, peers, slot_TP)
     if use_triton(slot_TP):
-        from kernels import rowwise_triton
+        from moe_kernels import rowwise_triton
 
         return rowwise_triton.gather_rows(peers, slot_TP, base_P)
     return gather_rows_reference(peers, slot_TP, base_P)

@@ -1,4 +1,4 @@
-"""Triton kernels for ``kernels.rowwise``: one program owns BLOCK_T tokens, walks each payload's
+"""Triton kernels for ``moe_kernels.rowwise``: one program owns BLOCK_T tokens, walks each payload's
 columns in chunks, reads a token's row once and stores it into every visited rank's buffer
 (put), or loads the rows from every visited rank and sums them in rank order in fp32 (gather).
 A rank's buffer address comes from the int64 pointer table; the destination row is computed in
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv, next_pow2
-from kernels.peer_rows import PeerRows
+from moe_kernels._triton import cdiv, next_pow2
+from moe_kernels.peer_rows import PeerRows
 
 TILE = 4096  # elements per [BLOCK_T, BLOCK_F] tile of the widest payload
 MAX_BLOCK_F = 1024

@@ -1,6 +1,6 @@
 """Expert grouped GEMMs through QuACK (``quack-kernels``: CuTe-DSL GEMMs for Hopper and newer),
 the ``pip install -e '.[gpu]'`` extra: variable-length grouped GEMMs over the same int32
-cumulative row ends the rest of ``kernels.grouped_gemm`` takes (prefixed with a 0 here: QuACK
+cumulative row ends the rest of ``moe_kernels.grouped_gemm`` takes (prefixed with a 0 here: QuACK
 wants ``cu_seqlens`` of G + 1 entries), no host read.
 
 - ``grouped_mm``: ``y[rows of g] = x[rows of g] @ w[g]`` (rows past the last end untouched);
@@ -15,7 +15,7 @@ Untuned tile configs: the autotuner picked slower ones in a measured run and cos
 shape. The fused expert MLP's six GEMMs, and the plain weight gradients of the same products
 (the FP8 experts' and the unfused MLP's), take one pinned config where it was measured
 (``_tile_config``); the plain forward GEMMs QuACK's default. Imported only where
-``kernels.grouped_gemm`` selects it (CUDA, sm90+, package installed).
+``moe_kernels.grouped_gemm`` selects it (CUDA, sm90+, package installed).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def gathered_wgrad(
 
 @functools.cache
 def _tile_config(device: torch.device) -> GemmConfig | None:
-    """The tile configuration of the fused expert MLP's six GEMMs (``kernels.expert_mlp``),
+    """The tile configuration of the fused expert MLP's six GEMMs (``moe_kernels.expert_mlp``),
     pinned where measured: on sm90, 128 x 128 pingpong tiles in 1 x 2 clusters with the static
     scheduler. On one H200 at OLMoE-1B-7B's shapes (131,072 rows over 64 experts) and at 128
     experts top-4, each GEMM alone with seven candidate configs timed interleaved

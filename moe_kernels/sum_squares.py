@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
+from moe_kernels._triton import use_triton
 
 
 def sum_squares_reference(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -35,7 +35,7 @@ def sum_squares(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32)
         and use_triton(*nonempty)
         and all(t.is_contiguous() and t.is_floating_point() for t in nonempty)
     ):
-        from kernels import sum_squares_triton
+        from moe_kernels import sum_squares_triton
 
         return sum_squares_triton.sum_squares(nonempty)
     return sum_squares_reference(nonempty, dtype)

@@ -17,13 +17,13 @@ computes with fp32 accumulation and a bf16 output.
   per (g, k): ``quantize_columnwise`` writes it straight into the row-major [G, K, N] layout
   the GEMM takes, with no transposed copy of the weight (its bytes are the rowwise
   quantization of that copy, which defines it);
-- weight gradient: bf16 ``kernels.grouped_gemm`` (contracting over each group's rows would need
+- weight gradient: bf16 ``moe_kernels.grouped_gemm`` (contracting over each group's rows would need
   per-group scales along M; on one H200 the FP8 GEMMs ran at ~825 TFLOP/s against ~780 for
   QuACK's bf16 weight gradients, so little to gain there: RESULTS.md, issue 17 fifth slice).
 
 ``fp8_expert_mlp`` is the experts' whole SwiGLU MLP on these GEMMs as one op, which keeps x and
 the pre-activation h for backward but not the SwiGLU output: the SwiGLU backward writes it
-again in its pass (``kernels.swiglu.swiglu_grads``) for the down weight gradient. With rowwise
+again in its pass (``moe_kernels.swiglu.swiglu_grads``) for the down weight gradient. With rowwise
 scales its forward never writes that output at all: one Triton pass computes the SwiGLU and
 quantizes it (``fp8_triton.swiglu_quantize_rowwise``: the bytes of ``quantize_rowwise`` of the
 SwiGLU kernel's output), the down GEMM's operand; in backward the SwiGLU's pass also quantizes
@@ -51,30 +51,30 @@ summation order.
 dense projections, the LM head): forward and input gradient as ``torch._scaled_mm`` with
 rowwise scales, the weight gradient in bf16; it keeps the bf16 input for backward, as the
 bf16 linear does. Inside ``torch.compile`` its quantizers are the references above
-(``kernels._triton``'s rule), which Inductor fuses with the ops around them.
+(``moe_kernels._triton``'s rule), which Inductor fuses with the ops around them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
-from kernels.expert_mlp import check_operands
-from kernels.fp8_format import E4M3 as E4M3
-from kernels.fp8_format import E4M3_MAX as E4M3_MAX
-from kernels.fp8_quantize import dequantize as dequantize
-from kernels.fp8_quantize import dequantize_mx as dequantize_mx
-from kernels.fp8_quantize import quantize_columnwise as quantize_columnwise
-from kernels.fp8_quantize import quantize_columnwise_reference as quantize_columnwise_reference
-from kernels.fp8_quantize import quantize_mx as quantize_mx
-from kernels.fp8_quantize import quantize_mx_reference as quantize_mx_reference
-from kernels.fp8_quantize import quantize_rowwise as quantize_rowwise
-from kernels.fp8_quantize import quantize_rowwise_reference as quantize_rowwise_reference
-from kernels.grouped_gemm import check_backend, grouped_mm_reference, grouped_mm_wgrad
-from kernels.swiglu import swiglu_grads, swiglu_values
+from moe_kernels._triton import use_triton
+from moe_kernels.expert_mlp import check_operands
+from moe_kernels.fp8_format import E4M3 as E4M3
+from moe_kernels.fp8_format import E4M3_MAX as E4M3_MAX
+from moe_kernels.fp8_quantize import dequantize as dequantize
+from moe_kernels.fp8_quantize import dequantize_mx as dequantize_mx
+from moe_kernels.fp8_quantize import quantize_columnwise as quantize_columnwise
+from moe_kernels.fp8_quantize import quantize_columnwise_reference as quantize_columnwise_reference
+from moe_kernels.fp8_quantize import quantize_mx as quantize_mx
+from moe_kernels.fp8_quantize import quantize_mx_reference as quantize_mx_reference
+from moe_kernels.fp8_quantize import quantize_rowwise as quantize_rowwise
+from moe_kernels.fp8_quantize import quantize_rowwise_reference as quantize_rowwise_reference
+from moe_kernels.grouped_gemm import check_backend, grouped_mm_reference, grouped_mm_wgrad
+from moe_kernels.swiglu import swiglu_grads, swiglu_values
 
-# The quantizers live in kernels.fp8_quantize (kernels.swiglu and the dispatcher use them
-# without the GEMMs) and the format's numbers in kernels.fp8_format; they are named here too,
+# The quantizers live in moe_kernels.fp8_quantize (moe_kernels.swiglu and the dispatcher use them
+# without the GEMMs) and the format's numbers in moe_kernels.fp8_format; they are named here too,
 # as the FP8 ops' public surface.
 
 
@@ -151,7 +151,7 @@ def _swiglu_quantized(
     """``quantize_rowwise(swiglu_values(h, weight))``: one pass in Triton where the rows fit,
     else the two kernels (the same bytes)."""
     if use_triton(h_M2F):
-        from kernels import fp8_triton
+        from moe_kernels import fp8_triton
 
         if h_M2F.shape[1] // 2 <= fp8_triton.SWIGLU_QUANTIZE_MAX_F:
             return fp8_triton.swiglu_quantize_rowwise(h_M2F, weight_M)
@@ -171,7 +171,7 @@ def _weight_grad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, w_GNK, backend: str
 ) -> torch.Tensor:
     """``dy[rows of g]^T @ x[rows of g]`` in bf16, in the weight's own [G, N, K] layout (the
-    grouped GEMM ``backend``'s, ``kernels.grouped_gemm``)."""
+    grouped GEMM ``backend``'s, ``moe_kernels.grouped_gemm``)."""
     w_GKN = w_GNK.transpose(-2, -1)
     dw_GKN = grouped_mm_wgrad(x_MK, dy_MN, offs_G, w_GKN, backend)
     return dw_GKN.transpose(-2, -1).to(w_GNK.dtype)
@@ -273,13 +273,13 @@ def fp8_expert_mlp(
     backend: str = "auto",
 ) -> torch.Tensor:
     """The experts' SwiGLU MLP ``weight_M * (swiglu(x @ w_gate_up[g]^T) @ w_down[g]^T)`` per
-    expert segment (``kernels.expert_mlp``'s function) with both projections as
-    ``fp8_grouped_mm``: equal to that composition with ``kernels.swiglu`` between them, in
+    expert segment (``moe_kernels.expert_mlp``'s function) with both projections as
+    ``fp8_grouped_mm``: equal to that composition with ``moe_kernels.swiglu`` between them, in
     output and every gradient, but keeping only x and the pre-activation h for backward. The
     SwiGLU output, the down projection's input, is written again by the SwiGLU backward's pass
     for the down weight gradient instead of being kept: a [M, F] tensor per layer less (the
     fused bf16 path keeps none either). ``backend``: the bf16 weight gradients' grouped GEMMs
-    (``kernels.grouped_gemm``)."""
+    (``moe_kernels.grouped_gemm``)."""
     _check_scaling(offs_G, scaling)
     check_backend(backend)
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton import use_triton
+from moe_kernels._triton import use_triton
 
 
 class ExpertSlots(NamedTuple):
@@ -121,13 +121,13 @@ def expert_slots(
     counted). ``n_rows``: the buffer's row count when the caller knows it (a host int at least
     the sum of the padded counts, e.g. the number of valid assignments with ``align=1``);
     default the static bound ``slot_rows(T * K, n_experts, align)``. Triton (three small
-    launches, no sort) on the GPU; the PyTorch reference elsewhere (see ``kernels._triton``).
+    launches, no sort) on the GPU; the PyTorch reference elsewhere (see ``moe_kernels._triton``).
     Both give identical results.
     """
     T, K = experts_TK.shape
     if not use_triton(experts_TK):
         return expert_slots_reference(experts_TK, n_experts, align, n_rows)
-    from kernels import routing_triton
+    from moe_kernels import routing_triton
 
     n_rows = _buffer_rows(T * K, n_experts, align, n_rows)
     slot_TK, counts_E, offs_E = routing_triton.expert_slots(experts_TK, n_experts, align, n_rows)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
+from moe_kernels._triton import use_triton
 
 
 def adamw_reference_(
@@ -82,7 +82,7 @@ def adamw_step_(
     args = (p, g, m, v, lr, step, scale, beta1, beta2, eps, weight_decay, out, apply)
     tensors = (p, g, m, v) if out is None else (p, g, m, v, out)
     if use_triton(p) and all(t.is_contiguous() for t in tensors):
-        from kernels import adamw_triton
+        from moe_kernels import adamw_triton
 
         adamw_triton.adamw_step_(*args)
     else:

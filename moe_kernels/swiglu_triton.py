@@ -9,7 +9,7 @@ Backward: a program owns BLOCK_M whole rows and walks F in chunks of BLOCK_F, so
 weight's gradient ``sum_f da * silu(gate) * up`` accumulates in registers and is stored once per
 row: no atomics, no partial sums, deterministic. It can also write the forward's output again
 (the same fp32 operations in the same order, so the same bits) for a caller that did not keep it
-(``kernels.fp8``'s expert MLP: the down weight gradient's input). Chunks of 256 columns keep
+(``moe_kernels.fp8``'s expert MLP: the down weight gradient's input). Chunks of 256 columns keep
 each row inside one warp (4 warps, 16 rows), so the final sum over columns needs no cross-warp
 exchange.
 """
@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8_format
-from kernels._triton import cdiv, next_pow2
-from kernels.fp8_triton import HW_CAST, _row_scales, _scale_to_e4m3
+from moe_kernels import fp8_format
+from moe_kernels._triton import cdiv, next_pow2
+from moe_kernels.fp8_triton import HW_CAST, _row_scales, _scale_to_e4m3
 
-# kernels.fp8_format's constants as globals a Triton kernel may read
+# moe_kernels.fp8_format's constants as globals a Triton kernel may read
 E4M3_MAX = tl.constexpr(fp8_format.E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(fp8_format.AMAX_FLOOR)
 
@@ -184,7 +184,7 @@ def swiglu_backward(
     up * silu'(gate) | w * da * silu(gate)]``, ``dweight = sum_f da * silu(gate) * up`` (None
     without a weight) and, with ``activation``, the forward's output ``a`` (else None); fp32
     math, dh and a in h's dtype, dweight fp32. ``quantize_into`` (E4M3 [M, 2F], fp32 [M]) also
-    receives ``kernels.fp8.quantize_rowwise(dh)`` from the same pass: a program then holds
+    receives ``moe_kernels.fp8.quantize_rowwise(dh)`` from the same pass: a program then holds
     whole rows (F up to ``QUANTIZE_MAX_F``)."""
     h_M2F, da_MF = _row_major(h_M2F), _row_major(da_MF)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2

@@ -27,8 +27,8 @@ import importlib.util
 
 import torch
 
-from kernels._triton import in_references_only
-from kernels.slot_permute import _check_rows, _sum_over_slots, _zero_unmapped
+from moe_kernels._triton import in_references_only
+from moe_kernels.slot_permute import _check_rows, _sum_over_slots, _zero_unmapped
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 BACKENDS = ("auto", "torch", "quack")
@@ -114,7 +114,7 @@ def _forward(
     if not grouped_mm_supported(x_MK, w_GKN):
         return grouped_mm_reference(x_MK, w_GKN, offs_G)
     if _quack_runs(x_MK, backend):
-        from kernels import grouped_gemm_quack as quack
+        from moe_kernels import grouped_gemm_quack as quack
 
         return quack.grouped_mm(x_MK, w_GKN, offs_G)
     return _GROUPED_MM(x_MK, w_GKN, offs=offs_G)
@@ -141,7 +141,7 @@ def grouped_mm_wgrad(
     """
     quack = None
     if _quack_runs(x_MK, backend):
-        from kernels import grouped_gemm_quack as quack
+        from moe_kernels import grouped_gemm_quack as quack
     if _stored_transposed(w_GKN):
         dy_NM = dy_MN.t()
         if grouped_mm_supported(dy_NM, x_MK):
@@ -222,7 +222,7 @@ def _gathered_wgrad(
     QuACK runs (the same output layout: [G, N, K] storage for a transposed weight)."""
     if not in_gemm:
         return grouped_mm_wgrad(a_TD[idx_M], dy_MN, offs_G, w_GKN, backend)
-    from kernels import grouped_gemm_quack as quack
+    from moe_kernels import grouped_gemm_quack as quack
 
     if _stored_transposed(w_GKN):
         return quack.gathered_wgrad(a_TD, idx_M, dy_MN, offs_G, transposed=True).transpose(-2, -1)
@@ -253,7 +253,7 @@ class _GatheredGroupedMM(torch.autograd.Function):
         # [M, D] gathered rows.
         ctx.save_for_backward(a_TD, idx_M, w_GKN, offs_G, slot_TK)
         if ctx.in_gemm:
-            from kernels import grouped_gemm_quack as quack
+            from moe_kernels import grouped_gemm_quack as quack
 
             return quack.gathered_mm(a_TD, idx_M, w_GKN, offs_G)
         return _forward(a_TD[idx_M], w_GKN, offs_G, backend)
@@ -287,7 +287,7 @@ def gathered_grouped_mm(
     """``grouped_mm(permute_to_slots(x_TD, slot_TK, M), w_GKN, offs_G)`` without the permuted
     copy: row m of group g is ``x_TD[idx_M[m]] @ w_GKN[g]``, and backward keeps ``x_TD``.
 
-    idx_M: int32 [M], each slot's token (``kernels.slot_permute.slot_tokens``), T on rows no
+    idx_M: int32 [M], each slot's token (``moe_kernels.slot_permute.slot_tokens``), T on rows no
     valid slot maps to (padding), which read a zero row: their outputs are 0 and they add
     nothing to the weight gradient, whatever gradient arrives there. slot_TK: the slot map
     ``idx_M`` was made from; the input gradient sums each token's slot rows over it.

@@ -1,17 +1,17 @@
-"""The FP8 quantizers (``kernels.fp8``'s module doc states their rules): E4M3 with one fp32
+"""The FP8 quantizers (``moe_kernels.fp8``'s module doc states their rules): E4M3 with one fp32
 scale per row (``quantize_rowwise``), the same rules over an expert weight's columns written
 transposed (``quantize_columnwise``), and MXFP8's E8M0 scale per 32 values (``quantize_mx``).
-Each is a PyTorch reference that defines it plus a Triton kernel (``kernels.fp8_triton``) taken
-by ``kernels._triton``'s rule. Apart from ``kernels.fp8`` so that the SwiGLU backward
-(``kernels.swiglu``) and the token dispatch can quantize without importing the GEMMs.
+Each is a PyTorch reference that defines it plus a Triton kernel (``moe_kernels.fp8_triton``) taken
+by ``moe_kernels._triton``'s rule. Apart from ``moe_kernels.fp8`` so that the SwiGLU backward
+(``moe_kernels.swiglu``) and the token dispatch can quantize without importing the GEMMs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
-from kernels.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX, E8M0, MX_BLOCK
+from moe_kernels._triton import use_triton
+from moe_kernels.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX, E8M0, MX_BLOCK
 
 
 def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x_MK.ndim != 2:
         raise ValueError(f"quantize_rowwise takes [M, K], got {tuple(x_MK.shape)}")
     if use_triton(x_MK):
-        from kernels import fp8_triton
+        from moe_kernels import fp8_triton
 
         return fp8_triton.quantize_rowwise(x_MK)
     return quantize_rowwise_reference(x_MK)
@@ -55,7 +55,7 @@ def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if w_GNK.ndim != 3:
         raise ValueError(f"quantize_columnwise takes [G, N, K], got {tuple(w_GNK.shape)}")
     if use_triton(w_GNK):
-        from kernels import fp8_triton
+        from moe_kernels import fp8_triton
 
         return fp8_triton.quantize_columnwise(w_GNK)
     return quantize_columnwise_reference(w_GNK)
@@ -91,7 +91,7 @@ def quantize_mx(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"quantize_mx takes [M, K] with K a multiple of 32, got {tuple(x_MK.shape)}"
         )
     if use_triton(x_MK):
-        from kernels import fp8_triton
+        from moe_kernels import fp8_triton
 
         return fp8_triton.quantize_mx(x_MK)
     return quantize_mx_reference(x_MK)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
-from kernels.fp8_quantize import quantize_rowwise
+from moe_kernels._triton import use_triton
+from moe_kernels.fp8_quantize import quantize_rowwise
 
 
 def _check_shape(h_M2F: torch.Tensor) -> None:
@@ -64,7 +64,7 @@ def swiglu_reference_backward(
 def swiglu_values(h_M2F: torch.Tensor, weight_M: torch.Tensor | None = None) -> torch.Tensor:
     """The forward alone, no autograd (Triton where it runs, else the reference)."""
     if use_triton(h_M2F):
-        from kernels import swiglu_triton
+        from moe_kernels import swiglu_triton
 
         return swiglu_triton.swiglu_forward(h_M2F, weight_M)
     return swiglu_reference(h_M2F, weight_M)
@@ -80,10 +80,10 @@ def swiglu_grads(
     """The backward alone: (dh, dweight in the weight's dtype or None, and with ``activation``
     the forward's output ``swiglu_values(h, weight)`` written again, bit for bit, in the same
     pass (else None)) for a caller that keeps h but not the activation. ``quantize_into``
-    (E4M3 [M, 2F], fp32 [M]) receives ``kernels.fp8_quantize.quantize_rowwise(dh)``, from the same
-    Triton pass where a row fits one program (``swiglu_triton.QUANTIZE_MAX_F``)."""
+    (E4M3 [M, 2F], fp32 [M]) receives ``moe_kernels.fp8_quantize.quantize_rowwise(dh)``, from the
+    same Triton pass where a row fits one program (``swiglu_triton.QUANTIZE_MAX_F``)."""
     if use_triton(h_M2F):
-        from kernels import swiglu_triton
+        from moe_kernels import swiglu_triton
 
         fuse = quantize_into is not None and h_M2F.shape[1] // 2 <= swiglu_triton.QUANTIZE_MAX_F
         dh_M2F, dweight_M, a_MF = swiglu_triton.swiglu_backward(

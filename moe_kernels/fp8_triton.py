@@ -1,4 +1,4 @@
-"""Triton kernels for ``kernels.fp8``'s quantizers. ``quantize_rowwise``: a program owns BLOCK_M
+"""Triton kernels for ``moe_kernels.fp8``'s quantizers. ``quantize_rowwise``: a program owns BLOCK_M
 rows, finds each row's absolute maximum over K, then writes the values multiplied by the row's
 inverse scale, saturated and rounded to nearest even E4M3 (the GPU's conversion instruction;
 under Triton's interpreter, rounded in fp32 first and cast exactly), and the fp32 scale: one
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import INTERPRET, cdiv, next_pow2
-from kernels.fp8_format import AMAX_FLOOR, E4M3_MAX, MX_BLOCK
+from moe_kernels._triton import INTERPRET, cdiv, next_pow2
+from moe_kernels.fp8_format import AMAX_FLOOR, E4M3_MAX, MX_BLOCK
 
 HW_CAST = not INTERPRET  # the GPU's E4M3 conversion; the interpreter's rounds wrongly
 
@@ -51,7 +51,7 @@ def _scale_to_e4m3(x, inv, dtype, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
 @triton.jit
 def _row_scales(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     """(scale, inverse) for rows with these absolute maxima, as
-    ``kernels.fp8.quantize_rowwise_reference``: IEEE divisions (the GPU's default fp32 division
+    ``moe_kernels.fp8.quantize_rowwise_reference``: IEEE divisions (the GPU's default fp32 division
     is approximate)."""
     floored = tl.maximum(amax, AMAX_FLOOR)
     scale = tl.where(amax > 0, tl.div_rn(floored, FP8_MAX), 1.0)
@@ -130,7 +130,7 @@ def _quantize_columns_transposed(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
     AMAX_FLOOR: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    """``kernels.fp8.quantize_columnwise``: a program owns BLOCK_K columns of one ``w[g]``
+    """``moe_kernels.fp8.quantize_columnwise``: a program owns BLOCK_K columns of one ``w[g]``
     ([N, K]); pass 1 walks N in tiles for each column's absolute maximum, pass 2 reads the
     tiles again (from cache), scales, rounds and writes each one transposed into ``q[g]``
     ([K, N], row-major): no transposed copy of the weight is ever made."""
@@ -187,7 +187,7 @@ def _quantize_mx_rows(
     x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_q, stride_s,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
-    """MXFP8 (``kernels.fp8.quantize_mx``): a program owns BLOCK_M rows and walks K in chunks
+    """MXFP8 (``moe_kernels.fp8.quantize_mx``): a program owns BLOCK_M rows and walks K in chunks
     of BLOCK_K (whole 32-value blocks), each chunk read once: its blocks' absolute maxima,
     the E8M0 exponents ceil(log2(amax / 448)) read off the fp32 bits, the values divided by
     their power of two (exact), rounded to E4M3 and stored with one exponent byte per block."""
@@ -238,8 +238,8 @@ def _swiglu_quantize_rows(
     HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, FP8_MAX: tl.constexpr,
     AMAX_FLOOR: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    """``quantize_rowwise(swiglu(h, w))`` in one pass (``kernels.fp8``'s expert MLP): a program
-    owns BLOCK_M whole rows (BLOCK_F >= F), computes ``a`` as ``kernels.swiglu_triton`` does,
+    """``quantize_rowwise(swiglu(h, w))`` in one pass (``moe_kernels.fp8``'s expert MLP): a program
+    owns BLOCK_M whole rows (BLOCK_F >= F), computes ``a`` as ``moe_kernels.swiglu_triton`` does,
     rounds it to h's dtype (the bf16 values the two-kernel path would write and read back),
     then quantizes the row from registers; ``a`` itself never reaches memory."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

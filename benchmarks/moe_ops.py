@@ -9,7 +9,7 @@ percentiles) of many runs, with the L2 cache flushed before every run. Bandwidth
 minimal traffic (each tensor read or written once) over the median time, next to a measured
 device-to-device copy.
 
-    python benchmarks/moe_kernels.py --out benchmarks/moe_kernels_h200.json
+    python benchmarks/moe_ops.py --out benchmarks/moe_kernels_h200.json
 
 Defaults are OLMoE-1B-7B (``shapes.olmoe()``): 16384 tokens, d_model 2048, 64 experts, top-8,
 expert hidden 1024, bf16, learned-like routing from random logits (``--routing skewed`` tilts
@@ -43,10 +43,10 @@ from benchmarks.baselines.argsort_permute import (
 )
 from benchmarks.baselines.router_topk import topk_softmax
 from benchmarks.baselines.weighted_combine import combine_from_slots
-from kernels.grouped_gemm import grouped_mm
-from kernels.routing import expert_counts, expert_slots
-from kernels.slot_permute import permute_to_slots
-from kernels.swiglu import swiglu
+from moe_kernels.grouped_gemm import grouped_mm
+from moe_kernels.routing import expert_counts, expert_slots
+from moe_kernels.slot_permute import permute_to_slots
+from moe_kernels.swiglu import swiglu
 
 
 @dataclass

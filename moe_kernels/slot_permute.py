@@ -1,10 +1,10 @@
 """Slot-based permutation: token rows into expert-ordered slots ("rowwise") and back, summed.
 
-``slot_TK`` comes from ``kernels.routing.expert_slots``: an injective map of the T * K
+``slot_TK`` comes from ``moe_kernels.routing.expert_slots``: an injective map of the T * K
 assignments onto the rows of an ``n_rows``-row buffer, where a slot of -1 is a dropped
 assignment (routed elsewhere): it takes no row, the permute writes nothing for it (its backward
 gives it no gradient), the sum adds nothing for it. Rows no valid slot maps to are padding (see
-``kernels.routing`` for the layout): the permute writes zeros there, the sum never reads them,
+``moe_kernels.routing`` for the layout): the permute writes zeros there, the sum never reads them,
 and the sum's backward writes zero gradients there, so grouped GEMMs over padded segments add
 nothing to weight gradients.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
+from moe_kernels._triton import use_triton
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,7 +91,7 @@ def _scatter_to_slots(
 ) -> torch.Tensor:
     """The permute (and the plain sum's backward): Triton where it runs, else the reference."""
     if use_triton(x_TD, slot_TK):
-        from kernels import slot_permute_triton
+        from moe_kernels import slot_permute_triton
 
         return slot_permute_triton.scatter_rows(x_TD, slot_TK, n_rows, zero_unmapped=zero_unmapped)
     return permute_to_slots_reference(x_TD, slot_TK, n_rows)
@@ -100,7 +100,7 @@ def _scatter_to_slots(
 def _sum_over_slots(y_MD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
     """The plain sum (and the permute's backward): Triton where it runs, else the reference."""
     if use_triton(y_MD, slot_TK):
-        from kernels import slot_permute_triton
+        from moe_kernels import slot_permute_triton
 
         return slot_permute_triton.gather_rows(y_MD, slot_TK, out_dtype=y_MD.dtype)
     return permute_to_slots_reference_backward(y_MD, slot_TK)
@@ -183,7 +183,7 @@ def slot_weights(weights_TK: torch.Tensor, slot_TK: torch.Tensor, n_rows: int) -
 def slot_tokens(slot_TK: torch.Tensor, n_rows: int) -> torch.Tensor:
     """Each row's token, int32 [n_rows]: ``idx_M[slot_TK[t, k]] = t`` for valid slots, T (one
     past the last token) on rows no valid slot maps to. The row index of
-    ``kernels.grouped_gemm.gathered_grouped_mm``: gathering ``x_TD`` by it is the permute. No
+    ``moe_kernels.grouped_gemm.gathered_grouped_mm``: gathering ``x_TD`` by it is the permute. No
     host read."""
     _check_rows(slot_TK, n_rows, None)
     T, K = slot_TK.shape

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv, next_pow2
+from moe_kernels._triton import cdiv, next_pow2
 
 TILE = 4096  # elements per [BLOCK_T, BLOCK_D] tile: 32 per thread at 4 warps
 MAX_BLOCK_D = 1024

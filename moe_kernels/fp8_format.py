@@ -1,6 +1,6 @@
-"""The FP8 formats' numbers, shared by the quantizers' references and their Triton kernels (a leaf:
-it imports nothing of ours, so ``kernels.fp8_triton`` and ``kernels.swiglu_triton`` read them
-without importing the modules that launch them)."""
+"""The FP8 formats' numbers, shared by the quantizers' references and their Triton kernels (a
+leaf: it imports nothing of ours, so ``moe_kernels.fp8_triton`` and ``moe_kernels.swiglu_triton``
+read them without importing the modules that launch them)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import cdiv
+from moe_kernels._triton import cdiv
 
 # Measured on one H200 over OLMoE-1B-7B's parameters in pure bf16 (benchmarks/adamw_update.py):
 # 2048 x 1 on 4 warps 4.12 TB/s; 4096 x 1 on 8 warps (before) 4.01; 1024 x 1 on 4 and 2048 x 1
