@@ -320,7 +320,8 @@ class ModelConfig:
     top_k_groups: int = 1
     routed_scale: float = 1.0  # the routed experts' combine weights times this
     aux_loss_coef: float = 0.01  # Switch-style load balancing
-    # how the MoE layers' load-balancing terms make one loss: their sum, or their mean
+    # how the MoE layers' router losses (load balancing and z-loss, each times its coefficient)
+    # make one loss: their sum, or their mean over the MoE layers
     aux_loss_reduction: Literal["sum", "mean"] = "sum"
     z_loss_coef: float = 0.001  # router z-loss
     expert_bias: bool = False  # auxiliary-loss-free balancing: a selection-only bias per expert
@@ -743,13 +744,17 @@ def fp8_linear_shapes(m: ModelConfig, parts: Sequence[str]) -> list[tuple[str, s
     FP8 (``moe_core.model.fp8.apply_fp8``), derived from the model config alone so that a run is
     refused before any model is built; every layer has the same shapes, so each projection is
     listed once. "experts" and "dispatch" swap no linear."""
+    assert m.head_dim is not None
     q, kv, d = m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
-    shared = m.n_shared_experts * m.expert_hidden  # the dense SwiGLU, present when > 0
+    # the dense SwiGLUs: the shared expert (when n_shared_experts > 0), the leading dense blocks'
+    widths = [m.n_shared_experts * m.expert_hidden, m.dense_hidden or 0]
     linears = {
         "attention": [("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)],
-        "dense": [("w_gate", shared, d), ("w_up", shared, d), ("w_down", d, shared)]
-        if shared
-        else [],
+        "dense": [
+            shape
+            for h in dict.fromkeys(w for w in widths if w)
+            for shape in (("w_gate", h, d), ("w_up", h, d), ("w_down", d, h))
+        ],
         "lm_head": [("lm_head", m.vocab_size, d)],
     }
     return [(part, *shape) for part in parts for shape in linears.get(part, [])]
@@ -989,12 +994,34 @@ class RunConfig:
         m, par = self.model, self.parallel
         sections = ("model", "train", "parallel", "precision")
         _check_rules("run", rule_quantities(**{s: getattr(self, s) for s in sections}))
-        if "dense" in self.precision.fp8_parts and not m.n_shared_experts:
+        parts = list(self.precision.fp8_parts)
+        if "dense" in parts and not (m.n_shared_experts or m.n_dense_layers):
             fail(
                 "precision.fp8_parts",
-                list(self.precision.fp8_parts),
-                "a list without 'dense' when model.n_shared_experts=0 ('dense' is the shared "
-                "expert's SwiGLU, which this model does not have)",
+                parts,
+                "a list without 'dense' when model.n_shared_experts=0 and model.n_dense_layers=0 "
+                "('dense' is the shared expert's and the dense blocks' SwiGLU, which this model "
+                "does not have)",
+            )
+        if "attention" in parts and m.attention_bias != "none":
+            fail(
+                "precision.fp8_parts",
+                parts,
+                f"a list without 'attention' when model.attention_bias={m.attention_bias!r} (FP8 "
+                "projections are built for linears without bias)",
+            )
+        if m.tie_embeddings and "lm_head" in parts:
+            fail(
+                "precision.fp8_parts",
+                parts,
+                "a list without 'lm_head' when model.tie_embeddings=true (the tied head is the "
+                "embedding matrix, kept in the weights' dtype)",
+            )
+        if m.tie_embeddings and par.pp > 1:
+            raise OptionNotImplementedError(
+                f"model.tie_embeddings=true with parallel.pp={par.pp} is not built yet: a tied "
+                "LM head reads the embedding, which lives on the first pipeline stage; untie "
+                "the embeddings or train without pipeline stages."
             )
         for part, name, n_out, n_in in fp8_linear_shapes(m, self.precision.fp8_parts):
             if n_out % FP8_GEMM_ALIGN or n_in % FP8_GEMM_ALIGN:

@@ -96,8 +96,8 @@ def test_dense_without_shared_experts_is_refused_at_load():
         compose_run([*FP8, "precision.fp8_parts=[experts,dense]"])
     assert str(err.value) == (
         "precision.fp8_parts=['experts', 'dense'] is not allowed: a list without 'dense' when "
-        "model.n_shared_experts=0 ('dense' is the shared expert's SwiGLU, which this model does "
-        "not have)."
+        "model.n_shared_experts=0 and model.n_dense_layers=0 ('dense' is the shared expert's and "
+        "the dense blocks' SwiGLU, which this model does not have)."
     )
     run = compose_run([*FP8, "model.n_shared_experts=1", "precision.fp8_parts=[dense]"])
     assert run.precision.fp8_parts == ["dense"]

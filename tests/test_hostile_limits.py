@@ -41,8 +41,10 @@ def meta_count(cfg: ModelConfig, seq_len: int) -> ModelCounts:
         if isinstance(m, RMSNorm | Router)
         for p in m.parameters()
     )
-    flops = 6 * (active - not_matmul) + 6 * cfg.n_layers * seq_len * cfg.d_model
-    return ModelCounts(total, active, active - not_matmul, experts, embedding, flops)
+    not_matmul += sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
+    matmul = active - not_matmul + (embedding if cfg.tie_embeddings else 0)  # a tied head
+    flops = 6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return ModelCounts(total, active, matmul, experts, embedding, flops)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -57,6 +59,10 @@ def test_closed_form_counts_equal_the_meta_model_of_each_named_model(name):
         {"n_kv_heads": 1, "n_shared_experts": 2},
         {"n_experts": 3, "top_k": 3, "n_layers": 1, "vocab_size": 7},
         {"d_model": 96, "n_heads": 3, "n_kv_heads": 3, "expert_hidden": 40},
+        {"head_dim": 24, "n_kv_heads": 2, "qk_norm": "head", "attention_bias": "qkvo"},
+        {"qk_norm": "none", "attention_bias": "qkv", "rotary_fraction": 0.5},
+        {"n_dense_layers": 1, "dense_hidden": 48, "n_shared_experts": 1, "tie_embeddings": True},
+        {"n_expert_groups": 4, "top_k_groups": 2, "router": "sigmoid", "expert_bias": True},
     ],
 )
 def test_closed_form_counts_equal_the_meta_model_of_odd_shapes(changes):

@@ -2,9 +2,10 @@
 built, so any size answers at once; tests hold the formulas equal to a meta-device model's count).
 
 Convention (design.md, Megatron's): model FLOPs per token = 6 x the matmul parameters a token
-is multiplied by (attention projections, its top-k experts and the shared expert, LM head)
-+ 6 x layers x seq x d_model for causal attention. Router, norms, embedding lookups and
-recompute are not counted.
+is multiplied by (attention projections, its top-k experts and the shared expert, the leading
+dense blocks' MLPs, LM head) + 6 x layers x seq x (query heads x head_dim) for causal attention
+(d_model where head_dim is d_model / n_heads). Router, norms, biases, embedding lookups and
+recompute are not counted. A tied LM head is one parameter (the embedding) but still a matmul.
 """
 
 from __future__ import annotations
@@ -46,19 +47,35 @@ def _human(n: int) -> str:
 def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     """Counts for ``cfg`` at ``seq_len`` (default: ``cfg.max_seq_len``), from the shapes the
     model's modules take (``transformer.Block``, ``attention.Attention``, ``moe.MoE``)."""
+    assert cfg.head_dim is not None
     seq_len = seq_len or cfg.max_seq_len
     d, n_layers, vocab = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    n_moe = len(cfg.moe_layers)
+    n_dense = n_layers - n_moe
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     attention = 2 * d * q_dim + 2 * d * kv_dim  # q, o; k, v projections
+    biases = {"none": 0, "qkv": q_dim + 2 * kv_dim, "qkvo": q_dim + 2 * kv_dim + d}
+    qk_norm = {"none": 0, "head": 2 * cfg.head_dim, "projection": q_dim + kv_dim}[cfg.qk_norm]
+    norms = 2 * d + qk_norm  # attention and feed-forward norms, QK-norm
+    layer_other = norms + biases[cfg.attention_bias]  # no FLOPs counted for these
     shared = 3 * d * cfg.n_shared_experts * cfg.expert_hidden
     expert = 3 * d * cfg.expert_hidden  # one routed expert's gate, up and down
-    norms = 2 * d + q_dim + kv_dim  # attention and MoE norms, QK-norm
     router = cfg.n_experts * d
+    dense_mlp = 3 * d * (cfg.dense_hidden or 0)
     embedding, final_norm, head = vocab * d, d, d * vocab
-    experts = n_layers * cfg.n_experts * expert
-    dense = n_layers * (attention + shared + norms + router)
-    total = embedding + dense + experts + final_norm + head
-    active = total - n_layers * (cfg.n_experts - cfg.top_k) * expert
-    matmul_active = active - embedding - final_norm - n_layers * (norms + router)
-    flops = 6 * matmul_active + 6 * n_layers * seq_len * d
+    experts = n_moe * cfg.n_experts * expert
+    total = (
+        embedding
+        + n_layers * (attention + layer_other)
+        + n_moe * (router + shared)
+        + experts
+        + n_dense * dense_mlp
+        + final_norm
+        + (0 if cfg.tie_embeddings else head)
+    )
+    active = total - n_moe * (cfg.n_experts - cfg.top_k) * expert
+    matmul_active = (
+        n_layers * attention + n_moe * (shared + cfg.top_k * expert) + n_dense * dense_mlp + head
+    )
+    flops = 6 * matmul_active + 6 * n_layers * seq_len * q_dim
     return ModelCounts(total, active, matmul_active, experts, embedding, flops)

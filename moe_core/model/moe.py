@@ -95,17 +95,26 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """fp32 logits -> softmax or sigmoid scores -> top-k (optionally bias-steered) -> weights.
+    """fp32 logits -> softmax or sigmoid scores -> top-k (optionally bias-steered, optionally
+    group-limited) -> weights (optionally renormalized over the k, times ``routed_scale``).
 
     With ``expert_bias`` the per-expert bias shifts which experts are *selected* but not the
-    combine weights; it is a buffer updated by ``update_bias`` outside autograd.
+    combine weights; it is a buffer updated by ``update_bias`` outside autograd. Group-limited
+    routing (``n_expert_groups`` > 1) scores each group of experts by the sum of its two best
+    selection scores, keeps a token's ``top_k_groups`` best groups and picks its ``top_k``
+    experts among them (DeepSeek-V3's rule; the experts of dropped groups are excluded with
+    -inf, as DeepSeek's reference does).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.top_k, cfg.router
-        self.normalize_top_k = cfg.normalize_top_k
-        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.normalize_top_k, self.routed_scale = cfg.normalize_top_k, cfg.routed_scale
+        self.n_groups, self.top_k_groups = cfg.n_expert_groups, cfg.top_k_groups
+        # "mean": each MoE layer's terms count 1 / (its number of MoE layers) of the loss
+        layers = len(cfg.moe_layers) if cfg.aux_loss_reduction == "mean" else 1
+        self.aux_loss_coef = cfg.aux_loss_coef / layers
+        self.z_loss_coef = cfg.z_loss_coef / layers
         self.bias_rate = cfg.expert_bias_rate
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
         self.expert_bias: torch.Tensor | None
@@ -138,10 +147,14 @@ class Router(nn.Module):
         else:
             probs_TE = torch.sigmoid(logits_TE)
         select_TE = probs_TE if self.expert_bias is None else probs_TE + self.expert_bias
+        if self.n_groups > 1:
+            select_TE = self._limit_to_groups(select_TE)
         _, experts_TK = torch.topk(select_TE, self.top_k, dim=-1)
         weights_TK = probs_TE.gather(1, experts_TK)
         if self.normalize_top_k:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights_TK = weights_TK * self.routed_scale
 
         counts_E = expert_counts(experts_TK, self.n_experts)
         share_TE = probs_TE if self.kind == "softmax" else probs_TE / probs_TE.sum(-1, keepdim=True)
@@ -155,6 +168,16 @@ class Router(nn.Module):
                 self.stat_z += z.detach()
                 self.stat_calls += 1
         return Routing(experts_TK, weights_TK, counts_E, aux)
+
+    def _limit_to_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
+        """``select_TE`` with every expert outside a token's ``top_k_groups`` best groups at
+        -inf; a group's score is the sum of its two best selection scores."""
+        T = select_TE.shape[0]
+        select_TGe = select_TE.view(T, self.n_groups, -1)
+        group_TG = select_TGe.topk(2, dim=-1).values.sum(-1)
+        keep_TK = group_TG.topk(self.top_k_groups, dim=-1).indices
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, keep_TK, True)
+        return select_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
 
     @torch.no_grad()
     def next_bias(self, counts_E: torch.Tensor) -> torch.Tensor:
@@ -277,7 +300,7 @@ class LocalDispatcher:
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU feed-forward (the shared expert)."""
+    """Dense SwiGLU feed-forward (the shared expert, and the leading dense blocks' MLP)."""
 
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()

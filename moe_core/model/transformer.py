@@ -1,4 +1,5 @@
-"""The decoder: embedding, pre-norm blocks (attention + MoE), final norm, untied LM head.
+"""The decoder: embedding, pre-norm blocks (attention + MoE, or attention + a dense SwiGLU for
+the leading ``model.n_dense_layers``), final norm, LM head (or the embedding, tied).
 
 Blocks carry the running auxiliary loss beside the hidden states, so the routers' losses reach
 the final loss through any split of the layers (pipeline stages, activation recompute).
@@ -18,22 +19,34 @@ from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, RotaryEmbedding
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
-from moe_core.model.moe import Experts, MoE, Router
+from moe_core.model.moe import Experts, MoE, Router, SwiGLU
 from moe_core.model.norm import RMSNorm
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention then the feed-forward: ``moe`` (routed experts), or ``mlp`` (a dense SwiGLU
+    of ``model.dense_hidden``) for the leading ``model.n_dense_layers`` blocks. The feed-forward's
+    norm keeps the name ``moe_norm`` in both, so every block's names share one pattern."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.moe = MoE(cfg)
+        self.moe: MoE | None = None
+        self.mlp: SwiGLU | None = None
+        if layer in cfg.moe_layers:
+            self.moe = MoE(cfg)
+        else:
+            assert cfg.dense_hidden is not None
+            self.mlp = SwiGLU(cfg.d_model, cfg.dense_hidden)
 
     def forward(
         self, h_BSD: torch.Tensor, aux: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), rope)
+        if self.moe is None:
+            return h_BSD + self.mlp(self.moe_norm(h_BSD)), aux  # type: ignore[misc]
         y_BSD, layer_aux = self.moe(self.moe_norm(h_BSD))
         return h_BSD + y_BSD, aux + layer_aux
 
@@ -43,17 +56,21 @@ class Transformer(nn.Module):
 
     Pipeline stages keep a subset of ``layers`` (a dict, so names stay global) and drop
     ``embed`` / ``norm`` / ``lm_head`` (set to None); a stage without ``embed`` takes hidden
-    states, one without ``lm_head`` returns them.
+    states, one without ``lm_head`` returns them. With ``model.tie_embeddings`` there is no
+    ``lm_head`` module: the logits read ``embed.weight`` (one parameter, one name), and the
+    whole model is one stage (config refuses tied embeddings with pipeline parallelism).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
 
     def forward(
         self, x: torch.Tensor, aux: torch.Tensor | None = None
@@ -68,6 +85,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.lm_head is not None:
             h = self.lm_head(h)
+        elif self.cfg.tie_embeddings and self.embed is not None:
+            h = F.linear(h, self.embed.weight)
         return h, aux
 
     @torch.no_grad()
@@ -77,8 +96,8 @@ class Transformer(nn.Module):
         params = dict(self.named_parameters())
         for item in init_plan(self):
             t = params[item.name] if item.expert is None else params[item.name][item.expert]
-            if item.ones:
-                t.fill_(1.0)
+            if item.fill is not None:
+                t.fill_(item.fill)
             else:
                 seeded_normal_(t, self.cfg.init_std, seed, item.key)
         for mod in self.modules():
@@ -89,19 +108,20 @@ class Transformer(nn.Module):
 @dataclass(frozen=True)
 class InitItem:
     """One tensor to initialize: parameter ``name`` (``expert``: its slice ``[expert]`` of a
-    stacked expert weight), to ones (norm weights) or N(0, init_std) from a generator seeded by
-    the run's seed and ``key``, the tensor's global name."""
+    stacked expert weight), to a constant ``fill`` (1 for norm weights, 0 for biases) or, where
+    ``fill`` is None, N(0, init_std) from a generator seeded by the run's seed and ``key``, the
+    tensor's global name."""
 
     name: str
     expert: int | None
     key: str
-    ones: bool
+    fill: float | None
 
 
 def init_plan(model: Transformer) -> list[InitItem]:
-    """Norm weights 1, every other weight N(0, init_std), in parameter order. Each tensor (each
-    expert's slice, for stacked experts) draws from its own generator seeded by its global name
-    (experts by their global index), so any sharding of the model (pipeline stages,
+    """Norm weights 1, biases 0, every other weight N(0, init_std), in parameter order. Each
+    tensor (each expert's slice, for stacked experts) draws from its own generator seeded by its
+    global name (experts by their global index), so any sharding of the model (pipeline stages,
     expert-parallel slices, one tensor at a time) initializes to the same values."""
     experts = {
         id(p): (mod_name, p_name, mod.expert_offset)
@@ -114,9 +134,10 @@ def init_plan(model: Transformer) -> list[InitItem]:
         if id(p) in experts:
             mod_name, p_name, offset = experts[id(p)]
             for e in range(p.shape[0]):
-                plan.append(InitItem(name, e, f"{mod_name}.{p_name}[{offset + e}]", False))
+                plan.append(InitItem(name, e, f"{mod_name}.{p_name}[{offset + e}]", None))
         else:
-            plan.append(InitItem(name, None, name, name.endswith("norm.weight")))
+            fill = 1.0 if name.endswith("norm.weight") else 0.0 if name.endswith(".bias") else None
+            plan.append(InitItem(name, None, name, fill))
     return plan
 
 

@@ -64,12 +64,13 @@ def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Ca
         else:
             key, shape = state_key(item.name, "param", item.expert * p[0].numel()), p.shape[1:]
         placeholders[key] = torch.empty(shape.numel(), device="meta")
-        makers[key] = _ones(shape.numel()) if item.ones else normal(shape, item.key)
+        fill = item.fill
+        makers[key] = normal(shape, item.key) if fill is None else _filled(shape.numel(), fill)
     return placeholders, makers
 
 
-def _ones(n: int) -> Callable[[], torch.Tensor]:
-    return lambda: torch.ones(n)
+def _filled(n: int, value: float) -> Callable[[], torch.Tensor]:
+    return lambda: torch.full((n,), value)
 
 
 def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
@@ -92,4 +93,4 @@ def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
 def _expert_bias_names(run: RunConfig) -> list[str]:
     if not run.model.expert_bias:
         return []
-    return [f"layers.{i}.moe.router.expert_bias" for i in range(run.model.n_layers)]
+    return [f"layers.{i}.moe.router.expert_bias" for i in run.model.moe_layers]
