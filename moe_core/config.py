@@ -320,9 +320,12 @@ class ModelConfig:
     top_k_groups: int = 1
     routed_scale: float = 1.0  # the routed experts' combine weights times this
     aux_loss_coef: float = 0.01  # Switch-style load balancing
-    # how the MoE layers' router losses (load balancing and z-loss, each times its coefficient)
-    # make one loss: their sum, or their mean over the MoE layers
-    aux_loss_reduction: Literal["sum", "mean"] = "sum"
+    # How the MoE layers' router losses (load balancing and z-loss, each times its coefficient)
+    # make one loss: their mean over the MoE layers (the reference system's: Olmo-core's MoE
+    # divides each layer's loss weights by the layer count, ``scale_loss_by_num_layers``, and
+    # megablocks' ``batched_load_balancing_loss`` by ``num_layers``), or their sum (moe_core
+    # before 2026-12-04).
+    aux_loss_reduction: Literal["sum", "mean"] = "mean"
     z_loss_coef: float = 0.001  # router z-loss
     expert_bias: bool = False  # auxiliary-loss-free balancing: a selection-only bias per expert
     expert_bias_rate: float = 1e-3

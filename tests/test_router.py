@@ -31,7 +31,12 @@ def test_aux_and_z_loss_match_naive_implementations():
     torch.manual_seed(0)
     for kind, top_k in (("softmax", 2), ("softmax", 1), ("sigmoid", 3)):
         cfg = small_config(
-            n_experts=6, top_k=top_k, router=kind, aux_loss_coef=0.3, z_loss_coef=0.07
+            n_experts=6,
+            top_k=top_k,
+            router=kind,
+            aux_loss_coef=0.3,
+            z_loss_coef=0.07,
+            aux_loss_reduction="sum",  # one layer's terms as they are
         )
         router = Router(cfg)
         torch.nn.init.normal_(router.weight, std=0.5)
