@@ -89,7 +89,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
     if args.data != "synthetic":
         data = [f"data={args.data}", f"data.dir={data_dir}"]
     return [
-        "model=olmoe-1b-7b",
+        f"model={args.model}",
         f"model.n_layers={args.layers}",
         f"precision={args.precision}",
         *fp8_parts_override(args.fp8_parts),
@@ -171,6 +171,7 @@ def accumulate(n: int = 1 << 28) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default="olmoe-1b-7b", help="a named model of conf/model (moe train)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--precision", choices=sorted(STATE_DTYPE), default="pure-bf16")
     p.add_argument("--data", choices=["synthetic", "kjv-gpt2"], default="synthetic")
@@ -226,6 +227,11 @@ def refusal(args: argparse.Namespace) -> str | None:
         )
     if args.fp8_parts and args.precision != "fp8":
         return f"--fp8-parts {args.fp8_parts} needs --precision fp8."
+    if args.model != "olmoe-1b-7b" and not args.skip_bare:
+        return (
+            f"--model {args.model}: the bare step is OLMoE-1B-7B's shape only; add --skip-bare "
+            "(benchmarks/families_step.py times moe train at other shapes)."
+        )
     return None
 
 
@@ -237,6 +243,7 @@ def main() -> None:
     result: dict = {
         "benchmark": "trainer_vs_step",
         **stamp(args.commit),
+        "model": args.model,
         "layers": args.layers,
         "precision": args.precision,
         "fp8_parts": args.fp8_parts or None,
