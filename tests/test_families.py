@@ -460,3 +460,20 @@ def test_the_cli_converts_a_foreign_family_both_ways(tmp_path):
     assert written["architectures"] == ["Glm4MoeForCausalLM"]
     theirs, ours = _tensors(src), _tensors(back)
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], t) for k, t in theirs.items())
+
+
+def test_a_bf16_glm_folder_keeps_its_router_fp32_both_ways(tmp_path):
+    """transformers keeps GLM's router weight and correction bias fp32 in a bf16 model; they
+    import as they are and export as fp32 again, the rest bf16, bit for bit."""
+    config_class, kwargs = HF_CASES["glm-groups-shared-dense-qk-norm"]
+    config = getattr(transformers, config_class)(**kwargs)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    _randomized_(hf).save_pretrained(tmp_path / "hf")
+    theirs = _tensors(tmp_path / "hf")
+    router = {k for k in theirs if ".mlp.gate." in k}
+    assert router and {theirs[k].dtype for k in router} == {torch.float32}
+    assert {t.dtype for k, t in theirs.items() if k not in router} == {torch.bfloat16}
+    cfg, state = load_hf(tmp_path / "hf")
+    back = _tensors(save_hf(state, cfg, tmp_path / "back"))
+    assert set(back) == set(theirs)
+    assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in theirs.items())
