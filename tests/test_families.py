@@ -428,8 +428,12 @@ def test_load_model_reads_our_model_folder_and_refuses_anything_else(tmp_path):
     model = _randomized_(build_model(cfg, seed=6))
     folder = save_model_dir(model.state_dict(), cfg, tmp_path / "ours")
     loaded = load_model(folder, dtype=torch.bfloat16)
-    assert loaded.embed.weight.dtype == torch.bfloat16
-    assert loaded.layers["0"].moe.router.expert_bias.dtype == torch.float32
+    assert (
+        loaded.embed.weight.dtype == loaded.layers["0"].moe.experts.w_down.dtype == torch.bfloat16
+    )
+    router = loaded.layers["0"].moe.router
+    assert router.weight.dtype == router.expert_bias.dtype == torch.float32
+    assert torch.equal(router.weight, model.layers["0"].moe.router.weight)
     assert torch.equal(
         loaded.layers["1"].moe.router.expert_bias, model.layers["1"].moe.router.expert_bias
     )

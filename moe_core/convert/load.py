@@ -17,7 +17,13 @@ import torch
 
 from moe_core.ckpt.format import MANIFEST, verify
 from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
-from moe_core.convert.hf import OUR_CONFIG, HFSource, StateDictSource, TensorSource
+from moe_core.convert.hf import (
+    MAY_BE_FP32,
+    OUR_CONFIG,
+    HFSource,
+    StateDictSource,
+    TensorSource,
+)
 from moe_core.convert.native import WEIGHTS, load_model_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.meta import on_meta
@@ -57,13 +63,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """The model at ``path`` (an HF folder of any family, our model folder or a training
-    checkpoint) on ``device``, its weights in ``dtype`` (buffers stay fp32), in eval mode.
+    checkpoint) on ``device``, its weights in ``dtype`` but the routers' (fp32, as GLM keeps
+    them; our router computes its logits in fp32 anyway) and buffers, in eval mode.
 
     ``model(tokens)`` returns ``(logits, aux_loss)``; logits equal those ``transformers``
     computes from the same HF folder (fp32, to rounding)."""
     source, model = open_source(path)
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+    for name, p in model.named_parameters():
+        if not MAY_BE_FP32.fullmatch(name):
+            p.data = p.data.to(dtype)
     model.to_empty(device=device)
     for m in model.modules():
         if isinstance(m, Router):
