@@ -331,12 +331,18 @@ def build_parser() -> argparse.ArgumentParser:
                 help="a resolved run config (JSON) instead of Hydra composition",
             )
         p.set_defaults(fn=fn)
-    p = sub.add_parser("convert", help="convert between our model directory and Hugging Face OLMoE")
+    p = sub.add_parser(
+        "convert",
+        help="convert between our model directory and Hugging Face (OLMoE, Qwen3-MoE, Mixtral, "
+        "GLM-4.5)",
+    )
     p.add_argument("direction", choices=["to-hf", "from-hf"])
     p.add_argument(
         "src",
         help="to-hf: a training checkpoint (step_N; read without unpickling code, so one from "
-        "elsewhere cannot run any) or our model directory; from-hf: an HF OLMoE directory",
+        "elsewhere cannot run any) or our model directory, written as the one stock class that "
+        "computes it; from-hf: a Hugging Face folder of OlmoeForCausalLM, Qwen3MoeForCausalLM, "
+        "MixtralForCausalLM or Glm4MoeForCausalLM",
     )
     p.add_argument("out", help="the directory to write")
     tok = p.add_mutually_exclusive_group()

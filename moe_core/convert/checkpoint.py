@@ -19,14 +19,16 @@ from moe_core.ckpt import dcp_read
 from moe_core.ckpt.format import MANIFEST, buffer_key, parse_key, step_of, trainer_state, verify
 from moe_core.config import ConfigError, ModelConfig, RunConfig
 from moe_core.config_dict import from_dict, upgrade_saved
-from moe_core.convert.hf import expected_names, refuse_overlap, save_hf
+from moe_core.convert.hf import MAY_BE_FP32, expected_names, refuse_overlap, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 
 
 class CheckpointSource:
-    """A ``convert.hf.TensorSource`` over a training checkpoint's master weights."""
+    """A ``convert.hf.TensorSource`` over a training checkpoint's master weights and saved
+    buffers (the routers' expert bias), in ``dtype`` but the routers' tensors, which stay fp32
+    (export casts them as the family keeps them)."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> None:
         self.path, self.cfg, self.dtype = Path(path), cfg, dtype
@@ -52,7 +54,7 @@ class CheckpointSource:
             )
 
     def names(self) -> set[str]:
-        return set(self.chunks)
+        return set(self.chunks) | set(self.buffers)
 
     def _read(self, name: str, start: int, length: int) -> torch.Tensor:
         request = {
@@ -73,11 +75,16 @@ class CheckpointSource:
         return out
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        if name in self.buffers:
+            request = {buffer_key(name): torch.empty(self.buffers[name])}
+            dcp_read.load(request, self.path, no_dist=True)
+            return request[buffer_key(name)]
         shape = self.shapes[name]
+        dtype = torch.float32 if MAY_BE_FP32.fullmatch(name) else self.dtype
         if expert is None:
-            return self._read(name, 0, shape.numel()).view(shape).to(self.dtype)
+            return self._read(name, 0, shape.numel()).view(shape).to(dtype)
         per_expert = shape[1:].numel()
-        return self._read(name, expert * per_expert, per_expert).view(shape[1:]).to(self.dtype)
+        return self._read(name, expert * per_expert, per_expert).view(shape[1:]).to(dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and saved buffer at once (small models: evaluation in one process)."""
@@ -150,7 +157,8 @@ def checkpoint_to_hf(
     eos_token_id: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """A training checkpoint to a Hugging Face OLMoE directory, streamed tensor by tensor.
+    """A training checkpoint to the Hugging Face folder of its model's family (``families``),
+    streamed tensor by tensor.
     One whose manifest does not verify is refused; one from elsewhere (no manifest) is read
     without running code from it (``ckpt.dcp_read``)."""
     refuse_overlap(

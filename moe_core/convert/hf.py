@@ -1,22 +1,26 @@
-"""Our weights <-> a Hugging Face ``OlmoeForCausalLM`` directory.
+"""Our weights <-> a Hugging Face folder of one of the stock families (``convert.families``:
+``OlmoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Glm4MoeForCausalLM``).
 
 On disk the HF directory holds sharded safetensors with per-expert keys (as ``transformers``
 saves them), ``model.safetensors.index.json``, ``config.json``, our own
 ``moe_core_config.json`` (so the way back is exact) and, when given, the tokenizer files.
-The directory is written beside its destination and renamed into place only when complete.
+Export writes the one class that computes what the config computes (or refuses); the
+directory is written beside its destination and renamed into place only when complete.
+Import reads any of the four (``model_type`` picks the family) through ``HFSource``, one
+tensor at a time.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,6 +28,14 @@ from safetensors.torch import save_file
 
 from moe_core.config import ConfigError, ModelConfig, safe_name
 from moe_core.config_dict import from_dict, to_dict
+from moe_core.convert.families import (
+    GLM4_MOE,
+    Family,
+    HFConfigReader,
+    choose_family,
+    export_note,
+    family_for,
+)
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.files import (
     TMP_MARK,
@@ -33,7 +45,9 @@ from moe_core.files import (
     temporary_name,
     user_mode,
 )
-from moe_core.model.transformer import parameter_shapes, shape_mismatch
+from moe_core.model.transformer import parameter_shapes, shape_mismatch, state_shapes
+
+log = logging.getLogger(__name__)
 
 OUR_CONFIG = "moe_core_config.json"
 INDEX = "model.safetensors.index.json"
@@ -45,42 +59,17 @@ TOKENIZER_FILES = (
     "merges.txt",
 )
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-# our key (with {i} for the layer) -> HF key; experts are handled separately
-_DIRECT = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.moe_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
-}
-_EXPERT_HF = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+# safetensors' names of the dtypes a weight may have (our training writes one of these)
+_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# our tensors that may stay fp32 in a state of lower precision: the routers' (GLM keeps them
+# fp32, and the expert bias is an fp32 buffer in any model)
+MAY_BE_FP32 = re.compile(r"layers\.\d+\.moe\.router\.(weight|expert_bias)")
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse a model that HF OLMoE would compute differently, rather than write it wrong."""
-    if cfg.n_shared_experts:
-        raise ConfigError(
-            f"model.n_shared_experts={cfg.n_shared_experts} cannot be exported: Hugging Face "
-            "OLMoE has no shared expert (only 0 is allowed)."
-        )
-    if cfg.router != "softmax":
-        raise ConfigError(
-            f"model.router={cfg.router!r} cannot be exported: Hugging Face OLMoE routes with "
-            "softmax only."
-        )
-    if cfg.expert_bias:
-        raise ConfigError(
-            "model.expert_bias=true cannot be exported: Hugging Face OLMoE selects experts "
-            "without a bias, so routing would differ."
-        )
+def check_exportable(cfg: ModelConfig) -> Family:
+    """The family export writes for ``cfg``; a model no stock class computes is refused in one
+    sentence naming the option and the nearest class, rather than written wrong."""
+    return choose_family(cfg)
 
 
 def refuse_existing(out: Path, overwrite: bool) -> None:
@@ -146,39 +135,23 @@ def unwritten(out: Path, err: OSError) -> RunFileError:
     )
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None):
-    """The ``transformers.OlmoeConfig`` that computes what ``cfg`` computes."""
-    from transformers import OlmoeConfig
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None) -> Any:
+    """The ``transformers`` config (of ``cfg``'s family) that computes what ``cfg`` computes."""
+    import transformers
 
-    check_exportable(cfg)
-    hf = OlmoeConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.expert_hidden,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        rms_norm_eps=cfg.norm_eps,
-        num_experts=cfg.n_experts,
-        num_experts_per_tok=cfg.top_k,
-        norm_topk_prob=cfg.normalize_top_k,
-        router_aux_loss_coef=cfg.aux_loss_coef,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=False,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
+    family = check_exportable(cfg)
+    config_class = getattr(transformers, family.config_class)
+    hf = config_class(
+        **family.hf_fields(cfg), pad_token_id=None, bos_token_id=None, eos_token_id=eos_token_id
     )
-    hf.architectures = ["OlmoeForCausalLM"]
+    hf.architectures = [family.hf_class]
     hf.dtype = _DTYPE_NAMES[dtype]
     return hf
 
 
 class TensorSource(Protocol):
-    """Where export reads weights from: a state dict, or a checkpoint read one tensor (one
-    expert) at a time so that no process holds the whole model."""
+    """Where export reads weights from: a state dict, a checkpoint or an HF folder read one
+    tensor (one expert) at a time, so that no process holds the whole model."""
 
     dtype: torch.dtype
 
@@ -188,10 +161,20 @@ class TensorSource(Protocol):
 
 
 class StateDictSource:
+    """A whole state dict as a ``TensorSource``: one dtype throughout, but the routers' weights
+    and expert bias may be fp32 (as GLM keeps them, and as the bias always is)."""
+
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        dtypes = {t.dtype for t in state.values()}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
-            raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {dtypes}.")
+        dtypes = {t.dtype for k, t in state.items() if not MAY_BE_FP32.fullmatch(k)}
+        dtypes = dtypes or {t.dtype for t in state.values()}
+        fp32_ok = dtypes | {torch.float32}
+        if (
+            len(dtypes) != 1
+            or next(iter(dtypes)) not in _DTYPE_NAMES
+            or any(t.dtype not in fp32_ok for t in state.values())
+        ):
+            found = {t.dtype for t in state.values()}
+            raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {found}.")
         self.state, self.dtype = state, next(iter(dtypes))
 
     def names(self) -> set[str]:
@@ -202,42 +185,56 @@ class StateDictSource:
         return t if expert is None else t[expert]
 
 
-def _hf_items(
-    cfg: ModelConfig,
-) -> Iterator[tuple[str, tuple[int, ...], str, int | None, slice | None]]:
-    """(HF key, shape, our name, expert, rows) in a stable order; experts split per expert."""
-    D, H, F, V = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.expert_hidden, cfg.vocab_size
-    kv = cfg.kv_heads * cfg.head_dim
-    shapes = {
-        "attn_norm.weight": (D,), "attn.q_proj.weight": (H, D), "attn.k_proj.weight": (kv, D),
-        "attn.v_proj.weight": (kv, D), "attn.o_proj.weight": (D, H), "attn.q_norm.weight": (H,),
-        "attn.k_norm.weight": (kv,), "moe_norm.weight": (D,),
-        "moe.router.weight": (cfg.n_experts, D),
-    }  # fmt: skip
-    yield "model.embed_tokens.weight", (V, D), "embed.weight", None, None
-    for i in range(cfg.n_layers):
-        for ours, theirs in _DIRECT.items():
-            if "{i}" in ours:
-                local = ours.removeprefix("layers.{i}.")
-                yield theirs.format(i=i), shapes[local], ours.format(i=i), None, None
-        gate_up, down = f"layers.{i}.moe.experts.w_gate_up", f"layers.{i}.moe.experts.w_down"
-        for e in range(cfg.n_experts):
-            yield _EXPERT_HF.format(i=i, e=e, proj="gate_proj"), (F, D), gate_up, e, slice(0, F)
-            yield _EXPERT_HF.format(i=i, e=e, proj="up_proj"), (F, D), gate_up, e, slice(F, 2 * F)
-            yield _EXPERT_HF.format(i=i, e=e, proj="down_proj"), (D, F), down, e, None
-    yield "model.norm.weight", (D,), "norm.weight", None, None
-    yield "lm_head.weight", (V, D), "lm_head.weight", None, None
+class Item(NamedTuple):
+    """One tensor of the HF folder: its name and shape there, what of ours it is (``ours``'s
+    slice ``[expert][rows]``; None: a tensor only the class has, zeros) and whether the class
+    keeps it fp32 whatever the weights' dtype."""
+
+    key: str
+    shape: tuple[int, ...]
+    ours: str | None
+    expert: int | None
+    rows: slice | None
+    fp32: bool
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def hf_items(family: Family, cfg: ModelConfig) -> list[Item]:
+    """Every tensor of ``cfg``'s model in ``family``'s folder, in a stable order (ours, then
+    the class's own); experts split per expert and projection."""
+    F = cfg.expert_hidden
+    items = []
+    for name, shape in state_shapes(cfg).items():
+        m = _LAYER.fullmatch(name)
+        if m is not None and m[2] in ("moe.experts.w_gate_up", "moe.experts.w_down"):
+            i = int(m[1])
+            for e in range(cfg.n_experts):
+                if m[2].endswith("w_down"):
+                    items.append(Item(family.expert_key(i, e, 2), shape[1:], name, e, None, False))
+                    continue
+                for proj, rows in ((0, slice(0, F)), (1, slice(F, 2 * F))):
+                    key = family.expert_key(i, e, proj)
+                    items.append(Item(key, (F, shape[2]), name, e, rows, False))
+            continue
+        template = name if m is None else f"layers.{{i}}.{m[2]}"
+        theirs = family.keys[template]
+        key = theirs.format(i=m[1] if m else "")
+        items.append(Item(key, shape, name, None, None, theirs in family.fp32_keys))
+    for key, shape in family.hf_only(cfg):
+        template = re.sub(r"layers\.\d+\.", "layers.{i}.", key)
+        items.append(Item(key, shape, None, None, None, template in family.fp32_keys))
+    return items
 
 
 def expected_names(cfg: ModelConfig) -> set[str]:
-    names = {k.format(i=i) for k in _DIRECT for i in range(cfg.n_layers)}
-    for i in range(cfg.n_layers):
-        names |= {f"layers.{i}.moe.experts.w_gate_up", f"layers.{i}.moe.experts.w_down"}
-    return names
+    """Our model's parameter names under ``cfg``."""
+    return set(parameter_shapes(cfg))
 
 
 def _check_names(found: set[str], cfg: ModelConfig) -> None:
-    expected = expected_names(cfg)
+    expected = set(state_shapes(cfg))
     missing, extra = sorted(expected - found), sorted(found - expected)
     if missing or extra:
         raise ValueError(
@@ -268,16 +265,17 @@ def save_hf(
     eos_token_id: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write an HF OLMoE directory from a full state dict or a ``TensorSource``; return it.
+    """Write the HF directory of ``cfg``'s family from a full state dict or a ``TensorSource``;
+    return it. What of the training objective the class does not carry is logged in one line.
 
     Shards are planned from the config's shapes, then filled one at a time, so memory holds
     one shard (plus one tensor of the source) at most."""
-    check_exportable(cfg)
+    family = check_exportable(cfg)
     source = StateDictSource(weights) if isinstance(weights, dict) else weights
     _check_names(source.names(), cfg)
     if isinstance(weights, dict):
         found = {name: tuple(t.shape) for name, t in weights.items()}
-        problem = shape_mismatch(found, parameter_shapes(cfg))
+        problem = shape_mismatch(found, state_shapes(cfg))
         if problem is not None:
             raise CheckpointError(
                 f"the weights do not fit their model config ({problem}): nothing was written."
@@ -287,10 +285,10 @@ def save_hf(
     refuse_existing(out, overwrite)
     tokenizer = [] if tokenizer_dir is None else _tokenizer_files(Path(tokenizer_dir))
     element = torch.empty((), dtype=source.dtype).element_size()
-    shards: list[list[tuple]] = [[]]
+    shards: list[list[Item]] = [[]]
     size = 0
-    for item in _hf_items(cfg):
-        nbytes = math.prod(item[1]) * element
+    for item in hf_items(family, cfg):
+        nbytes = math.prod(item.shape) * (4 if item.fp32 else element)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -306,12 +304,16 @@ def save_hf(
         for s, items in enumerate(shards, start=1):
             fname = f"model-{s:05d}-of-{n:05d}.safetensors"
             tensors = {}
-            for key, shape, ours, expert, rows in items:
+            for key, shape, ours, expert, rows, fp32 in items:
+                dtype = torch.float32 if fp32 else source.dtype
+                if ours is None:
+                    tensors[key] = torch.zeros(shape, dtype=dtype)
+                    continue
                 t = source.get(ours, expert)
                 t = t if rows is None else t[rows]
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{ours} has shape {tuple(t.shape)}, the config says {shape}.")
-                tensors[key] = t.detach().to("cpu", source.dtype).contiguous().clone()
+                tensors[key] = t.detach().to("cpu", dtype).contiguous().clone()
             write_safetensors(tensors, tmp / fname)
             for k, t in tensors.items():
                 weight_map[k] = fname
@@ -338,29 +340,10 @@ def save_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    note = export_note(cfg, family)
+    if note is not None:
+        log.warning(note)
     return out
-
-
-# config.json's keys, the type each must have and its default (None: the key is required)
-_HF_KEYS: dict[str, tuple[type, object]] = {
-    "vocab_size": (int, None),
-    "hidden_size": (int, None),
-    "num_hidden_layers": (int, None),
-    "num_attention_heads": (int, None),
-    "num_experts": (int, None),
-    "num_experts_per_tok": (int, None),
-    "intermediate_size": (int, None),
-    "num_key_value_heads": (int, 0),  # 0: as many as num_attention_heads
-    "max_position_embeddings": (int, 4096),
-    "rope_theta": (float, 10000.0),
-    "rms_norm_eps": (float, 1e-5),
-    "norm_topk_prob": (bool, False),
-    "router_aux_loss_coef": (float, 0.01),
-    "initializer_range": (float, 0.02),
-}
-_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
-# safetensors' names of the dtypes a weight may have (our training writes one of these)
-_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _hub_blobs(d: Path) -> Path:
@@ -384,25 +367,10 @@ def _read_json(d: Path, name: str) -> dict:
     return content
 
 
-def _hf_value(path: Path, hf: dict, key: str) -> object:
-    """``hf[key]`` (or its default) once it has the type config.json gives it."""
-    kind, default = _HF_KEYS[key]
-    value = hf.get(key)
-    if value is None:
-        if default is None:
-            raise ConfigError(
-                f"{path} has no {key}, which an OLMoE config.json must give ({_KINDS[kind]})."
-            )
-        return default
-    fits = isinstance(value, bool) == (kind is bool) and isinstance(value, (int, float))
-    if not fits or (kind is int and not isinstance(value, int)):
-        raise ConfigError(f"{key}={value!r} in {path} is not allowed: {_KINDS[kind]}.")
-    return float(value) if kind is float else value
-
-
-def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
-    """Our config for an HF OLMoE directory (ours carries it; others are derived)."""
-    d = Path(hf_dir)
+def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]:
+    """The config, family and (for a folder we did not write) config.json's reader of HF
+    folder ``d``: ours where ``moe_core_config.json`` carries it (exact), else derived from
+    config.json by the family its ``model_type`` names."""
     if not d.is_dir() or not ((d / "config.json").exists() or (d / OUR_CONFIG).exists()):
         what = "is not a folder" if not d.is_dir() else "has no config.json"
         raise CheckpointError(
@@ -412,47 +380,33 @@ def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     if (d / OUR_CONFIG).is_file() or (d / OUR_CONFIG).is_symlink():
         path, ours = d / OUR_CONFIG, _read_json(d, OUR_CONFIG)
         try:
-            return from_dict(ModelConfig, ours, "model.")
+            cfg = from_dict(ModelConfig, ours, "model.")
+            family = choose_family(cfg)
         except ConfigError as err:
             raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
-    path, hf = d / "config.json", _read_json(d, "config.json")
-    if hf.get("model_type") != "olmoe":
-        raise ConfigError(
-            f"model_type={hf.get('model_type')!r} in {d} is not supported: only 'olmoe'."
-        )
-    for key, allowed in (("clip_qkv", None), ("attention_bias", False), ("hidden_act", "silu")):
-        if hf.get(key, allowed) != allowed:
-            raise ConfigError(f"{key}={hf[key]!r} in {d} is not supported: only {allowed!r}.")
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta")}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"rope_parameters={rope!r} in {path} is not allowed: a mapping.")
-    v = {key: _hf_value(path, hf, key) for key in _HF_KEYS if key != "rope_theta"}
-    n_heads = v["num_attention_heads"]
-    if hf.get("head_dim") not in (None, v["hidden_size"] // max(n_heads, 1)):
-        raise ConfigError(f"head_dim={hf['head_dim']} in {d} is not supported: only hidden/heads.")
+        if (d / "config.json").exists():
+            model_type = _read_json(d, "config.json").get("model_type")
+            if model_type != family.model_type:
+                raise CheckpointError(
+                    f"{d / 'config.json'} says model_type={model_type!r} but {path} describes "
+                    f"a {family.title} model ({family.model_type!r}): the two files are not "
+                    "of one export; export the model again."
+                )
+        return cfg, family, None
+    path, raw = d / "config.json", _read_json(d, "config.json")
+    family = family_for(raw.get("model_type"), path)
+    reader = HFConfigReader(path, raw, family)
+    fields = family.model_fields(reader)
     try:
-        return ModelConfig(
-            name=safe_name(Path(hf_dir).name),
-            vocab_size=v["vocab_size"],
-            d_model=v["hidden_size"],
-            n_layers=v["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=v["num_key_value_heads"] or n_heads,
-            n_experts=v["num_experts"],
-            top_k=v["num_experts_per_tok"],
-            expert_hidden=v["intermediate_size"],
-            max_seq_len=v["max_position_embeddings"],
-            rope_theta=_hf_value(path, rope, "rope_theta"),
-            norm_eps=v["rms_norm_eps"],
-            normalize_top_k=v["norm_topk_prob"],
-            aux_loss_coef=v["router_aux_loss_coef"],
-            init_std=v["initializer_range"],
-        )
+        return ModelConfig(name=safe_name(d.name), **fields), family, reader
     except ConfigError as err:
         raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
 
 
-_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
+    """Our config for an HF folder of any of the families (ours carries it; others are
+    derived from config.json: the router losses as ``families`` says, no z-loss)."""
+    return _folder_config(Path(hf_dir))[0]
 
 
 def _weight_files(d: Path) -> list[str]:
@@ -491,63 +445,96 @@ def _unreadable(path: Path, err: Exception) -> CheckpointError:
     )
 
 
-def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF OLMoE directory back into our config and state dict (bit-exact)."""
-    d = Path(hf_dir)
-    cfg = config_from_hf(d)
-    files = _weight_files(d)
-    found: dict[str, tuple[int, ...]] = {}
-    first: tuple[str, str, str] | None = None  # (file, tensor, dtype) of the first weight
-    for f in files:
-        for k, (shape, dtype) in _scan(d / f).items():
-            found[k] = shape
-            if dtype not in _WEIGHT_DTYPES:
-                raise CheckpointError(
-                    f"{d / f} holds {k} as {dtype}, which is not allowed: weights are "
-                    f"{', '.join(_WEIGHT_DTYPES.values())} (nothing is converted unasked)."
-                )
-            first = first or (f, k, dtype)
-            if dtype != first[2]:
-                raise CheckpointError(
-                    f"{d / f} holds {k} as {dtype} but {first[0]} holds {first[1]} as "
-                    f"{first[2]}, which is not allowed: every weight in one dtype (convert them "
-                    "to one first, so no value is rounded here unasked)."
-                )
-    problem = shape_mismatch(found, {key: shape for key, shape, *_ in _hf_items(cfg)})
-    if problem is not None:
-        raise CheckpointError(f"{d} does not hold the model its config.json describes ({problem}).")
-    theirs: dict[str, torch.Tensor] = {}
-    for f in files:
+class HFSource:
+    """A ``TensorSource`` over a Hugging Face folder (any of the families, ours or not): each
+    of our tensors, or one expert's slice of a stacked one, read from the safetensors files
+    when asked, so an importer (``load_hf``, ``load_model``, an initial checkpoint) holds one
+    tensor at a time. Made only once the folder checks out, before any tensor is read: its
+    files inside it (or its hub snapshot's blobs), each readable, weights in one float dtype
+    (the family's fp32 router tensors aside), every tensor's shape as config.json says. A
+    GLM folder's multi-token prediction layers are skipped, and said so."""
+
+    def __init__(self, hf_dir: str | os.PathLike) -> None:
+        d = self.dir = Path(hf_dir)
+        self.cfg, self.family, reader = _folder_config(d)
+        notes = [] if reader is None else reader.notes
+        mtp = range(0)
+        if reader is not None and self.family is GLM4_MOE:
+            n_layers = self.cfg.n_layers
+            mtp = range(n_layers, n_layers + GLM4_MOE.mtp_layers(reader))
+        items = hf_items(self.family, self.cfg)
+        may_be_fp32 = {item.key for item in items if item.fp32}
+        files = _weight_files(d)
+        found: dict[str, tuple[int, ...]] = {}
+        self._file: dict[str, str] = {}
+        skipped = 0
+        first: tuple[str, str, str] | None = None  # (file, tensor, dtype) of the first weight
+        for f in files:
+            for k, (shape, dtype) in _scan(d / f).items():
+                m = re.match(r"model\.layers\.(\d+)\.", k)
+                if m is not None and int(m[1]) in mtp:
+                    skipped += 1
+                    continue
+                found[k], self._file[k] = shape, f
+                if dtype not in _WEIGHT_DTYPES:
+                    raise CheckpointError(
+                        f"{d / f} holds {k} as {dtype}, which is not allowed: weights are "
+                        f"{', '.join(_WEIGHT_DTYPES.values())} (nothing is converted unasked)."
+                    )
+                if k in may_be_fp32 and dtype == "F32":
+                    continue
+                first = first or (f, k, dtype)
+                if dtype != first[2]:
+                    raise CheckpointError(
+                        f"{d / f} holds {k} as {dtype} but {first[0]} holds {first[1]} as "
+                        f"{first[2]}, which is not allowed: every weight in one dtype (convert "
+                        "them to one first, so no value is rounded here unasked)."
+                    )
+        problem = shape_mismatch(found, {item.key: item.shape for item in items})
+        if problem is not None:
+            raise CheckpointError(
+                f"{d} does not hold the model its config.json describes ({problem})."
+            )
+        self.dtype = getattr(torch, _WEIGHT_DTYPES[first[2] if first else "F32"])
+        self._parts: dict[str, list[Item]] = {}
+        for item in items:
+            if item.ours is not None:
+                self._parts.setdefault(item.ours, []).append(item)
+        self._handles: dict[str, Any] = {}
+        if skipped:
+            notes.append(
+                f"{skipped} tensors of the multi-token prediction layer(s) model.layers."
+                f"{mtp.start}-{mtp.stop - 1} (moe_core has no MTP head yet)"
+            )
+        if notes:
+            log.warning(f"not imported from {d}: {'; '.join(notes)}.")
+
+    def names(self) -> set[str]:
+        return set(self._parts)
+
+    def _read(self, key: str) -> torch.Tensor:
+        f = self._file[key]
         try:
-            with safe_open(str(d / f), framework="pt") as fh:
-                for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    theirs[k] = fh.get_tensor(k)
+            if f not in self._handles:
+                self._handles[f] = safe_open(str(self.dir / f), framework="pt")
+            return self._handles[f].get_tensor(key)
         except SafetensorError as err:
-            raise _unreadable(d / f, err) from None
-    inverse = {v: k for k, v in _DIRECT.items()}
-    state: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, int, str], torch.Tensor] = {}
-    for key, t in theirs.items():
-        m = _LAYER_KEY.fullmatch(key)
-        generic = key if m is None else f"model.layers.{{i}}.{m.group(2)}"
-        if generic in inverse:
-            state[inverse[generic].format(i=m.group(1) if m else "")] = t
-            continue
-        em = (
-            re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", m.group(2))
-            if m
-            else None
-        )
-        if em is None:
-            raise CheckpointError(f"{d} holds tensor {key}, which an OLMoE model does not have.")
-        experts[(int(m.group(1)), int(em.group(1)), em.group(2))] = t
-    for i in range(cfg.n_layers):
-        E = range(cfg.n_experts)
-        state[f"layers.{i}.moe.experts.w_gate_up"] = torch.stack(
-            [torch.cat([experts[(i, e, "gate_proj")], experts[(i, e, "up_proj")]]) for e in E]
-        )
-        state[f"layers.{i}.moe.experts.w_down"] = torch.stack(
-            [experts[(i, e, "down_proj")] for e in E]
-        )
-    _check_names(set(state), cfg)
-    return cfg, state
+            raise _unreadable(self.dir / f, err) from None
+
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Our tensor ``name`` (``[expert]`` of a stacked one) as stored: no dtype changes."""
+        parts = self._parts[name]
+        if parts[0].expert is None:
+            return self._read(parts[0].key)
+        experts = range(self.cfg.n_experts) if expert is None else [expert]
+        per_expert = [
+            torch.cat([self._read(p.key) for p in parts if p.expert == e]) for e in experts
+        ]
+        return per_expert[0] if expert is not None else torch.stack(per_expert)
+
+
+def load_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF folder of any of the families back into our config and state dict
+    (bit-exact: no tensor changes dtype)."""
+    source = HFSource(hf_dir)
+    return source.cfg, {name: source.get(name) for name in sorted(source.names())}

@@ -61,12 +61,12 @@ def evaluate(
     ``on_progress(phase, done, total)`` follows it: phase ``"scoring"`` counts micro-batches,
     ``"sampling"`` prompts."""
     report = on_progress or (lambda phase, done, total: None)
-    from transformers import AutoTokenizer, OlmoeForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = checkpoint_config(checkpoint)
     ours = build_model(run.model, "cpu", seed=run.train.seed).eval()
     ours.load_state_dict(CheckpointSource(checkpoint, run.model, torch.float32).state_dict())
-    theirs = OlmoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     held_out = TokenLoader(data_dir, "validation", run.train.seq_len, run.train.micro_batch_size)
     loss_sum = hf_sum = 0.0
     n_batches = tokens = 0

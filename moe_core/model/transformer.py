@@ -173,6 +173,13 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
 
 
+def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model's state dict under ``cfg`` (its parameters and persistent
+    buffers: the routers' expert bias), in state-dict order, read off a meta-device model."""
+    with on_meta():
+        return {name: tuple(t.shape) for name, t in Transformer(cfg).state_dict().items()}
+
+
 def shape_mismatch(
     found: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]]
 ) -> str | None:

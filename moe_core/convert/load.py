@@ -1,0 +1,89 @@
+"""``load_model``: any model folder moe_core reads, as a ``Transformer`` ready for inference.
+
+One entry point for a Hugging Face folder of any family (``OlmoeForCausalLM``,
+``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Glm4MoeForCausalLM``; ours or not), our
+model folder (``model.safetensors`` + ``moe_core_config.json``) or a training checkpoint
+(``checkpoints/step_N``). The model is built on the meta device, allocated on ``device`` in
+``dtype`` and filled one tensor at a time from its source, so the host never holds a second copy
+of a large model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from moe_core.ckpt.format import MANIFEST, verify
+from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+from moe_core.convert.hf import (
+    MAY_BE_FP32,
+    OUR_CONFIG,
+    HFSource,
+    StateDictSource,
+    TensorSource,
+)
+from moe_core.convert.native import WEIGHTS, load_model_dir
+from moe_core.errors import CheckpointError
+from moe_core.model.meta import on_meta
+from moe_core.model.moe import Router
+from moe_core.model.transformer import Transformer
+
+
+def open_source(path: str | os.PathLike) -> tuple[TensorSource, Transformer]:
+    """The tensors behind ``path`` and its model, unallocated on the meta device."""
+    p = Path(path)
+    if (p / "config.json").is_file() or (p / "config.json").is_symlink():
+        hf = HFSource(p)
+        source: TensorSource = hf
+        cfg = hf.cfg
+    elif (p / OUR_CONFIG).is_file() and (p / WEIGHTS).is_file():
+        cfg, state = load_model_dir(p)
+        source = StateDictSource(state)
+    elif (p / ".metadata").is_file():
+        if (p / MANIFEST).is_file() and (problem := verify(p)) is not None:
+            raise CheckpointError(f"checkpoint {p} does not verify ({problem}): not loaded.")
+        cfg = checkpoint_config(p).model
+        source = CheckpointSource(p, cfg, torch.float32)
+    else:
+        raise CheckpointError(
+            f"{p} is no model folder moe_core reads: give a Hugging Face folder (config.json "
+            f"and safetensors), a moe_core model folder ({WEIGHTS} and {OUR_CONFIG}) or a "
+            "training checkpoint (a step_N folder)."
+        )
+    with on_meta():
+        model = Transformer(cfg)
+    return source, model
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Transformer:
+    """The model at ``path`` (an HF folder of any family, our model folder or a training
+    checkpoint) on ``device``, its weights in ``dtype`` but the routers' (fp32, as GLM keeps
+    them; our router computes its logits in fp32 anyway) and buffers, in eval mode.
+
+    ``model(tokens)`` returns ``(logits, aux_loss)``; logits equal those ``transformers``
+    computes from the same HF folder (fp32, to rounding)."""
+    source, model = open_source(path)
+    for name, p in model.named_parameters():
+        if not MAY_BE_FP32.fullmatch(name):
+            p.data = p.data.to(dtype)
+    model.to_empty(device=device)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.reset_buffers()
+    state = model.state_dict(keep_vars=True)
+    differ = set(state) ^ source.names()
+    if differ:
+        raise CheckpointError(
+            f"{path} does not hold the tensors of the model its config describes "
+            f"({sorted(differ)[0]} is in one but not the other): not loaded."
+        )
+    with torch.no_grad():
+        for name in sorted(state):
+            state[name].copy_(source.get(name))
+    return model.eval()
