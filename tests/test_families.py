@@ -418,7 +418,8 @@ def test_export_says_in_one_line_what_does_not_carry_over(tmp_path, caplog):
         save_hf(build_model(quiet).state_dict(), quiet, tmp_path / "quiet")
     olmoe, glm4 = (r.getMessage() for r in caplog.records)
     assert olmoe.startswith("not carried over to OlmoeForCausalLM: the router z-loss")
-    assert "model.z_loss_coef=0.002" in olmoe and "router_aux_loss_coef=0.01 " in olmoe
+    # aux_loss_coef 0.01 averaged over the layers (the default), top-2: 0.01 / 2
+    assert "model.z_loss_coef=0.002" in olmoe and "router_aux_loss_coef=0.005 " in olmoe
     assert glm4.startswith("not carried over to Glm4MoeForCausalLM: the load-balancing loss")
     assert "model.expert_bias_rate=0.001" in glm4 and "z-loss" not in glm4
 

@@ -336,7 +336,8 @@ def test_an_hf_folder_as_transformers_writes_it_still_converts(tmp_path):
     model = build_model(cfg, seed=3)
     theirs, state = load_hf(hf_dir(tmp_path, ours=False))
     # what the class computes: the load-balancing term's weight per layer as a mean, no z-loss
-    per_layer = dict(aux_loss_coef=cfg.aux_loss_coef * cfg.n_layers, aux_loss_reduction="mean")
+    layers = cfg.n_layers if cfg.aux_loss_reduction == "sum" else 1
+    per_layer = dict(aux_loss_coef=cfg.aux_loss_coef * layers, aux_loss_reduction="mean")
     assert dataclasses.replace(theirs, name=cfg.name) == dataclasses.replace(
         cfg, **per_layer, z_loss_coef=0.0
     )
