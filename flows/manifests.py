@@ -53,6 +53,20 @@ def keyed(section: str, value: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def folder_fingerprint(folder: Path) -> dict[str, Any]:
+    """What a stage key holds of a folder it reads but does not own (a checkpoint to start
+    from): its resolved path and each file's name, size and modification time (hashing a
+    model's weights on every pipeline run would take minutes); a folder that is not there is
+    said so, for the stage to refuse when it runs."""
+    if not folder.is_dir():
+        return {"path": str(folder), "missing": True}
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return {
+        "path": str(folder.resolve()),
+        "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
+
+
 def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 

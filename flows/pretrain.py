@@ -249,7 +249,10 @@ def _tokenize_intact(ctx: Context) -> str | None:
 
 
 def _init_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
-    return {"model": keyed("model", to_dict(run.model)), "seed": run.train.seed}
+    key: dict[str, Any] = {"model": keyed("model", to_dict(run.model)), "seed": run.train.seed}
+    if run.init.from_hf is not None:  # the weights come from there: which files, as they are
+        key["from_hf"] = manifests.folder_fingerprint(Path(run.init.from_hf))
+    return key
 
 
 def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
@@ -260,6 +263,8 @@ def _init(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     path = write_initial_checkpoint(ctx.run, ctx.layout.init_checkpoints)
     counts = count(ctx.run.model)
     summary = {"checkpoint": str(path), "total_params": counts.total_params}
+    if ctx.run.init.from_hf is not None:
+        summary["from_hf"] = ctx.run.init.from_hf
     ctx.tracker.params(run_id, {"init": summary})
     return summary, [path / "manifest.json"]
 

@@ -96,7 +96,46 @@ def compose_dict(
         raise ConfigError(f"the overrides {overrides} do not compose: {first}") from None
     assert isinstance(data, dict)
     _check_data_source(data.get("data") or {})
+    if (data.get("init") or {}).get("from_hf") is not None:
+        _model_from_hf(data, list(overrides))
     return data  # type: ignore[return-value]
+
+
+def _model_from_hf(data: dict[str, Any], overrides: list[str]) -> None:
+    """``init.from_hf=DIR``: the model section becomes the one DIR's config describes, with the
+    training-only fields the overrides set (``model.aux_loss_coef=...``) over it; an
+    architecture field set otherwise than DIR says (by ``model=NAME`` or ``model.X=``) is
+    refused in one sentence. DIR's tokenizer tokenizes the data unless ``data.tokenizer`` is
+    given, and ``out_dir`` follows the folder's name unless given."""
+    from moe_core.config import ARCHITECTURE_FIELDS, check_folder
+    from moe_core.convert.hf import config_from_hf
+
+    folder = check_folder("init.from_hf", str(data["init"]["from_hf"]))
+    given = {m.group(1) for o in overrides if (m := re.fullmatch(r"[+~]*([\w.]+)=.*", o, re.S))}
+    theirs = to_dict(config_from_hf(folder))
+    ours = data.get("model") or {}
+    fixed = (
+        set(ARCHITECTURE_FIELDS)
+        if "model" in given
+        else {k.removeprefix("model.") for k in given if k.startswith("model.")}
+    )
+    for key in ARCHITECTURE_FIELDS:
+        if key in fixed and key in ours and ours[key] != theirs[key] and ours[key] is not None:
+            how = "model=" + str(ours.get("name")) if "model" in given else f"model.{key}"
+            raise ConfigError(
+                f"model.{key}={ours[key]!r} (from {how}) is not allowed with "
+                f"init.from_hf={folder!r}, whose config.json says {key}={theirs[key]!r}: the "
+                "architecture comes from the checkpoint, so leave it unset."
+            )
+    model = dict(theirs)
+    for key in set(model) - set(ARCHITECTURE_FIELDS):
+        if f"model.{key}" in given:
+            model[key] = ours[key]
+    data["model"] = model
+    if "data.tokenizer" not in given:
+        data.setdefault("data", {})["tokenizer"] = str(folder)
+    if "out_dir" not in given:
+        data["out_dir"] = f"runs/{model['name']}"
 
 
 def _unparsable(overrides: list[str]) -> str | None:

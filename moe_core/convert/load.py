@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from moe_core.ckpt.format import MANIFEST, verify
+from moe_core.config import ARCHITECTURE_FIELDS, ConfigError, ModelConfig
 from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
 from moe_core.convert.hf import (
     MAY_BE_FP32,
@@ -27,7 +28,7 @@ from moe_core.convert.hf import (
 from moe_core.convert.native import WEIGHTS, load_model_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.meta import on_meta
-from moe_core.model.moe import Router
+from moe_core.model.moe import Experts, Router
 from moe_core.model.transformer import Transformer
 
 
@@ -55,6 +56,43 @@ def open_source(path: str | os.PathLike) -> tuple[TensorSource, Transformer]:
     with on_meta():
         model = Transformer(cfg)
     return source, model
+
+
+def hf_source_for(cfg: ModelConfig, folder: str | os.PathLike) -> HFSource:
+    """The Hugging Face folder a run starts from (``init.from_hf``) as a tensor source, refused
+    in one sentence where it no longer holds the architecture the run was composed with."""
+    source = HFSource(folder)
+    for key in ARCHITECTURE_FIELDS:
+        theirs, ours = getattr(source.cfg, key), getattr(cfg, key)
+        if theirs != ours:
+            raise ConfigError(
+                f"init.from_hf={str(folder)!r} now describes {key}={theirs!r} but this run was "
+                f"composed with model.{key}={ours!r}: compose the run again."
+            )
+    return source
+
+
+def fill_from_source(model: torch.nn.Module, source: TensorSource) -> None:
+    """Copy ``source``'s tensors into ``model``'s parameters and persistent buffers in place,
+    one tensor (one expert) at a time, cast to each one's dtype. ``model`` may be a part of the
+    whole: a pipeline chunk (its layers keep their global names) or an expert-parallel shard (a
+    stacked expert tensor holds experts ``expert_offset ..``)."""
+    offsets = {
+        f"{mod_name}.{p_name}": mod.expert_offset
+        for mod_name, mod in model.named_modules()
+        if isinstance(mod, Experts)
+        for p_name, _ in mod.named_parameters(recurse=False)
+    }
+    names = source.names()
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name not in names:
+                raise CheckpointError(f"{name} is not among the source's tensors: not loaded.")
+            if name in offsets:
+                for e in range(t.shape[0]):
+                    t[e].copy_(source.get(name, offsets[name] + e))
+            else:
+                t.copy_(source.get(name))
 
 
 def load_model(

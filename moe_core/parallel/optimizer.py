@@ -129,6 +129,13 @@ class ShardedAdamW:
             b.release_gradients()
         self._gather_weights()
 
+    def reset_masters(self) -> None:
+        """Masters := the model's weights, after they were set from outside (a run that starts
+        from a checkpoint's weights instead of its own init, ``init.from_hf``)."""
+        for m, b in zip(self.masters, self.buckets, strict=True):
+            if not _same(m, b.param_flat[b.shard]):
+                m.copy_(b.param_flat[b.shard])
+
     def publish_weights(self) -> None:
         """Model weights := masters (cast to the model dtype), gathered over each bucket's group."""
         for m, b in zip(self.masters, self.buckets, strict=True):

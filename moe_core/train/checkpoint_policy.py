@@ -65,6 +65,21 @@ class CheckpointPolicy:
         self.resumed_from = path
         return state
 
+    def start_from_hf(self, chunks: list[torch.nn.Module]) -> str:
+        """A fresh run with ``init.from_hf``: this rank's chunks take the folder's weights (its
+        parameters of them: a pipeline stage's layers, an expert-parallel rank's experts), and
+        the optimizer's masters follow; returns the line that says so. The folder must still
+        hold the architecture the run was configured with."""
+        from moe_core.convert.load import fill_from_source, hf_source_for
+
+        folder = self.cfg.init.from_hf
+        assert folder is not None
+        source = hf_source_for(self.cfg.model, folder)
+        for chunk in chunks:
+            fill_from_source(chunk, source)
+        self.optimizer.reset_masters()
+        return f"started from the weights of {folder} ({source.family.title})"
+
     def start_fresh(self) -> None:
         """A run that resumes nothing is a new run: what an earlier run left in ``out_dir``
         (checkpoints, metrics, model) is moved to ``*.superseded-N``, never pruned or

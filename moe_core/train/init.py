@@ -2,10 +2,11 @@
 
 The model is built on the meta device (no memory). Every parameter (every expert of a stacked
 expert tensor separately) becomes one checkpoint entry whose values are computed only when DCP
-writes that entry, with exactly the seeds ``Transformer.init_weights`` uses, so no process ever
-holds more than one tensor (one expert) of the model, even for ``1t``. Adam moments are not
-written: a checkpoint without them starts the optimizer fresh, as a new run would.
-Training (in any layout) resumes from it like from any other checkpoint.
+writes that entry, with exactly the seeds ``Transformer.init_weights`` uses or, with
+``init.from_hf``, read from the Hugging Face folder's safetensors (``convert.hf.HFSource``), so
+no process ever holds more than one tensor (one expert) of the model, even for ``1t``. Adam
+moments are not written: a checkpoint without them starts the optimizer fresh, as a new run
+would. Training (in any layout) resumes from it like from any other checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -24,6 +26,9 @@ from moe_core.model.meta import on_meta
 from moe_core.model.transformer import Transformer, init_plan, seeded_normal_
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.checkpoint import Checkpointer
+
+if TYPE_CHECKING:
+    from moe_core.convert.hf import HFSource
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -40,8 +45,11 @@ class _LazySavePlanner(DefaultSavePlanner):
         return maker()
 
 
-def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Callable]]:
-    """(meta placeholders, makers) for every parameter chunk of the full model."""
+def _param_makers(
+    run: RunConfig, source: HFSource | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Callable]]:
+    """(meta placeholders, makers) for every parameter chunk of the full model: read from
+    ``source`` where given, else the model's own init."""
     cfg, seed = run.model, run.train.seed
     with on_meta():
         model = Transformer(cfg)
@@ -56,6 +64,10 @@ def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Ca
 
         return make
 
+    def read(name: str, expert: int | None) -> Callable[[], torch.Tensor]:
+        assert source is not None
+        return lambda: source.get(name, expert).to(torch.float32).reshape(-1)
+
     params = dict(model.named_parameters())
     for item in init_plan(model):  # the model's own rule (Transformer.init_weights)
         p = params[item.name]
@@ -65,8 +77,22 @@ def _param_makers(run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, Ca
             key, shape = state_key(item.name, "param", item.expert * p[0].numel()), p.shape[1:]
         placeholders[key] = torch.empty(shape.numel(), device="meta")
         fill = item.fill
-        makers[key] = normal(shape, item.key) if fill is None else _filled(shape.numel(), fill)
+        if source is not None:
+            makers[key] = read(item.name, item.expert)
+        elif fill is None:
+            makers[key] = normal(shape, item.key)
+        else:
+            makers[key] = _filled(shape.numel(), fill)
     return placeholders, makers
+
+
+def _hf_source(run: RunConfig) -> HFSource | None:
+    """``init.from_hf``'s folder as a tensor source (None without it)."""
+    if run.init.from_hf is None:
+        return None
+    from moe_core.convert.load import hf_source_for
+
+    return hf_source_for(run.model, run.init.from_hf)
 
 
 def _filled(n: int, value: float) -> Callable[[], torch.Tensor]:
@@ -75,10 +101,14 @@ def _filled(n: int, value: float) -> Callable[[], torch.Tensor]:
 
 def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
     """Write ``checkpoints/step_00000000`` (atomic, with a manifest); return its path."""
-    placeholders, makers = _param_makers(run)
+    source = _hf_source(run)
+    placeholders, makers = _param_makers(run, source)
     state: dict = dict(placeholders)
     for name in _expert_bias_names(run):
-        state[buffer_key(name)] = torch.zeros(run.model.n_experts)
+        bias = torch.zeros(run.model.n_experts)
+        if source is not None:  # GLM's e_score_correction_bias
+            bias = source.get(name).to(torch.float32)
+        state[buffer_key(name)] = bias
     trainer = {"step": 0, "guards": {}, "config": to_dict(run), "loader": None}
     state["trainer"] = json.dumps(trainer)
     state["adam_step"] = 0

@@ -174,6 +174,10 @@ class Trainer:
             self._resume()
         if self.resumed_from is None:
             self.checkpoints.start_fresh()
+            if self.cfg.init.from_hf is not None:
+                said = self.checkpoints.start_from_hf(list(self.chunks.values()))
+                if self.is_main:
+                    self.console.print(said)
 
     @property
     def is_main(self) -> bool:
