@@ -591,3 +591,48 @@ def test_stages_hold_every_parameter_of_a_named_model_once(name):
     held = sum(s.dense_params + s.expert_params * run.parallel.ep for s in p.stages)
     assert held == count(run.model).total_params == p.total_params
     assert sum(s.moe_layers for s in p.stages) == len(run.model.moe_layers)
+
+
+H200_NODES = ["train=default", "precision=bf16", "cluster=slurm", "train.seq_len=4096"]
+H200_NODES += ["train.micro_batch_size=1", "train.global_batch_size=256", "train.eval_batches=32"]
+
+
+@pytest.mark.parametrize(
+    "name, fits, refused",
+    [
+        # one node; four sequences per micro-batch keep too many activations
+        ("qwen3-30b-a3b", ["parallel=ep8", "cluster.nodes=1"], ["train.micro_batch_size=4"]),
+        # two nodes of two stages; one node's eighth of the experts with fp32 state is too much
+        (
+            "mixtral-8x7b",
+            ["parallel.pp=2", "parallel.ep=8", "cluster.nodes=2"],
+            ["parallel.pp=1", "cluster.nodes=1", "train.micro_batch_size=2"],
+        ),
+        # eight nodes; two nodes without data parallelism keep all the optimizer state
+        (
+            "glm-4.5-air",
+            ["parallel.pp=2", "parallel.dp=4", "parallel.ep=8", "cluster.nodes=8"],
+            ["parallel.dp=1", "cluster.nodes=2"],
+        ),
+    ],
+)
+def test_named_families_plan_on_h200_nodes_and_are_refused_where_they_do_not_fit(
+    name, fits, refused
+):
+    """Qwen3-30B-A3B, Mixtral-8x7B and GLM-4.5-Air on 8-GPU H200 nodes: a layout that fits
+    (each stage's weights are its parameters in bf16, between half and all of the GPU), and one
+    that does not, refused in one sentence naming the model."""
+    run = compose_run([f"model={name}", *H200_NODES, *fits])
+    check_cluster(run)
+    p = plan(run)
+    assert p.fits() and p.gpus == run.cluster.world_size
+    for s in p.stages:
+        assert s.weights == 2 * (s.dense_params + s.expert_params)
+        assert 0.5 * 141 * GIB < s.total <= 141 * GIB, s.total / GIB
+    too_big = compose_run([f"model={name}", *H200_NODES, *fits, *refused])
+    with pytest.raises(InsufficientResourcesError) as err:
+        check_resources(too_big, available_gpus=too_big.parallel.world_size,
+                        available_gpu_memory_gib=141.0)  # fmt: skip
+    message = str(err.value)
+    assert message.startswith(f"model {name} with layout") and one_sentence(message)
+    assert not plan(too_big).fits()

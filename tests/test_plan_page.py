@@ -282,6 +282,7 @@ def test_custom_sizes_give_model_datas_numbers(page: str):
         assert any(c[option] for c in typed), option
     assert any(c["rotary_fraction"] < 1 for c in typed)
     assert any(c["n_expert_groups"] > 1 for c in typed)
+    assert {c["name"] for c in named} >= {"qwen3-30b-a3b", "mixtral-8x7b", "glm-4.5-air"}
 
 
 def test_custom_sizes_start_as_the_model_picked_before(page: str):
@@ -393,6 +394,70 @@ def test_custom_sizes_plan_as_moe_plan(page: str):
     sized = [same_plan(r, evaluate(lay, ref_data), lay) for lay, r in zip(grid, mine, strict=True)]
     assert sum(sized) >= 16 and not all(sized)
     assert to_dict(m)["n_kv_heads"] == 4
+
+
+FAMILIES = ("qwen3-30b-a3b", "mixtral-8x7b", "glm-4.5-air")
+# Layouts these sizes meet: one node with experts split, two stages (GLM's dense block on the
+# first), interleaved chunks, a refused pipeline, and the grid's own.
+FAMILY_LAYOUTS = [
+    layout(gpus_per_node=8, ep=8, precision="bf16", global_batch_size=16, seq_len=256),
+    layout(nodes=2, gpus_per_node=8, pp=2, ep=8, precision="bf16", global_batch_size=16),
+    layout(nodes=2, gpus_per_node=8, pp=2, ep=8, precision="bf16", recompute="block",
+           global_batch_size=16),
+    layout(nodes=2, gpus_per_node=1, pp=2, virtual_stages=2, global_batch_size=4),
+    layout(nodes=4, gpus_per_node=1, pp=4, global_batch_size=4),
+    *LAYOUTS[:4],
+]  # fmt: skip
+
+
+def test_block_options_plan_on_the_page_as_in_python(page: str):
+    """The named families (a leading dense block, a head_dim of its own, partial RoPE, biases,
+    no QK-norm) and what no named model has (a tied head; dense blocks over interleaved chunks;
+    FP8 parts those options refuse) through the page's ``planLayout`` against ``evaluate``:
+    the same refusal sentences, or the same bytes per stage and traffic."""
+    data, _ = page_scripts(page)
+    fp8 = data["precisions"]["fp8"]
+    for part in ("attention", "dense", "lm_head"):
+        data["precisions"][f"fp8 {part}"] = {**fp8, "fp8_parts": ["experts", part]}
+    tiny = from_dict(ModelConfig, data["models"]["tiny"]["config"])
+    models = {name: from_dict(ModelConfig, data["models"][name]["config"]) for name in FAMILIES}
+    models["tiny-tied"] = dataclasses.replace(tiny, name="tiny-tied", tie_embeddings=True)
+    models["tiny-dense"] = dataclasses.replace(  # 3 dense blocks over chunks of 2
+        tiny, name="tiny-dense", n_layers=8, n_dense_layers=3, dense_hidden=200, vocab_size=1001
+    )
+    for name, m in models.items():  # again: with the FP8 precisions added
+        data["models"][name] = model_data(m, data["precisions"], data["seq_lens"])
+    grid = [
+        {**lay, "model": name, "precision": precision}
+        for name in models
+        for precision in ("bf16", "fp8 attention", "fp8 dense", "fp8 lm_head")
+        for lay in FAMILY_LAYOUTS
+    ]
+    js = page_engine(page)
+    js.eval(f"DATA = {json.dumps(data)};")
+    mine = json.loads(
+        js.eval(f"JSON.stringify({json.dumps(grid)}.map((L) => planLayout(DATA, L)))")
+    )
+    refs = [evaluate(lay, data) for lay in grid]
+    sized = [same_plan(r, ref, lay) for lay, r, ref in zip(grid, mine, refs, strict=True)]
+    assert sum(sized) >= 40 and len(sized) - sum(sized) >= 40, sum(sized)
+    refusals = "\n".join(ref["refusal"] for ref in refs if "memory" not in ref)
+    for reason in (
+        "model.tie_embeddings=true with parallel.pp=2 is not built yet",  # a tied head
+        "a list without 'lm_head' when model.tie_embeddings=true",
+        "a list without 'attention' when model.attention_bias='qkv'",  # GLM's biases
+        "a list without 'dense' when model.n_shared_experts=0 and model.n_dense_layers=0",
+        "part 'lm_head' runs lm_head, a [1001, 128] weight",  # FP8 GEMMs' alignment
+        "part 'dense' runs w_gate, a [200, 128] weight",
+    ):
+        assert reason in refusals, reason
+    # sized: GLM's dense block on the first of two stages, dense blocks in interleaved chunks
+    held = {
+        (lay["model"], lay["pp"], lay["virtual_stages"])
+        for lay, z in zip(grid, sized, strict=True)
+        if z
+    }
+    assert {("glm-4.5-air", 2, 1), ("tiny-dense", 2, 2), ("tiny-dense", 4, 1)} <= held
 
 
 def test_fp8_dispatch_rows_plan_as_moe_plan(tmp_path):
