@@ -70,6 +70,33 @@ def test_named_families_count_their_published_sizes(name):
         assert abs(no_ends / 29.9e9 - 1) < 0.005
 
 
+def test_info_shows_the_block_options_a_model_sets(capsys, monkeypatch):
+    """``moe info`` names each block option where it differs from the defaults (OLMoE's block),
+    and adds nothing for a model that sets none."""
+    from rich.console import Console
+
+    import moe_core.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=400))
+    expected = {
+        "glm-4.5-air": "head_dim 128, no QK-norm, RoPE on 64 of 128 head dims, biases on q/k/v, "
+        "first 1 layer dense (SwiGLU hidden 10944), sigmoid router, top-k weights renormalized, "
+        "expert bias (aux-loss-free balancing)",
+        "qwen3-30b-a3b": "head_dim 128, QK-norm per head, top-k weights renormalized",
+        "mixtral-8x7b": "no QK-norm, top-k weights renormalized",
+    }
+    for name, options in expected.items():
+        assert main(["info", f"model={name}"]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"│ block +│ {re.escape(options)} +│", out), name
+    tied = ["model=tiny", "model.tie_embeddings=true", "model.n_expert_groups=2"]
+    assert main(["info", *tied, "model.top_k_groups=2", "model.routed_scale=2.5"]) == 0
+    out = capsys.readouterr().out
+    assert "experts from the best 2 of 2 groups, routed output x 2.5, tied embeddings" in out
+    assert main(["info", "model=olmoe-1b-7b"]) == 0
+    assert "block" not in capsys.readouterr().out
+
+
 def test_1t_lands_on_the_reference_size():
     counts = count(compose_run(["model=1t"]).model)
     assert abs(counts.total_params / 1.2e12 - 1) < 0.02, counts.total_params
