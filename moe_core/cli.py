@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moe_core.config import ConfigError, Dtype, RunConfig, check_folder
+from moe_core.config import ConfigError, Dtype, ModelConfig, RunConfig, check_folder
 from moe_core.config_dict import from_dict
 from moe_core.errors import refusals
 
@@ -50,6 +50,40 @@ def _size(text: str) -> int:
     return int(size)
 
 
+def block_options(m: ModelConfig) -> list[str]:
+    """The block options where ``m`` differs from ``ModelConfig``'s defaults (OLMoE's block),
+    in words: ``moe info`` shows them beside the sizes, so the summary says what runs."""
+    assert m.head_dim is not None
+    default = ModelConfig()
+    out = []
+    if m.head_dim * m.n_heads != m.d_model:
+        out.append(f"head_dim {m.head_dim}")
+    if m.qk_norm != default.qk_norm:
+        out.append("no QK-norm" if m.qk_norm == "none" else f"QK-norm per {m.qk_norm}")
+    if m.rotary_dim != m.head_dim:
+        out.append(f"RoPE on {m.rotary_dim} of {m.head_dim} head dims")
+    if m.attention_bias != default.attention_bias:
+        out.append("biases on " + "/".join(m.attention_bias))
+    if m.n_dense_layers:
+        n = m.n_dense_layers
+        out.append(f"first {n} layer{'s' if n > 1 else ''} dense (SwiGLU hidden {m.dense_hidden})")
+    if m.router != default.router:
+        out.append(f"{m.router} router")
+    if m.n_expert_groups > 1:
+        out.append(f"experts from the best {m.top_k_groups} of {m.n_expert_groups} groups")
+    if m.normalize_top_k:
+        out.append("top-k weights renormalized")
+    if m.routed_scale != default.routed_scale:
+        out.append(f"routed output x {m.routed_scale:g}")
+    if m.expert_bias:
+        out.append("expert bias (aux-loss-free balancing)")
+    if m.aux_loss_reduction != default.aux_loss_reduction:
+        out.append(f"router losses: {m.aux_loss_reduction} over MoE layers")
+    if m.tie_embeddings:
+        out.append("tied embeddings")
+    return out
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     from moe_core.compose import compose_run
     from moe_core.model.flops import count
@@ -65,6 +99,9 @@ def cmd_info(args: argparse.Namespace) -> None:
         + f", expert hidden {m.expert_hidden}, vocab {m.vocab_size}"
     )
     table.add_row("shape", shape)
+    options = block_options(m)
+    if options:
+        table.add_row("block", ", ".join(options))
     for name, value in counts.table():
         table.add_row(name, value)
     table.add_row("FLOPs counted at seq_len", str(m.max_seq_len))

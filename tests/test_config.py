@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ MODELS = sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
 
 
 def test_all_named_sizes_exist():
-    assert MODELS == ["1t", "47b", "olmoe-1b-7b", "small-64e", "tiny"]
+    families = ["glm-4.5-air", "mixtral-8x7b", "qwen3-30b-a3b"]
+    assert sorted(["1t", "47b", "olmoe-1b-7b", "small-64e", "tiny", *families]) == MODELS
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -40,6 +43,58 @@ def test_olmoe_counts_match_the_published_model_and_peer_flops():
     assert abs(counts.total_params / 6.92e9 - 1) < 0.01  # OLMoE-1B-7B: 6.9B total
     assert abs(counts.active_params / 1.28e9 - 1) < 0.01  # 1.3B active
     assert counts.flops_per_token == 7_865_892_864  # the peer benchmark's figure, same convention
+
+
+# The families' published sizes (billions, total and active) and what they count: "all", every
+# parameter; "no embeddings", without the embedding and the LM head. Each total is within 0.5 %;
+# each active count within 2 %, as published to two figures (Qwen3's 3.35B is given as 3.3B).
+PUBLISHED = {
+    "qwen3-30b-a3b": ("all", 30.5, 3.3),  # Qwen's model card; 29.9B total without embeddings
+    "mixtral-8x7b": ("all", 46.7, 12.9),  # Mistral's announcement
+    # GLM-4.5's report (Table 1), without its multi-token-prediction layer, which is not built
+    "glm-4.5-air": ("no embeddings", 106, 12),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_named_families_count_their_published_sizes(name):
+    convention, total, active = PUBLISHED[name]
+    m = compose_run([f"model={name}"]).model
+    counts = count(m)
+    ends = 0 if convention == "all" else 2 * counts.embedding_params  # embedding and LM head
+    assert not m.tie_embeddings
+    assert abs((counts.total_params - ends) / (total * 1e9) - 1) < 0.005, counts.total_params
+    assert abs((counts.active_params - ends) / (active * 1e9) - 1) < 0.02, counts.active_params
+    if name == "qwen3-30b-a3b":  # its card gives the count without embeddings too
+        no_ends = counts.total_params - 2 * counts.embedding_params
+        assert abs(no_ends / 29.9e9 - 1) < 0.005
+
+
+def test_info_shows_the_block_options_a_model_sets(capsys, monkeypatch):
+    """``moe info`` names each block option where it differs from the defaults (OLMoE's block),
+    and adds nothing for a model that sets none."""
+    from rich.console import Console
+
+    import moe_core.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=400))
+    expected = {
+        "glm-4.5-air": "head_dim 128, no QK-norm, RoPE on 64 of 128 head dims, biases on q/k/v, "
+        "first 1 layer dense (SwiGLU hidden 10944), sigmoid router, top-k weights renormalized, "
+        "expert bias (aux-loss-free balancing)",
+        "qwen3-30b-a3b": "head_dim 128, QK-norm per head, top-k weights renormalized",
+        "mixtral-8x7b": "no QK-norm, top-k weights renormalized",
+    }
+    for name, options in expected.items():
+        assert main(["info", f"model={name}"]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"│ block +│ {re.escape(options)} +│", out), name
+    tied = ["model=tiny", "model.tie_embeddings=true", "model.n_expert_groups=2"]
+    assert main(["info", *tied, "model.top_k_groups=2", "model.routed_scale=2.5"]) == 0
+    out = capsys.readouterr().out
+    assert "experts from the best 2 of 2 groups, routed output x 2.5, tied embeddings" in out
+    assert main(["info", "model=olmoe-1b-7b"]) == 0
+    assert "block" not in capsys.readouterr().out
 
 
 def test_1t_lands_on_the_reference_size():
@@ -85,7 +140,11 @@ def test_flops_follow_the_convention_by_hand():
         ("model.n_layers=two", "model.n_layers='two' is not allowed: an integer"),
         ("+model.n_expert=4", "model.n_expert is not a known option"),
         ("train.seq_len=512", "train.seq_len=512 is not allowed: at most model.max_seq_len (256)"),
-        ("model=huge", "model='huge' is not allowed: one of 1t, 47b, olmoe-1b-7b, small-64e, tiny"),
+        (
+            "model=huge",
+            "model='huge' is not allowed: one of 1t, 47b, glm-4.5-air, mixtral-8x7b, olmoe-1b-7b, "
+            "qwen3-30b-a3b, small-64e, tiny",
+        ),
         (
             "precision.optimizer=bf16",
             "precision.optimizer='bf16' is not allowed: fp32 with precision.params=fp32",
@@ -214,7 +273,6 @@ def test_no_group_yaml_repeats_a_dataclass_default():
     """A YAML lists only what it changes (defaults live in the dataclasses). A key may equal its
     default only where it must be present: the option's ``name``, a key another YAML
     interpolates (``${model.vocab_size}``), or one clearing what the file it extends sets."""
-    import re
 
     import yaml
 
@@ -237,10 +295,14 @@ def test_no_group_yaml_repeats_a_dataclass_default():
                 for p in data.get("defaults", [])
                 if p != "_self_"
             ]
+            # a default of None that validation derives from other fields (model.head_dim,
+            # n_kv_heads) is its own: a value there is not the derived one repeated
+            declared = {f.name: f.default for f in dataclasses.fields(getattr(RunConfig(), group))}
             for key, value in data.items():
                 if key in ("defaults", "name") or key not in defaults[group]:
                     continue
-                if value != defaults[group][key] or f"{group}.{key}" in interpolated:
+                default = None if declared.get(key, 0) is None else defaults[group][key]
+                if value != default or f"{group}.{key}" in interpolated:
                     continue
                 if any(key in parent and parent[key] != value for parent in parents):
                     continue

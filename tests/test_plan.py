@@ -13,7 +13,7 @@ from helpers import small_config
 from rich.console import Console
 
 import moe_core.cli as cli
-from moe_core.compose import compose_run
+from moe_core.compose import DEFAULT_CONFIG_DIR, compose_run
 from moe_core.config import (
     ClusterConfig,
     ConfigError,
@@ -189,11 +189,13 @@ def _saved_bytes_per_token(
     gather_rows: bool = False,
     fp8: bool = False,
     compiled: bool = False,
+    dense: bool = False,
 ) -> float:
     """Bytes autograd keeps for one block's backward (distinct storages, weights excluded);
     ``compiled``: the block through ``torch.compile`` with Inductor's partitioner and
-    decompositions (``aot_eager_decomp_partition``: what Inductor saves, without its code)."""
-    model = build_model(dataclasses.replace(m, n_layers=1))
+    decompositions (``aot_eager_decomp_partition``: what Inductor saves, without its code);
+    ``dense``: a leading dense block's instead of an MoE block's."""
+    model = build_model(dataclasses.replace(m, n_layers=m.n_dense_layers + 1))
     apply_kernels(model, Kernels(gather_rows=gather_rows, fp8_experts=fp8))
     pdt = DTYPES[dtype]
     for p in model.parameters():
@@ -208,7 +210,7 @@ def _saved_bytes_per_token(
             kept[storage.data_ptr()] = storage.nbytes()
         return t
 
-    block = model.layers["0"]
+    block = model.layers["0" if dense else str(m.n_dense_layers)]
     if compiled:
         seal()
         block = torch.compile(block, backend="aot_eager_decomp_partition")
@@ -268,6 +270,49 @@ def test_compiled_activation_formula_follows_the_compiled_block(dtype, shape):
     assert compiles(compose_run(["model=tiny", *gpu]))
     assert not compiles(compose_run(["model=tiny", *gpu, "parallel.compile=false"]))
     assert not compiles(compose_run(["model=tiny"]))  # a CPU cluster runs eagerly
+
+
+# The families' block options at small sizes: a head_dim of its own with per-head QK-norm
+# (Qwen3), no QK-norm (Mixtral), GLM's (query heads wider than d_model, half-rotated heads,
+# q/k/v biases, a shared expert, a sigmoid router and a leading dense block) and group-limited
+# routing.
+FAMILY_SHAPES = {
+    "qwen3": {"head_dim": 96, "n_kv_heads": 2, "qk_norm": "head"},
+    "mixtral": {"n_kv_heads": 2, "qk_norm": "none"},
+    "glm": {
+        **{"head_dim": 96, "n_heads": 6, "n_kv_heads": 2, "qk_norm": "none"},
+        **{"rotary_fraction": 0.5, "attention_bias": "qkv", "n_shared_experts": 1},
+        **{"n_dense_layers": 1, "dense_hidden": 320, "router": "sigmoid", "expert_bias": True},
+    },
+    "groups": {"n_experts": 16, "n_expert_groups": 4, "top_k_groups": 2, "top_k": 4},
+}
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, compiled",
+    [
+        *((s, d, False) for s in FAMILY_SHAPES for d in ("fp32", "bf16")),
+        pytest.param("glm", "bf16", True, marks=pytest.mark.slow),  # compiling: 6 s on 2 cores
+    ],
+)
+def test_activation_formula_follows_the_block_options(shape, dtype, compiled):
+    """The formulas with the options of issue 37 against what autograd keeps: the MoE block's
+    (``layer_activation_bytes``) and, where the model has one, a leading dense block's
+    (``dense_layer_activation_bytes``), eagerly within a few percent and compiled within
+    the compiled formula's bounds."""
+    from moe_core.plan import dense_layer_activation_bytes
+
+    base = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_experts=8, top_k=2)
+    m = ModelConfig(**{**base, "expert_hidden": 96, "max_seq_len": 64, **FAMILY_SHAPES[shape]})
+    low = 0.90 if compiled else 0.97
+    measured = _saved_bytes_per_token(m, dtype, "none", tokens=128, compiled=compiled)
+    estimate = layer_activation_bytes(m, dtype, dtype, "none", compiled=compiled)
+    assert low * measured <= estimate <= 1.05 * measured, (measured, estimate)
+    if m.n_dense_layers:
+        kept = _saved_bytes_per_token(m, dtype, "none", 128, compiled=compiled, dense=True)
+        estimate = dense_layer_activation_bytes(m, dtype, dtype, compiled=compiled)
+        assert low * kept <= estimate <= 1.05 * kept, (kept, estimate)
+        assert kept < measured  # no router, no experts
 
 
 @pytest.mark.parametrize("path", ["fused", "gather_rows", "fp8"])
@@ -456,3 +501,138 @@ def test_fp8_dispatch_rows_cut_the_forward_all_to_all_bytes():
     saved = all_to_all_bytes_per_layer(bf16_rows) - all_to_all_bytes_per_layer(fp8_rows)
     assert saved == pytest.approx(rows * (2 * m.d_model - (m.d_model + 4)))
     assert plan(fp8_rows).comm.all_to_all < plan(bf16_rows).comm.all_to_all
+
+
+# ---- the block options of issue 37: leading dense blocks, tied heads, the named families ------
+
+
+def dense_run(pp: int = 1, ep: int = 1, **model) -> RunConfig:
+    """``small_run``'s sizes with leading dense blocks (one unless ``model`` says; SwiGLU hidden
+    48), on ``pp`` stages."""
+    m = small_config(
+        **{"name": "hand", "max_seq_len": 16, "n_dense_layers": 1, **model}, dense_hidden=48
+    )
+    train = TrainConfig(seq_len=16, micro_batch_size=2, global_batch_size=4, eval_batches=ep)
+    par = ParallelConfig(pp=pp, ep=ep)
+    return RunConfig(model=m, train=train, parallel=par, cluster=ClusterConfig(procs_per_node=pp))
+
+
+def test_a_stage_counts_the_dense_block_it_holds_by_hand():
+    """Two stages of a model whose first block is dense: stage 0 holds the dense block
+    (attention, norms and a SwiGLU of dense_hidden; no router, no experts) and the embedding,
+    stage 1 the MoE block and the head, each counted by hand; a dense block keeps less for
+    backward (its SwiGLU, not a router and experts)."""
+    from moe_core.plan import dense_layer_activation_bytes
+
+    run = dense_run(pp=2)
+    first, last = plan(run).stages
+    attention = 4 * 64 * 64 + 64 + 64 + 2 * 64  # q, k, v, o, q_norm, k_norm, two block norms
+    embedding = head = 256 * 64
+    assert (first.layers, first.moe_layers, first.expert_params) == (1, 0, 0)
+    assert first.dense_params == attention + 3 * 64 * 48 + embedding
+    assert (last.layers, last.moe_layers) == (1, 1)
+    assert last.dense_params == attention + 8 * 64 + 64 + head  # + router, final norm
+    assert last.expert_params == 8 * 3 * 64 * 32
+    m, tokens = run.model, 2 * 16
+    a_dense = dense_layer_activation_bytes(m, "fp32", "fp32")
+    a_moe = layer_activation_bytes(m, "fp32", "fp32")
+    router = 4 * 64 + 12 * 8 + 20 * 2
+    experts = 4 * 2 * (64 + 3 * 32) + 4 * 2
+    swiglu = 4 * 4 * 48 + 4 * 64  # gate, up, SwiGLU, product; its input (no router holds it)
+    assert a_moe - a_dense == router + experts - swiglu
+    assert first.in_flight == 2 and first.activations == 2 * tokens * a_dense
+    assert last.activations == tokens * (a_moe + 256 * (4 + 8) + 64 * (4 + 4 + 4))  # + head
+    # the same model without its dense block: both stages hold an MoE block
+    moe_only = plan(dataclasses.replace(run, model=small_config(name="hand", max_seq_len=16)))
+    assert moe_only.stages[0].expert_params == last.expert_params
+    assert moe_only.stages[0].activations > first.activations
+
+
+def test_all_to_all_counts_only_the_moe_layers():
+    """Leading dense blocks dispatch no tokens: a step's all-to-all is one MoE layer's times
+    the MoE layers of the rank holding the most (3 dense of 4 layers: one), not its layers."""
+    from moe_core.plan.communication import all_to_all_bytes_per_layer
+
+    for pp in (1, 2):
+        run = dense_run(pp=pp, ep=2, n_layers=4, n_dense_layers=3)
+        p = plan(run)
+        assert [s.moe_layers for s in p.stages] == ([1] if pp == 1 else [0, 1])
+        per_layer = all_to_all_bytes_per_layer(run)
+        assert p.comm.all_to_all == round(per_layer * 1 * run.micro_batches) > 0
+
+
+def test_a_tied_head_is_the_embedding_counted_once():
+    """With tied embeddings there is no LM head module: the rank holds the embedding once (its
+    weights are the model's parameters), and the logits keep what an untied head's keep."""
+    from moe_core.model.flops import count
+    from moe_core.plan import parameter_counts
+
+    tied = small_run()
+    tied.model = dataclasses.replace(tied.model, tie_embeddings=True)
+    untied = plan(small_run()).memory
+    mem = plan(tied).memory
+    assert parameter_counts(tied.model).head == 0
+    assert untied.dense_params - mem.dense_params == 256 * 64
+    ep = tied.parallel.ep
+    assert mem.dense_params + mem.expert_params * ep == count(tied.model).total_params
+    assert mem.activations == untied.activations
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
+)
+def test_stages_hold_every_parameter_of_a_named_model_once(name):
+    """Over two pipeline stages, each named model's parameters (leading dense blocks, MoE
+    blocks, embedding, head) are the model's, counted once."""
+    from moe_core.model.flops import count
+
+    run = compose_run([f"model={name}", "parallel.pp=2", "cluster.procs_per_node=2"])
+    p = plan(run)
+    held = sum(s.dense_params + s.expert_params * run.parallel.ep for s in p.stages)
+    assert held == count(run.model).total_params == p.total_params
+    assert sum(s.moe_layers for s in p.stages) == len(run.model.moe_layers)
+
+
+H200_NODES = ["train=default", "precision=bf16", "cluster=slurm", "train.seq_len=4096"]
+H200_NODES += ["train.micro_batch_size=1", "train.global_batch_size=256", "train.eval_batches=32"]
+
+
+@pytest.mark.parametrize(
+    "name, fits, refused",
+    [
+        # one node; four sequences per micro-batch keep too many activations
+        ("qwen3-30b-a3b", ["parallel=ep8", "cluster.nodes=1"], ["train.micro_batch_size=4"]),
+        # two nodes of two stages; one node's eighth of the experts with fp32 state is too much
+        (
+            "mixtral-8x7b",
+            ["parallel.pp=2", "parallel.ep=8", "cluster.nodes=2"],
+            ["parallel.pp=1", "cluster.nodes=1", "train.micro_batch_size=2"],
+        ),
+        # eight nodes; two nodes without data parallelism keep all the optimizer state
+        (
+            "glm-4.5-air",
+            ["parallel.pp=2", "parallel.dp=4", "parallel.ep=8", "cluster.nodes=8"],
+            ["parallel.dp=1", "cluster.nodes=2"],
+        ),
+    ],
+)
+def test_named_families_plan_on_h200_nodes_and_are_refused_where_they_do_not_fit(
+    name, fits, refused
+):
+    """Qwen3-30B-A3B, Mixtral-8x7B and GLM-4.5-Air on 8-GPU H200 nodes: a layout that fits
+    (each stage's weights are its parameters in bf16, between half and all of the GPU), and one
+    that does not, refused in one sentence naming the model."""
+    run = compose_run([f"model={name}", *H200_NODES, *fits])
+    check_cluster(run)
+    p = plan(run)
+    assert p.fits() and p.gpus == run.cluster.world_size
+    for s in p.stages:
+        assert s.weights == 2 * (s.dense_params + s.expert_params)
+        assert 0.5 * 141 * GIB < s.total <= 141 * GIB, s.total / GIB
+    too_big = compose_run([f"model={name}", *H200_NODES, *fits, *refused])
+    with pytest.raises(InsufficientResourcesError) as err:
+        check_resources(too_big, available_gpus=too_big.parallel.world_size,
+                        available_gpu_memory_gib=141.0)  # fmt: skip
+    message = str(err.value)
+    assert message.startswith(f"model {name} with layout") and one_sentence(message)
+    assert not plan(too_big).fits()

@@ -165,13 +165,22 @@ def same_plan(mine: dict, ref: dict, lay: dict) -> bool:
     return True
 
 
-SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "n_experts", "top_k"]
-SIZES += ["expert_hidden", "n_shared_experts", "max_seq_len"]
+SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts"]
+SIZES += ["top_k", "expert_hidden", "n_shared_experts", "n_dense_layers", "dense_hidden"]
+SIZES += ["max_seq_len"]
 
 
-def sizes(vocab, d, layers, heads, kv, experts, top_k, hidden, shared=0, seq=4096) -> dict:
-    values = (vocab, d, layers, heads, kv, experts, top_k, hidden, shared, seq)
-    return dict(zip(SIZES, values, strict=True))
+def sizes(vocab, d, layers, heads, kv, experts, top_k, hidden, shared=0, seq=4096, **more) -> dict:
+    """Typed sizes; ``more``: head_dim, n_dense_layers, dense_hidden (else empty: d_model /
+    n_heads, no dense blocks)."""
+    assert set(more) <= set(SIZES)
+    typed = dict(
+        vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+        head_dim=None, n_experts=experts, top_k=top_k, expert_hidden=hidden,
+        n_shared_experts=shared, n_dense_layers=0, dense_hidden=None, max_seq_len=seq,
+    )  # fmt: skip
+    assert list(typed) == SIZES
+    return {**typed, **more}
 
 
 # Shapes the named models do not have: grouped-query attention, shared experts, every expert
@@ -184,6 +193,26 @@ SHAPES = [
     sizes(7, 12, 1, 2, 2, 6, 4, 10, seq=300),
     sizes(999, 16, 1, 2, 1, 240, 100, 8),  # q below 2^-60 for some splits, 0 for others
 ]
+
+
+# Block options the typed sizes keep from the model they start from, with the sizes that meet
+# them: a head_dim of its own, QK-norm per head or none, partial RoPE, biases, leading dense
+# blocks, expert groups, a sigmoid router, tied embeddings.
+OPTIONS = [
+    {**sizes(50257, 512, 4, 8, 2, 16, 4, 128, head_dim=96), "qk_norm": "head"},
+    {**sizes(32000, 256, 3, 4, 2, 8, 2, 512), "qk_norm": "none", "tie_embeddings": True},
+    {
+        **sizes(151552, 512, 5, 12, 4, 32, 8, 64, shared=1, head_dim=64, n_dense_layers=2,
+                dense_hidden=1000),
+        **{"qk_norm": "none", "rotary_fraction": 0.5, "attention_bias": "qkv"},
+        **{"router": "sigmoid", "normalize_top_k": True, "expert_bias": True},
+    },
+    {
+        **sizes(1000, 128, 2, 4, 4, 16, 4, 32, n_dense_layers=1, dense_hidden=48),
+        **{"attention_bias": "qkvo", "n_expert_groups": 4, "top_k_groups": 2},
+        "tie_embeddings": True,
+    },
+]  # fmt: skip
 
 
 def random_shapes(n: int, seed: int = 20) -> list[dict]:
@@ -216,8 +245,9 @@ def same_numbers(mine, ref, where: str = "") -> None:
 
 
 def custom_configs(data: dict, shapes: list[dict]) -> list[dict]:
-    """Whole model configs as the page builds them: a named model's fields, typed sizes over."""
-    base = {**data["models"]["tiny"]["config"], "name": "custom"}
+    """Whole model configs as the page builds them: a named model's fields, typed sizes over
+    (its head_dim, d_model / n_heads, is seeded empty: it follows the typed sizes)."""
+    base = {**data["models"]["tiny"]["config"], "name": "custom", "head_dim": None}
     return [{**base, **s} for s in shapes]
 
 
@@ -228,7 +258,7 @@ def test_custom_sizes_give_model_datas_numbers(page: str):
     data, _ = page_scripts(page)
     js = page_engine(page)
     named = [m["config"] for m in data["models"].values()]
-    typed = custom_configs(data, SHAPES + random_shapes(16))
+    typed = custom_configs(data, SHAPES + random_shapes(16) + OPTIONS)
     configs = named + typed
     script = f"JSON.stringify({json.dumps(configs)}.map((c) => modelData(DATA, c)))"
     got = json.loads(js.eval(script))
@@ -238,13 +268,42 @@ def test_custom_sizes_give_model_datas_numbers(page: str):
         )
         for c in typed
     ]
-    assert len(got) == len(expected) == len(data["models"]) + 22
+    assert len(got) == len(expected) == len(data["models"]) + 22 + len(OPTIONS)
     for config, mine, ref in zip(configs, got, expected, strict=True):
         same_numbers(mine, ref, json.dumps({k: config[k] for k in SIZES}))
     # a grouped-query shape, a shared expert and every expert active are in the grid
     assert any(c["n_kv_heads"] and c["n_kv_heads"] < c["n_heads"] for c in configs)
     assert any(c["n_shared_experts"] for c in configs)
     assert any(c["top_k"] == c["n_experts"] > 1 for c in configs)
+    # and each block option: typed (head_dim, dense blocks) or kept from the model (the rest)
+    assert {c["qk_norm"] for c in typed} == {"projection", "head", "none"}
+    assert {c["attention_bias"] for c in typed} == {"none", "qkv", "qkvo"}
+    for option in ("head_dim", "n_dense_layers", "tie_embeddings"):
+        assert any(c[option] for c in typed), option
+    assert any(c["rotary_fraction"] < 1 for c in typed)
+    assert any(c["n_expert_groups"] > 1 for c in typed)
+    assert {c["name"] for c in named} >= {"qwen3-30b-a3b", "mixtral-8x7b", "glm-4.5-air"}
+
+
+def test_custom_sizes_start_as_the_model_picked_before(page: str):
+    """page.js's ``seed`` (on picking custom sizes) then ``readCustom`` (on every input) give
+    back the model picked before, its block options kept: its model data, and so its plan,
+    are the named model's. head_dim shows empty where it is d_model / n_heads."""
+    data, _ = page_scripts(page)
+    js = page_engine(page)
+    source = (ROOT / "moe_core" / "planpage" / "page.js").read_text()
+    js.eval("const inputs = {}; const $ = (id) => inputs[id] || (inputs[id] = {dataset: {}});")
+    for name in ("seed", "readCustom"):  # the two functions alone (the page runs its DOM)
+        js.eval(re.search(rf"^function {name}\(.*?^}}$", source, re.S | re.M).group(0))
+    assert json.loads(js.eval("JSON.stringify(MODEL_SIZES)")) == SIZES  # the dataclass's order
+    for name, model in data["models"].items():
+        config = model["config"]
+        js.eval(f"seed({json.dumps(config)});")
+        shown = json.loads(js.eval("JSON.stringify(MODEL_SIZES.map((k) => $(`m-${k}`).value))"))
+        own_head_dim = config["head_dim"] * config["n_heads"] != config["d_model"]
+        assert (shown[SIZES.index("head_dim")] != "") == own_head_dim, name
+        again = json.loads(js.eval("JSON.stringify(modelData(DATA, readCustom()))"))
+        same_numbers(again, {**model, "config": {**config, "name": "custom"}}, name)
 
 
 BAD_SIZES = [
@@ -260,9 +319,26 @@ BAD_SIZES = [
     {"n_heads": 4, "n_kv_heads": 3},
     {"d_model": 12, "n_heads": 4},  # head_dim 3: odd, no rotary embedding
     {"top_k": 0, "d_model": 7},  # the first failing check wins, as in Python
+    {"head_dim": 3},  # a head_dim of its own, odd
+    {"head_dim": 6, "rotary_fraction": 0.5},  # 3 rotated dimensions
+    {"head_dim": "x"},
+    {"n_heads": 5000, "n_kv_heads": 1, "head_dim": 2},  # no real model has that many
+    {"vocab_size": 2**33},
+    {"n_dense_layers": -1},
+    {"n_dense_layers": 4},  # every block dense
+    {"n_dense_layers": 1},  # dense_hidden missing
+    {"dense_hidden": 64},  # without dense blocks
+    {"n_dense_layers": 1, "dense_hidden": 0},
+    {"n_experts": 6, "n_expert_groups": 4},
+    {"n_experts": 4, "top_k": 1, "n_expert_groups": 4},  # one expert per group
+    {"n_expert_groups": 2, "top_k_groups": 3},
+    {"top_k": 4, "n_expert_groups": 4, "top_k_groups": 1},  # 4 of the one group's 2
     {},
     {"n_kv_heads": None},
+    {"d_model": 96, "n_heads": 5, "n_kv_heads": None, "head_dim": 16},  # need not divide
+    {"n_dense_layers": 1, "dense_hidden": 48},
 ]
+ACCEPTED_SIZES = 4  # the last four
 
 
 def test_custom_sizes_are_refused_as_the_config_refuses(page: str):
@@ -271,7 +347,9 @@ def test_custom_sizes_are_refused_as_the_config_refuses(page: str):
     data, _ = page_scripts(page)
     js = page_engine(page)
     configs = custom_configs(data, BAD_SIZES)
-    got = json.loads(js.eval(f"JSON.stringify({json.dumps(configs)}.map(modelRefusal))"))
+    got = json.loads(
+        js.eval(f"JSON.stringify({json.dumps(configs)}.map((c) => modelRefusal(DATA, c)))")
+    )
     refused = 0
     for config, mine in zip(configs, got, strict=True):
         try:
@@ -282,7 +360,7 @@ def test_custom_sizes_are_refused_as_the_config_refuses(page: str):
             refused += 1
             assert one_sentence(mine) and mine.startswith("model.")
         assert mine == expected, config
-    assert refused == len(BAD_SIZES) - 2
+    assert refused == len(BAD_SIZES) - ACCEPTED_SIZES
     # counts past 2^53 - 1: refused in one sentence, not rounded
     huge = custom_configs(data, [sizes(262144, 65536, 512, 512, None, 4096, 8, 65536)])[0]
     small = custom_configs(data, SHAPES[:1])[0]
@@ -316,6 +394,70 @@ def test_custom_sizes_plan_as_moe_plan(page: str):
     sized = [same_plan(r, evaluate(lay, ref_data), lay) for lay, r in zip(grid, mine, strict=True)]
     assert sum(sized) >= 16 and not all(sized)
     assert to_dict(m)["n_kv_heads"] == 4
+
+
+FAMILIES = ("qwen3-30b-a3b", "mixtral-8x7b", "glm-4.5-air")
+# Layouts these sizes meet: one node with experts split, two stages (GLM's dense block on the
+# first), interleaved chunks, a refused pipeline, and the grid's own.
+FAMILY_LAYOUTS = [
+    layout(gpus_per_node=8, ep=8, precision="bf16", global_batch_size=16, seq_len=256),
+    layout(nodes=2, gpus_per_node=8, pp=2, ep=8, precision="bf16", global_batch_size=16),
+    layout(nodes=2, gpus_per_node=8, pp=2, ep=8, precision="bf16", recompute="block",
+           global_batch_size=16),
+    layout(nodes=2, gpus_per_node=1, pp=2, virtual_stages=2, global_batch_size=4),
+    layout(nodes=4, gpus_per_node=1, pp=4, global_batch_size=4),
+    *LAYOUTS[:4],
+]  # fmt: skip
+
+
+def test_block_options_plan_on_the_page_as_in_python(page: str):
+    """The named families (a leading dense block, a head_dim of its own, partial RoPE, biases,
+    no QK-norm) and what no named model has (a tied head; dense blocks over interleaved chunks;
+    FP8 parts those options refuse) through the page's ``planLayout`` against ``evaluate``:
+    the same refusal sentences, or the same bytes per stage and traffic."""
+    data, _ = page_scripts(page)
+    fp8 = data["precisions"]["fp8"]
+    for part in ("attention", "dense", "lm_head"):
+        data["precisions"][f"fp8 {part}"] = {**fp8, "fp8_parts": ["experts", part]}
+    tiny = from_dict(ModelConfig, data["models"]["tiny"]["config"])
+    models = {name: from_dict(ModelConfig, data["models"][name]["config"]) for name in FAMILIES}
+    models["tiny-tied"] = dataclasses.replace(tiny, name="tiny-tied", tie_embeddings=True)
+    models["tiny-dense"] = dataclasses.replace(  # 3 dense blocks over chunks of 2
+        tiny, name="tiny-dense", n_layers=8, n_dense_layers=3, dense_hidden=200, vocab_size=1001
+    )
+    for name, m in models.items():  # again: with the FP8 precisions added
+        data["models"][name] = model_data(m, data["precisions"], data["seq_lens"])
+    grid = [
+        {**lay, "model": name, "precision": precision}
+        for name in models
+        for precision in ("bf16", "fp8 attention", "fp8 dense", "fp8 lm_head")
+        for lay in FAMILY_LAYOUTS
+    ]
+    js = page_engine(page)
+    js.eval(f"DATA = {json.dumps(data)};")
+    mine = json.loads(
+        js.eval(f"JSON.stringify({json.dumps(grid)}.map((L) => planLayout(DATA, L)))")
+    )
+    refs = [evaluate(lay, data) for lay in grid]
+    sized = [same_plan(r, ref, lay) for lay, r, ref in zip(grid, mine, refs, strict=True)]
+    assert sum(sized) >= 40 and len(sized) - sum(sized) >= 40, sum(sized)
+    refusals = "\n".join(ref["refusal"] for ref in refs if "memory" not in ref)
+    for reason in (
+        "model.tie_embeddings=true with parallel.pp=2 is not built yet",  # a tied head
+        "a list without 'lm_head' when model.tie_embeddings=true",
+        "a list without 'attention' when model.attention_bias='qkv'",  # GLM's biases
+        "a list without 'dense' when model.n_shared_experts=0 and model.n_dense_layers=0",
+        "part 'lm_head' runs lm_head, a [1001, 128] weight",  # FP8 GEMMs' alignment
+        "part 'dense' runs w_gate, a [200, 128] weight",
+    ):
+        assert reason in refusals, reason
+    # sized: GLM's dense block on the first of two stages, dense blocks in interleaved chunks
+    held = {
+        (lay["model"], lay["pp"], lay["virtual_stages"])
+        for lay, z in zip(grid, sized, strict=True)
+        if z
+    }
+    assert {("glm-4.5-air", 2, 1), ("tiny-dense", 2, 2), ("tiny-dense", 4, 1)} <= held
 
 
 def test_fp8_dispatch_rows_plan_as_moe_plan(tmp_path):
@@ -599,7 +741,8 @@ def test_config_and_page_refuse_a_grid_of_layouts_with_the_same_rule_table(page:
     js.eval(f"DATA.precisions['fp8 dispatch'] = {json.dumps(dispatch)};")
     script = (
         f"JSON.stringify({json.dumps(grid)}.map((L) => configRefusal("
-        "DATA.models[L.model].config, L, DATA.precisions[L.precision], DATA.rules)))"
+        "DATA.models[L.model].config, L, DATA.precisions[L.precision], DATA.rules, "
+        "DATA.constants)))"
     )
     mine = json.loads(js.eval(script))
     met = set()

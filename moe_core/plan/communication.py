@@ -2,13 +2,14 @@
 
 Ring collectives send ``(g - 1) / g`` of the buffer.
 
-- all-to-all per MoE layer and micro-batch, under uniform routing: each token goes once to each
-  other expert-parallel rank holding one of its top-k experts, ``r = T * (ep - 1) * (1 - q)``
-  rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends ``r * (d_model * b_p + 12 k)``
-  (row, expert ids, weights) and ``r * d_model * b_p`` back; backward the same rows with
-  ``4 k`` instead of ``12 k``; block recompute repeats the forward. FP8 rows
-  (``precision.fp8_parts`` naming "dispatch") send ``d_model + 4`` bytes (E4M3 and a scale)
-  instead of ``d_model * b_p`` for each row forward.
+- all-to-all per MoE layer and micro-batch (leading dense blocks dispatch nothing; a step
+  counts the MoE layers of the rank holding the most), under uniform routing: each token goes
+  once to each other expert-parallel rank holding one of its top-k experts,
+  ``r = T * (ep - 1) * (1 - q)`` rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends
+  ``r * (d_model * b_p + 12 k)`` (row, expert ids, weights) and ``r * d_model * b_p`` back;
+  backward the same rows with ``4 k`` instead of ``12 k``; block recompute repeats the
+  forward. FP8 rows (``precision.fp8_parts`` naming "dispatch") send ``d_model + 4`` bytes
+  (E4M3 and a scale) instead of ``d_model * b_p`` for each row forward.
 - reduce-scatter of the gradients (``b_o``) and all-gather of the updated weights, once per step.
 - pipeline: one ``T * d_model * b_p`` message per micro-batch and chunk boundary, each way
   (``memory.pipeline_send_bytes``).
@@ -29,7 +30,7 @@ class Communication:
     """Bytes one rank sends per optimizer step (all-to-all also per layer and micro-batch)."""
 
     all_to_all_per_layer: int  # one MoE layer, one micro-batch, forward + backward
-    all_to_all: int  # the step: every MoE layer of the busiest rank, every micro-batch
+    all_to_all: int  # the step: every MoE layer of the rank with the most, every micro-batch
     reduce_scatter: int  # gradients in the optimizer's dtype, dense and expert groups
     all_gather: int  # updated weights in the model dtype
     pipeline: int  # the busiest rank's activation and gradient messages
@@ -82,12 +83,12 @@ def communication(run: RunConfig, stages: tuple[StageMemory, ...]) -> Communicat
     """The busiest rank's traffic per step, given every stage's memory (its parameters and
     pipeline sends)."""
     per_layer = all_to_all_bytes_per_layer(run)
-    layers_per_rank = run.model.n_layers // run.parallel.pp
+    moe_layers = max(s.moe_layers for s in stages)
     busiest = max(stages, key=lambda s: s.dense_params + s.expert_params)
     reduce_scatter, all_gather = zero1_bytes(run, busiest.dense_params, busiest.expert_params)
     return Communication(
         all_to_all_per_layer=round(per_layer),
-        all_to_all=round(per_layer * layers_per_rank * run.micro_batches),
+        all_to_all=round(per_layer * moe_layers * run.micro_batches),
         reduce_scatter=round(reduce_scatter),
         all_gather=round(all_gather),
         pipeline=max(s.p2p_buffers for s in stages),

@@ -6,8 +6,11 @@ the peak, not measurements. Memory of one rank of pipeline stage ``s`` (every ra
 holds the same), in bytes:
 
 - weights: ``(N_dense + N_expert) * b_p``, with ``N_dense`` the stage's attention, norm, router,
-  shared-expert (plus embedding on the first, final norm and LM head on the last stage)
-  parameters, ``N_expert`` its routed-expert parameters divided by ``ep``, ``b_p`` 2 for bf16
+  shared-expert parameters of its MoE blocks, the whole of its leading dense blocks
+  (``model.n_dense_layers``: attention, norms, a dense SwiGLU; which global layers a stage
+  holds is ``parallel.pipeline.chunk_layers`` of its chunks), plus the embedding on the first,
+  final norm and LM head on the last stage (a tied head is the embedding: counted once), and
+  ``N_expert`` its MoE blocks' routed-expert parameters divided by ``ep``; ``b_p`` 2 for bf16
   and 4 for fp32 weights.
 - gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
@@ -20,12 +23,15 @@ holds the same), in bytes:
   that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
   for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
   master), over ``N_dense / (dp * ep) + N_expert / dp`` elements.
-- activations: ``in_flight * layers_per_chunk * T * A`` with ``T = micro_batch_size * seq_len``
-  tokens per micro-batch, ``in_flight`` the most forwards whose backward is still pending in
-  the stage's schedule (``pp - s`` for 1F1B) and ``A`` the bytes one layer saves per token
-  (``layer_activation_bytes``, eager or with compiled blocks, as the run compiles:
-  ``parallel.compile``, on by default on GPUs); block recompute keeps ``d_model * b_p`` per
-  layer and token instead, plus one rematerialized layer (``T * A``) during backward. The stage
+- activations: ``in_flight * T * (n_moe * A + n_dense * A_dense)`` for the rank's chunk with
+  the most (an upper bound where interleaved chunks differ), with ``T = micro_batch_size *
+  seq_len`` tokens per micro-batch, ``in_flight`` the most forwards whose backward is still
+  pending in the stage's schedule (``pp - s`` for 1F1B), ``n_moe`` and ``n_dense`` the chunk's
+  MoE and leading dense blocks and ``A``, ``A_dense`` the bytes each saves per token
+  (``layer_activation_bytes``, ``dense_layer_activation_bytes``, eager or with compiled blocks,
+  as the run compiles: ``parallel.compile``, on by default on GPUs); block recompute keeps
+  ``d_model * b_p`` per layer and token instead, plus one rematerialized layer (``T * A``, or
+  ``T * A_dense`` where that is larger and the stage holds one) during backward. The stage
   holding the LM head adds, eager, ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the
   logits, their fp32 copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16
   autocast, else 4); compiled (the loss fuses the upcast), ``T * (2 V b_c + d_model * (b_p +
@@ -35,7 +41,7 @@ holds the same), in bytes:
   forward, gradients backward; the runner holds each until the step ends).
 - expert-parallel receive buffers (``parallel.dispatcher=nvshmem_rowwise``): the symmetric
   staging of ``RowwiseExchange.buffer_bytes`` for the rows ``rowwise_capacity`` allows, and,
-  per layer, the expert-ordered buffers sized for its assignment capacity ``M`` instead of the
+  per MoE layer, the expert-ordered buffers sized for its assignment capacity ``M`` instead of the
   ``T * k`` rows the exact-size dispatchers keep: ``(M - T k) (b_p (d + 3 h) + 4)`` more
   activation bytes (``b_p h`` less per row under selective recompute or the fused MLP).
 - transient: the gradient of the stage's largest parameter in ``b_p`` (autograd writes it
@@ -53,10 +59,10 @@ from moe_core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moe_core.model.dtypes import DTYPES
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts
-from moe_core.model.transformer import Transformer
+from moe_core.model.transformer import Block, Transformer
 from moe_core.parallel.ddp import reduce_groups
 from moe_core.parallel.dispatch import RowwiseExchange, rowwise_capacity
-from moe_core.parallel.pipeline import rank_chunks, schedule
+from moe_core.parallel.pipeline import chunk_layers, rank_chunks, schedule
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 4.0
@@ -89,34 +95,52 @@ def tokens_per_micro_batch(run: RunConfig) -> int:
 
 @dataclass(frozen=True)
 class ParameterCounts:
-    """Parameter counts by place, read off a one-layer meta-device model."""
+    """Parameter counts by place, read off meta-device blocks: an MoE block, a leading dense
+    block (``model.n_dense_layers``; zeros without one) and the model's ends."""
 
-    layer_dense: int  # attention, norms, router, shared expert of one block
-    layer_expert: int  # all routed experts of one block
-    largest_dense: int  # the largest dense tensor of a block
-    largest_expert: int  # the largest routed-expert tensor of a block (all experts)
+    layer_dense: int  # an MoE block's attention, norms, router, shared expert
+    layer_expert: int  # all routed experts of an MoE block
+    largest_dense: int  # the largest dense tensor of an MoE block
+    largest_expert: int  # the largest routed-expert tensor of an MoE block (all experts)
+    dense_block: int  # a leading dense block: attention, norms, its SwiGLU (0: none)
+    largest_dense_block: int  # its largest tensor (0: none)
     embedding: int
-    head: int  # LM head
+    head: int  # LM head; 0 when tied (the embedding is the head: one parameter, counted once)
     final_norm: int
 
 
 def parameter_counts(m: ModelConfig) -> ParameterCounts:
+    """Counts of one MoE block and the ends, from a one-layer model of MoE blocks only (the
+    leading dense blocks left out, so any ``n_dense_layers`` builds), and of one dense block."""
+    ends_only = dataclasses.replace(m, n_layers=1, n_dense_layers=0, dense_hidden=None)
     with on_meta():
-        model = Transformer(dataclasses.replace(m, n_layers=1))
+        model = Transformer(ends_only)
+        dense_block = Block(m, 0) if m.n_dense_layers else None
     block = model.layers["0"]
     experts = [p for mod in block.modules() if isinstance(mod, Experts) for p in mod.parameters()]
     expert_ids = {id(p) for p in experts}
     dense = [p for p in block.parameters() if id(p) not in expert_ids]
-    assert model.embed is not None and model.lm_head is not None and model.norm is not None
+    leading = [p.numel() for p in dense_block.parameters()] if dense_block is not None else [0]
+    assert model.embed is not None and model.norm is not None
     return ParameterCounts(
         layer_dense=sum(p.numel() for p in dense),
         layer_expert=sum(p.numel() for p in experts),
         largest_dense=max(p.numel() for p in dense),
         largest_expert=max(p.numel() for p in experts),
+        dense_block=sum(leading),
+        largest_dense_block=max(leading),
         embedding=model.embed.weight.numel(),
-        head=model.lm_head.weight.numel(),
+        head=model.lm_head.weight.numel() if model.lm_head is not None else 0,
         final_norm=model.norm.weight.numel(),
     )
+
+
+def chunk_blocks(m: ModelConfig, par: ParallelConfig, chunk: int) -> tuple[int, int]:
+    """``(dense, moe)``: how many leading dense blocks and MoE blocks model chunk ``chunk``
+    holds (its global layers: ``parallel.pipeline.chunk_layers``)."""
+    layers = chunk_layers(m.n_layers, par.pp * par.virtual_stages, chunk)
+    dense = max(0, min(layers.stop, m.n_dense_layers) - layers.start)
+    return dense, len(layers) - dense
 
 
 @dataclass(frozen=True)
@@ -124,7 +148,9 @@ class StageParameters:
     """What one rank of a pipeline stage holds: its chunks' layers and their parameters."""
 
     chunks: list[int]  # the model chunks this rank runs (``v`` of them under interleaving)
+    blocks: list[tuple[int, int]]  # each chunk's (dense, MoE) blocks (``chunk_blocks``)
     layers: int
+    moe_layers: int  # the MoE blocks among them (the rest are leading dense blocks)
     dense: int  # dense parameters, with the embedding / final norm and head where it has them
     experts: int  # its routed experts: 1 / ep of the stage's
     largest: int  # the largest single tensor (of experts, this rank's slice)
@@ -135,9 +161,15 @@ def stage_parameters(run: RunConfig, sh: ParameterCounts, stage: int) -> StagePa
     par = run.parallel
     n_chunks = par.pp * par.virtual_stages
     chunks = rank_chunks(par, stage)
-    layers = run.model.n_layers // n_chunks * len(chunks)
-    dense = layers * sh.layer_dense
-    largest = sh.largest_dense
+    blocks = [chunk_blocks(run.model, par, c) for c in chunks]
+    dense_blocks = sum(n for n, _ in blocks)
+    moe_blocks = sum(n for _, n in blocks)
+    dense = moe_blocks * sh.layer_dense + dense_blocks * sh.dense_block
+    largest = 0
+    if moe_blocks:
+        largest = max(sh.largest_dense, sh.largest_expert // par.ep)
+    if dense_blocks:
+        largest = max(largest, sh.largest_dense_block)
     if 0 in chunks:
         dense += sh.embedding
         largest = max(largest, sh.embedding)
@@ -145,9 +177,9 @@ def stage_parameters(run: RunConfig, sh: ParameterCounts, stage: int) -> StagePa
     if last:
         dense += sh.final_norm + sh.head
         largest = max(largest, sh.head)
-    experts = layers * sh.layer_expert // par.ep
-    largest = max(largest, sh.largest_expert // par.ep)
-    return StageParameters(chunks, layers, dense, experts, largest, last)
+    experts = moe_blocks * sh.layer_expert // par.ep
+    layers = dense_blocks + moe_blocks
+    return StageParameters(chunks, blocks, layers, moe_blocks, dense, experts, largest, last)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,6 +224,25 @@ def optimizer_bytes(run: RunConfig, p: StageParameters) -> float:
 # activations
 
 
+def attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool) -> int:
+    """What every block keeps per token for its norms, attention and RoPE tables (the part
+    dense and MoE blocks share; ``layer_activation_bytes`` gives the terms)."""
+    assert m.head_dim is not None
+    d, q, kv = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    qk = q + kv if m.qk_norm != "none" else 0  # what QK-norm normalizes
+    stats = {"none": 0, "projection": 2, "head": m.n_heads + m.kv_heads}[m.qk_norm]
+    scalars = 4 * (2 + stats)  # each norm's fp32 1/rms, per row it normalizes
+    if compiled:
+        norms = 3 * d * bp + qk * bc + scalars
+    else:
+        norms = 2 * d * (4 + bp) + qk * (4 + bc) + scalars
+    attention = bc * (d + 2 * q + 2 * kv) + 4 * m.n_heads
+    if m.rotary_dim < m.head_dim:  # partial RoPE: the o-projection's input is a copy
+        attention += bc * q
+    rope = 4 * m.rotary_dim * bc if bc < 4 and not compiled else 0
+    return norms + attention + rope
+
+
 def layer_activation_bytes(
     m: ModelConfig,
     param_dtype: str,
@@ -202,17 +253,28 @@ def layer_activation_bytes(
     expert_swiglu_out: bool = True,
     compiled: bool = False,
 ) -> int:
-    """Bytes one transformer block keeps for backward per token (no recompute, or selective),
-    run eagerly or, with ``compiled``, as ``torch.compile``'s block (``parallel.compile``).
+    """Bytes one MoE block keeps for backward per token (no recompute, or selective), run
+    eagerly or, with ``compiled``, as ``torch.compile``'s block (``parallel.compile``).
 
     ``b_p`` (hidden states, experts: they run in the weights' dtype), ``b_c`` (autocast matmul
-    outputs); per token:
+    outputs), ``d`` the model width, ``q = n_heads * head_dim`` and ``d_kv = kv_heads *
+    head_dim`` the query and key/value widths, ``n_qk`` what QK-norm normalizes (``q + d_kv``,
+    over the projection or per head; 0 without QK-norm); per token:
 
-    - four RMSNorms keep an fp32 copy of their input and the normalized output:
-      ``2 d (4 + b_p) + (d + d_kv)(4 + b_c) + 16``;
+    - the two block norms keep an fp32 copy of their input and the normalized output, QK-norm
+      the same of q and k, and every norm an fp32 ``1/rms`` per row it normalizes (one per token
+      for a block norm and a projection's norm, one per head for a per-head norm):
+      ``2 d (4 + b_p) + n_qk (4 + b_c) + 4 s`` with ``s`` those rows (2, plus 2 over the
+      projection, ``n_heads + kv_heads`` per head);
     - attention keeps the projections' input, rotated q and k, v and its output (which is the
-      o-projection's input): ``b_c (3 d + 2 d_kv) + 4 n_heads`` (log-sum-exp);
-    - the router keeps its fp32 input, logits, scores and choices: ``4 d + 12 E + 20 k``;
+      o-projection's input): ``b_c (d + 2 q + 2 d_kv) + 4 n_heads`` (log-sum-exp); biases keep
+      nothing more; partial RoPE (``rotary_dim < head_dim``) concatenates the rotated and the
+      passed dimensions into a head-major q, so the attention's output is head-major too and
+      the o-projection keeps a copy of it, ``b_c q`` more (measured on the CPU's SDPA; an upper
+      bound for a core whose output is token-major whatever its input, FlashAttention 4);
+    - the router keeps its fp32 input, logits, scores and choices: ``4 d + 12 E + 20 k``; with
+      group-limited routing (``n_expert_groups = G > 1``) also each group's two best experts
+      and the mask of dropped groups, ``17 G``;
     - routed experts keep rows in, gate+up out and SwiGLU out, plus each row's fp32 router
       weight (applied in the SwiGLU, so the plain-sum combine keeps no rows out):
       ``b_p k (d + 3 h) + 4 k``, less ``b_p k h`` under selective recompute or where the path
@@ -223,7 +285,7 @@ def layer_activation_bytes(
       its input, ``b_c d``, unless that is the router's fp32 input already (all fp32).
 
     - under bf16 autocast each layer keeps its own bf16 copies of the RoPE cos/sin tables for q
-      and k, ``4 head_dim b_c`` per token of a one-sequence micro-batch (an upper bound; the
+      and k, ``4 rotary_dim b_c`` per token of a one-sequence micro-batch (an upper bound; the
       fp32 tables are one copy for the whole model).
     ``recompute="block"`` is accounted by the caller (a block then keeps only its input).
 
@@ -231,23 +293,19 @@ def layer_activation_bytes(
     for OLMoE-1B-7B's layer, RESULTS.md, issue 21): each norm keeps its input, not an fp32 copy,
     and recomputes what it normalized, so the norms keep the two residual inputs ``2 d b_p``,
     the MoE norm's output (the router's and dispatch's input) ``d b_p`` and q and k before
-    their norms ``(d + d_kv) b_c``, plus ``16``; the router keeps ``12 E + 20 k`` (its input is
-    that output); RoPE's tables are recomputed, not kept. Attention, experts and the shared
-    expert keep what they keep eagerly.
+    their norms ``n_qk b_c``, plus ``4 s``; the router keeps ``12 E + 20 k`` (its input is
+    that output, plus ``17 G`` when group-limited); RoPE's tables are recomputed, not kept.
+    Attention, experts and the shared expert keep what they keep eagerly.
     """
     if recompute not in ("none", "selective", "block"):
         raise ConfigError(
             f"recompute={recompute!r} is not allowed: one of 'none', 'selective', 'block'."
         )
     bp, bc = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
-    d, d_kv, h, k, e = m.d_model, m.kv_heads * m.head_dim, m.expert_hidden, m.top_k, m.n_experts
+    d, h, k, e = m.d_model, m.expert_hidden, m.top_k, m.n_experts
     h_shared = m.n_shared_experts * h
-    norms = 2 * d * (4 + bp) + (d + d_kv) * (4 + bc) + 16
-    router = 4 * d + 12 * e + 20 * k
-    if compiled:
-        norms = 3 * d * bp + (d + d_kv) * bc + 16
-        router = 12 * e + 20 * k
-    attention = bc * (3 * d + 2 * d_kv) + 4 * m.n_heads
+    groups = 17 * m.n_expert_groups if m.n_expert_groups > 1 else 0
+    router = (0 if compiled else 4 * d) + 12 * e + 20 * k + groups
     experts = bp * k * (d + 3 * h) + 4 * k
     if recompute == "selective" or not expert_swiglu_out:
         experts -= bp * k * h
@@ -255,8 +313,26 @@ def layer_activation_bytes(
         experts -= bp * (k - 1) * d
     shared_input = 0 if bp == bc == 4 else bc * d
     shared = bc * 4 * h_shared + shared_input if h_shared else 0
-    rope = 4 * m.head_dim * bc if bc < 4 and not compiled else 0
-    return norms + attention + router + experts + shared + rope
+    return attention_activation_bytes(m, bp, bc, compiled) + router + experts + shared
+
+
+def dense_layer_activation_bytes(
+    m: ModelConfig, param_dtype: str, compute_dtype: str, *, compiled: bool = False
+) -> int:
+    """Bytes one leading dense block keeps for backward per token (any recompute but
+    ``block``: selective recompute only touches routed experts): the norms, attention and RoPE
+    tables of an MoE block (``layer_activation_bytes``), and its SwiGLU of ``dense_hidden =
+    h_d`` keeps gate, up, SwiGLU and product, ``4 b_c h_d``, and its input, ``b_c d`` (no
+    router shares it). Compiled, the block recomputes its MLP norm from the residual input it
+    keeps (no router or dispatch reads that norm's output), so neither the output, ``d b_p`` of
+    the norms' count, nor the MLP's input is kept. 0 for a model without dense blocks."""
+    if not m.n_dense_layers:
+        return 0
+    assert m.dense_hidden is not None
+    bp, bc = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
+    mlp_input = -bp * m.d_model if compiled else bc * m.d_model
+    mlp = 4 * bc * m.dense_hidden + mlp_input
+    return attention_activation_bytes(m, bp, bc, compiled) + mlp
 
 
 def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
@@ -334,21 +410,33 @@ def head_activation_bytes(run: RunConfig) -> int:
 
 
 def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
-    """What a stage's pending forwards keep for backward, at its peak."""
+    """What a stage's pending forwards keep for backward, at its peak: ``in_flight`` forwards
+    of its largest chunk (exact with one chunk per rank; with interleaving, whose chunks may
+    differ by their leading dense blocks, an upper bound)."""
     m, par, prec = run.model, run.parallel, run.precision
     bp, _, _ = element_bytes(run)
     tokens = tokens_per_micro_batch(run)
     per_chunk = m.n_layers // (par.pp * par.virtual_stages)
     rowwise = rowwise_buffers(run)
     kept = {**expert_activations(run), "compiled": compiles(run)}
+    dense_full = tokens * dense_layer_activation_bytes(
+        m, prec.params, prec.compute, compiled=kept["compiled"]
+    )
     if par.recompute == "block":
         a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
-        acts = (
-            in_flight * per_chunk * tokens * m.d_model * bp + tokens * a_full + rowwise.extra_full
+        # one block rematerialized at a time: the largest kind the stage holds
+        remat = max(
+            tokens * a_full + rowwise.extra_full if p.moe_layers else 0,
+            dense_full if p.layers > p.moe_layers else 0,
         )
+        acts = in_flight * per_chunk * tokens * m.d_model * bp + remat
     else:
         a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
-        acts = in_flight * per_chunk * (tokens * a_layer + rowwise.extra_layer)
+        chunk = max(
+            n_moe * (tokens * a_layer + rowwise.extra_layer) + n_dense * dense_full
+            for n_dense, n_moe in p.blocks
+        )
+        acts = in_flight * chunk
     if p.last:
         acts += head_activation_bytes(run)
     return acts
@@ -392,6 +480,7 @@ class StageMemory:
     transient: int
     reserve: int
     ep_buffers: int = 0  # symmetric receive buffers of the rowwise dispatcher
+    moe_layers: int = 0  # its MoE blocks (the all-to-all's layers); the rest are dense blocks
     grads_follow_activations: bool = False  # grad_buffers: only those beyond the activations
     compiled: bool = False  # activations of compiled blocks
 
@@ -431,6 +520,7 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
         transient=transient,
         reserve=runtime_reserve(run),
         ep_buffers=rowwise_buffers(run).symmetric,
+        moe_layers=p.moe_layers,
         grads_follow_activations=follow,
         compiled=compiles(run),
     )

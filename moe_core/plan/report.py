@@ -43,6 +43,8 @@ def _count(n: int) -> str:
 def _layout_rows(p: Plan) -> Rows:
     par, mem = p.parallel, p.memory
     unit = "GPUs" if p.cluster.gpus_per_node else "CPU processes"
+    dense = mem.layers - mem.moe_layers
+    layers = f"{mem.layers} layers" + (f" ({dense} dense)" if dense else "")
     return [
         ("parameters", f"{_count(p.total_params)} total, {_count(p.active_params)} active"),
         (
@@ -58,7 +60,7 @@ def _layout_rows(p: Plan) -> Rows:
         ),
         (
             "busiest rank",
-            f"stage {mem.stage}: {mem.layers} layers, {_count(mem.dense_params)} dense + "
+            f"stage {mem.stage}: {layers}, {_count(mem.dense_params)} dense + "
             f"{_count(mem.expert_params)} expert parameters, micro-batches in flight: "
             f"{mem.in_flight}",
         ),

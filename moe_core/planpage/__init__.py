@@ -2,9 +2,11 @@
 
 The page computes in the browser with ``planner.js``, which mirrors ``plan.planner.plan``,
 ``plan.timing.step_time`` and the config checks over numbers exported here from Python:
-parameter shapes read off the meta-device model, activation bytes per token
-(``layer_activation_bytes``), FLOPs per token (``flops.count``), all-to-all rows per token, GPU
-types (``hardware``), the precision presets of ``conf/precision`` and the planner's constants.
+parameter shapes read off meta-device blocks (an MoE block, a leading dense block, the ends),
+activation bytes per token of each (``layer_activation_bytes``,
+``dense_layer_activation_bytes``), FLOPs per token (``flops.count``), all-to-all rows per
+token, GPU types (``hardware``), the precision presets of ``conf/precision`` and the planner's
+constants (with ``ModelConfig``'s size limits, which the page's checks of typed sizes read).
 ``evaluate`` is the same layout through the Python planner: the tests hold the two equal on a
 grid. Sizes typed into the page ("custom sizes") get ``model_data``'s numbers from
 ``planner.js``'s ``modelData``, which mirrors the functions ``model_data`` calls (the tests hold
@@ -26,6 +28,8 @@ import yaml
 
 from moe_core.compose import compose_run, config_dir
 from moe_core.config import (
+    FP8_GEMM_ALIGN,
+    MAX_SIZES,
     RULES,
     ClusterConfig,
     ConfigError,
@@ -45,6 +49,7 @@ from moe_core.plan import (
     RUNTIME_RESERVE_GIB,
     all_to_all_rows_per_token,
     check_cluster,
+    dense_layer_activation_bytes,
     experts_keep,
     fit_refusal,
     layer_activation_bytes,
@@ -187,6 +192,12 @@ def model_data(
             }
             for name, p in precisions.items()
         },
+        # a leading dense block's (selective recompute leaves it as it is); none without one
+        "dense_activation": {
+            name: dense_layer_activation_bytes(m, p["params"], p["compute"], compiled=True)
+            for name, p in precisions.items()
+            if m.n_dense_layers
+        },
         "rows_per_token": {
             ep: all_to_all_rows_per_token(m, ep)
             for ep in range(1, m.n_experts + 1)
@@ -320,6 +331,8 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
             "reserve_gib": RUNTIME_RESERVE_GIB,
             "dtype_bytes": DTYPE_BYTES,
             "block_recompute_flops": BLOCK_RECOMPUTE_FLOPS,
+            "fp8_gemm_align": FP8_GEMM_ALIGN,
+            "max_sizes": MAX_SIZES,  # ModelConfig's limits, for the typed sizes
         },
         "gpus": {
             name: {**dataclasses.asdict(g), "peak_tflops": g.peak_tflops}

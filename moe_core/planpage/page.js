@@ -84,19 +84,24 @@ function apply(layout) {
   update();
 }
 
-// The custom sizes start as the config of the model picked before (its other fields too).
+// The custom sizes start as the config of the model picked before (its other fields too: the
+// block options they keep); a head_dim of d_model / n_heads shows empty (it follows them).
 function seed(config) {
-  for (const key of MODEL_SIZES) $(`m-${key}`).value = String(config[key]);
+  for (const key of MODEL_SIZES) {
+    const own = key !== "head_dim" || config.head_dim * config.n_heads !== config.d_model;
+    $(`m-${key}`).value = config[key] === null || !own ? "" : String(config[key]);
+  }
   $("custom").dataset.base = JSON.stringify(config);
 }
 
 // The typed sizes: a number where the field holds one, the text otherwise (refused as the
-// config refuses it); an empty n_kv_heads is as many as n_heads.
+// config refuses it); an empty nullable size is null (n_kv_heads: as many as n_heads,
+// head_dim: d_model / n_heads, dense_hidden: none).
 function readCustom() {
   const config = { ...JSON.parse($("custom").dataset.base), name: "custom" };
   for (const key of MODEL_SIZES) {
     const text = $(`m-${key}`).value.trim();
-    config[key] = text === "" ? (key === "n_kv_heads" ? null : text) : Number(text);
+    config[key] = text === "" ? (NULLABLE_SIZES.includes(key) ? null : text) : Number(text);
   }
   return config;
 }
@@ -115,7 +120,7 @@ function linkOf(span, L) {
 // The page's data with the custom model in it, or the sentence refusing its sizes.
 function withCustom() {
   const config = readCustom();
-  const bad = modelRefusal(config);
+  const bad = modelRefusal(DATA, config);
   if (bad) return { refusal: bad };
   const model = modelData(DATA, config);
   const big = countRefusal(model);

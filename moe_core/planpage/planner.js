@@ -3,9 +3,11 @@
 // exports into the page: parameter shapes, activation bytes per token, FLOPs per token,
 // all-to-all rows and every constant. It mirrors plan.memory, plan.communication and
 // plan.timing statement by statement; tests/test_plan_page.py runs it (QuickJS) against plan()
-// on a grid of models x GPU types x layouts. For sizes typed into the page (the "custom sizes"
-// model), modelData computes what planpage.model_data exports, mirroring the Python functions
-// it calls; the tests hold the two equal on a grid of configs.
+// on a grid of models x GPU types x layouts. Leading dense blocks (ModelConfig.n_dense_layers) are
+// counted per chunk, apart from MoE blocks (plan.memory.chunk_blocks); only MoE layers send
+// all-to-all traffic. For sizes typed into the page (the "custom sizes" model), modelData
+// computes what planpage.model_data exports, mirroring the Python functions it calls, for the
+// block options of the model they start from; the tests hold the two equal on a grid of configs.
 "use strict";
 
 function ring(bytes, group) {
@@ -74,9 +76,54 @@ function ruleRefusal(rules, section, q) {
   return null;
 }
 
+// moe_core.config.fp8_linear_shapes: [part, projection, out, in] of each linear that the
+// parts swap for FP8 (every layer alike, so each projection once).
+function fp8LinearShapes(m, parts) {
+  const q = m.n_heads * m.head_dim, kv = m.n_kv_heads * m.head_dim, d = m.d_model;
+  // the dense SwiGLUs: the shared expert (when n_shared_experts > 0), the leading dense blocks'
+  const widths = new Set([m.n_shared_experts * m.expert_hidden, m.dense_hidden || 0]);
+  const linears = {
+    attention: [["q_proj", q, d], ["k_proj", kv, d], ["v_proj", kv, d], ["o_proj", d, q]],
+    dense: [...widths].filter((h) => h).flatMap((h) =>
+      [["w_gate", h, d], ["w_up", h, d], ["w_down", d, h]]),
+    lm_head: [["lm_head", m.vocab_size, d]],
+  };
+  return parts.flatMap((part) => (linears[part] || []).map((shape) => [part, ...shape]));
+}
+
+// The checks of moe_core.config.RunConfig that read the model beside the precision and the
+// layout (after the rules), in its order: the sentence, or null. align: FP8_GEMM_ALIGN.
+function runRefusal(m, L, prec, align) {
+  const fail = (name, value, allowed) => `${name}=${pyValue(value)} is not allowed: ${allowed}.`;
+  const parts = prec.fp8_parts;
+  if (parts.includes("dense") && !(m.n_shared_experts || m.n_dense_layers))
+    return fail("precision.fp8_parts", parts, "a list without 'dense' when " +
+      "model.n_shared_experts=0 and model.n_dense_layers=0 ('dense' is the shared expert's " +
+      "and the dense blocks' SwiGLU, which this model does not have)");
+  if (parts.includes("attention") && m.attention_bias !== "none")
+    return fail("precision.fp8_parts", parts, "a list without 'attention' when " +
+      `model.attention_bias=${pyValue(m.attention_bias)} (FP8 projections are built for ` +
+      "linears without bias)");
+  if (m.tie_embeddings && parts.includes("lm_head"))
+    return fail("precision.fp8_parts", parts, "a list without 'lm_head' when " +
+      "model.tie_embeddings=true (the tied head is the embedding matrix, kept in the " +
+      "weights' dtype)");
+  if (m.tie_embeddings && L.pp > 1)
+    return `model.tie_embeddings=true with parallel.pp=${L.pp} is not built yet: a tied LM ` +
+      "head reads the embedding, which lives on the first pipeline stage; untie the " +
+      "embeddings or train without pipeline stages.";
+  for (const [part, name, nOut, nIn] of fp8LinearShapes(m, parts))
+    if (nOut % align || nIn % align)
+      return fail("precision.fp8_parts", parts, `part ${pyValue(part)} runs ${name}, a ` +
+        `[${nOut}, ${nIn}] weight, as an FP8 GEMM, which needs both dimensions divisible by ` +
+        `${align}; leave ${pyValue(part)} out (or choose model sizes that divide by ${align})`);
+  return null;
+}
+
 // The first config check the layout fails (the sentence moe_core.config raises), or null;
-// prec: the layout's precision section; the layout rules come from the table (rules).
-function configRefusal(m, L, prec, rules) {
+// prec: the layout's precision section; the layout rules come from the table (rules);
+// constants: the page's (FP8_GEMM_ALIGN).
+function configRefusal(m, L, prec, rules, constants) {
   const fail = (name, value, allowed) => `${name}=${value} is not allowed: ${allowed}.`;
   const q = ruleQuantities(m, L, prec);
   const positive = (names) => {
@@ -95,7 +142,7 @@ function configRefusal(m, L, prec, rules) {
   const cluster = positive([["cluster.nodes", "nodes"],
     ["cluster.procs_per_node", "gpus_per_node"]]);
   if (cluster) return cluster;
-  const run = ruleRefusal(rules, "run", q);
+  const run = ruleRefusal(rules, "run", q) || runRefusal(m, L, prec, constants.fp8_gemm_align);
   if (run) return run;
   const world = L.pp * dpep;
   const procs = L.nodes * L.gpus_per_node;
@@ -116,7 +163,7 @@ function planLayout(data, L) {
   const model = data.models[L.model];
   const m = model.config;
   const prec = data.precisions[L.precision];
-  const refusal = configRefusal(m, L, prec, data.rules);
+  const refusal = configRefusal(m, L, prec, data.rules, data.constants);
   if (refusal) return { refusal };
   const C = data.constants;
   const gpu = data.gpus[L.gpu];
@@ -136,6 +183,13 @@ function planLayout(data, L) {
   const acts = model.activation[L.precision];
   const aLayer = acts[block ? "none" : L.recompute];
   const aFull = acts.none;
+  // a leading dense block's, per token and micro-batch (plan.memory.activation_bytes)
+  const denseFull = m.n_dense_layers ? T * model.dense_activation[L.precision] : 0;
+  // plan.memory.chunk_blocks: [dense, MoE] blocks of a chunk (the leading layers are dense)
+  const chunkBlocks = (c) => {
+    const dense = Math.max(0, Math.min((c + 1) * perChunk, m.n_dense_layers) - c * perChunk);
+    return [dense, perChunk - dense];
+  };
   const headAct = T * (2 * m.vocab_size * bc + d * (bp + bc)); // compiled (GPU runs)
   let epBuffers = 0, extraLayer = 0, extraFull = 0;
   if (L.ep > 1 && L.dispatcher === "nvshmem_rowwise") {
@@ -155,9 +209,14 @@ function planLayout(data, L) {
   const sent = [];
   for (let s = 0; s < L.pp; s++) {
     const chunks = Array.from({ length: v }, (_, i) => s + i * L.pp);
-    const layers = perChunk * chunks.length;
-    let dense = layers * sh.layer_dense;
-    let largest = sh.largest_dense;
+    const blocks = chunks.map(chunkBlocks);
+    const denseBlocks = blocks.reduce((a, [n]) => a + n, 0);
+    const moeLayers = blocks.reduce((a, [, n]) => a + n, 0);
+    const layers = denseBlocks + moeLayers;
+    let dense = moeLayers * sh.layer_dense + denseBlocks * sh.dense_block;
+    let largest = 0;
+    if (moeLayers) largest = Math.max(sh.largest_dense, Math.floor(sh.largest_expert / L.ep));
+    if (denseBlocks) largest = Math.max(largest, sh.largest_dense_block);
     if (chunks.includes(0)) {
       dense += sh.embedding;
       largest = Math.max(largest, sh.embedding);
@@ -167,8 +226,7 @@ function planLayout(data, L) {
       dense += sh.final_norm + sh.head;
       largest = Math.max(largest, sh.head);
     }
-    const experts = Math.floor((layers * sh.layer_expert) / L.ep);
-    largest = Math.max(largest, Math.floor(sh.largest_expert / L.ep));
+    const experts = Math.floor((moeLayers * sh.layer_expert) / L.ep);
     const denseShard = dpep > 1 ? dense / dpep : 0;
     const expertShard = L.dp > 1 ? experts / L.dp : 0;
     let grads = bo * (dense + experts) + bo * (denseShard + expertShard);
@@ -176,9 +234,13 @@ function planLayout(data, L) {
     const stateBytes = 2 * bo + (bp < bo ? 4 : 0);
     const optimizer = stateBytes * (dense / dpep + experts / L.dp);
     const flight = inFlight(L.pp, v, s, nMb);
+    // block recompute: the inputs, and one block rematerialized (the largest kind held);
+    // else in-flight forwards of the rank's largest chunk
     let activations = block
-      ? flight * perChunk * T * d * bp + T * aFull + extraFull
-      : flight * perChunk * (T * aLayer + extraLayer);
+      ? flight * perChunk * T * d * bp + Math.max(moeLayers ? T * aFull + extraFull : 0,
+        denseBlocks ? denseFull : 0)
+      : flight * Math.max(...blocks.map(([nDense, nMoe]) =>
+        nMoe * (T * aLayer + extraLayer) + nDense * denseFull));
     if (last) activations += headAct;
     if (autogradGrads) {
       grads = bp * (dense + experts);
@@ -201,7 +263,7 @@ function planLayout(data, L) {
       reserve,
     };
     const total = Object.values(parts).reduce((a, b) => a + b, 0);
-    stages.push({ stage: s, dense, experts, parts, total });
+    stages.push({ stage: s, dense, experts, moeLayers, parts, total });
   }
   const busiest = stages.reduce((a, b) => (b.total > a.total ? b : a));
   const heaviest = stages.reduce((a, b) => (b.dense + b.experts > a.dense + a.experts ? b : a));
@@ -213,9 +275,9 @@ function planLayout(data, L) {
   const sizes = L.ep > 1 ? ring(L.ep * (1 + Math.floor(E / L.ep)) * 8, L.ep) : 0;
   let perLayer = T * (forward + backward) + sizes;
   if (block) perLayer += T * forward + sizes;
-  const layersPerRank = Math.floor(m.n_layers / L.pp);
+  const moeLayers = Math.max(...stages.map((st) => st.moeLayers)); // only MoE layers dispatch
   const comm = {
-    all_to_all: pyRound(perLayer * layersPerRank * nMb),
+    all_to_all: pyRound(perLayer * moeLayers * nMb),
     reduce_scatter: pyRound(ring(bo * heaviest.dense, dpep) + ring(bo * heaviest.experts, L.dp)),
     all_gather: pyRound(ring(bp * heaviest.dense, dpep) + ring(bp * heaviest.experts, L.dp)),
     pipeline: L.pp > 1 ? Math.max(...sent) : 0,
@@ -274,80 +336,146 @@ function planLayout(data, L) {
 // ---- custom sizes: planpage.model_data in the page --------------------------------------
 
 // The ModelConfig fields the page's custom model takes (in the dataclass's order); the others
-// (router kind, losses, init) change no count and keep the values of the model it started from.
-const MODEL_SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "n_experts",
-  "top_k", "expert_hidden", "n_shared_experts", "max_seq_len"];
+// (QK-norm, rotary share, attention biases, router and groups, tied embeddings, losses, init)
+// keep the values of the model it started from, and the counts below follow them.
+const MODEL_SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+  "n_experts", "top_k", "expert_hidden", "n_shared_experts", "n_dense_layers", "dense_hidden",
+  "max_seq_len"];
+// Sizes that may be null (None in Python): n_kv_heads as many as n_heads, head_dim d_model /
+// n_heads, dense_hidden none (no dense blocks).
+const NULLABLE_SIZES = ["n_kv_heads", "head_dim", "dense_hidden"];
 
-// Python's repr() of a value the page can read from an input: a number or a string.
+// Python's repr() of a value the page can read from an input or a config: a number, a string
+// or null (None).
 function pyRepr(value) {
+  if (value === null) return "None";
   return typeof value === "string" ? `'${value}'` : String(value);
 }
 
+// Python's repr() of a float (the fractions a config holds: 1.0, 0.5).
+function pyFloat(x) {
+  return Number.isInteger(x) ? x.toFixed(1) : String(x);
+}
+
+// Python's f"{n:,}".
+function commas(n) {
+  return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+}
+
 // The first sentence moe_core.config raises for these sizes, or null: from_dict's type check
-// of each field, then ModelConfig.__post_init__'s checks of them, in its order. n_kv_heads
-// null means as many as n_heads (None in Python).
-function modelRefusal(c) {
+// of each field, then ModelConfig.__post_init__'s checks of them (and of the fields they meet:
+// rotary_fraction, the expert groups), in its order; limits: config.MAX_SIZES.
+function modelRefusal(data, c) {
   const p = "model.";
   const fail = (name, value, allowed) => `${p}${name}=${pyRepr(value)} is not allowed: ${allowed}.`;
   for (const name of MODEL_SIZES) {
     const v = c[name];
-    if (name === "n_kv_heads" && v === null) continue;
+    if (NULLABLE_SIZES.includes(name) && v === null) continue;
     if (typeof v !== "number" || !Number.isInteger(v)) return fail(name, v, "an integer");
   }
   for (const name of ["vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
     "expert_hidden", "max_seq_len"])
     if (!(c[name] > 0)) return fail(name, c[name], "it must be positive");
-  if (c.n_shared_experts < 0)
-    return fail("n_shared_experts", c.n_shared_experts, "it must be zero or positive");
+  for (const name of ["n_shared_experts", "n_dense_layers"])
+    if (c[name] < 0) return fail(name, c[name], "it must be zero or positive");
   const kv = c.n_kv_heads === null ? c.n_heads : c.n_kv_heads;
   if (!(kv > 0)) return fail("n_kv_heads", kv, "it must be positive");
+  let hd = c.head_dim;
+  if (hd === null) {
+    if (c.d_model % c.n_heads)
+      return fail("n_heads", c.n_heads,
+        `it must divide model.d_model (${c.d_model}), or set model.head_dim`);
+    hd = c.d_model / c.n_heads;
+  }
+  if (!(hd > 0)) return fail("head_dim", hd, "it must be positive");
+  const sized = { ...c, n_kv_heads: kv, head_dim: hd };
+  for (const [name, limit] of Object.entries(data.constants.max_sizes))
+    if (sized[name] !== null && sized[name] > limit)
+      return fail(name, sized[name], `at most ${commas(limit)}, as no real model is larger`);
   if (c.top_k > c.n_experts)
     return fail("top_k", c.top_k, `at most model.n_experts (${c.n_experts})`);
-  if (c.d_model % c.n_heads)
-    return fail("n_heads", c.n_heads, `it must divide model.d_model (${c.d_model})`);
   if (c.n_heads % kv) return fail("n_kv_heads", kv, `it must divide model.n_heads (${c.n_heads})`);
-  if ((c.d_model / c.n_heads) % 2)
-    return fail("n_heads", c.n_heads, "d_model / n_heads must be even for rotary embeddings");
+  const rotary = Math.floor(hd * c.rotary_fraction);
+  if (rotary === 0 || rotary % 2)
+    return fail("head_dim", hd, `head_dim x rotary_fraction (${hd} x ` +
+      `${pyFloat(c.rotary_fraction)}, rounded down) must be a positive even number of rotated ` +
+      "dimensions");
+  if (c.n_dense_layers >= c.n_layers)
+    return fail("n_dense_layers", c.n_dense_layers, `fewer than model.n_layers ` +
+      `(${c.n_layers}), so at least one block has experts`);
+  if ((c.dense_hidden === null) !== (c.n_dense_layers === 0))
+    return fail("dense_hidden", c.dense_hidden, "a positive width exactly when " +
+      `model.n_dense_layers > 0 (it ${c.dense_hidden === null ? "is unset" : "is set"} with ` +
+      `n_dense_layers=${c.n_dense_layers})`);
+  if (c.dense_hidden !== null && !(c.dense_hidden > 0))
+    return fail("dense_hidden", c.dense_hidden, "it must be positive");
+  // ModelConfig._check_groups
+  const groups = c.n_expert_groups, perGroup = Math.floor(c.n_experts / groups);
+  if (c.n_experts % groups)
+    return fail("n_expert_groups", groups, `it must divide model.n_experts (${c.n_experts})`);
+  if (groups > 1 && perGroup < 2)
+    return fail("n_expert_groups", groups,
+      "at most model.n_experts / 2: each group is scored by its two best experts");
+  if (c.top_k_groups > groups)
+    return fail("top_k_groups", c.top_k_groups, `at most model.n_expert_groups (${groups})`);
+  if (c.top_k > c.top_k_groups * perGroup)
+    return fail("top_k", c.top_k,
+      `at most top_k_groups x experts per group (${c.top_k_groups} x ${perGroup})`);
   return null;
 }
 
-// plan.memory.parameter_counts: the tensors of one transformer.Block (attention.Attention:
-// q, k, v, o projections, q and k norms; moe.MoE: router, Experts, the shared SwiGLU) and the
-// model's ends, by place, as the Python function reads them off a one-layer meta-device model.
+// plan.memory.parameter_counts: the tensors of an MoE transformer.Block (attention.Attention:
+// q, k, v, o projections, their biases and QK-norm as the config says; moe.MoE: router,
+// Experts, the shared SwiGLU), of a leading dense Block (attention, its SwiGLU) and the
+// model's ends (no LM head when tied), by place, as the Python function reads them off
+// meta-device modules. c: a config with n_kv_heads and head_dim resolved.
 function parameterCounts(c) {
-  const d = c.d_model, hd = c.d_model / c.n_heads, h = c.expert_hidden, E = c.n_experts;
+  const d = c.d_model, hd = c.head_dim, h = c.expert_hidden, E = c.n_experts;
   const q = c.n_heads * hd, kv = c.n_kv_heads * hd, hs = c.n_shared_experts * h;
-  const dense = [d, q * d, kv * d, kv * d, d * q, q, kv, d, E * d]; // attn_norm .. router
-  if (hs) dense.push(hs * d, hs * d, d * hs); // shared SwiGLU: gate, up, down
+  const biases = { none: [], qkv: [q, kv, kv], qkvo: [q, kv, kv, d] }[c.attention_bias];
+  const qkNorm = { none: [], projection: [q, kv], head: [hd, hd] }[c.qk_norm];
+  // attn_norm, q, k, v, o, their biases, q_norm and k_norm, the feed-forward's norm
+  const attention = [d, q * d, kv * d, kv * d, d * q, ...biases, ...qkNorm, d];
+  const moe = [...attention, E * d]; // + router
+  if (hs) moe.push(hs * d, hs * d, d * hs); // shared SwiGLU: gate, up, down
   const experts = [E * 2 * h * d, E * d * h]; // w_gate_up, w_down
+  const hDense = c.dense_hidden;
+  const dense = c.n_dense_layers ? [...attention, hDense * d, hDense * d, d * hDense] : [0];
   const sum = (xs) => xs.reduce((a, b) => a + b, 0);
   return {
-    layer_dense: sum(dense),
+    layer_dense: sum(moe),
     layer_expert: sum(experts),
-    largest_dense: Math.max(...dense),
+    largest_dense: Math.max(...moe),
     largest_expert: Math.max(...experts),
+    dense_block: sum(dense),
+    largest_dense_block: Math.max(...dense),
     embedding: c.vocab_size * d,
-    head: d * c.vocab_size,
+    head: c.tie_embeddings ? 0 : d * c.vocab_size,
     final_norm: d,
   };
 }
 
-// moe_core.model.flops.count at seqLen: the same sums over the whole model's parameters.
+// moe_core.model.flops.count at seqLen, term by term.
 function modelCounts(c, seqLen) {
-  const sh = parameterCounts(c);
-  const total = sh.embedding + c.n_layers * (sh.layer_dense + sh.layer_expert) +
-    sh.final_norm + sh.head;
-  const experts = c.n_layers * sh.layer_expert;
-  const embedding = sh.embedding;
-  // experts * (n_experts - top_k) // n_experts, exact: experts is a multiple of n_experts
-  const inactive = (experts / c.n_experts) * (c.n_experts - c.top_k);
-  const active = total - inactive;
-  const hd = c.d_model / c.n_heads;
-  const normsRouter = 2 * c.d_model + c.n_heads * hd + c.n_kv_heads * hd +
-    c.n_experts * c.d_model; // RMSNorm and Router parameters of one block
-  const notMatmul = embedding + c.n_layers * normsRouter + sh.final_norm;
-  const matmulActive = active - notMatmul;
-  const flops = 6 * matmulActive + 6 * c.n_layers * seqLen * c.d_model;
+  const d = c.d_model, nLayers = c.n_layers, vocab = c.vocab_size;
+  const nDense = c.n_dense_layers, nMoe = nLayers - nDense;
+  const q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim;
+  const attention = 2 * d * q + 2 * d * kv; // q, o; k, v projections
+  const biases = { none: 0, qkv: q + 2 * kv, qkvo: q + 2 * kv + d }[c.attention_bias];
+  const qkNorm = { none: 0, head: 2 * c.head_dim, projection: q + kv }[c.qk_norm];
+  const layerOther = 2 * d + qkNorm + biases; // no FLOPs counted for these
+  const shared = 3 * d * c.n_shared_experts * c.expert_hidden;
+  const expert = 3 * d * c.expert_hidden;
+  const router = c.n_experts * d;
+  const denseMlp = 3 * d * (c.dense_hidden || 0);
+  const embedding = vocab * d, finalNorm = d, head = d * vocab;
+  const experts = nMoe * c.n_experts * expert;
+  const total = embedding + nLayers * (attention + layerOther) + nMoe * (router + shared) +
+    experts + nDense * denseMlp + finalNorm + (c.tie_embeddings ? 0 : head);
+  const active = total - nMoe * (c.n_experts - c.top_k) * expert;
+  const matmulActive = nLayers * attention + nMoe * (shared + c.top_k * expert) +
+    nDense * denseMlp + head;
+  const flops = 6 * matmulActive + 6 * nLayers * seqLen * q;
   return {
     total_params: total,
     active_params: active,
@@ -358,22 +486,38 @@ function modelCounts(c, seqLen) {
   };
 }
 
+// plan.memory.attention_activation_bytes, compiled (the page's runs are on GPUs): norms,
+// attention (a copy of its output where RoPE rotates part of each head).
+function attentionActivationBytes(c, bp, bc) {
+  const d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim;
+  const qk = c.qk_norm !== "none" ? q + kv : 0;
+  const stats = { none: 0, projection: 2, head: c.n_heads + c.n_kv_heads }[c.qk_norm];
+  const norms = 3 * d * bp + qk * bc + 4 * (2 + stats);
+  let attention = bc * (d + 2 * q + 2 * kv) + 4 * c.n_heads;
+  if (Math.floor(c.head_dim * c.rotary_fraction) < c.head_dim) attention += bc * q;
+  return norms + attention;
+}
+
 // plan.memory.layer_activation_bytes (recompute "none" or "selective", compiled: the page's
 // runs are on GPUs), term by term, with plan.memory.experts_keep for the page's runs
 // (expert_gemm auto, no gathered rows): FP8 experts keep no SwiGLU output.
 function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8Experts) {
   const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
-  const hd = c.d_model / c.n_heads;
-  const d = c.d_model, dKv = c.n_kv_heads * hd, h = c.expert_hidden, k = c.top_k, e = c.n_experts;
+  const d = c.d_model, h = c.expert_hidden, k = c.top_k, e = c.n_experts;
   const hShared = c.n_shared_experts * h;
-  const norms = 3 * d * bp + (d + dKv) * bc + 16;
-  const attention = bc * (3 * d + 2 * dKv) + 4 * c.n_heads;
-  const router = 12 * e + 20 * k;
+  const groups = c.n_expert_groups > 1 ? 17 * c.n_expert_groups : 0;
+  const router = 12 * e + 20 * k + groups;
   let experts = bp * k * (d + 3 * h) + 4 * k;
   if (recompute === "selective" || fp8Experts) experts -= bp * k * h;
   const sharedInput = bp === 4 && bc === 4 ? 0 : bc * d;
   const shared = hShared ? bc * 4 * hShared + sharedInput : 0;
-  return norms + attention + router + experts + shared;
+  return attentionActivationBytes(c, bp, bc) + router + experts + shared;
+}
+
+// plan.memory.dense_layer_activation_bytes, compiled: a leading dense block's.
+function denseLayerActivationBytes(data, c, paramDtype, computeDtype) {
+  const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
+  return attentionActivationBytes(c, bp, bc) + 4 * bc * c.dense_hidden - bp * c.d_model;
 }
 
 // plan.communication.all_to_all_rows_per_token: (ep - 1) (1 - q), q = C(E - E/ep, k) /
@@ -391,19 +535,25 @@ function allToAllRowsPerToken(c, ep) {
   return (ep - 1) * (1.0 - q);
 }
 
-// planpage.model_data: what planLayout reads of one model, for the config c of custom sizes.
+// planpage.model_data: what planLayout reads of one model, for the config c of custom sizes
+// (modelRefusal accepts it): its sizes resolved as ModelConfig resolves them.
 function modelData(data, c) {
-  const config = { ...c, n_kv_heads: c.n_kv_heads === null ? c.n_heads : c.n_kv_heads };
+  const kv = c.n_kv_heads === null ? c.n_heads : c.n_kv_heads;
+  const hd = c.head_dim === null ? c.d_model / c.n_heads : c.head_dim;
+  const config = { ...c, n_kv_heads: kv, head_dim: hd };
   const counts = modelCounts(config, config.max_seq_len);
   const flops = {};
   for (const s of data.seq_lens)
     if (s <= config.max_seq_len) flops[s] = modelCounts(config, s).flops_per_token;
   const activation = {};
+  const denseActivation = {};
   for (const [name, p] of Object.entries(data.precisions)) {
     activation[name] = {};
     for (const r of ["none", "selective"])
       activation[name][r] = layerActivationBytes(
         data, config, p.params, p.compute, r, p.fp8_parts.includes("experts"));
+    if (config.n_dense_layers)
+      denseActivation[name] = denseLayerActivationBytes(data, config, p.params, p.compute);
   }
   const divisors = [];
   for (let i = 1; i * i <= config.n_experts; i++)
@@ -418,6 +568,7 @@ function modelData(data, c) {
     active_params: counts.active_params,
     flops_per_token: flops,
     activation,
+    dense_activation: denseActivation,
     rows_per_token: rows,
   };
 }
@@ -428,7 +579,8 @@ function countRefusal(md) {
   const counts = [["total parameters", md.total_params],
     ...Object.entries(md.flops_per_token).map(([s, f]) => [`FLOPs per token at ${s}`, f]),
     ...Object.values(md.activation).flatMap((a) =>
-      Object.values(a).map((b) => ["activation bytes per token", b]))];
+      Object.values(a).map((b) => ["activation bytes per token", b])),
+    ...Object.values(md.dense_activation).map((b) => ["activation bytes per token", b])];
   for (const [what, n] of counts)
     if (!Number.isSafeInteger(n))
       return `the custom model's ${what}, ${n.toExponential(3)}, are not allowed: this page ` +
