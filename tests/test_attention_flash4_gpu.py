@@ -18,15 +18,34 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4")
 
 
+# the families' attention blocks (issue 37): Qwen3's per-head QK-norm with a head_dim of its own,
+# GLM-4.5-Air's half-rotated heads with q/k/v biases and no QK-norm
+BLOCKS = {
+    "olmoe": {},
+    "qwen3": dict(n_heads=16, head_dim=128, qk_norm="head"),
+    "glm": dict(
+        n_heads=12, head_dim=128, qk_norm="none", rotary_fraction=0.5, attention_bias="qkv"
+    ),
+}
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
-def test_flash4_attention_equals_sdpa(kv_heads, compiled):
-    cfg = ModelConfig(d_model=1024, n_heads=8, n_kv_heads=kv_heads, max_seq_len=1024)
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_flash4_attention_equals_sdpa(block, kv_heads, compiled):
+    options = {"n_heads": 8, **BLOCKS[block]}
+    if options["n_heads"] % kv_heads:
+        pytest.skip("kv heads must divide the query heads")
+    cfg = ModelConfig(d_model=1024, n_kv_heads=kv_heads, max_seq_len=1024, **options)
     torch.manual_seed(0)
     sdpa = Attention(cfg).cuda().to(torch.bfloat16)
+    with torch.no_grad():  # norms and biases off their init, so a dropped one shows
+        for name, p in sdpa.named_parameters():
+            if not name.endswith("proj.weight"):
+                p.add_(0.1 * torch.randn_like(p))
     flash = copy.deepcopy(sdpa)
     flash.kernels = Kernels(attention="flash4")
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(1024, torch.device("cuda"))
+    rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)(1024, torch.device("cuda"))
     x = torch.randn(2, 1024, cfg.d_model, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     results = []
