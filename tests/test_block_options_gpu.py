@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 FAMILIES = {
     "qwen3": dict(n_heads=4, head_dim=128, n_kv_heads=2, qk_norm="head", normalize_top_k=True),
-    "mixtral": dict(qk_norm="none", normalize_top_k=True, top_k=2),
+    "mixtral": dict(qk_norm="none", normalize_top_k=True, n_experts=8, top_k=2),
     "glm": dict(
         head_dim=64, qk_norm="none", rotary_fraction=0.5, attention_bias="qkv", router="sigmoid",
         normalize_top_k=True, expert_bias=True, n_shared_experts=1, n_dense_layers=1,
@@ -29,10 +29,8 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_compiled_family_block_equals_its_eager_self(family):
-    cfg = small_config(
-        vocab_size=1024, d_model=256, n_layers=3, n_experts=16, top_k=4, expert_hidden=128,
-        max_seq_len=512, **FAMILIES[family],
-    )  # fmt: skip
+    sizes = dict(vocab_size=1024, d_model=256, n_layers=3, n_experts=16, top_k=4)
+    cfg = small_config(**{**sizes, **FAMILIES[family]}, expert_hidden=128, max_seq_len=512)
     eager = build_model(cfg, "cuda", seed=0)
     with torch.no_grad():  # decisive routing: bf16 rounding must not flip an expert choice
         for name, p in eager.named_parameters():
@@ -49,6 +47,9 @@ def test_a_compiled_family_block_equals_its_eager_self(family):
         loss = logits.float().logsumexp(-1).mean() + aux
         grads = torch.autograd.grad(loss, list(model.parameters()))
         results.append((logits, *grads))
-    for got, ref in zip(results[1], results[0], strict=True):
-        scale = ref.float().abs().max().item() + 1e-6
-        torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * scale)
+    # bf16 through three blocks: Inductor's fused norms and RoPE round differently, so each
+    # tensor is held to a relative error of its norm (a wrong option is off by far more)
+    names = ["logits", *(n for n, _ in eager.named_parameters())]
+    for name, got, ref in zip(names, results[1], results[0], strict=True):
+        error = (got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert error < 3e-2, (name, float(error))
