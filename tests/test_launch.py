@@ -492,15 +492,21 @@ def test_stage_keys_of_run_folders_from_before_the_precision_section_still_match
         "pretrain-tiny": "334a55d6317397a86305bc8741b9b32a39a013256ae7e32bfbbc9d66a2ec9f8a",
         "pretrain-1t": "f2d06237bc65f408dde3a13708b23719f3f8564b8a341cafb23b9cea7b7bc34b",
     }
+    # those folders trained the router losses' sum over layers, the default then (the mean is
+    # the default since 2026-12-04: a default config now trains another objective)
+    then = ["model.aux_loss_reduction=sum"]
     for name, key in before.items():
-        assert stage_keys(resolve(compose_dict([], config_name=name), tmp_path))["train"] == key
+        run = resolve(compose_dict(then, config_name=name), tmp_path)
+        assert stage_keys(run)["train"] == key
+    now = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
+    assert stage_keys(now)["train"] != before["pretrain-tiny"]
     fp8 = stage_keys(
-        resolve(compose_dict(["precision=fp8"], config_name="pretrain-tiny"), tmp_path)
+        resolve(compose_dict(["precision=fp8", *then], config_name="pretrain-tiny"), tmp_path)
     )
     assert fp8["train"] == "0d8e8c597159682c5ac9c9bc93536a9048ced4da05cf7abaa516918eace9b3fa"
     # an option added later is hashed only when set otherwise than before (migrate.ADDED_LATER)
-    gathered = ["parallel.ep=1", "parallel.expert_gemm=quack", "parallel.gather_rows=true"]
-    quack = resolve(compose_dict(gathered[:2], config_name="pretrain-tiny"), tmp_path)
+    gathered = ["parallel.ep=1", "parallel.expert_gemm=quack", "parallel.gather_rows=true", *then]
+    quack = resolve(compose_dict([*gathered[:2], *then], config_name="pretrain-tiny"), tmp_path)
     assert (
         stage_keys(resolve(compose_dict(gathered, config_name="pretrain-tiny"), tmp_path))["train"]
         != stage_keys(quack)["train"]
