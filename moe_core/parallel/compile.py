@@ -3,8 +3,9 @@
 Inductor fuses each block's dense part (norms, RoPE, residual adds, the router's softmax,
 top-k and losses) around the attention and projection GEMMs. Token dispatch stays eager
 (``moe._dispatch`` is a compile boundary: ``model.eager``, sealed here before compiling); its
-Triton kernels and grouped GEMMs are fused already. Every block has the same code and shapes,
-so one compilation serves all of them.
+Triton kernels and grouped GEMMs are fused already. Every MoE block has the same code and
+shapes, so one compilation serves all of them (the leading dense blocks, where a model has
+them, one more).
 """
 
 from __future__ import annotations
