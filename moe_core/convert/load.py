@@ -121,7 +121,5 @@ def load_model(
             f"{path} does not hold the tensors of the model its config describes "
             f"({sorted(differ)[0]} is in one but not the other): not loaded."
         )
-    with torch.no_grad():
-        for name in sorted(state):
-            state[name].copy_(source.get(name))
+    fill_from_source(model, source)
     return model.eval()
