@@ -56,12 +56,20 @@ def block_options(m: ModelConfig) -> list[str]:
     assert m.head_dim is not None
     default = ModelConfig()
     out = []
-    if m.head_dim * m.n_heads != m.d_model:
+    if m.latent:
+        query = "full-rank q" if m.q_lora_rank is None else f"q rank {m.q_lora_rank}"
+        out.append(
+            f"latent attention ({query}, kv rank {m.kv_lora_rank}, heads {m.qk_nope_head_dim} "
+            f"+ {m.qk_rope_head_dim} rotary, v {m.v_head_dim})"
+        )
+    elif m.head_dim * m.n_heads != m.d_model:
         out.append(f"head_dim {m.head_dim}")
-    if m.qk_norm != default.qk_norm:
+    if m.qk_norm != default.qk_norm and not m.latent:  # latent attention has none
         out.append("no QK-norm" if m.qk_norm == "none" else f"QK-norm per {m.qk_norm}")
-    if m.rotary_dim != m.head_dim:
+    if m.rotary_dim != m.head_dim and not m.latent:
         out.append(f"RoPE on {m.rotary_dim} of {m.head_dim} head dims")
+    if m.rope_scaling == "yarn":
+        out.append(f"YaRN x {m.yarn_factor:g} from {m.yarn_original_max_seq_len}")
     if m.attention_bias != default.attention_bias:
         out.append("biases on " + "/".join(m.attention_bias))
     if m.n_dense_layers:

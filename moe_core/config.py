@@ -276,6 +276,11 @@ MAX_SIZES = {
     "expert_hidden": 1 << 20,
     "n_heads": 1 << 12,
     "head_dim": 1 << 12,
+    "kv_lora_rank": 1 << 16,
+    "q_lora_rank": 1 << 16,
+    "qk_rope_head_dim": 1 << 12,
+    "qk_nope_head_dim": 1 << 12,
+    "v_head_dim": 1 << 12,
     "dense_hidden": 1 << 20,
     "n_shared_experts": 1 << 10,
     "vocab_size": 1 << 32,
@@ -302,6 +307,28 @@ class ModelConfig:
     qk_norm: Literal["projection", "head", "none"] = "projection"
     rotary_fraction: float = 1.0  # the leading share of head_dim that RoPE rotates (GLM: 0.5)
     attention_bias: Literal["none", "qkv", "qkvo"] = "none"  # which projections carry a bias
+    # Multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank is set: keys and values
+    # from one joint compression of rank kv_lora_rank (RMS-normed), queries from a compression
+    # of rank q_lora_rank (None: a full-rank projection); each query/key head is a non-rotary
+    # part of qk_nope_head_dim and a rotary part of qk_rope_head_dim (one rotary key shared by
+    # every head); values have v_head_dim. head_dim is then qk_nope + qk_rope.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # RoPE frequency scaling: none, or YaRN (as DeepSeek-V3 and transformers' "yarn" compute it:
+    # frequencies blended between interpolation by yarn_factor and extrapolation over the
+    # dimensions between beta_fast and beta_slow rotations at yarn_original_max_seq_len; the
+    # tables scaled by mscale(yarn_mscale) / mscale(yarn_mscale_all_dim); with MLA the softmax
+    # scale times mscale(yarn_mscale_all_dim)^2, mscale(m) = 0.1 m ln(factor) + 1).
+    rope_scaling: Literal["none", "yarn"] = "none"
+    yarn_factor: float = 1.0
+    yarn_original_max_seq_len: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     n_experts: int = 64
     top_k: int = 8
     expert_hidden: int = 1024
@@ -349,6 +376,7 @@ class ModelConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _positive(p + "n_kv_heads", self.n_kv_heads)
+        self._check_latent(p)
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 fail(
@@ -395,6 +423,45 @@ class ModelConfig:
             _positive(p + "dense_hidden", self.dense_hidden)
         self._check_groups(p)
 
+    def _check_latent(self, p: str) -> None:
+        """Multi-head latent attention's sizes (all set together, head_dim derived from them)
+        and the options it replaces; YaRN's parameters."""
+        dims = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        if self.kv_lora_rank is None:
+            for name in (*dims, "q_lora_rank"):
+                if getattr(self, name) is not None:
+                    fail(p + name, getattr(self, name), "unset unless model.kv_lora_rank is set")
+        else:
+            for name in ("kv_lora_rank", *dims):
+                if getattr(self, name) is None:
+                    fail(p + name, None, "a positive size when model.kv_lora_rank is set (MLA)")
+                _positive(p + name, getattr(self, name))
+            if self.q_lora_rank is not None:
+                _positive(p + "q_lora_rank", self.q_lora_rank)
+            if self.qk_rope_head_dim % 2:  # type: ignore[operator]
+                fail(p + "qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE pairs)")
+            qk = self.qk_rope_head_dim + self.qk_nope_head_dim  # type: ignore[operator]
+            mla = "multi-head latent attention (model.kv_lora_rank set)"
+            if self.head_dim not in (None, qk):
+                fail(p + "head_dim", self.head_dim, f"unset or {qk} (qk_nope + qk_rope) with {mla}")
+            self.head_dim = qk
+            if self.n_kv_heads != self.n_heads:
+                fail(p + "n_kv_heads", self.n_kv_heads, f"model.n_heads or unset with {mla}")
+            for name, plain in (("qk_norm", "none"), ("attention_bias", "none")):
+                if getattr(self, name) != plain:
+                    fail(p + name, getattr(self, name), f"'{plain}' with {mla}")
+            if self.rotary_fraction != 1.0:
+                fail(p + "rotary_fraction", self.rotary_fraction, f"1.0 with {mla}")
+        if self.rope_scaling == "yarn":
+            if self.yarn_factor <= 1:
+                fail(p + "yarn_factor", self.yarn_factor, "greater than 1 with YaRN")
+            _positive(p + "yarn_original_max_seq_len", self.yarn_original_max_seq_len)
+            _positive(p + "yarn_beta_slow", self.yarn_beta_slow)
+            if self.yarn_beta_fast <= self.yarn_beta_slow:
+                fail(p + "yarn_beta_fast", self.yarn_beta_fast, "greater than yarn_beta_slow")
+            for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+                _non_negative(p + name, getattr(self, name))
+
     def _check_groups(self, p: str) -> None:
         groups, per_group = self.n_expert_groups, self.n_experts // self.n_expert_groups
         if self.n_experts % groups:
@@ -417,8 +484,16 @@ class ModelConfig:
             )
 
     @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
     def rotary_dim(self) -> int:
-        """The leading dimensions of each head that RoPE rotates (HF's rounding: down)."""
+        """The dimensions of each head that RoPE rotates: the leading share of head_dim (HF's
+        rounding: down), or MLA's rotary part."""
+        if self.qk_rope_head_dim is not None:
+            return self.qk_rope_head_dim
         assert self.head_dim is not None
         return int(self.head_dim * self.rotary_fraction)
 
@@ -751,8 +826,18 @@ def fp8_linear_shapes(m: ModelConfig, parts: Sequence[str]) -> list[tuple[str, s
     q, kv, d = m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
     # the dense SwiGLUs: the shared expert (when n_shared_experts > 0), the leading dense blocks'
     widths = [m.n_shared_experts * m.expert_hidden, m.dense_hidden or 0]
+    attention = [("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)]
+    if m.kv_lora_rank is not None:  # multi-head latent attention's projections
+        assert m.qk_rope_head_dim is not None and m.qk_nope_head_dim and m.v_head_dim
+        H, rank, v = m.n_heads, m.kv_lora_rank, m.n_heads * m.v_head_dim
+        queries = [("q_proj", q, d)]
+        if m.q_lora_rank is not None:
+            queries = [("q_a_proj", m.q_lora_rank, d), ("q_b_proj", q, m.q_lora_rank)]
+        kv_a = ("kv_a_proj", rank + m.qk_rope_head_dim, d)
+        kv_b = ("kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), rank)
+        attention = [*queries, kv_a, kv_b, ("o_proj", d, v)]
     linears = {
-        "attention": [("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)],
+        "attention": attention,
         "dense": [
             shape
             for h in dict.fromkeys(w for w in widths if w)
@@ -937,7 +1022,9 @@ ARCHITECTURE_FIELDS = (
     "rotary_fraction", "attention_bias", "n_experts", "top_k", "expert_hidden",
     "n_shared_experts", "n_dense_layers", "dense_hidden", "rope_theta", "norm_eps", "router",
     "normalize_top_k", "n_expert_groups", "top_k_groups", "routed_scale", "expert_bias",
-    "tie_embeddings",
+    "tie_embeddings", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    "v_head_dim", "rope_scaling", "yarn_factor", "yarn_original_max_seq_len", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
 )  # fmt: skip
 
 

@@ -90,6 +90,36 @@ HF_CASES = {
              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
              n_shared_experts=0),
     ),
+    "deepseek-q-lora-groups-dense-yarn": (
+        "DeepseekV3Config",
+        dict(**_SHAPE, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=10,
+             qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, intermediate_size=40,
+             moe_intermediate_size=16, n_routed_experts=8,
+             num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+             n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=64,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    ),
+    "deepseek-full-q-no-shared-tied-halves": (
+        "DeepseekV3Config",
+        dict(vocab_size=61, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=6,
+             qk_nope_head_dim=4, v_head_dim=7, moe_intermediate_size=8, n_routed_experts=4,
+             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+             n_shared_experts=0, norm_topk_prob=False, tie_word_embeddings=True,
+             rope_interleave=False),
+    ),
+    "deepseek-yarn-mscale": (
+        "DeepseekV3Config",
+        dict(**_SHAPE, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=8, intermediate_size=24, moe_intermediate_size=8,
+             n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1,
+             first_k_dense_replace=2, n_shared_experts=2, max_position_embeddings=32,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0,
+                              "original_max_position_embeddings": 4, "beta_fast": 16,
+                              "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.5}),
+    ),
 }  # fmt: skip
 
 # config.json's keys that describe what the model computes (intermediate_size only where a
@@ -127,6 +157,11 @@ _ARCHITECTURE = [
     "sliding_window",
     "use_sliding_window",
     "initializer_range",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
 ]
 
 
@@ -175,6 +210,24 @@ def _greedy(model, tokens: torch.Tensor, new: int) -> torch.Tensor:
     return tokens
 
 
+def _interleaved(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A DeepSeek folder's tensors with the rotary rows of each head (rotated halves: x_0 ..
+    x_{r/2-1}, then their partners) laid out as interleaved pairs (x_0, x_{r/2}), ..."""
+    rope, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
+    out = dict(tensors)
+    for key, t in tensors.items():
+        if key.endswith(("q_proj.weight", "q_b_proj.weight")):
+            lead, heads = nope, config["num_attention_heads"]
+        elif key.endswith("kv_a_proj_with_mqa.weight"):
+            lead, heads = config["kv_lora_rank"], 1
+        else:
+            continue
+        rows = t.view(heads, lead + rope, -1)
+        pairs = rows[:, lead:].view(heads, 2, rope // 2, -1).transpose(1, 2)
+        out[key] = torch.cat([rows[:, :lead], pairs.reshape(heads, rope, -1)], 1).view_as(t)
+    return out
+
+
 def test_an_hf_folder_imports_and_exports_back_bit_exactly(hf_case, tmp_path):
     name, _, src = hf_case
     cfg, state = load_hf(src)
@@ -182,9 +235,12 @@ def test_an_hf_folder_imports_and_exports_back_bit_exactly(hf_case, tmp_path):
     theirs, back = _tensors(src), _tensors(out)
     assert len(list(out.glob("*.safetensors"))) > 1, "the test should exercise sharding"
     assert set(back) == set(theirs)
+    original, written = (json.loads((f / "config.json").read_text()) for f in (src, out))
+    if original.get("rope_interleave") is False:  # export writes DeepSeek's interleaved rows
+        assert written["rope_interleave"] is True
+        theirs = _interleaved(theirs, original)
     for key, t in theirs.items():
         assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
-    original, written = (json.loads((f / "config.json").read_text()) for f in (src, out))
     uses_intermediate = cfg.n_dense_layers or original["model_type"] in ("olmoe", "mixtral")
     for key in _ARCHITECTURE + ["intermediate_size"] * bool(uses_intermediate):
         if key in original:
@@ -334,7 +390,7 @@ def _hf_folder(tmp_path: Path, case: str) -> Path:
         ("mixtral-top1", {"sliding_window": 64}, "sliding_window=64 in {cfg} is not supported"),
         ("mixtral-top1", {"hidden_act": "gelu"}, "hidden_act='gelu' in {cfg} is not supported"),
         ("glm-no-shared-two-dense", {"n_group": "4"}, "n_group='4' in {cfg} is not allowed: an "),
-        ("mixtral-top1", {"model_type": "deepseek_v3"}, "model_type='deepseek_v3' in {cfg} is "),
+        ("mixtral-top1", {"model_type": "deepseek_v2"}, "model_type='deepseek_v2' in {cfg} is "),
     ],
 )
 def test_an_hf_config_moe_core_cannot_compute_is_refused_in_one_sentence(

@@ -288,6 +288,18 @@ FAMILY_SHAPES = {
         **{"n_dense_layers": 1, "dense_hidden": 320, "router": "sigmoid", "expert_bias": True},
     },
     "groups": {"n_experts": 16, "n_expert_groups": 4, "top_k_groups": 2, "top_k": 4},
+    # DeepSeek's: latent attention (query and value heads equally wide, so the CPU's SDPA keeps
+    # what the GPU's cores keep), a leading dense block, a shared expert, groups
+    "mla": {
+        **{"n_kv_heads": None, "qk_norm": "none", "kv_lora_rank": 32, "q_lora_rank": 48},
+        **{"qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 48},
+        **{"n_dense_layers": 1, "dense_hidden": 320, "router": "sigmoid", "n_shared_experts": 1},
+        **{"n_experts": 16, "n_expert_groups": 4, "top_k_groups": 2, "top_k": 4},
+    },
+    "mla-full-q": {
+        **{"n_kv_heads": None, "qk_norm": "none", "kv_lora_rank": 24, "qk_rope_head_dim": 8},
+        **{"qk_nope_head_dim": 24, "v_head_dim": 32},
+    },
 }
 
 
@@ -585,11 +597,14 @@ def test_a_tied_head_is_the_embedding_counted_once():
     "name", sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
 )
 def test_stages_hold_every_parameter_of_a_named_model_once(name):
-    """Over two pipeline stages, each named model's parameters (leading dense blocks, MoE
-    blocks, embedding, head) are the model's, counted once."""
+    """Over two pipeline stages (three, or one a block, where two do not divide the layers),
+    each named model's parameters (leading dense blocks, MoE blocks, embedding, head) are the
+    model's, counted once."""
     from moe_core.model.flops import count
 
-    run = compose_run([f"model={name}", "parallel.pp=2", "cluster.procs_per_node=2"])
+    n = compose_run([f"model={name}"]).model.n_layers
+    pp = next(d for d in (2, 3, n) if n % d == 0)
+    run = compose_run([f"model={name}", f"parallel.pp={pp}", f"cluster.procs_per_node={pp}"])
     p = plan(run)
     held = sum(s.dense_params + s.expert_params * run.parallel.ep for s in p.stages)
     assert held == count(run.model).total_params == p.total_params

@@ -1,13 +1,13 @@
 """The Hugging Face model families moe_core writes and reads, one typed description each.
 
 A family is one stock ``transformers`` class: ``OlmoeForCausalLM``, ``Qwen3MoeForCausalLM``,
-``MixtralForCausalLM`` or ``Glm4MoeForCausalLM``. Its description says how our ``ModelConfig``
-maps to its config.json and back, what its tensors are called on disk (per expert, as
-``save_pretrained`` writes them), and which of our options it cannot express. Export takes the
-one family that computes exactly what a config computes (``choose_family``: the QK-norm and the
-router's scores tell them apart, so at most one can), or refuses in one sentence naming the
-nearest; import reads the family that config.json's ``model_type`` names. The folder I/O is in
-``convert.hf``.
+``MixtralForCausalLM``, ``Glm4MoeForCausalLM`` or ``DeepseekV3ForCausalLM``. Its description
+says how our ``ModelConfig`` maps to its config.json and back, what its tensors are called on
+disk (per expert, as ``save_pretrained`` writes them), and which of our options it cannot
+express. Export takes the one family that computes exactly what a config computes
+(``choose_family``: the attention, QK-norm and router's scores tell them apart, so at most one
+can), or refuses in one sentence naming the nearest; import reads the family that
+config.json's ``model_type`` names. The folder I/O is in ``convert.hf``.
 
 Router losses differ: moe_core adds a load-balancing term per MoE layer (``aux_loss_coef * E *
 sum_e f_e P_e``, summed or averaged over the layers) and a z-loss; ``transformers`` pools one
@@ -151,18 +151,26 @@ class HFConfigReader:
         if value != allowed:
             self.refuse(key, value, f"only {allowed!r}")
 
-    def rope(self) -> tuple[float, float | None]:
-        """(rope_theta, partial_rotary_factor or None), as ``transformers`` 5 gathers them:
-        ``rope_scaling`` (older files) or ``rope_parameters``, then the top-level keys, then
-        the class's default; any RoPE but the default one (scaled, YaRN, ...) is refused."""
+    def rope_parameters(self) -> dict[str, Any]:
+        """``rope_scaling`` (older files) or ``rope_parameters``, as ``transformers`` 5 reads
+        them (a mapping, or nothing)."""
         rope = self.raw.get("rope_scaling") or self.raw.get("rope_parameters") or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"rope_parameters={rope!r} in {self.path} is not allowed: a mapping.")
+        return rope
+
+    def rope(self, yarn: bool = False) -> tuple[float, float | None]:
+        """(rope_theta, partial_rotary_factor or None), as ``transformers`` 5 gathers them:
+        ``rope_parameters``, then the top-level keys, then the class's default; any RoPE but
+        the default one (scaled, YaRN, ...) is refused, YaRN too unless ``yarn``."""
+        rope = self.rope_parameters()
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
+        if kind not in ("default", "yarn") or (kind == "yarn" and not yarn):
+            also = " and YaRN" if yarn else ""
             raise ConfigError(
                 f"rope_type={kind!r} in {self.path} is not supported: moe_core computes only the "
-                "default RoPE (no scaling), so the model would compute something else."
+                f"default RoPE (no scaling){also} for {self.family.title}, so the model would "
+                "compute something else."
             )
         theta = rope.get("rope_theta", self.raw.get("rope_theta"))
         theta = (
@@ -238,14 +246,14 @@ class Family:
             fields["router_aux_loss_coef"] = hf_aux_coef(cfg)
         return fields
 
-    def _model_common(self, r: HFConfigReader) -> dict[str, Any]:
+    def _model_common(self, r: HFConfigReader, yarn: bool = False) -> dict[str, Any]:
         r.only("hidden_act", str, "silu")
         d_model, n_heads = r.get("hidden_size", int), r.get("num_attention_heads", int)
         head_dim = r.get("head_dim", int)
         if head_dim is None and n_heads > 0:
             head_dim = d_model // n_heads  # the classes' rounding: down
         top_k = r.get("num_experts_per_tok", int)
-        theta, _ = r.rope()
+        theta, _ = r.rope(yarn)
         fields: dict[str, Any] = dict(
             vocab_size=r.get("vocab_size", int),
             d_model=d_model,
@@ -289,6 +297,22 @@ class Family:
             return [("rotary_fraction", cfg.rotary_fraction, "1.0 (RoPE on the whole head)")]
         return []
 
+    @staticmethod
+    def _plain_attention(cfg: ModelConfig) -> list[Need]:
+        """What a family of q/k/v/o projections and unscaled RoPE cannot do."""
+        needs: list[Need] = []
+        if cfg.latent:
+            needs.append(("kv_lora_rank", cfg.kv_lora_rank, "None (no latent attention)"))
+        if cfg.rope_scaling != "none":
+            needs.append(("rope_scaling", cfg.rope_scaling, "'none' (RoPE unscaled)"))
+        return needs
+
+    def row_order(self, cfg: ModelConfig, name: str, interleaved: bool = True) -> list[int] | None:
+        """For our tensor ``name`` (``{i}`` for the layer), the order of its rows on disk (row
+        ``m`` there is our row ``order[m]``), where the class lays them out otherwise (rotary
+        rows ``interleaved``); None: the same rows in the same order."""
+        return None
+
 
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -303,7 +327,7 @@ class Olmoe(Family):
             needs.append(("qk_norm", cfg.qk_norm, "'projection'"))
         if cfg.d_model % cfg.n_heads or cfg.head_dim != cfg.d_model // cfg.n_heads:
             needs.append(("head_dim", cfg.head_dim, "d_model / n_heads (its QK-norm spans it)"))
-        needs += self._full_rotary(cfg)
+        needs += self._full_rotary(cfg) + self._plain_attention(cfg)
         if cfg.attention_bias == "qkv":
             needs.append(("attention_bias", "qkv", "'none' or 'qkvo'"))
         if cfg.n_dense_layers:
@@ -344,7 +368,7 @@ class Qwen3Moe(Family):
         needs: list[Need] = []
         if cfg.qk_norm != "head":
             needs.append(("qk_norm", cfg.qk_norm, "'head'"))
-        needs += self._full_rotary(cfg)
+        needs += self._full_rotary(cfg) + self._plain_attention(cfg)
         if cfg.attention_bias == "qkv":
             needs.append(("attention_bias", "qkv", "'none' or 'qkvo'"))
         return needs + self._plain_router(cfg)
@@ -398,7 +422,7 @@ class Mixtral(Family):
         needs: list[Need] = []
         if cfg.qk_norm != "none":
             needs.append(("qk_norm", cfg.qk_norm, "'none'"))
-        needs += self._full_rotary(cfg)
+        needs += self._full_rotary(cfg) + self._plain_attention(cfg)
         if cfg.attention_bias != "none":
             needs.append(("attention_bias", cfg.attention_bias, "'none'"))
         if cfg.n_dense_layers:
@@ -447,7 +471,7 @@ class Glm4Moe(Family):
             needs.append(("attention_bias", "qkvo", "'none' or 'qkv' (no o_proj bias)"))
         if cfg.router != "sigmoid":
             needs.append(("router", cfg.router, "'sigmoid'"))
-        return needs
+        return needs + self._plain_attention(cfg)
 
     def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
         fields = self._hf_common(cfg)
@@ -493,21 +517,180 @@ class Glm4Moe(Family):
         return r.get(("num_nextn_predict_layers", "num_mtp_layers"), int)
 
     def hf_only(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-        extra: list[tuple[str, tuple[int, ...]]] = []
-        D, width = cfg.d_model, cfg.n_shared_experts * cfg.expert_hidden
-        for i in cfg.moe_layers:
-            if not cfg.expert_bias:
-                extra.append(
-                    (f"model.layers.{i}.mlp.gate.e_score_correction_bias", (cfg.n_experts,))
-                )
-            if not width:  # the class always has a shared expert: here of width 0
-                shared = f"model.layers.{i}.mlp.shared_experts"
-                extra += [
-                    (f"{shared}.gate_proj.weight", (0, D)),
-                    (f"{shared}.up_proj.weight", (0, D)),
-                    (f"{shared}.down_proj.weight", (D, 0)),
-                ]
-        return extra
+        return _bias_and_shared_zeros(cfg)
+
+
+def _bias_and_shared_zeros(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """What GLM's and DeepSeek's MoE blocks always hold and ``cfg`` may not: the selection
+    bias (zeros: no bias) and a shared expert (of width 0: none)."""
+    extra: list[tuple[str, tuple[int, ...]]] = []
+    D, width = cfg.d_model, cfg.n_shared_experts * cfg.expert_hidden
+    for i in cfg.moe_layers:
+        if not cfg.expert_bias:
+            extra.append((f"model.layers.{i}.mlp.gate.e_score_correction_bias", (cfg.n_experts,)))
+        if not width:
+            shared = f"model.layers.{i}.mlp.shared_experts"
+            extra += [
+                (f"{shared}.gate_proj.weight", (0, D)),
+                (f"{shared}.up_proj.weight", (0, D)),
+                (f"{shared}.down_proj.weight", (D, 0)),
+            ]
+    return extra
+
+
+def interleaved_rope_rows(n_before: int, rope: int, heads: int, n_after: int = 0) -> list[int]:
+    """Row order on disk of a projection whose heads each end in ``rope`` rotary rows that
+    DeepSeek lays out as interleaved pairs (x0, x1), (x2, x3), ... where we rotate halves: row
+    ``2j`` there is our row ``j``, row ``2j + 1`` our row ``rope/2 + j`` (the same rotation,
+    exactly; ``n_before`` non-rotary rows lead each head, ``n_after`` rows follow them all)."""
+    half, width = rope // 2, n_before + rope
+    order: list[int] = []
+    for h in range(heads):
+        base = h * width
+        order += range(base, base + n_before)
+        order += [base + n_before + m // 2 + (m % 2) * half for m in range(rope)]
+    return order + list(range(heads * width, heads * width + n_after))
+
+
+@dataclass(frozen=True, eq=False)
+class DeepseekV3(Family):
+    """DeepSeek-V3: multi-head latent attention (YaRN where configured), sigmoid scores with a
+    selection-only bias, group-limited top-k, routed scaling, shared experts, leading dense
+    blocks; no router loss. Its rotary rows are interleaved on disk (``rope_interleave``, as
+    DeepSeek's own checkpoints are): export and import permute them (``row_order``), which
+    changes no value. Multi-token prediction layers after the last block are skipped on
+    import, and said so."""
+
+    has_aux_loss: ClassVar[bool] = False
+
+    def needs(self, cfg: ModelConfig) -> list[Need]:
+        needs: list[Need] = []
+        if not cfg.latent:
+            needs.append(("kv_lora_rank", None, "a rank (multi-head latent attention)"))
+        if cfg.router != "sigmoid":
+            needs.append(("router", cfg.router, "'sigmoid'"))
+        return needs
+
+    def row_order(self, cfg: ModelConfig, name: str, interleaved: bool = True) -> list[int] | None:
+        if not interleaved:
+            return None
+        assert cfg.qk_rope_head_dim is not None and cfg.qk_nope_head_dim is not None
+        rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        if name in ("layers.{i}.attn.q_proj.weight", "layers.{i}.attn.q_b_proj.weight"):
+            return interleaved_rope_rows(nope, rope, cfg.n_heads)
+        if name == "layers.{i}.attn.kv_a_proj.weight":
+            assert cfg.kv_lora_rank is not None
+            return interleaved_rope_rows(cfg.kv_lora_rank, rope, 1)
+        return None
+
+    def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+        fields = self._hf_common(cfg)
+        fields.pop("head_dim", None)  # the class sets its own (the rotary part)
+        if cfg.rope_scaling == "yarn":
+            fields["rope_parameters"] |= dict(
+                rope_type="yarn",
+                factor=cfg.yarn_factor,
+                original_max_position_embeddings=cfg.yarn_original_max_seq_len,
+                beta_fast=cfg.yarn_beta_fast,
+                beta_slow=cfg.yarn_beta_slow,
+                mscale=cfg.yarn_mscale,
+                mscale_all_dim=cfg.yarn_mscale_all_dim,
+            )
+        return fields | dict(
+            intermediate_size=cfg.dense_hidden or cfg.expert_hidden,
+            moe_intermediate_size=cfg.expert_hidden,
+            n_routed_experts=cfg.n_experts,
+            n_shared_experts=cfg.n_shared_experts,
+            routed_scaling_factor=cfg.routed_scale,
+            n_group=cfg.n_expert_groups,
+            topk_group=cfg.top_k_groups,
+            first_k_dense_replace=cfg.n_dense_layers,
+            norm_topk_prob=cfg.normalize_top_k,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_interleave=True,
+            attention_bias=False,
+            num_nextn_predict_layers=0,  # no MTP layer is written: engines should not look
+        )
+
+    def model_fields(self, r: HFConfigReader) -> dict[str, Any]:
+        fields = self._model_common(r, yarn=True)
+        rope = r.rope_parameters()
+        r.only("attention_bias", bool, False)
+        for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if r.raw.get(key) not in (None, allowed):  # DeepSeek's own files say these
+                r.refuse(key, r.raw[key], f"only {allowed!r}")
+        if r.raw.get("moe_layer_freq") not in (None, 1):
+            r.refuse(
+                "moe_layer_freq",
+                r.raw["moe_layer_freq"],
+                "only 1 (every block after the dense ones)",
+            )
+        n_dense = r.get("first_k_dense_replace", int)
+        yarn: dict[str, Any] = {}
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
+                key = "truncate" if rope.get("truncate", True) is not True else "attention_factor"
+                r.refuse(key, rope[key], "only YaRN as DeepSeek-V3 configures it (unset)")
+            factor = rope.get("factor")
+            original = rope.get("original_max_position_embeddings")
+            yarn = dict(
+                rope_scaling="yarn",
+                yarn_factor=r.check("factor", factor, float),
+                yarn_original_max_seq_len=r.check(
+                    "original_max_position_embeddings", original, int
+                ),
+                yarn_beta_fast=r.check("beta_fast", rope.get("beta_fast") or 32.0, float),
+                yarn_beta_slow=r.check("beta_slow", rope.get("beta_slow") or 1.0, float),
+                yarn_mscale=r.check("mscale", rope.get("mscale") or 0.0, float),
+                yarn_mscale_all_dim=r.check(
+                    "mscale_all_dim", rope.get("mscale_all_dim") or 0.0, float
+                ),
+            )
+        q_rank = r.raw.get("q_lora_rank", r.family.defaults["q_lora_rank"])
+        n_heads = fields["n_heads"]
+        if r.raw.get("num_key_value_heads") not in (None, n_heads):
+            r.refuse("num_key_value_heads", r.raw["num_key_value_heads"], f"only {n_heads}")
+        return (
+            fields
+            | yarn
+            | dict(
+                head_dim=None,
+                n_kv_heads=None,
+                qk_norm="none",
+                n_experts=r.get(("n_routed_experts", "num_local_experts"), int),
+                expert_hidden=r.get("moe_intermediate_size", int),
+                n_shared_experts=r.get("n_shared_experts", int),
+                n_dense_layers=n_dense,
+                dense_hidden=r.get("intermediate_size", int) if n_dense > 0 else None,
+                router="sigmoid",
+                expert_bias=True,  # e_score_correction_bias: always there, zeros where untrained
+                routed_scale=r.get("routed_scaling_factor", float),
+                n_expert_groups=r.get("n_group", int),
+                top_k_groups=r.get("topk_group", int),
+                normalize_top_k=r.get("norm_topk_prob", bool),
+                q_lora_rank=None if q_rank is None else r.check("q_lora_rank", q_rank, int),
+                kv_lora_rank=r.get("kv_lora_rank", int),
+                qk_rope_head_dim=r.get("qk_rope_head_dim", int),
+                qk_nope_head_dim=r.get("qk_nope_head_dim", int),
+                v_head_dim=r.get("v_head_dim", int),
+            )
+        )
+
+    def interleaved(self, r: HFConfigReader | None) -> bool:
+        """Whether the folder's rotary rows are interleaved: DeepSeek's layout, which export
+        writes; a config.json may say ``rope_interleave: false`` (rotated halves, ours)."""
+        return r is None or r.get("rope_interleave", bool)
+
+    def mtp_layers(self, r: HFConfigReader) -> int:
+        """How many multi-token prediction layers config.json says follow the last block."""
+        return r.get(("num_nextn_predict_layers", "num_mtp_layers"), int)
+
+    def hf_only(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        return _bias_and_shared_zeros(cfg)
 
 
 _COMMON_DEFAULTS = dict(
@@ -616,7 +799,51 @@ GLM4_MOE = Glm4Moe(
     ),
 )
 
-FAMILIES: tuple[Family, ...] = (OLMOE, QWEN3_MOE, MIXTRAL, GLM4_MOE)
+_MLA = {
+    "layers.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.q_a_proj.weight": "model.layers.{i}.self_attn.q_a_proj.weight",
+    "layers.{i}.attn.q_a_norm.weight": "model.layers.{i}.self_attn.q_a_layernorm.weight",
+    "layers.{i}.attn.q_b_proj.weight": "model.layers.{i}.self_attn.q_b_proj.weight",
+    "layers.{i}.attn.kv_a_proj.weight": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+    "layers.{i}.attn.kv_a_norm.weight": "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+    "layers.{i}.attn.kv_b_proj.weight": "model.layers.{i}.self_attn.kv_b_proj.weight",
+    "layers.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+}
+_SIGMOID_ROUTER = {
+    "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.moe.router.expert_bias": "model.layers.{i}.mlp.gate.e_score_correction_bias",
+}
+DEEPSEEK_V3 = DeepseekV3(
+    title="DeepSeek-V3",
+    model_type="deepseek_v3",
+    hf_class="DeepseekV3ForCausalLM",
+    config_class="DeepseekV3Config",
+    moe="mlp",
+    experts=_EXPERT_PROJS,
+    keys=_SHELL | _MLA | _DENSE | _SIGMOID_ROUTER | _swiglu("moe.shared", "mlp.shared_experts"),
+    defaults=_COMMON_DEFAULTS
+    | dict(
+        head_dim=64,  # the class sets it to qk_rope_head_dim (we derive ours: None)
+        num_key_value_heads=128,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        norm_topk_prob=True,
+        attention_bias=False,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        q_lora_rank=1536,
+        rope_interleave=True,
+        num_nextn_predict_layers=1,
+    ),
+    fp32_keys=GLM4_MOE.fp32_keys,
+)
+
+FAMILIES: tuple[Family, ...] = (OLMOE, QWEN3_MOE, MIXTRAL, GLM4_MOE, DEEPSEEK_V3)
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 
 

@@ -1,12 +1,13 @@
 """Our weights <-> a Hugging Face folder of one of the stock families (``convert.families``:
-``OlmoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Glm4MoeForCausalLM``).
+``OlmoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Glm4MoeForCausalLM``,
+``DeepseekV3ForCausalLM``).
 
 On disk the HF directory holds sharded safetensors with per-expert keys (as ``transformers``
 saves them), ``model.safetensors.index.json``, ``config.json``, our own
 ``moe_core_config.json`` (so the way back is exact) and, when given, the tokenizer files.
 Export writes the one class that computes what the config computes (or refuses); the
 directory is written beside its destination and renamed into place only when complete.
-Import reads any of the four (``model_type`` picks the family) through ``HFSource``, one
+Import reads any of the five (``model_type`` picks the family) through ``HFSource``, one
 tensor at a time.
 """
 
@@ -29,8 +30,9 @@ from safetensors.torch import save_file
 from moe_core.config import ConfigError, ModelConfig, safe_name
 from moe_core.config_dict import from_dict, to_dict
 from moe_core.convert.families import (
-    GLM4_MOE,
+    DeepseekV3,
     Family,
+    Glm4Moe,
     HFConfigReader,
     choose_family,
     export_note,
@@ -196,14 +198,16 @@ class Item(NamedTuple):
     expert: int | None
     rows: slice | None
     fp32: bool
+    order: torch.Tensor | None = None  # the class's row order (``Family.row_order``)
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def hf_items(family: Family, cfg: ModelConfig) -> list[Item]:
+def hf_items(family: Family, cfg: ModelConfig, interleaved: bool = True) -> list[Item]:
     """Every tensor of ``cfg``'s model in ``family``'s folder, in a stable order (ours, then
-    the class's own); experts split per expert and projection."""
+    the class's own); experts split per expert and projection; rows reordered where the class
+    lays them out otherwise (``interleaved``: the folder's rotary rows are)."""
     F = cfg.expert_hidden
     items = []
     for name, shape in state_shapes(cfg).items():
@@ -221,7 +225,9 @@ def hf_items(family: Family, cfg: ModelConfig) -> list[Item]:
         template = name if m is None else f"layers.{{i}}.{m[2]}"
         theirs = family.keys[template]
         key = theirs.format(i=m[1] if m else "")
-        items.append(Item(key, shape, name, None, None, theirs in family.fp32_keys))
+        order = family.row_order(cfg, template, interleaved)
+        index = None if order is None else torch.tensor(order)
+        items.append(Item(key, shape, name, None, None, theirs in family.fp32_keys, index))
     for key, shape in family.hf_only(cfg):
         template = re.sub(r"layers\.\d+\.", "layers.{i}.", key)
         items.append(Item(key, shape, None, None, None, template in family.fp32_keys))
@@ -304,13 +310,14 @@ def save_hf(
         for s, items in enumerate(shards, start=1):
             fname = f"model-{s:05d}-of-{n:05d}.safetensors"
             tensors = {}
-            for key, shape, ours, expert, rows, fp32 in items:
+            for key, shape, ours, expert, rows, fp32, order in items:
                 dtype = torch.float32 if fp32 else source.dtype
                 if ours is None:
                     tensors[key] = torch.zeros(shape, dtype=dtype)
                     continue
                 t = source.get(ours, expert)
                 t = t if rows is None else t[rows]
+                t = t if order is None else t[order]
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{ours} has shape {tuple(t.shape)}, the config says {shape}.")
                 tensors[key] = t.detach().to("cpu", dtype).contiguous().clone()
@@ -452,17 +459,18 @@ class HFSource:
     tensor at a time. Made only once the folder checks out, before any tensor is read: its
     files inside it (or its hub snapshot's blobs), each readable, weights in one float dtype
     (the family's fp32 router tensors aside), every tensor's shape as config.json says. A
-    GLM folder's multi-token prediction layers are skipped, and said so."""
+    GLM or DeepSeek folder's multi-token prediction layers are skipped, and said so."""
 
     def __init__(self, hf_dir: str | os.PathLike) -> None:
         d = self.dir = Path(hf_dir)
         self.cfg, self.family, reader = _folder_config(d)
         notes = [] if reader is None else reader.notes
         mtp = range(0)
-        if reader is not None and self.family is GLM4_MOE:
+        if reader is not None and isinstance(self.family, (Glm4Moe, DeepseekV3)):
             n_layers = self.cfg.n_layers
-            mtp = range(n_layers, n_layers + GLM4_MOE.mtp_layers(reader))
-        items = hf_items(self.family, self.cfg)
+            mtp = range(n_layers, n_layers + self.family.mtp_layers(reader))
+        interleaved = not isinstance(self.family, DeepseekV3) or self.family.interleaved(reader)
+        items = hf_items(self.family, self.cfg, interleaved)
         may_be_fp32 = {item.key for item in items if item.fp32}
         files = _weight_files(d)
         found: dict[str, tuple[int, ...]] = {}
@@ -525,7 +533,8 @@ class HFSource:
         """Our tensor ``name`` (``[expert]`` of a stacked one) as stored: no dtype changes."""
         parts = self._parts[name]
         if parts[0].expert is None:
-            return self._read(parts[0].key)
+            t, order = self._read(parts[0].key), parts[0].order
+            return t if order is None else t[torch.argsort(order)]
         experts = range(self.cfg.n_experts) if expert is None else [expert]
         per_expert = [
             torch.cat([self._read(p.key) for p in parts if p.expert == e]) for e in experts

@@ -1,9 +1,10 @@
-"""Causal self-attention with rotary embeddings, QK-norm and grouped-query heads.
+"""Causal self-attention with rotary embeddings: grouped-query heads (``Attention``) or
+multi-head latent attention (``LatentAttention``, DeepSeek-V2/V3).
 
 The block options of the families (``ModelConfig``): QK-norm over the whole projection (OLMoE),
 per head (Qwen3, GLM-4.5) or none (Mixtral); a ``head_dim`` of its own; RoPE on the leading
 ``rotary_dim`` dimensions of each head (GLM-4.5 rotates half), the rest passed through; biases
-on q, k, v (and o).
+on q, k, v (and o); YaRN frequency scaling (``YarnScaling``).
 
 The attention core is torch's SDPA (cuDNN on Hopper) or, with ``kernels.attention == "flash4"``
 (the module's ``Kernels``, from ``parallel.attention`` through ``parallelize``), FlashAttention 4's
@@ -16,6 +17,8 @@ dispatch is): its kernels are compiled by CuTe's own compiler.
 from __future__ import annotations
 
 import importlib.util
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,20 +30,88 @@ from moe_core.model.kernel_choice import Kernels
 from moe_core.model.norm import RMSNorm
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 without stretching)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN as DeepSeek-V3 configures it (and ``transformers``' "yarn" rope type computes it):
+    each frequency blends its interpolated value (divided by ``factor``) with its original one,
+    by a ramp over the dimensions that turn between ``beta_fast`` and ``beta_slow`` times over
+    ``original_max_seq_len`` positions (rounded outwards); the tables are scaled by
+    ``table_scale``, and latent attention's softmax scale by ``softmax_factor``."""
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> YarnScaling | None:
+        if cfg.rope_scaling != "yarn":
+            return None
+        return cls(
+            cfg.yarn_factor,
+            cfg.yarn_original_max_seq_len,
+            cfg.yarn_beta_fast,
+            cfg.yarn_beta_slow,
+            cfg.yarn_mscale,
+            cfg.yarn_mscale_all_dim,
+        )
+
+    @property
+    def table_scale(self) -> float:
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """What DeepSeek multiplies latent attention's ``1 / sqrt(head_dim)`` by."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def inv_freq(self, base_inv_freq: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+        def turns_dim(turns: float) -> float:  # the dimension that turns ``turns`` times
+            return (
+                dim
+                * math.log(self.original_max_seq_len / (turns * 2 * math.pi))
+                / (2 * math.log(theta))
+            )
+
+        low = max(math.floor(turns_dim(self.beta_fast)), 0)
+        high = min(math.ceil(turns_dim(self.beta_slow)), dim - 1)
+        high = high + 0.001 if low == high else high  # no division by zero
+        i = torch.arange(dim // 2, dtype=torch.float32, device=base_inv_freq.device)
+        interpolate = ((i - low) / (high - low)).clamp(0, 1)
+        return base_inv_freq / self.factor * interpolate + base_inv_freq * (1 - interpolate)
+
+
 class RotaryEmbedding(nn.Module):
     """fp32 cos/sin tables, built lazily on the device of use (so meta-device builds, dtype
-    casts and ``to_empty`` never touch them) and cached for the longest length seen."""
+    casts and ``to_empty`` never touch them) and cached for the longest length seen;
+    ``scaling``: YaRN's frequencies and table scale."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: YarnScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _build(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
         inv_freq = 1.0 / (self.theta ** (exponent / self.head_dim))
+        if self.scaling is not None:
+            inv_freq = self.scaling.inv_freq(inv_freq, self.head_dim, self.theta)
         pos = torch.arange(seq_len, dtype=torch.float32, device=device)
         freqs_SH = torch.cat([torch.outer(pos, inv_freq)] * 2, dim=-1)
+        if self.scaling is not None:
+            scale = self.scaling.table_scale
+            return freqs_SH.cos() * scale, freqs_SH.sin() * scale
         return freqs_SH.cos(), freqs_SH.sin()
 
     def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +143,35 @@ def flash4_installed() -> bool:
 
 
 @eager
-def _flash4(q_BSHd: torch.Tensor, k_BSHd: torch.Tensor, v_BSHd: torch.Tensor) -> torch.Tensor:
+def _flash4(
+    q_BSHd: torch.Tensor, k_BSHd: torch.Tensor, v_BSHd: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     from flash_attn.cute import flash_attn_func
 
-    out = flash_attn_func(q_BSHd, k_BSHd, v_BSHd, causal=True)
+    out = flash_attn_func(q_BSHd, k_BSHd, v_BSHd, softmax_scale=scale, causal=True)
     return out[0] if isinstance(out, tuple) else out
+
+
+def causal_attention(
+    q_BHSd: torch.Tensor,
+    k_BHSd: torch.Tensor,
+    v_BHSe: torch.Tensor,
+    kernels: Kernels,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The attention core, [B, S, H * e] out: FlashAttention 4 where ``kernels`` picks it and
+    it runs (CUDA, 16-bit), else SDPA (grouped-query heads where k, v have fewer heads)."""
+    B, H, S, _ = q_BHSd.shape
+    if kernels.attention == "flash4" and q_BHSd.is_cuda and q_BHSd.dtype in HALF:
+        t = (x.transpose(1, 2) for x in (q_BHSd, k_BHSd, v_BHSe))
+        return _flash4(*t, scale).reshape(B, S, -1)
+    o_BHSe = F.scaled_dot_product_attention(
+        q_BHSd, k_BHSd, v_BHSe, is_causal=True, scale=scale, enable_gqa=k_BHSd.shape[1] != H
+    )
+    return o_BHSe.transpose(1, 2).reshape(B, S, -1)
+
+
+HALF = (torch.bfloat16, torch.float16)
 
 
 class Attention(nn.Module):
@@ -115,11 +210,74 @@ class Attention(nn.Module):
         cos_Sr, sin_Sr = rope
         q = apply_rotary(q_BSHd.transpose(1, 2), cos_Sr.to(q.dtype), sin_Sr.to(q.dtype))
         k = apply_rotary(k_BSHd.transpose(1, 2), cos_Sr.to(k.dtype), sin_Sr.to(k.dtype))
-        half = q.dtype in (torch.bfloat16, torch.float16)
-        if self.kernels.attention == "flash4" and q.is_cuda and half:
-            o_BSHd = _flash4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return self.o_proj(o_BSHd.reshape(B, S, -1))
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        return self.o_proj(causal_attention(q, k, v, self.kernels))
+
+
+# DeepSeek's norms of the compressed query and key-value (its reference's RMSNorm default, and
+# transformers' for these two whatever rms_norm_eps says)
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3; ``model.kv_lora_rank`` set).
+
+    Queries: ``q_b_proj(q_a_norm(q_a_proj(x)))`` through a rank-``q_lora_rank`` compression, or
+    ``q_proj(x)``. Keys and values: ``kv_a_proj(x)`` gives the compressed key-value of width
+    ``kv_lora_rank`` (RMS-normed, then ``kv_b_proj`` expands it to each head's non-rotary key
+    and value) and one rotary key of ``qk_rope_head_dim`` shared by every head. A query/key head
+    is [non-rotary; rotary] (``head_dim`` wide), a value head ``v_head_dim``; the core takes
+    the unequal widths as they are (FlashAttention 4's 192/128 kernels, or SDPA). RoPE rotates
+    halves, as ``Attention`` does; checkpoints whose rotary rows are interleaved (DeepSeek's
+    own) are permuted on import and export (``convert.families``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.kv_lora_rank is not None and cfg.qk_nope_head_dim is not None
+        assert cfg.qk_rope_head_dim is not None and cfg.v_head_dim is not None
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.nope, self.rope, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
         )
-        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        self.kv_rank = cfg.kv_lora_rank
+        D, H = cfg.d_model, cfg.n_heads
+        q_dim = H * (self.nope + self.rope)
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_norm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj = nn.Linear(D, self.kv_rank + self.rope, bias=False)
+        self.kv_a_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        yarn = YarnScaling.of(cfg)
+        self.scale = (self.nope + self.rope) ** -0.5 * (yarn.softmax_factor if yarn else 1.0)
+        self.kernels = Kernels()  # its ``attention`` field picks the core (module docstring)
+
+    def forward(self, x_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        H, nope, r = self.n_heads, self.nope, self.rope
+        if self.q_proj is not None:
+            q = self.q_proj(x_BSD)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD)))  # type: ignore[misc]
+        # token-major throughout ([B, S, H, .]), so the core's output is token-major too and
+        # the o-projection reads it without a copy
+        q_BSHd = q.view(B, S, H, nope + r)
+        c_kv, k_rope = self.kv_a_proj(x_BSD).split([self.kv_rank, r], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, S, H, nope + self.v_dim)
+        k_nope_BSHn, v_BSHv = kv.split([nope, self.v_dim], dim=-1)
+        cos_S1r, sin_S1r = (t.to(q.dtype).unsqueeze(1) for t in rope)
+        q_rope_BSHr = apply_rotary(q_BSHd[..., nope:], cos_S1r, sin_S1r)
+        k_rope_BS1r = apply_rotary(k_rope.view(B, S, 1, r), cos_S1r, sin_S1r)
+        q_BSHd = torch.cat([q_BSHd[..., :nope], q_rope_BSHr], dim=-1)
+        k_BSHd = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(B, S, H, r)], dim=-1)
+        q_BHSd, k_BHSd, v_BHSv = (t.transpose(1, 2) for t in (q_BSHd, k_BSHd, v_BSHv))
+        return self.o_proj(causal_attention(q_BHSd, k_BHSd, v_BHSv, self.kernels, self.scale))

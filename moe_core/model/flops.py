@@ -3,9 +3,11 @@ built, so any size answers at once; tests hold the formulas equal to a meta-devi
 
 Convention (design.md, Megatron's): model FLOPs per token = 6 x the matmul parameters a token
 is multiplied by (attention projections, its top-k experts and the shared expert, the leading
-dense blocks' MLPs, LM head) + 6 x layers x seq x (query heads x head_dim) for causal attention
-(d_model where head_dim is d_model / n_heads). Router, norms, biases, embedding lookups and
-recompute are not counted. A tied LM head is one parameter (the embedding) but still a matmul.
+dense blocks' MLPs, LM head) + 3 x layers x seq x (query heads x (head_dim + value head width))
+for causal attention (6 x layers x seq x d_model where head_dim is d_model / n_heads; multi-head
+latent attention's value heads are ``v_head_dim`` wide, its query/key heads ``head_dim``).
+Router, norms, biases, embedding lookups and recompute are not counted. A tied LM head is one
+parameter (the embedding) but still a matmul.
 """
 
 from __future__ import annotations
@@ -54,9 +56,20 @@ def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     n_dense = n_layers - n_moe
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     attention = 2 * d * q_dim + 2 * d * kv_dim  # q, o; k, v projections
+    v_dim = q_dim  # what attention's weighted sum of values spans, over the heads
     biases = {"none": 0, "qkv": q_dim + 2 * kv_dim, "qkvo": q_dim + 2 * kv_dim + d}
     qk_norm = {"none": 0, "head": 2 * cfg.head_dim, "projection": q_dim + kv_dim}[cfg.qk_norm]
-    norms = 2 * d + qk_norm  # attention and feed-forward norms, QK-norm
+    if cfg.kv_lora_rank is not None:  # latent attention: its projections and latent norms
+        assert cfg.qk_rope_head_dim is not None and cfg.v_head_dim and cfg.qk_nope_head_dim
+        rank, H, v_dim = cfg.kv_lora_rank, cfg.n_heads, cfg.n_heads * cfg.v_head_dim
+        q_rank = cfg.q_lora_rank
+        queries = d * q_dim if q_rank is None else d * q_rank + q_rank * q_dim
+        keys_values = d * (rank + cfg.qk_rope_head_dim) + rank * H * (
+            cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
+        attention = queries + keys_values + v_dim * d
+        qk_norm = rank + (q_rank or 0)
+    norms = 2 * d + qk_norm  # attention and feed-forward norms, QK-norm (MLA: latent norms)
     layer_other = norms + biases[cfg.attention_bias]  # no FLOPs counted for these
     shared = 3 * d * cfg.n_shared_experts * cfg.expert_hidden
     expert = 3 * d * cfg.expert_hidden  # one routed expert's gate, up and down
@@ -77,5 +90,6 @@ def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     matmul_active = (
         n_layers * attention + n_moe * (shared + cfg.top_k * expert) + n_dense * dense_mlp + head
     )
-    flops = 6 * matmul_active + 6 * n_layers * seq_len * q_dim
+    # causal attention: q.k over q_dim and the weighted sum over v_dim, half the pairs, x 3
+    flops = 6 * matmul_active + 3 * n_layers * seq_len * (q_dim + v_dim)
     return ModelCounts(total, active, matmul_active, experts, embedding, flops)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from moe_core.config import ConfigError
-from moe_core.model.attention import Attention
+from moe_core.model.attention import Attention, LatentAttention
 from moe_core.model.moe import SwiGLU
 from moe_core.model.transformer import Transformer
 from moe_kernels.fp8 import fp8_linear
@@ -46,7 +46,9 @@ class FP8Linear(nn.Linear):
 def _linears(model: nn.Module, part: str) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every linear that ``part`` names."""
     if part == "attention":
-        owners, names = Attention, ("q_proj", "k_proj", "v_proj", "o_proj")
+        owners = (Attention, LatentAttention)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj")
+        names += ("kv_b_proj",)
     elif part == "dense":
         owners, names = SwiGLU, ("w_gate", "w_up", "w_down")
     elif part == "lm_head":

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.config import ModelConfig
-from moe_core.model.attention import Attention, RotaryEmbedding
+from moe_core.model.attention import Attention, LatentAttention, RotaryEmbedding, YarnScaling
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE, Router, SwiGLU
@@ -31,7 +31,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.latent else Attention(cfg)
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe: MoE | None = None
         self.mlp: SwiGLU | None = None
@@ -70,7 +70,7 @@ class Transformer(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, YarnScaling.of(cfg))
 
     def forward(
         self, x: torch.Tensor, aux: torch.Tensor | None = None
@@ -163,7 +163,7 @@ def apply_kernels(model: nn.Module, kernels: Kernels) -> None:
     """Hand one model its kernel choice: every ``Attention`` and ``Experts`` holds ``kernels``
     (``moe_core.model.kernel_choice``), in place, before the model is compiled."""
     for m in model.modules():
-        if isinstance(m, (Attention, Experts)):
+        if isinstance(m, (Attention, LatentAttention, Experts)):
             m.kernels = kernels
 
 

@@ -227,6 +227,8 @@ def optimizer_bytes(run: RunConfig, p: StageParameters) -> float:
 def attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool) -> int:
     """What every block keeps per token for its norms, attention and RoPE tables (the part
     dense and MoE blocks share; ``layer_activation_bytes`` gives the terms)."""
+    if m.latent:
+        return latent_attention_activation_bytes(m, bp, bc, compiled)
     assert m.head_dim is not None
     d, q, kv = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
     qk = q + kv if m.qk_norm != "none" else 0  # what QK-norm normalizes
@@ -241,6 +243,34 @@ def attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool)
         attention += bc * q
     rope = 4 * m.rotary_dim * bc if bc < 4 and not compiled else 0
     return norms + attention + rope
+
+
+def latent_attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool) -> int:
+    """``attention_activation_bytes`` for multi-head latent attention, per token, with ``r_q``
+    (``q_lora_rank``; 0 for a full-rank query), ``r_kv`` (``kv_lora_rank``), ``r`` (the rotary
+    dims), ``q = n_heads (nope + r)``, ``v = n_heads v_head_dim``: the block norms as there;
+    each latent norm keeps its input, an fp32 normalized copy and its output, the key-value
+    one's input being the whole compressed projection (``r_kv + r`` wide): ``(r_q + r_kv)
+    (4 + 2 b_c) + r b_c`` eagerly, only the inputs compiled; the core keeps the projections'
+    input, the full q and k (k's rotary part broadcast into every head), the expanded key-value
+    projection whose slice v is (``n_heads (nope + v_head_dim)``), the output (token-major: the
+    o-projection's input too) and the log-sum-exp: ``b_c (d + 2 q + n_heads (nope + v_head_dim)
+    + v) + 4 n_heads``; bf16 RoPE tables as there. Autograd keeps exactly this on the CPU where
+    query and value heads are equally wide (tests/test_plan.py; unequal ones take the CPU's
+    math SDPA, the GPU's FlashAttention 4 or cuDNN keep the same as equal ones)."""
+    assert m.qk_rope_head_dim is not None and m.v_head_dim is not None and m.head_dim
+    assert m.qk_nope_head_dim is not None and m.kv_lora_rank is not None
+    d, r, H = m.d_model, m.qk_rope_head_dim, m.n_heads
+    q, v = H * m.head_dim, H * m.v_head_dim
+    latent = (m.q_lora_rank or 0) + m.kv_lora_rank
+    scalars = 4 * (2 + 1 + (m.q_lora_rank is not None))  # each norm's 1/rms per token
+    if compiled:
+        norms = 3 * d * bp + (latent + r) * bc + scalars
+    else:
+        norms = 2 * d * (4 + bp) + latent * (4 + 2 * bc) + r * bc + scalars
+    attention = bc * (d + 2 * q + H * (m.qk_nope_head_dim + m.v_head_dim) + v) + 4 * H
+    tables = 4 * r * bc if bc < 4 and not compiled else 0
+    return norms + attention + tables
 
 
 def layer_activation_bytes(

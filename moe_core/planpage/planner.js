@@ -82,8 +82,17 @@ function fp8LinearShapes(m, parts) {
   const q = m.n_heads * m.head_dim, kv = m.n_kv_heads * m.head_dim, d = m.d_model;
   // the dense SwiGLUs: the shared expert (when n_shared_experts > 0), the leading dense blocks'
   const widths = new Set([m.n_shared_experts * m.expert_hidden, m.dense_hidden || 0]);
+  let attention = [["q_proj", q, d], ["k_proj", kv, d], ["v_proj", kv, d], ["o_proj", d, q]];
+  if (m.kv_lora_rank !== null) { // multi-head latent attention's projections
+    const H = m.n_heads, rank = m.kv_lora_rank;
+    const queries = m.q_lora_rank === null ? [["q_proj", q, d]]
+      : [["q_a_proj", m.q_lora_rank, d], ["q_b_proj", q, m.q_lora_rank]];
+    attention = [...queries, ["kv_a_proj", rank + m.qk_rope_head_dim, d],
+      ["kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), rank],
+      ["o_proj", d, H * m.v_head_dim]];
+  }
   const linears = {
-    attention: [["q_proj", q, d], ["k_proj", kv, d], ["v_proj", kv, d], ["o_proj", d, q]],
+    attention,
     dense: [...widths].filter((h) => h).flatMap((h) =>
       [["w_gate", h, d], ["w_up", h, d], ["w_down", d, h]]),
     lm_head: [["lm_head", m.vocab_size, d]],
@@ -381,6 +390,14 @@ function modelRefusal(data, c) {
   const kv = c.n_kv_heads === null ? c.n_heads : c.n_kv_heads;
   if (!(kv > 0)) return fail("n_kv_heads", kv, "it must be positive");
   let hd = c.head_dim;
+  if (c.kv_lora_rank !== null) { // ModelConfig._check_latent (the latent sizes are the model's)
+    const qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    const mla = "multi-head latent attention (model.kv_lora_rank set)";
+    if (hd !== null && hd !== qk)
+      return fail("head_dim", hd, `unset or ${qk} (qk_nope + qk_rope) with ${mla}`);
+    hd = qk;
+    if (kv !== c.n_heads) return fail("n_kv_heads", kv, `model.n_heads or unset with ${mla}`);
+  }
   if (hd === null) {
     if (c.d_model % c.n_heads)
       return fail("n_heads", c.n_heads,
@@ -395,7 +412,8 @@ function modelRefusal(data, c) {
   if (c.top_k > c.n_experts)
     return fail("top_k", c.top_k, `at most model.n_experts (${c.n_experts})`);
   if (c.n_heads % kv) return fail("n_kv_heads", kv, `it must divide model.n_heads (${c.n_heads})`);
-  const rotary = Math.floor(hd * c.rotary_fraction);
+  const rotary = c.kv_lora_rank !== null ? c.qk_rope_head_dim
+    : Math.floor(hd * c.rotary_fraction);
   if (rotary === 0 || rotary % 2)
     return fail("head_dim", hd, `head_dim x rotary_fraction (${hd} x ` +
       `${pyFloat(c.rotary_fraction)}, rounded down) must be a positive even number of rotated ` +
@@ -435,7 +453,13 @@ function parameterCounts(c) {
   const biases = { none: [], qkv: [q, kv, kv], qkvo: [q, kv, kv, d] }[c.attention_bias];
   const qkNorm = { none: [], projection: [q, kv], head: [hd, hd] }[c.qk_norm];
   // attn_norm, q, k, v, o, their biases, q_norm and k_norm, the feed-forward's norm
-  const attention = [d, q * d, kv * d, kv * d, d * q, ...biases, ...qkNorm, d];
+  let attention = [d, q * d, kv * d, kv * d, d * q, ...biases, ...qkNorm, d];
+  if (c.kv_lora_rank !== null) { // attention.LatentAttention's, in its order
+    const rq = c.q_lora_rank, rkv = c.kv_lora_rank, H = c.n_heads;
+    const queries = rq === null ? [q * d] : [rq * d, rq, q * rq];
+    attention = [d, ...queries, (rkv + c.qk_rope_head_dim) * d, rkv,
+      H * (c.qk_nope_head_dim + c.v_head_dim) * rkv, d * H * c.v_head_dim, d];
+  }
   const moe = [...attention, E * d]; // + router
   if (hs) moe.push(hs * d, hs * d, d * hs); // shared SwiGLU: gate, up, down
   const experts = [E * 2 * h * d, E * d * h]; // w_gate_up, w_down
@@ -460,9 +484,18 @@ function modelCounts(c, seqLen) {
   const d = c.d_model, nLayers = c.n_layers, vocab = c.vocab_size;
   const nDense = c.n_dense_layers, nMoe = nLayers - nDense;
   const q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim;
-  const attention = 2 * d * q + 2 * d * kv; // q, o; k, v projections
+  let attention = 2 * d * q + 2 * d * kv; // q, o; k, v projections
+  let vDim = q; // what attention's weighted sum of values spans, over the heads
   const biases = { none: 0, qkv: q + 2 * kv, qkvo: q + 2 * kv + d }[c.attention_bias];
-  const qkNorm = { none: 0, head: 2 * c.head_dim, projection: q + kv }[c.qk_norm];
+  let qkNorm = { none: 0, head: 2 * c.head_dim, projection: q + kv }[c.qk_norm];
+  if (c.kv_lora_rank !== null) { // latent attention: its projections and latent norms
+    const rank = c.kv_lora_rank, rq = c.q_lora_rank, H = c.n_heads;
+    vDim = H * c.v_head_dim;
+    const queries = rq === null ? d * q : d * rq + rq * q;
+    attention = queries + d * (rank + c.qk_rope_head_dim) +
+      rank * H * (c.qk_nope_head_dim + c.v_head_dim) + vDim * d;
+    qkNorm = rank + (rq || 0);
+  }
   const layerOther = 2 * d + qkNorm + biases; // no FLOPs counted for these
   const shared = 3 * d * c.n_shared_experts * c.expert_hidden;
   const expert = 3 * d * c.expert_hidden;
@@ -475,7 +508,7 @@ function modelCounts(c, seqLen) {
   const active = total - nMoe * (c.n_experts - c.top_k) * expert;
   const matmulActive = nLayers * attention + nMoe * (shared + c.top_k * expert) +
     nDense * denseMlp + head;
-  const flops = 6 * matmulActive + 6 * nLayers * seqLen * q;
+  const flops = 6 * matmulActive + 3 * nLayers * seqLen * (q + vDim);
   return {
     total_params: total,
     active_params: active,
@@ -489,6 +522,7 @@ function modelCounts(c, seqLen) {
 // plan.memory.attention_activation_bytes, compiled (the page's runs are on GPUs): norms,
 // attention (a copy of its output where RoPE rotates part of each head).
 function attentionActivationBytes(c, bp, bc) {
+  if (c.kv_lora_rank !== null) return latentAttentionActivationBytes(c, bp, bc);
   const d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim;
   const qk = c.qk_norm !== "none" ? q + kv : 0;
   const stats = { none: 0, projection: 2, head: c.n_heads + c.n_kv_heads }[c.qk_norm];
@@ -496,6 +530,16 @@ function attentionActivationBytes(c, bp, bc) {
   let attention = bc * (d + 2 * q + 2 * kv) + 4 * c.n_heads;
   if (Math.floor(c.head_dim * c.rotary_fraction) < c.head_dim) attention += bc * q;
   return norms + attention;
+}
+
+// plan.memory.latent_attention_activation_bytes, compiled: the block norms, the latent norms'
+// inputs, the full q and k, the expanded key-value projection, the output, the log-sum-exp.
+function latentAttentionActivationBytes(c, bp, bc) {
+  const d = c.d_model, r = c.qk_rope_head_dim, H = c.n_heads;
+  const q = H * c.head_dim, v = H * c.v_head_dim;
+  const latent = (c.q_lora_rank || 0) + c.kv_lora_rank;
+  const norms = 3 * d * bp + (latent + r) * bc + 4 * (3 + (c.q_lora_rank !== null ? 1 : 0));
+  return norms + bc * (d + 2 * q + H * (c.qk_nope_head_dim + c.v_head_dim) + v) + 4 * H;
 }
 
 // plan.memory.layer_activation_bytes (recompute "none" or "selective", compiled: the page's
@@ -539,7 +583,8 @@ function allToAllRowsPerToken(c, ep) {
 // (modelRefusal accepts it): its sizes resolved as ModelConfig resolves them.
 function modelData(data, c) {
   const kv = c.n_kv_heads === null ? c.n_heads : c.n_kv_heads;
-  const hd = c.head_dim === null ? c.d_model / c.n_heads : c.head_dim;
+  let hd = c.head_dim === null ? c.d_model / c.n_heads : c.head_dim;
+  if (c.kv_lora_rank !== null) hd = c.qk_nope_head_dim + c.qk_rope_head_dim;
   const config = { ...c, n_kv_heads: kv, head_dim: hd };
   const counts = modelCounts(config, config.max_seq_len);
   const flops = {};
