@@ -12,6 +12,16 @@ steps after warm-up, pure-bf16, synthetic tokens, learned routing, micro-batch `
 ids; its figure divides the same FLOPs per token, ``flops.count``, by the mean of its timed
 steps). MFU divides by the H200's dense bf16 peak (``moe_core.hardware``). Interleaving the
 order (ours, peer, ours) spreads the machine's drift over both sides.
+
+Multi-head latent attention configs (issue 38) run torchtitan's ``deepseek_v3`` family instead
+(``peer_torchtitan.py`` says what it computes). ``--experts``, ``--dense-layers``,
+``--mtp-depth`` and ``--set`` are model overrides both sides take; ``--recompute block`` is
+``parallel.recompute=block`` for ours and full activation checkpointing for torchtitan. The
+pruned DeepSeek-V3 block on one H200 (``peer_torchtitan.py``'s docstring says why this shape),
+MTP on:
+
+    python benchmarks/families_step.py --model deepseek-v3 --layers 7 --dense-layers 1 \\
+        --experts 32 --mtp-depth 1 --mbs 1 --recompute block --kit KIT --out v3_mtp1.json
 """
 
 from __future__ import annotations
@@ -33,6 +43,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """The model overrides both sides take (over ``--model`` at ``--layers``)."""
+    picked = {
+        "n_experts": args.experts,
+        "n_dense_layers": args.dense_layers,
+        "mtp_depth": args.mtp_depth,
+    }
+    return [f"model.{k}={v}" for k, v in picked.items() if v is not None] + args.set
+
+
 def peer_run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
@@ -42,14 +62,17 @@ def peer_run(args: argparse.Namespace) -> dict:
             f"--kit={args.kit}",
             f"--model={args.model}",
             f"--layers={args.layers}",
+            *(f"--set={o}" for o in model_overrides(args)),
+            f"--compile-mtp={args.peer_compile_mtp}",
+            f"--out={out}",
             "--",
             "--compile=1",
             f"--mbs={args.mbs}",
             "--dtype=bfloat16",
             "--cuda-graphs=0",
+            f"--ac={'full' if args.recompute == 'block' else 'none'}",
             f"--warmup={args.warmup}",
             f"--iters={args.steps}",
-            f"--out={out}",
         ]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0 or not out.exists():
@@ -67,6 +90,7 @@ def ours_run(args: argparse.Namespace) -> dict:
         expert_gemm=args.expert_gemm,
         attention=args.attention,
         skip_bare=True,
+        set=[*model_overrides(args), f"parallel.recompute={args.recompute}"],
     )
     try:
         return trainer_run(shape)
@@ -85,6 +109,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--expert-gemm", choices=["auto", "torch", "quack"], default="auto")
     p.add_argument("--attention", choices=["sdpa", "flash4"], default="sdpa")
+    p.add_argument("--experts", type=int, default=None, help="model.n_experts (pruned)")
+    p.add_argument("--dense-layers", type=int, default=None, help="model.n_dense_layers")
+    p.add_argument("--mtp-depth", type=int, default=None, help="model.mtp_depth (0: MTP off)")
+    p.add_argument("--set", action="append", default=[], help="another model override, both sides")
+    p.add_argument(
+        "--recompute",
+        choices=["none", "block"],
+        default="none",
+        help="block: ours parallel.recompute=block, torchtitan full activation checkpointing",
+    )
+    p.add_argument(
+        "--peer-compile-mtp", type=int, default=0, help="1: torchtitan compiles its MTP blocks too"
+    )
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -102,22 +139,29 @@ def main() -> None:
         "seq": 4096,
         "expert_gemm": args.expert_gemm,
         "attention": args.attention,
+        "model_overrides": model_overrides(args),
+        "recompute": args.recompute,
+        "peer_compile_mtp": bool(args.peer_compile_mtp),
         "runs": [],
     }
     for who in order:
         result = ours_run(args) if who == "ours" else peer_run(args)
         report["runs"].append({"who": who, **result})
         save(report, args.out)
-        print(who, json.dumps({k: result.get(k) for k in ("median_tflops", "model_tflops")}))
+        shown = ("median_tflops", "model_tflops", "peak_mem_gib")
+        print(who, json.dumps({k: result.get(k) for k in shown}))
     figures: dict[str, list[float]] = {"ours": [], "peer": []}
+    peaks: dict[str, list[float]] = {"ours": [], "peer": []}
     for r in report["runs"]:
         key = "median_tflops" if r["who"] == "ours" else "model_tflops"
         if not r.get("failed"):
             figures[r["who"]].append(r[key])
+            peaks[r["who"]].append(r.get("peak_mem_gib", 0.0))
     for who, values in figures.items():
         if values:
             report[f"{who}_tflops"] = statistics.median(values)
             report[f"{who}_mfu"] = statistics.median(values) / GPUS["H200"].peak_tflops
+            report[f"{who}_peak_gib"] = max(peaks[who])
     if figures["ours"] and figures["peer"]:
         report["ratio"] = report["ours_tflops"] / report["peer_tflops"]
     save(report, args.out)

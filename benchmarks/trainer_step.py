@@ -115,6 +115,7 @@ def trainer_overrides(args: argparse.Namespace, out_dir: str, data_dir: str) -> 
         "train.checkpoint_at_end=false",
         "train.save_model=false",
         "train.resume=false",
+        *args.set,
         f"out_dir={out_dir}",
     ]
 
@@ -203,6 +204,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bare", action="store_true", help="only the trainer")
     p.add_argument(
         "--fp8-parts", default="", help="with --precision fp8: the parts, e.g. experts,attention"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="another config override for moe train (e.g. model.n_experts=32), repeatable",
     )
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--commit", default="unknown")
