@@ -18,7 +18,8 @@ runs it.
 
 The calls are data, ``multi_gpu.toml`` (each call's GPUs, minutes, what it covers, its
 commands); this file reads it and runs it. ``pipeline-kill`` (the call x8-pipeline) is the
-fault-injection run of ``pipeline_kill.py``.
+fault-injection run of ``pipeline_kill.py``; ``ep_rows.py`` (the call x8-route) trains with
+group-limited routing off and on.
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def moe_overrides(command: list[str]) -> tuple[list[str], str] | None:
         args = command[command.index("moe_core.cli") + 2 :]
     elif "pipeline-kill" in command:
         args = command[command.index("--") + 1 :]
+    elif "benchmarks/ep_rows.py" in command:  # its group-limited run (the plain one differs
+        import ep_rows  # only in the model's routing, the same memory)
+
+        rows_args = ep_rows.parser().parse_args(
+            command[command.index("benchmarks/ep_rows.py") + 1 :]
+        )
+        groups = ep_rows.group_overrides(rows_args.groups, rows_args.top_k_groups)
+        return [*rows_args.overrides, *groups], "config"
     elif "benchmarks/trainer_step.py" in command:
         import trainer_step
 

@@ -45,6 +45,7 @@ SCALARS = (
     "mfu",
     "peak_mem_gib",
     "eval_loss",
+    "ep_rows_per_token",  # rows a token sent to other expert-parallel ranks (all_to_all)
 )
 ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_max")
 

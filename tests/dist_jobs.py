@@ -12,8 +12,19 @@ import torch
 import torch.distributed as dist
 
 from moe_core.compose import compose_run
-from moe_core.model.moe import Experts, LocalDispatcher, Routing, TokenDispatcher
-from moe_core.parallel.dispatch import AllToAllDispatcher, RowwiseDispatcher, RowwiseExchange
+from moe_core.model.moe import (
+    Experts,
+    LocalDispatcher,
+    Routing,
+    TokenDispatcher,
+    router_stats_paused,
+)
+from moe_core.parallel.dispatch import (
+    AllToAllDispatcher,
+    RowwiseDispatcher,
+    RowwiseExchange,
+    rank_slots,
+)
 from moe_core.parallel.symmetric import symmetric_heap
 from moe_core.train.trainer import Trainer
 from moe_kernels.routing import expert_counts
@@ -245,8 +256,23 @@ def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool, fp8: bool = False
         assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), case
         moved = [float(g.abs().sum()) for g in got[3:]]
         differs = T > 0 and not torch.allclose(got[0], unquantized, rtol=tol, atol=tol)
+        # what the dispatcher counted of its two calls (rows to the other rank, tokens), what
+        # the routing sends there, and nothing counted while router statistics are paused
+        counted = dispatcher.take_counts()
+        visits_TP, _ = rank_slots(experts_TK, 2, El)
+        sends = 2 * int(visits_TP[:, 1 - rank].sum())
+        with router_stats_paused():
+            dispatch_grads(dispatcher, mine, *inputs)
         checked.append(
-            {"case": case, "tokens": T, "expert_grad_abs_sum": moved, "differs": differs}
+            {
+                "case": case,
+                "tokens": T,
+                "expert_grad_abs_sum": moved,
+                "differs": differs,
+                "counted": list(counted),
+                "sent": [sends, 2 * T],
+                "counted_paused": list(dispatcher.take_counts()),
+            }
         )
     return checked
 

@@ -87,9 +87,26 @@ def test_multi_gpu_runbook_covers_issue_21_in_calls_that_check_clean(scripts):
     calls = runbook.calls()
     assert len({c.name for c in calls}) == len(calls)
     assert {c.gpus for c in calls} == {2, 8} and all(c.minutes <= 10 for c in calls)
-    covered = {int(n) for c in calls for n in c.what.split(".")[0].split("-")}
+    issue_21 = [c for c in calls if not c.what.startswith("issue ")]  # others name theirs
+    covered = {int(n) for c in issue_21 for n in c.what.split(".")[0].split("-")}
     assert covered == set(range(1, 9)), covered
+    assert {c.name for c in calls if c.what.startswith("issue 38.")} == {"x8-route"}
     assert runbook.check() == []
+
+
+def test_multi_gpu_runbook_checks_the_group_limited_run_of_ep_rows(scripts, monkeypatch):
+    """``check`` composes the group-limited run ``ep_rows.py`` trains: groups that do not
+    divide the experts are reported with the config's sentence, naming the call."""
+    runbook = scripts("multi_gpu")
+    route = runbook.by_name("x8-route").commands[0]
+    bad = [a if a != "8" or route[i - 1] != "--groups" else "5" for i, a in enumerate(route)]
+    monkeypatch.setattr(runbook, "calls", lambda: [runbook.Call("x8-bad", 8, 5, "5. bad", [bad])])
+    problems = runbook.check()
+    assert len(problems) == 1 and problems[0].startswith("x8-bad: ")
+    assert (
+        "model.n_expert_groups=5 is not allowed: it must divide model.n_experts (64)"
+        in (problems[0])
+    )
 
 
 def test_multi_gpu_runbook_checks_the_moe_train_that_trainer_step_launches(scripts, monkeypatch):

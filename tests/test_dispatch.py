@@ -39,6 +39,14 @@ def test_all_to_all_dispatcher_equals_local_dispatcher(mode, tmp_path, monkeypat
     assert by_case[1]["one-rank-without-tokens"]["tokens"] == 0
     assert all(s > 0 for s in by_case[0]["rank0-sends-all-away"]["expert_grad_abs_sum"])
     assert all(s > 0 for s in by_case[1]["distinct"]["expert_grad_abs_sum"])
+    # The rows each rank counts (for the trainer's ep_rows_per_token) are the rows its routing
+    # sends to the other rank, and its tokens; nothing while router statistics are paused.
+    for r in ranks:
+        for c in r:
+            assert c["counted"] == c["sent"] and c["counted_paused"] == [0, 0], c
+    assert by_case[0]["rank0-sends-all-away"]["counted"][0] == 2 * 10  # every token leaves
+    # rank 1 receiving nothing: rank 0's tokens stay home, all of rank 1's leave
+    assert [r["rank1-receives-nothing"]["counted"][0] for r in by_case] == [0, 2 * 12]
 
 
 @pytest.mark.slow
@@ -54,9 +62,10 @@ def test_fp8_rows_travel_as_bytes_and_the_experts_see_them_quantized(tmp_path):
         assert rank["wired"]  # moe train's layers with the option send FP8 rows
         cases, sends = rank["cases"], rank["sends"]
         assert len(cases) == 5 and all(c["differs"] for c in cases if c["tokens"] > 0)
-        # token rows: 16 (DISPATCH_D) bytes each, once per forward (cases run twice)
+        # token rows: 16 (DISPATCH_D) bytes each, once per forward (cases run three times: the
+        # third with router statistics paused)
         rows = [i for i, (dtype, _) in enumerate(sends) if dtype == "uint8"]
-        assert len(rows) == 2 * len(cases) and all(sends[i][1][1:] == [16] for i in rows)
+        assert len(rows) == 3 * len(cases) and all(sends[i][1][1:] == [16] for i in rows)
         for i in rows:  # each followed by its fp32 scales, one per row
             assert sends[i + 1] == ["float32", sends[i][1][:1]], sends[i : i + 2]
         # the combine's rows and the gradients: fp32, never bytes

@@ -13,6 +13,7 @@ shard) moves these by orders of magnitude more.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from moe_core.config import ConfigError
 from moe_core.convert.native import load_model_dir
 from moe_core.model import build_model
 from moe_core.parallel.mesh import check_world_size
+from moe_core.parallel.placement import RoutingRule, reach
 from moe_core.train.trainer import Trainer
 
 LAYOUTS = {
@@ -58,7 +60,41 @@ def test_layout_matches_single_process(layout, reference, tmp_path, request):
         command = ["-m", "moe_core.cli", "train", *BASE, *overrides, f"out_dir={out}"]
         result = torchrun(nproc, command)
         assert result.returncode == 0, explain(result)
+    assert_same_training(reference, out)
 
+
+# tiny's 8 experts in 4 groups of 2, a token's top-3 among its best 2 groups: at EP=4 each rank
+# holds one group, so a token's rows reach 2 ranks (top-3 alone would reach 3)
+GROUPED = ["model.top_k=3", "model.n_expert_groups=4", "model.top_k_groups=2"]
+
+
+@pytest.mark.slow
+def test_group_limited_routing_at_ep4_matches_single_process(tmp_path):
+    """Group-limited routing over 4 expert-parallel ranks (gloo) trains what one process
+    trains, and the rows per token it logs (the all-to-all's split sizes) stay within the
+    placement's bound: each token reaches exactly its 2 groups' ranks, so it sends 1 or 2
+    rows to other ranks, 2 - 1/4 expected where routing is uniform."""
+    reference = tmp_path / "one"
+    Trainer(compose_run([*BASE, *GROUPED, f"out_dir={reference}"])).fit(show_progress=False)
+    out = tmp_path / "ep4"
+    command = ["-m", "moe_core.cli", "train", *BASE, *GROUPED, "parallel.ep=4", f"out_dir={out}"]
+    result = torchrun(4, command)
+    assert result.returncode == 0, explain(result)
+    assert_same_training(reference, out)
+    bound = reach(RoutingRule(8, 3, 4, 2), 4, 4)
+    assert (bound.max_ranks, reach(RoutingRule(8, 3), 4, 4).max_ranks) == (2, 3)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [x["ep_rows_per_token"] for x in lines]
+    assert len(rows) == 5 and all(1.0 <= r <= bound.max_ranks for r in rows), rows
+    assert all(1.0 < r < 2.0 for r in rows), rows  # some tokens keep their own rank's group
+    assert "ep_rows_per_token" not in json.loads(
+        (reference / "metrics.jsonl").read_text().splitlines()[0]
+    )
+
+
+def assert_same_training(reference: Path, out: Path) -> None:
+    """The run in ``out`` trained what the single process in ``reference`` trained (module
+    doc: the tolerances)."""
     ref_losses, got_losses = losses(reference), losses(out)
     assert len(got_losses) == 5
     for step, (a, b) in enumerate(zip(ref_losses, got_losses, strict=True)):

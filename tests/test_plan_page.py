@@ -159,6 +159,8 @@ def same_plan(mine: dict, ref: dict, lay: dict) -> bool:
     assert all(close(a, b) for a, b in zip(mine["stages"], ref["stages"], strict=True))
     for kind, value in ref["comm"].items():
         assert close(mine["comm"][kind], value), (lay, kind)
+    for which in ("reach", "plain"):  # bounds and flags exactly, expected rows to rounding
+        same_numbers(mine[which], ref[which], f"{lay} {which}")
     for name, value in ref["time"].items():
         assert math.isclose(mine["time"][name], value, rel_tol=1e-9, abs_tol=1e-15), name
     assert mine["micro_batches"] == ref["micro_batches"]
@@ -215,6 +217,18 @@ OPTIONS = [
 ]  # fmt: skip
 
 
+# Group-limited routing: DeepSeek-V3's routing (256 experts, 8 groups, top-4 groups, top-8) at
+# a small width, and groups that nest in no expert split of theirs (6 and 4 experts over ranks
+# of 4, 3, 2 and 8, 5, 2), or only in some (groups of 6 over 48 experts), many groups kept.
+GROUPED = [
+    {**sizes(1000, 64, 2, 4, 4, 256, 8, 32), "n_expert_groups": 8, "top_k_groups": 4},
+    {**sizes(1000, 64, 2, 4, 4, 12, 2, 32), "n_expert_groups": 2, "top_k_groups": 1},
+    {**sizes(1000, 64, 2, 4, 4, 40, 5, 32), "n_expert_groups": 10, "top_k_groups": 3},
+    {**sizes(1000, 64, 2, 4, 4, 48, 6, 32), "n_expert_groups": 8, "top_k_groups": 2},
+    {**sizes(1000, 64, 2, 4, 4, 96, 40, 32), "n_expert_groups": 16, "top_k_groups": 12},
+]  # fmt: skip
+
+
 def random_shapes(n: int, seed: int = 20) -> list[dict]:
     """Small valid sizes (few layers: each is built on the meta device several times)."""
     rng = random.Random(seed)
@@ -258,7 +272,7 @@ def test_custom_sizes_give_model_datas_numbers(page: str):
     data, _ = page_scripts(page)
     js = page_engine(page)
     named = [m["config"] for m in data["models"].values()]
-    typed = custom_configs(data, SHAPES + random_shapes(16) + OPTIONS)
+    typed = custom_configs(data, SHAPES + random_shapes(16) + OPTIONS + GROUPED)
     configs = named + typed
     script = f"JSON.stringify({json.dumps(configs)}.map((c) => modelData(DATA, c)))"
     got = json.loads(js.eval(script))
@@ -268,7 +282,7 @@ def test_custom_sizes_give_model_datas_numbers(page: str):
         )
         for c in typed
     ]
-    assert len(got) == len(expected) == len(data["models"]) + 22 + len(OPTIONS)
+    assert len(got) == len(expected) == len(data["models"]) + 22 + len(OPTIONS) + len(GROUPED)
     for config, mine, ref in zip(configs, got, expected, strict=True):
         same_numbers(mine, ref, json.dumps({k: config[k] for k in SIZES}))
     # a grouped-query shape, a shared expert and every expert active are in the grid
@@ -458,6 +472,52 @@ def test_block_options_plan_on_the_page_as_in_python(page: str):
         if z
     }
     assert {("glm-4.5-air", 2, 1), ("tiny-dense", 2, 2), ("tiny-dense", 4, 1)} <= held
+
+
+def grouped_layouts(experts: int) -> list[dict]:
+    """Every expert split of ``experts`` up to 64 ranks, on nodes of 1, 2, 4 and 8 GPUs."""
+    return [
+        layout(nodes=-(-ep // per_node), gpus_per_node=per_node, ep=ep, precision="bf16",
+               global_batch_size=max(ep, per_node))
+        for ep in range(1, 65)
+        if experts % ep == 0
+        for per_node in (1, 2, 4, 8)
+        if ep % per_node == 0 or ep < per_node
+    ]  # fmt: skip
+
+
+def test_group_limited_routing_plans_on_the_page_as_moe_plan(page: str):
+    """Models with expert groups (nesting in the ranks and nodes or not) on every expert split
+    and node size: the page's bound on ranks and nodes, its expected rows (to other ranks,
+    across nodes, other nodes reached) for the model and for plain top-k, and the all-to-all
+    bytes are ``evaluate``'s; DeepSeek-V3's routing at EP 64 on 8 nodes reaches 4 nodes."""
+    data, _ = page_scripts(page)
+    js = page_engine(page)
+    models = {}
+    for i, config in enumerate(custom_configs(data, GROUPED)):
+        m = from_dict(ModelConfig, {**config, "name": f"grouped-{i}"})
+        models[m.name] = model_data(m, data["precisions"], data["seq_lens"])
+    data["models"].update(models)
+    js.eval(f"DATA = {json.dumps(data)};")
+    grid = [
+        {**lay, "model": name}
+        for name, md in models.items()
+        for lay in grouped_layouts(md["config"]["n_experts"])
+    ]
+    mine = json.loads(
+        js.eval(f"JSON.stringify({json.dumps(grid)}.map((L) => planLayout(DATA, L)))")
+    )
+    refs = [evaluate(lay, data) for lay in grid]
+    sized = [same_plan(r, ref, lay) for lay, r, ref in zip(grid, mine, refs, strict=True)]
+    assert sum(sized) >= 60, sum(sized)
+    seen = [ref for ref in refs if "reach" in ref]
+    assert any(not r["reach"]["nests_ranks"] for r in seen)  # the layouts that do not nest
+    assert any(r["reach"]["rows_per_token"] < r["plain"]["rows_per_token"] for r in seen)
+    deepseek = [
+        r["reach"] for lay, r in zip(grid, refs, strict=True)
+        if lay["model"] == "grouped-0" and lay["ep"] == 64 and lay["gpus_per_node"] == 8
+    ]  # fmt: skip
+    assert [(r["nodes"], r["max_nodes"]) for r in deepseek] == [(8, 4)]
 
 
 def test_fp8_dispatch_rows_plan_as_moe_plan(tmp_path):

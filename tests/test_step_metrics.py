@@ -56,6 +56,8 @@ def test_every_field_says_how_ranks_combine_it():
         "grad_norm": LOCAL,
         "router_table": SUM,
         "expert_bias": LOCAL,
+        "ep_rows": SUM,
+        "ep_tokens": SUM,
     }
 
 

@@ -76,11 +76,13 @@ def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
         "step": 3,
         "loss": 2.5,
         "skipped": False,
+        "ep_rows_per_token": 3.25,
         "router": {"layer_0": {"load_imbalance": 1.5, "load_share": [0.5, 0.5]}},
         "downstream": {"piqa_rc_0shot": {"acc": 0.75, "acc_raw": 0.5}},
     }
     assert metric_rows(line) == {
         "loss": 2.5,
+        "ep_rows_per_token": 3.25,
         "router.layer_0.load_imbalance": 1.5,
         "downstream.piqa_rc_0shot.acc": 0.75,
         "downstream.piqa_rc_0shot.acc_raw": 0.5,

@@ -42,6 +42,12 @@ def router_stats_paused() -> Iterator[None]:
         _record_stats = previous
 
 
+def router_stats_recording() -> bool:
+    """Whether forward passes add to routing statistics now (false inside
+    ``router_stats_paused``: recompute and evaluation); dispatchers keeping counts ask it."""
+    return _record_stats
+
+
 @dataclass
 class Routing:
     """One layer's routing decision for T tokens."""

@@ -36,7 +36,12 @@ expert (the others give exactly 0 for it) and is summed over ranks in fixed orde
 Host synchronization: one per layer forward, reading the per-rank row counts and this rank's
 assignment count together (a few integers), because ``all_to_all_single`` takes its split sizes
 as Python ints and the receiving rank's buffers are sized by them. Backward reuses those sizes.
-Everything else (routing, per-expert counts, offsets, slot maps) stays on the device.
+Everything else (routing, per-expert counts, offsets, slot maps) stays on the device. The rows
+sent to other ranks and the tokens dispatched are added up from those same ints (``rows_sent``,
+``tokens``; not inside ``router_stats_paused``), so the trainer logs the rows a token really
+sends (``ep_rows_per_token``) at no cost; ``moe plan`` predicts it (``parallel.placement``).
+Group-limited routing needs nothing here: a token's rows reach only the ranks its experts lie
+on, which its groups bound (``parallel.placement``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from moe_core.model.moe import Experts, Routing
+from moe_core.model.moe import Experts, Routing, router_stats_recording
+from moe_core.parallel.placement import RoutingRule, visit_probabilities
 from moe_core.parallel.symmetric import SymmetricHeap
 from moe_kernels.fp8 import E4M3, dequantize, quantize_rowwise
 from moe_kernels.routing import ExpertSlots, expert_slots
@@ -148,7 +154,16 @@ class AllToAllDispatcher:
             raise ValueError(f"{ep_size * n_local} experts: ids must stay below 2**24")
         self.group, self.ep_size, self.n_local = group, ep_size, n_local
         self.fp8_rows = fp8_rows
-        self.expert_offset = dist.get_rank(group) * n_local
+        self.ep_rank = dist.get_rank(group)
+        self.expert_offset = self.ep_rank * n_local
+        # Rows sent to other ranks and tokens dispatched since ``take_counts``, from the split
+        # sizes the host reads anyway (plain ints: no extra transfer; not while recomputing).
+        self.rows_sent, self.tokens = 0, 0
+
+    def take_counts(self) -> tuple[int, int]:
+        """(rows sent to other ranks, tokens dispatched) since the last call, then reset."""
+        counts, (self.rows_sent, self.tokens) = (self.rows_sent, self.tokens), (0, 0)
+        return counts
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         P, El = self.ep_size, self.n_local
@@ -166,6 +181,9 @@ class AllToAllDispatcher:
         host_list = host.cpu().tolist()
         send_splits, recv_splits = host_list[:P], host_list[P : 2 * P]
         n_send, n_assigned = sum(send_splits), host_list[-1]
+        if router_stats_recording():
+            self.rows_sent += n_send - send_splits[self.ep_rank]
+            self.tokens += x_TD.shape[0]
 
         # Each visited token once per rank, with its routing (weights and global expert ids).
         route_dtype = torch.promote_types(routing.weights_TK.dtype, torch.float32)
@@ -230,21 +248,28 @@ class AllToAllDispatcher:
 
 
 def rowwise_capacity(
-    n_experts: int, top_k: int, ep: int, tokens: int, factor: float | None
+    n_experts: int,
+    top_k: int,
+    ep: int,
+    tokens: int,
+    factor: float | None,
+    n_groups: int = 1,
+    top_k_groups: int = 1,
 ) -> tuple[int, int]:
     """(rows, assignments) one rank's receive buffers hold, for ``tokens`` tokens per rank.
 
     Dropless (``factor`` None): every token of every rank may visit this rank (``ep * tokens``
     rows) and pick ``min(top_k, n_local)`` of its experts. With a factor: that many times the
     load expected under uniform routing (a token visits a given rank with probability
-    ``1 - C(E - E/ep, k) / C(E, k)``; a rank's experts get ``tokens * top_k`` assignments),
-    never more than the dropless sizes.
+    ``1 - C(E - E/ep, k) / C(E, k)``, or under group-limited routing, ``n_groups`` and
+    ``top_k_groups``, the busiest rank's ``placement.visit_probabilities``; a rank's experts
+    get ``tokens * top_k`` assignments either way), never more than the dropless sizes.
     """
     n_local = n_experts // ep
     rows, assignments = ep * tokens, ep * tokens * min(top_k, n_local)
     if factor is None:
         return rows, assignments
-    visit = 1.0 - math.comb(n_experts - n_local, top_k) / math.comb(n_experts, top_k)
+    visit = max(visit_probabilities(RoutingRule(n_experts, top_k, n_groups, top_k_groups), ep))
     return (
         min(rows, math.ceil(factor * ep * tokens * visit)),
         min(assignments, math.ceil(factor * tokens * top_k)),

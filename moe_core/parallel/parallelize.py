@@ -94,7 +94,13 @@ def rowwise_exchange(
     """The symmetric receive buffers of this rank's rowwise dispatchers, for ``tokens`` rows of
     ``dtype`` (the weights') per micro-batch (collective over the expert-parallel group)."""
     rows, assignments = rowwise_capacity(
-        cfg.n_experts, cfg.top_k, pcfg.ep, tokens, pcfg.ep_capacity_factor
+        cfg.n_experts,
+        cfg.top_k,
+        pcfg.ep,
+        tokens,
+        pcfg.ep_capacity_factor,
+        cfg.n_expert_groups,
+        cfg.top_k_groups,
     )
     heap = symmetric_heap(mesh.ep_group, mesh.device)
     return RowwiseExchange(heap, rows, assignments, cfg.d_model, cfg.top_k, dtype)

@@ -5,7 +5,12 @@ Ring collectives send ``(g - 1) / g`` of the buffer.
 - all-to-all per MoE layer and micro-batch (leading dense blocks dispatch nothing; a step
   counts the MoE layers of the rank holding the most), under uniform routing: each token goes
   once to each other expert-parallel rank holding one of its top-k experts,
-  ``r = T * (ep - 1) * (1 - q)`` rows with ``q = C(E - E/ep, k) / C(E, k)``; forward sends
+  ``r = T * (ep - 1) * (1 - q)`` rows with ``q = C(E - E/ep, k) / C(E, k)``; under
+  group-limited routing (``model.n_expert_groups`` > 1) ``r = T`` times the busiest source
+  rank's expected rows of ``parallel.placement`` (a token keeps ``top_k_groups`` groups
+  uniformly, then ``k`` of their experts), with the bound on ranks and nodes a token reaches
+  and the same figures for plain top-k beside them (``Communication.reach``,
+  ``Communication.plain``: what ``moe plan`` prints as the saving); forward sends
   ``r * (d_model * b_p + 12 k)`` (row, expert ids, weights) and ``r * d_model * b_p`` back;
   backward the same rows with ``4 k`` instead of ``12 k``; block recompute repeats the
   forward. FP8 rows (``precision.fp8_parts`` naming "dispatch") send ``d_model + 4`` bytes
@@ -17,11 +22,11 @@ Ring collectives send ``(g - 1) / g`` of the buffer.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from moe_core.config import ModelConfig, RunConfig
 from moe_core.parallel.ddp import reduce_groups
+from moe_core.parallel.placement import Reach, RoutingRule, reach, rows_per_token
 from moe_core.plan.memory import StageMemory, element_bytes, tokens_per_micro_batch
 
 
@@ -34,6 +39,8 @@ class Communication:
     reduce_scatter: int  # gradients in the optimizer's dtype, dense and expert groups
     all_gather: int  # updated weights in the model dtype
     pipeline: int  # the busiest rank's activation and gradient messages
+    reach: Reach  # where a token's rows go under the model's routing (parallel.placement)
+    plain: Reach  # the same under plain top-k (no expert groups), to compare
 
 
 def ring(nbytes: float, group: int) -> float:
@@ -42,12 +49,15 @@ def ring(nbytes: float, group: int) -> float:
 
 
 def all_to_all_rows_per_token(m: ModelConfig, ep: int) -> float:
-    """Expected rows one token sends to other expert-parallel ranks (uniform routing)."""
-    if ep == 1:
-        return 0.0
-    per_rank = m.n_experts // ep
-    q = math.comb(m.n_experts - per_rank, m.top_k) / math.comb(m.n_experts, m.top_k)
-    return (ep - 1) * (1.0 - q)
+    """Expected rows one token sends to other expert-parallel ranks under uniform routing,
+    group-limited where the model is (``placement.rows_per_token``: the busiest source)."""
+    return rows_per_token(RoutingRule.of(m), ep)
+
+
+def ranks_per_node(run: RunConfig) -> int:
+    """Expert-parallel peers sharing a node: the cluster's GPUs per node (its processes per
+    node on CPU clusters)."""
+    return run.cluster.gpus_per_node or run.cluster.procs_per_node
 
 
 def all_to_all_bytes_per_layer(run: RunConfig) -> float:
@@ -86,10 +96,13 @@ def communication(run: RunConfig, stages: tuple[StageMemory, ...]) -> Communicat
     moe_layers = max(s.moe_layers for s in stages)
     busiest = max(stages, key=lambda s: s.dense_params + s.expert_params)
     reduce_scatter, all_gather = zero1_bytes(run, busiest.dense_params, busiest.expert_params)
+    rule, per_node = RoutingRule.of(run.model), ranks_per_node(run)
     return Communication(
         all_to_all_per_layer=round(per_layer),
         all_to_all=round(per_layer * moe_layers * run.micro_batches),
         reduce_scatter=round(reduce_scatter),
         all_gather=round(all_gather),
         pipeline=max(s.p2p_buffers for s in stages),
+        reach=reach(rule, run.parallel.ep, per_node),
+        plain=reach(rule.plain, run.parallel.ep, per_node),
     )

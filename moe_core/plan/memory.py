@@ -415,7 +415,13 @@ def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
     bp, _, _ = element_bytes(run)
     tokens = tokens_per_micro_batch(run)
     rows_cap, assign_cap = rowwise_capacity(
-        m.n_experts, m.top_k, par.ep, tokens, par.ep_capacity_factor
+        m.n_experts,
+        m.top_k,
+        par.ep,
+        tokens,
+        par.ep_capacity_factor,
+        m.n_expert_groups,
+        m.top_k_groups,
     )
     symmetric = RowwiseExchange.buffer_bytes(
         par.ep, rows_cap, m.d_model, m.top_k, DTYPES[run.precision.params]

@@ -117,6 +117,37 @@ def _cluster_rows(p: Plan) -> Rows:
     return rows
 
 
+def _reach_rows(p: Plan) -> Rows:
+    """Where a token's rows go (expert parallelism only): the bound and the expected rows, and
+    under group-limited routing the same for plain top-k beside them (the saving)."""
+    r, plain, ep = p.comm.reach, p.comm.plain, p.parallel.ep
+    if ep == 1:
+        return []
+    nodes = r.nodes > 1
+    most = f"at most {r.max_ranks} of {ep} ranks" + (
+        f", {r.max_nodes} of {r.nodes} nodes" if nodes else ""
+    )
+    rows = f"rows per token {r.rows_per_token:.2f}"
+    across = f"{r.cross_node_rows:.2f} across nodes"
+    same = ("max_ranks", "max_nodes", "rows_per_token")
+    if all(getattr(r, k) == getattr(plain, k) for k in same):  # no groups, or no limit
+        return [("EP rows", f"a token reaches {most}; {rows}" + (f", {across}" if nodes else ""))]
+    fewer = 1 - r.rows_per_token / plain.rows_per_token
+    alone = f"{plain.max_ranks} ranks" + (f", {plain.max_nodes} nodes" if nodes else "")
+    line = (
+        f"a token reaches {most} (top-k alone: {alone}); {rows} instead of "
+        f"{plain.rows_per_token:.2f} ({fewer:.1%} fewer)"
+    )
+    if nodes:
+        line += f", {across} instead of {plain.cross_node_rows:.2f}"
+    loose = [f"a group touches up to {r.group_ranks} ranks"] if not r.nests_ranks else []
+    if nodes and not r.nests_nodes:
+        loose.append(f"up to {r.group_nodes} nodes")
+    if loose:
+        line += f"; groups do not nest in this layout: {', '.join(loose)}"
+    return [("group-limited routing", line)]
+
+
 def _traffic_rows(p: Plan) -> Rows:
     c = p.comm
     return [
@@ -125,6 +156,7 @@ def _traffic_rows(p: Plan) -> Rows:
             f"{c.all_to_all_per_layer / GIB:,.3f} GiB per MoE layer and micro-batch, "
             f"{c.all_to_all / GIB:,.1f} GiB per step",
         ),
+        *_reach_rows(p),
         (
             "ZeRO-1",
             f"reduce-scatter {c.reduce_scatter / GIB:,.2f} GiB + all-gather "

@@ -287,6 +287,8 @@ def evaluate(layout: Layout, data: dict[str, Any]) -> dict[str, Any]:
             name: getattr(p.comm, name)
             for name in ("all_to_all", "reduce_scatter", "all_gather", "pipeline")
         },
+        "reach": dataclasses.asdict(p.comm.reach),
+        "plain": dataclasses.asdict(p.comm.plain),
         "time": dataclasses.asdict(step_time(p, GPUS[layout["gpu"]])),
     }
 

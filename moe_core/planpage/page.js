@@ -146,7 +146,7 @@ function update() {
     $("mem-bar").replaceChildren();
     for (const id of ["mem-table", "comm-table", "step-table"])
       fill(document.querySelector(`#${id} tbody`), []);
-    $("mem-where").textContent = $("mem-stages").textContent = "";
+    $("mem-where").textContent = $("mem-stages").textContent = $("reach").textContent = "";
     return;
   }
   const gpu = DATA.gpus[L.gpu];
@@ -199,6 +199,7 @@ function update() {
   fill(document.querySelector("#comm-table tbody"), comm.map(([name, bytes, link, s]) => [[
     cell(name), cell(gib(bytes), "num"), cell(bytes ? link : "-"), cell(fixed(s * 1e3, 1), "num"),
   ]]));
+  $("reach").textContent = reachLine(r.reach, r.plain);
   const step = [
     ["micro-batches per GPU and step", String(r.micro_batches)],
     ["compute (busiest rank, calibrated rate)", `${fixed(t.compute * 1e3, 1)} ms`],
@@ -212,6 +213,29 @@ function update() {
     v.id = `step-${name.split(" ")[0].replace(/\W/g, "")}`;
     return [[cell(name), v]];
   }));
+}
+
+// Where a token's rows go (plan.report's "EP rows" or "group-limited routing" line): the bound
+// on ranks and nodes it reaches, the rows it is expected to send, and under expert groups the
+// same for plain top-k beside them.
+function reachLine(r, plain) {
+  if (r.ep === 1) return "";
+  const nodes = r.nodes > 1;
+  const most = `at most ${r.max_ranks} of ${r.ep} ranks` +
+    (nodes ? `, ${r.max_nodes} of ${r.nodes} nodes` : "");
+  const rows = `rows per token ${fixed(r.rows_per_token, 2)}`;
+  const across = `${fixed(r.cross_node_rows, 2)} across nodes`;
+  const same = ["max_ranks", "max_nodes", "rows_per_token"].every((k) => r[k] === plain[k]);
+  if (same) return `Expert-parallel rows: a token reaches ${most}; ${rows}${nodes ? `, ${across}` : ""}.`;
+  const fewer = 100 * (1 - r.rows_per_token / plain.rows_per_token);
+  let line = `Group-limited routing: a token reaches ${most} (top-k alone: ${plain.max_ranks} ` +
+    `ranks${nodes ? `, ${plain.max_nodes} nodes` : ""}); ${rows} instead of ` +
+    `${fixed(plain.rows_per_token, 2)} (${fixed(fewer, 1)} % fewer)`;
+  if (nodes) line += `, ${across} instead of ${fixed(plain.cross_node_rows, 2)}`;
+  const loose = r.nests_ranks ? [] : [`a group touches up to ${r.group_ranks} ranks`];
+  if (nodes && !r.nests_nodes) loose.push(`up to ${r.group_nodes} nodes`);
+  if (loose.length) line += `; groups do not nest in this layout: ${loose.join(", ")}`;
+  return `${line}.`;
 }
 
 function calibration() {
@@ -250,7 +274,8 @@ function calibration() {
         `${k} ${g.memory_gib} GiB, NVLink ${g.nvlink_gb_s} GB/s, network ${g.network_gb_s} GB/s`)
         .join("; ") + ". No multi-GPU rate has been measured for these layouts yet."),
     li("Nothing overlaps: compute, all-to-all and pipeline sends add up and the bubble " +
-      "stretches them; reduce-scatter and all-gather follow. Routing is uniform; block " +
+      "stretches them; reduce-scatter and all-gather follow. Routing is uniform (group-limited: " +
+      "its groups uniformly, then its experts among theirs); block " +
       `recompute costs ${fixed(DATA.constants.block_recompute_flops, 2)}x the FLOPs; ` +
       `${DATA.constants.reserve_gib} GiB per GPU are kept for the CUDA context, NCCL and ` +
       "workspaces."),

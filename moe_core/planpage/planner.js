@@ -278,6 +278,10 @@ function planLayout(data, L) {
   const heaviest = stages.reduce((a, b) => (b.dense + b.experts > a.dense + a.experts ? b : a));
 
   const rows = model.rows_per_token[L.ep];
+  // plan.communication.communication: where a token's rows go, and under plain top-k
+  const rule = routingRule(m);
+  const reach = routingReach(rule, L.ep, L.gpus_per_node);
+  const plain = routingReach({ ...rule, G: 1, kg: 1 }, L.ep, L.gpus_per_node);
   const rowOut = prec.fp8_parts.includes("dispatch") ? d + 4 : d * bp; // FP8 rows: E4M3 + scale
   const forward = rows * (rowOut + 12 * k) + rows * d * bp;
   const backward = rows * d * bp + rows * (d * bp + 4 * k);
@@ -338,6 +342,8 @@ function planLayout(data, L) {
     total: busiest.total,
     stages: stages.map((s) => s.total),
     comm,
+    reach,
+    plain,
     time,
   };
 }
@@ -564,19 +570,129 @@ function denseLayerActivationBytes(data, c, paramDtype, computeDtype) {
   return attentionActivationBytes(c, bp, bc) + 4 * bc * c.dense_hidden - bp * c.d_model;
 }
 
-// plan.communication.all_to_all_rows_per_token: (ep - 1) (1 - q), q = C(E - E/ep, k) /
-// C(E, k), here as the equal C(E - k, E/ep) / C(E, E/ep) multiplied out over the fewer
-// factors; once q is below 2^-60, 1 - q is 1.0 in floating point, as it is for Python's exact
-// ratio.
-function allToAllRowsPerToken(c, ep) {
+// C(N - a, b) / C(N, b), which equals C(N - b, a) / C(N, a), multiplied out over the fewer
+// factors; once it is below 2^-60, 1 - it is 1.0 in floating point, as it is for Python's exact
+// ratio, so the product stops there.
+function combRatio(N, a, b) {
+  if (a + b > N) return 0;
+  let r = 1;
+  for (let i = 0; i < Math.min(a, b) && r >= 2 ** -60; i++) r *= (N - Math.max(a, b) - i) / (N - i);
+  return r;
+}
+
+// parallel.placement.RoutingRule.of: what routing decides about placement.
+function routingRule(c) {
+  return { E: c.n_experts, k: c.top_k, G: c.n_expert_groups, kg: c.top_k_groups };
+}
+
+// parallel.placement._miss_of: the probability that a token picks none of a block's experts,
+// the block meeting f groups wholly and others by the (sorted) partial overlaps: the sum over
+// the partly met groups kept (A) and j of the whole ones of C(f, j) C(G - t, kg - |A| - j) /
+// C(G, kg) (those kept, the other met groups not) times C(M - c, k) / C(M, k), M = kg g, c the
+// block's experts among the kept groups'. The first factor as a product of ratios at the
+// smallest j possible, then step by step in j.
+function missOf(rule, f, partial) {
+  const { E, k, G, kg } = rule;
+  const g = E / G, t = f + partial.length, M = kg * g;
+  let q = 0;
+  for (let mask = 0; mask < 1 << partial.length; mask++) {
+    const kept = partial.filter((_, i) => (mask >> i) & 1);
+    const a = kept.length, o = kept.reduce((x, y) => x + y, 0);
+    const j0 = Math.max(0, kg - a - (G - t));
+    const j1 = Math.min(f, kg - a);
+    if (j0 > j1) continue;
+    let w = 1; // C(f, j0) C(G - t, kg - a - j0) / C(G, kg)
+    for (let i = 0; i < j0; i++) w *= (f - i) / (i + 1);
+    const s0 = a + j0;
+    for (let i = 0; i < s0; i++) w *= (kg - i) / (G - i);
+    for (let i = 0; i < t - s0; i++) w *= (G - kg - i) / (G - s0 - i);
+    for (let j = j0; j <= j1; j++) {
+      const s = a + j;
+      q += w * combRatio(M, o + j * g, k);
+      w *= ((f - j) / (j + 1)) * ((kg - s) / (G - t - kg + s + 1));
+    }
+  }
+  return q;
+}
+
+// parallel.placement._miss: the same for the experts [start, start + size).
+function miss(rule, start, size) {
+  const g = rule.E / rule.G;
+  const first = Math.floor(start / g), last = Math.floor((start + size - 1) / g);
+  const overlaps = first === last ? [size] : [(first + 1) * g - start, start + size - last * g];
+  const partial = overlaps.filter((o) => o < g).sort((x, y) => x - y);
+  return missOf(rule, last - first + 1 - partial.length, partial);
+}
+
+// parallel.placement.visit_probabilities: each rank's chance of receiving a token's row.
+function visitProbabilities(rule, ep) {
+  const n = rule.E / ep;
+  const memo = new Map(); // a rank's chance depends on where it starts in its group
+  return Array.from({ length: ep }, (_, p) => {
+    const at = (p * n) % (rule.E / rule.G);
+    if (!memo.has(at)) memo.set(at, 1.0 - miss(rule, p * n, n));
+    return memo.get(at);
+  });
+}
+
+const addUp = (xs) => xs.reduce((x, y) => x + y, 0);
+const smallest = (xs) => xs.reduce((x, y) => Math.min(x, y), Infinity);
+
+// parallel.placement.rows_per_token: the busiest source rank's expected rows to the others.
+function rowsPerToken(rule, ep) {
   if (ep === 1) return 0.0;
-  const E = c.n_experts, perRank = E / ep, k = c.top_k;
-  let q = 1;
-  if (perRank + k > E) q = 0;
-  else
-    for (let i = 0; i < Math.min(k, perRank) && q >= 2 ** -60; i++)
-      q *= (E - Math.max(k, perRank) - i) / (E - i);
-  return (ep - 1) * (1.0 - q);
+  const visit = visitProbabilities(rule, ep);
+  if (new Set(visit).size === 1) return (ep - 1) * visit[0];
+  return addUp(visit) - smallest(visit);
+}
+
+// parallel.placement._touched and _bound: the most blocks of unit experts one group touches,
+// and the most a token reaches (the kg largest counts added, at most units and k).
+function touchBound(rule, unit, units) {
+  const g = rule.E / rule.G;
+  const touched = Array.from({ length: rule.G }, (_, i) =>
+    Math.floor(((i + 1) * g - 1) / unit) - Math.floor((i * g) / unit) + 1).sort((x, y) => y - x);
+  return [touched[0], Math.min(units, rule.k, addUp(touched.slice(0, rule.kg)))];
+}
+
+// parallel.placement.reach: where a token's rows go over ep ranks, perNode to a node.
+function routingReach(rule, ep, perNodeGiven) {
+  const n = rule.E / ep, perNode = Math.max(1, Math.min(perNodeGiven, ep));
+  const nodes = Math.ceil(ep / perNode);
+  const [groupRanks, maxRanks] = touchBound(rule, n, ep);
+  const [groupNodes, maxNodes] = touchBound(rule, n * perNode, nodes);
+  const g = rule.E / rule.G;
+  const nests = (size, unit) => size % unit === 0 || unit % size === 0;
+  const visit = visitProbabilities(rule, ep);
+  const reached = Array.from({ length: nodes }, (_, i) =>
+    1.0 - miss(rule, i * n * perNode, n * Math.min(perNode, ep - i * perNode)));
+  let cross;
+  if (new Set(visit).size === 1) {
+    cross = (ep - Math.min(perNode, ep - (nodes - 1) * perNode)) * visit[0];
+  } else {
+    const nodeSums = Array.from({ length: nodes }, (_, i) =>
+      addUp(visit.slice(i * perNode, (i + 1) * perNode)));
+    cross = addUp(visit) - smallest(nodeSums);
+  }
+  return {
+    ep,
+    nodes,
+    group_ranks: groupRanks,
+    group_nodes: groupNodes,
+    nests_ranks: nests(g, n),
+    nests_nodes: nests(g, n * perNode),
+    max_ranks: maxRanks,
+    max_nodes: maxNodes,
+    rows_per_token: rowsPerToken(rule, ep),
+    cross_node_rows: nodes > 1 ? cross : 0.0,
+    nodes_per_token: nodes > 1 ? addUp(reached) - smallest(reached) : 0.0,
+  };
+}
+
+// plan.communication.all_to_all_rows_per_token: (ep - 1) (1 - q) for plain top-k, q = C(E -
+// E/ep, k) / C(E, k); group-limited, parallel.placement's rows of the busiest source rank.
+function allToAllRowsPerToken(c, ep) {
+  return rowsPerToken(routingRule(c), ep);
 }
 
 // planpage.model_data: what planLayout reads of one model, for the config c of custom sizes

@@ -17,7 +17,11 @@ import torch.distributed as dist
 
 from moe_core.config import RunConfig
 from moe_core.model.moe import Router
-from moe_core.parallel.dispatch import ReceiveBufferOverflowError, RowwiseDispatcher
+from moe_core.parallel.dispatch import (
+    AllToAllDispatcher,
+    ReceiveBufferOverflowError,
+    RowwiseDispatcher,
+)
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.metrics import router_health
 
@@ -44,8 +48,19 @@ def rowwise_exchanges(modules: list[torch.nn.Module]) -> list:
     )
 
 
+def all_to_all_dispatchers(modules: list[torch.nn.Module]) -> list[AllToAllDispatcher]:
+    """The chunks' all-to-all dispatchers (one per MoE layer)."""
+    return [
+        m.dispatcher
+        for chunk in modules
+        for m in chunk.modules()
+        if isinstance(getattr(m, "dispatcher", None), AllToAllDispatcher)
+    ]
+
+
 class RouterStats:
-    """This rank's routers (``routers``, by layer) and rowwise exchanges (``exchanges``)."""
+    """This rank's routers (``routers``, by layer), rowwise exchanges (``exchanges``) and
+    all-to-all dispatchers (``dispatchers``)."""
 
     def __init__(self, cfg: RunConfig, mesh: Mesh, modules: list[torch.nn.Module]) -> None:
         self.cfg = cfg
@@ -53,6 +68,13 @@ class RouterStats:
         self.device = mesh.device
         self.routers = routers_by_layer(modules)
         self.exchanges = rowwise_exchanges(modules)
+        self.dispatchers = all_to_all_dispatchers(modules)
+
+    def ep_rows(self) -> tuple[int, int]:
+        """Rows the all-to-all dispatchers sent to other ranks and tokens they dispatched since
+        the last call (then reset): host integers they keep from their split sizes."""
+        counts = [d.take_counts() for d in self.dispatchers]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
     def sums(self) -> dict[str, torch.Tensor]:
         """The step's summed scores (``lb``, ``z``) and the global router table, as the

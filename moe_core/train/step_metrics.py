@@ -1,7 +1,8 @@
 """What one training step reports, and how its values cross ranks and reach the host.
 
 ``StepValues`` names every value a step reads back (summed losses, router statistics, dropped
-rows, the stop flag, peak memory, the gradient norm); each field says how ranks combine it.
+rows, the stop flag, peak memory, the gradient norm, the all-to-all's rows and tokens); each
+field says how ranks combine it.
 ``all_reduce`` packs them into one float64 vector and reduces it in one collective (a sum over
 all ranks: a maximum travels as one slot per rank, taken after the sum); ``read`` brings the
 result to the host in one transfer (the step's only host read), as the same structure on the
@@ -43,6 +44,9 @@ class StepValues:
     # [this rank's layers, 2 x experts]: the expert bias before and after this step's update,
     # computed from the reduced table (so set after ``all_reduce``).
     expert_bias: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0), metadata=AS_IS)
+    # the all-to-all dispatchers' rows sent to other ranks and tokens dispatched (host counts)
+    ep_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(()), metadata=SUMMED)
+    ep_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(()), metadata=SUMMED)
 
     def _names(self, reduce: str) -> list[str]:
         return [f.name for f in fields(self) if f.metadata["reduce"] == reduce]
@@ -140,6 +144,9 @@ class StepMetrics:
     eval_loss: float | None = None
     downstream: dict[str, dict[str, float]] | None = None  # per task: its accuracies
     router: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # rows a token sent to other expert-parallel ranks per MoE layer (all_to_all dispatcher;
+    # what ``moe plan``'s rows per token predicts)
+    ep_rows_per_token: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}

@@ -287,7 +287,9 @@ class Trainer:
         from them, and the step's one host read started."""
         routers = self.router_stats
         # Host values join the device's through pinned memory: an asynchronous copy, no sync.
-        known = torch.tensor([len(routers.routers), self.stop_requested, self._peak_mem_gib()])
+        rows, tokens = routers.ep_rows()
+        values = [len(routers.routers), self.stop_requested, self._peak_mem_gib(), rows, tokens]
+        known = torch.tensor(values, dtype=torch.float64)  # exact integers past 2**24
         known = pinned(known, self.device).to(self.device, non_blocking=True)
         local = StepValues(
             ce=ce_sum,
@@ -297,6 +299,8 @@ class Trainer:
             stop=known[1],
             peak_mem_gib=known[2],
             grad_norm=grad_norm,
+            ep_rows=known[3],
+            ep_tokens=known[4],
             **routers.sums(),
         )
         world = dist.get_world_size() if self.mesh.distributed else 1
@@ -344,6 +348,7 @@ class Trainer:
         )
         self.step += 1
         per_router_call = max(host.routers.item(), 1) * q.n_batches
+        ep_tokens = host.ep_tokens.item()
         return StepMetrics(
             step=self.step - 1,
             loss=loss,
@@ -360,6 +365,7 @@ class Trainer:
             spike=verdict.spike,
             peak_mem_gib=host.peak_mem_gib.item() if self.device.type == "cuda" else None,
             router=health,
+            ep_rows_per_token=host.ep_rows.item() / ep_tokens if ep_tokens else None,
         )
 
     def _peak_mem_gib(self) -> float:
