@@ -251,3 +251,49 @@ def test_layouts_train_the_single_process_mtp_model(layout, mtp_reference, tmp_p
     assert_trains_like(mtp_reference, tmp_path, steps=5, keys=("loss", "mtp_losses", "aux_loss"))
     rows = records(tmp_path)
     assert "layer_5" in rows[0]["router"]  # the second MTP block's router (4 layers + 2)
+
+
+# ---- planner and FLOPs --------------------------------------------------------------------
+
+
+def test_the_plan_holds_the_mtp_modules_on_the_last_stage_and_sends_the_embeddings():
+    """Over two pipeline stages the last holds the MTP modules (every parameter whose name
+    starts with ``mtp.``, its MoE blocks dispatching like the others), and each message carries
+    the embeddings beside the hidden states."""
+    from moe_core.model.flops import count
+    from moe_core.model.transformer import parameter_shapes
+    from moe_core.plan import plan
+
+    def run(depth: int):
+        return compose_run([*BASE, f"model.mtp_depth={depth}", "parallel.pp=2"])
+
+    with_mtp, without = plan(run(2)), plan(run(0))
+    shapes = parameter_shapes(run(2).model)
+    numel = {n: torch.Size(s).numel() for n, s in shapes.items()}
+    last = ("layers.2.", "layers.3.", "norm.", "lm_head.", "mtp.")
+    first, final = with_mtp.stages
+    assert final.dense_params + final.expert_params == sum(
+        v for n, v in numel.items() if n.startswith(last)
+    )
+    assert first.dense_params + first.expert_params == sum(
+        v for n, v in numel.items() if not n.startswith(last)
+    )
+    assert final.moe_layers == without.stages[1].moe_layers + 2
+    assert with_mtp.total_params == count(run(2).model).total_params == sum(numel.values())
+    hidden = 2 * 32 * 128 * 4  # micro-batch x seq_len x d_model x fp32
+    assert first.p2p_buffers == without.stages[0].p2p_buffers + 4 * hidden  # 4 micro-batches
+    # activations: each depth's share on the last stage only
+    one = plan(run(1)).stages[1].activations - without.stages[1].activations
+    assert one > 0 and final.activations - without.stages[1].activations == 2 * one
+    assert first.activations == without.stages[0].activations
+
+
+def test_the_flops_of_a_depth_are_its_projection_block_and_head():
+    from moe_core.model.flops import count
+
+    m = small_config(mtp_depth=1, n_shared_experts=1)
+    base = count(small_config(n_shared_experts=1), 32)
+    d, v, h = m.d_model, m.vocab_size, m.expert_hidden
+    block = 4 * d * d + m.top_k * 3 * d * h + 3 * d * h  # attention, top-k experts, shared
+    per_depth = 6 * (2 * d * d + block + d * v) + 6 * 32 * d
+    assert count(m, 32).flops_per_token - base.flops_per_token == per_depth
