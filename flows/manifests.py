@@ -37,6 +37,10 @@ ADDED_SINCE: dict[str, Any] = {
     "model.routed_scale": 1.0,
     "model.tie_embeddings": False,
     "model.aux_loss_reduction": "sum",
+    "model.mtp_depth": 0,
+    "model.mtp_loss_weight": 0.3,
+    "model.mtp_loss_weight_late": 0.1,
+    "model.mtp_late_start": 10 / 14.8,
 }
 
 

@@ -46,6 +46,7 @@ SCALARS = (
     "peak_mem_gib",
     "eval_loss",
     "ep_rows_per_token",  # rows a token sent to other expert-parallel ranks (all_to_all)
+    "mtp_loss",
 )
 ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_max")
 
@@ -134,6 +135,8 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
 def metric_rows(line: dict[str, Any]) -> dict[str, float]:
     """The numbers of one ``metrics.jsonl`` line worth a chart (per-layer router health too)."""
     out = {k: float(line[k]) for k in SCALARS if isinstance(line.get(k), int | float)}
+    for k, v in enumerate(line.get("mtp_losses") or []):
+        out[f"mtp_loss.{k}"] = float(v)
     for layer, health in (line.get("router") or {}).items():
         for k in ROUTER_SCALARS:
             if k in health:

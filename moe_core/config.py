@@ -286,6 +286,9 @@ MAX_SIZES = {
     "vocab_size": 1 << 32,
     "max_seq_len": 1 << 24,
 }
+# Multi-token prediction modules past this are refused (DeepSeek-V3 trains one; each adds a
+# block and an LM-head pass).
+MAX_MTP_DEPTH = 16
 # Seeds feed torch generators as ``seed * 1_000_003 + i`` (data.synthetic), which must stay
 # within their 64 bits.
 MAX_SEED = 2**32 - 1
@@ -358,6 +361,15 @@ class ModelConfig:
     expert_bias_rate: float = 1e-3
     tie_embeddings: bool = False  # the LM head reads the embedding matrix
     init_std: float = 0.02
+    # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules after the last block,
+    # module k predicting the token k + 2 ahead; training only (inference never runs them).
+    # Their cross-entropy, averaged over the depths, joins the loss times mtp_loss_weight,
+    # then mtp_loss_weight_late from the fraction mtp_late_start of train.steps on (DeepSeek-V3:
+    # 0.3 for its first 10T of 14.8T tokens, then 0.1).
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
+    mtp_loss_weight_late: float = 0.1
+    mtp_late_start: float = 10 / 14.8
 
     def __post_init__(self) -> None:
         p = "model."
@@ -422,6 +434,23 @@ class ModelConfig:
         if self.dense_hidden is not None:
             _positive(p + "dense_hidden", self.dense_hidden)
         self._check_groups(p)
+        self._check_mtp(p)
+
+    def _check_mtp(self, p: str) -> None:
+        if not 0 <= self.mtp_depth <= MAX_MTP_DEPTH:
+            fail(
+                p + "mtp_depth",
+                self.mtp_depth,
+                f"a whole number from 0 (no multi-token prediction) to {MAX_MTP_DEPTH}",
+            )
+        for name in ("mtp_loss_weight", "mtp_loss_weight_late"):
+            _non_negative(p + name, getattr(self, name))
+        if not 0.0 <= self.mtp_late_start <= 1.0:
+            fail(
+                p + "mtp_late_start",
+                self.mtp_late_start,
+                "a fraction of train.steps from 0 to 1 (where mtp_loss_weight_late takes over)",
+            )
 
     def _check_latent(self, p: str) -> None:
         """Multi-head latent attention's sizes (all set together, head_dim derived from them)
@@ -1151,6 +1180,13 @@ class RunConfig:
                     f"which needs both dimensions divisible by {FP8_GEMM_ALIGN}; leave {part!r} "
                     f"out (or choose model sizes that divide by {FP8_GEMM_ALIGN})",
                 )
+        if m.mtp_depth >= self.train.seq_len:
+            fail(
+                "model.mtp_depth",
+                m.mtp_depth,
+                f"less than train.seq_len ({self.train.seq_len}): the deepest module predicts "
+                f"the token mtp_depth + 1 ahead, which a sequence must hold",
+            )
         if self.eval.every and self.data.kind != "tokens":
             fail(
                 "eval.every",

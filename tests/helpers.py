@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moe_core.config import ModelConfig
+from moe_core.convert.native import load_model_dir
 from moe_core.model import build_model
 
 TESTS = Path(__file__).parent
@@ -108,6 +109,33 @@ def losses(run_dir: Path) -> list[float]:
     return [
         json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
     ]
+
+
+def assert_trains_like(reference: Path, out: Path, steps: int, keys: tuple = ("loss",)) -> None:
+    """The run in ``out`` trained the single-process run in ``reference`` (the layout-parity
+    contract, tests/test_parallel.py's docstring): ``keys`` of metrics.jsonl within 1e-5 per
+    step (a list value element by element), every final weight within 1e-4 and every
+    tensor's update within 5e-4 relative."""
+    ref_rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == steps == len(ref_rows)
+    for step, (a, b) in enumerate(zip(ref_rows, rows, strict=True)):
+        for key in keys:
+            want, got = torch.tensor(a[key]), torch.tensor(b[key])
+            assert want.shape == got.shape, f"step {step}: {key} {b[key]} vs {a[key]}"
+            diff = (got - want).abs().max().item()
+            assert diff < 1e-5, f"step {step}: {key} {b[key]} vs single-process {a[key]}"
+
+    cfg, ref_state = load_model_dir(reference / "model")
+    _, state = load_model_dir(out / "model")
+    init = build_model(cfg, seed=0).state_dict()
+    assert set(state) == set(ref_state)
+    for name, ref in ref_state.items():
+        diff = (state[name] - ref).abs().max().item()
+        assert diff < 1e-4, f"{name}: max |difference| {diff:.2e}"
+        moved = (ref - init[name]).norm()
+        rel = ((state[name] - init[name]) - (ref - init[name])).norm() / moved
+        assert rel < 5e-4, f"{name}: update differs by {rel:.2e} relative"
 
 
 def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20, tokenizer=None):

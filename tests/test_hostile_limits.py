@@ -43,7 +43,9 @@ def meta_count(cfg: ModelConfig, seq_len: int) -> ModelCounts:
     )
     not_matmul += sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
     matmul = active - not_matmul + (embedding if cfg.tie_embeddings else 0)  # a tied head
-    flops = 6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    matmul += cfg.mtp_depth * cfg.vocab_size * cfg.d_model  # each MTP depth's pass through it
+    blocks = cfg.n_layers + cfg.mtp_depth
+    flops = 6 * matmul + 6 * blocks * seq_len * cfg.n_heads * cfg.head_dim
     return ModelCounts(total, active, matmul, experts, embedding, flops)
 
 
@@ -63,6 +65,8 @@ def test_closed_form_counts_equal_the_meta_model_of_each_named_model(name):
         {"qk_norm": "none", "attention_bias": "qkv", "rotary_fraction": 0.5},
         {"n_dense_layers": 1, "dense_hidden": 48, "n_shared_experts": 1, "tie_embeddings": True},
         {"n_expert_groups": 4, "top_k_groups": 2, "router": "sigmoid", "expert_bias": True},
+        {"mtp_depth": 2, "n_shared_experts": 1},
+        {"mtp_depth": 1, "n_dense_layers": 1, "dense_hidden": 48, "tie_embeddings": True},
     ],
 )
 def test_closed_form_counts_equal_the_meta_model_of_odd_shapes(changes):

@@ -214,6 +214,7 @@ OPTIONS = [
         **{"attention_bias": "qkvo", "n_expert_groups": 4, "top_k_groups": 2},
         "tie_embeddings": True,
     },
+    {**sizes(1000, 128, 2, 4, 4, 16, 4, 32, shared=1), "mtp_depth": 2},
 ]  # fmt: skip
 
 
@@ -292,7 +293,7 @@ def test_custom_sizes_give_model_datas_numbers(page: str):
     # and each block option: typed (head_dim, dense blocks) or kept from the model (the rest)
     assert {c["qk_norm"] for c in typed} == {"projection", "head", "none"}
     assert {c["attention_bias"] for c in typed} == {"none", "qkv", "qkvo"}
-    for option in ("head_dim", "n_dense_layers", "tie_embeddings"):
+    for option in ("head_dim", "n_dense_layers", "tie_embeddings", "mtp_depth"):
         assert any(c[option] for c in typed), option
     assert any(c["rotary_fraction"] < 1 for c in typed)
     assert any(c["n_expert_groups"] > 1 for c in typed)
@@ -439,6 +440,7 @@ def test_block_options_plan_on_the_page_as_in_python(page: str):
     models["tiny-dense"] = dataclasses.replace(  # 3 dense blocks over chunks of 2
         tiny, name="tiny-dense", n_layers=8, n_dense_layers=3, dense_hidden=200, vocab_size=1001
     )
+    models["tiny-mtp"] = dataclasses.replace(tiny, name="tiny-mtp", mtp_depth=2)
     for name, m in models.items():  # again: with the FP8 precisions added
         data["models"][name] = model_data(m, data["precisions"], data["seq_lens"])
     grid = [
@@ -472,6 +474,7 @@ def test_block_options_plan_on_the_page_as_in_python(page: str):
         if z
     }
     assert {("glm-4.5-air", 2, 1), ("tiny-dense", 2, 2), ("tiny-dense", 4, 1)} <= held
+    assert {("tiny-mtp", 1, 1), ("tiny-mtp", 2, 2)} <= held  # MTP on the last stage
 
 
 def grouped_layouts(experts: int) -> list[dict]:

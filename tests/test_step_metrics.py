@@ -31,6 +31,7 @@ def values(rank: int) -> StepValues:
     return StepValues(
         ce=distinct(),
         aux=distinct(),
+        mtp=distinct(2),
         lb=distinct(),
         z=distinct(),
         routers=distinct(dtype=torch.int64),
@@ -47,6 +48,7 @@ def test_every_field_says_how_ranks_combine_it():
     assert {f.name: f.metadata["reduce"] for f in fields(StepValues)} == {
         "ce": SUM,
         "aux": SUM,
+        "mtp": SUM,
         "lb": SUM,
         "z": SUM,
         "routers": SUM,

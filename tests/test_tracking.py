@@ -89,6 +89,16 @@ def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
     }
 
 
+def test_metric_rows_keep_the_mtp_loss_apart_from_the_loss_and_per_depth():
+    line = {"step": 3, "loss": 2.5, "mtp_loss": 3.25, "mtp_losses": [3.0, 3.5]}
+    assert metric_rows(line) == {
+        "loss": 2.5,
+        "mtp_loss": 3.25,
+        "mtp_loss.0": 3.0,
+        "mtp_loss.1": 3.5,
+    }
+
+
 @pytest.mark.slow
 def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_training(
     tmp_path, monkeypatch

@@ -5,7 +5,9 @@ One entry point for a Hugging Face folder of any family (``OlmoeForCausalLM``,
 model folder (``model.safetensors`` + ``moe_core_config.json``) or a training checkpoint
 (``checkpoints/step_N``). The model is built on the meta device, allocated on ``device`` in
 ``dtype`` and filled one tensor at a time from its source, so the host never holds a second copy
-of a large model.
+of a large model. The multi-token-prediction modules a model was trained with
+(``model.mtp_depth``) are left out: inference never runs them, so they are neither built nor
+read.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, Router
 from moe_core.model.transformer import Transformer
 
+MTP_PREFIX = "mtp."  # the multi-token-prediction modules' tensors
+
 
 def open_source(path: str | os.PathLike) -> tuple[TensorSource, Transformer]:
     """The tensors behind ``path`` and its model, unallocated on the meta device."""
@@ -55,6 +59,7 @@ def open_source(path: str | os.PathLike) -> tuple[TensorSource, Transformer]:
         )
     with on_meta():
         model = Transformer(cfg)
+    model.mtp = None  # training only (the source may hold them: they are not read)
     return source, model
 
 
@@ -115,7 +120,7 @@ def load_model(
         if isinstance(m, Router):
             m.reset_buffers()
     state = model.state_dict(keep_vars=True)
-    differ = set(state) ^ source.names()
+    differ = set(state) ^ {n for n in source.names() if not n.startswith(MTP_PREFIX)}
     if differ:
         raise CheckpointError(
             f"{path} does not hold the tensors of the model its config describes "

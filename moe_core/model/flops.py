@@ -8,6 +8,8 @@ for causal attention (6 x layers x seq x d_model where head_dim is d_model / n_h
 latent attention's value heads are ``v_head_dim`` wide, its query/key heads ``head_dim``).
 Router, norms, biases, embedding lookups and recompute are not counted. A tied LM head is one
 parameter (the embedding) but still a matmul.
+Each multi-token-prediction depth (``model.mtp_depth``; training only) adds its projection
+``eh_proj``, one MoE block (its attention term too) and another pass through the LM head.
 """
 
 from __future__ import annotations
@@ -76,20 +78,29 @@ def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     router = cfg.n_experts * d
     dense_mlp = 3 * d * (cfg.dense_hidden or 0)
     embedding, final_norm, head = vocab * d, d, d * vocab
-    experts = n_moe * cfg.n_experts * expert
+    # MTP depths: each an MoE block with its two input norms, projection and output norm
+    n_mtp = cfg.mtp_depth
+    mtp_proj, mtp_norms = 2 * d * d, 3 * d
+    n_moe_all, n_blocks = n_moe + n_mtp, n_layers + n_mtp
+    experts = n_moe_all * cfg.n_experts * expert
     total = (
         embedding
-        + n_layers * (attention + layer_other)
-        + n_moe * (router + shared)
+        + n_blocks * (attention + layer_other)
+        + n_moe_all * (router + shared)
         + experts
         + n_dense * dense_mlp
         + final_norm
         + (0 if cfg.tie_embeddings else head)
+        + n_mtp * (mtp_proj + mtp_norms)
     )
-    active = total - n_moe * (cfg.n_experts - cfg.top_k) * expert
+    active = total - n_moe_all * (cfg.n_experts - cfg.top_k) * expert
     matmul_active = (
-        n_layers * attention + n_moe * (shared + cfg.top_k * expert) + n_dense * dense_mlp + head
+        n_blocks * attention
+        + n_moe_all * (shared + cfg.top_k * expert)
+        + n_dense * dense_mlp
+        + (1 + n_mtp) * head
+        + n_mtp * mtp_proj
     )
     # causal attention: q.k over q_dim and the weighted sum over v_dim, half the pairs, x 3
-    flops = 6 * matmul_active + 3 * n_layers * seq_len * (q_dim + v_dim)
+    flops = 6 * matmul_active + 3 * n_blocks * seq_len * (q_dim + v_dim)
     return ModelCounts(total, active, matmul_active, experts, embedding, flops)

@@ -1,5 +1,6 @@
 """The decoder: embedding, pre-norm blocks (attention + MoE, or attention + a dense SwiGLU for
-the leading ``model.n_dense_layers``), final norm, LM head (or the embedding, tied).
+the leading ``model.n_dense_layers``), final norm, LM head (or the embedding, tied), and for
+training the multi-token-prediction modules (``model.mtp_depth``, DeepSeek-V3's).
 
 Blocks carry the running auxiliary loss beside the hidden states, so the routers' losses reach
 the final loss through any split of the layers (pipeline stages, activation recompute).
@@ -8,7 +9,7 @@ the final loss through any split of the layers (pipeline stages, activation reco
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe: MoE | None = None
         self.mlp: SwiGLU | None = None
-        if layer in cfg.moe_layers:
+        if layer >= cfg.n_dense_layers:  # past the leading dense blocks (MTP blocks too)
             self.moe = MoE(cfg)
         else:
             assert cfg.dense_hidden is not None
@@ -51,14 +52,86 @@ class Block(nn.Module):
         return h_BSD + y_BSD, aux + layer_aux
 
 
+class MTPModule(nn.Module):
+    """Multi-token-prediction depth ``k`` (DeepSeek-V3): the previous depth's hidden state at
+    position i (the main model's last block output for k = 0, before the final norm) and the
+    embedding of input token i + k + 1, each normed, concatenated (embedding first, the order of
+    DeepSeek's checkpoints' ``eh_proj``), projected back to ``d_model`` and passed through one
+    MoE block (global layer ``n_layers + k``: its own init keys and router statistics); ``norm``
+    precedes the shared LM head (DeepSeek's ``shared_head.norm``)."""
+
+    def __init__(self, cfg: ModelConfig, k: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        self.block = Block(cfg, cfg.n_layers + k)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def forward(
+        self,
+        h_BSD: torch.Tensor,
+        e_BSD: torch.Tensor,
+        aux: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output (the next depth's input) and the running aux loss."""
+        x_BSD = self.eh_proj(torch.cat([self.enorm(e_BSD), self.hnorm(h_BSD)], dim=-1))
+        return self.block(x_BSD, aux, rope)
+
+
+@dataclass
+class Losses:
+    """A micro-batch's training losses (or their sums over micro-batches): ``ce`` the next-token
+    cross-entropy, ``aux`` the routers' losses (the MTP blocks' included), ``mtp_D`` each MTP
+    depth's cross-entropy (empty without MTP or where it did not run)."""
+
+    ce: torch.Tensor
+    aux: torch.Tensor
+    mtp_D: torch.Tensor
+
+    def objective(self, mtp_weight: torch.Tensor | float) -> torch.Tensor:
+        """What training minimizes: ``ce + aux + mtp_weight * mean_k(mtp_D[k])`` (DeepSeek-V3's
+        ``lambda / D * sum_k``)."""
+        total = self.ce + self.aux
+        if self.mtp_D.numel():
+            total = total + mtp_weight * self.mtp_D.mean()
+        return total
+
+    def detach(self) -> Losses:
+        return Losses(self.ce.detach(), self.aux.detach(), self.mtp_D.detach())
+
+    def __add__(self, other: Losses) -> Losses:
+        """The sums (an empty ``mtp_D`` adds nothing: a sum starts from ``zero_losses``)."""
+        if self.mtp_D.numel() and other.mtp_D.numel():
+            mtp = self.mtp_D + other.mtp_D
+        else:
+            mtp = self.mtp_D if self.mtp_D.numel() else other.mtp_D
+        return Losses(self.ce + other.ce, self.aux + other.aux, mtp)
+
+
+def zero_losses(device: torch.device | str) -> Losses:
+    zero = torch.zeros((), device=device)
+    return Losses(zero, zero, torch.zeros(0, device=device))
+
+
+def shifted(t_BS: torch.Tensor, by: int, fill: float) -> torch.Tensor:
+    """``t`` moved ``by`` positions earlier along the sequence, its last ``by`` positions
+    ``fill``: static shapes (a compiled step and CUDA graphs keep working)."""
+    pad = t_BS.new_full((t_BS.shape[0], by, *t_BS.shape[2:]), fill)
+    return torch.cat([t_BS[:, by:], pad], dim=1)
+
+
 class Transformer(nn.Module):
-    """``forward(tokens) -> (logits, aux_loss)``.
+    """``forward(tokens) -> (logits, aux_loss)`` (inference: never the MTP modules).
 
     Pipeline stages keep a subset of ``layers`` (a dict, so names stay global) and drop
-    ``embed`` / ``norm`` / ``lm_head`` (set to None); a stage without ``embed`` takes hidden
-    states, one without ``lm_head`` returns them. With ``model.tie_embeddings`` there is no
-    ``lm_head`` module: the logits read ``embed.weight`` (one parameter, one name), and the
-    whole model is one stage (config refuses tied embeddings with pipeline parallelism).
+    ``embed`` / ``norm`` / ``lm_head`` (set to None) and, but on the last stage, ``mtp``; a
+    stage without ``embed`` takes hidden states, one without ``lm_head`` returns them. With
+    ``model.tie_embeddings`` there is no ``lm_head`` module: the logits read ``embed.weight``
+    (one parameter, one name), and the whole model is one stage (config refuses tied
+    embeddings with pipeline parallelism). Training goes through ``hidden`` then ``losses``
+    (the last stage), which runs the MTP modules.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -70,24 +143,80 @@ class Transformer(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.mtp: nn.ModuleDict | None = None
+        if cfg.mtp_depth:
+            self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, k) for k in range(cfg.mtp_depth)})
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, YarnScaling.of(cfg))
 
     def forward(
         self, x: torch.Tensor, aux: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.embed(x) if self.embed is not None else x
+        h, aux, _ = self.hidden(x, aux)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.head(h), aux
+
+    def hidden(
+        self, x: torch.Tensor, aux: torch.Tensor | None = None, e: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This stage's blocks over ``x`` (tokens where it holds ``embed``, else hidden
+        states): the last block's output (before the final norm), the running aux loss, and
+        the token embeddings the MTP modules read (``e`` passed on; None without MTP)."""
+        h = x
+        if self.embed is not None:
+            h = self.embed(x)
+            e = h if self.cfg.mtp_depth else None
         if aux is None:
             aux = torch.zeros((), dtype=torch.float32, device=h.device)
         rope = self.rope(h.shape[1], h.device)
         for block in self.layers.values():
             h, aux = block(h, aux, rope)
-        if self.norm is not None:
-            h = self.norm(h)
+        return h, aux, e
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head (or the tied embedding) over normed hidden states; a stage without
+        the head returns them as they are."""
         if self.lm_head is not None:
-            h = self.lm_head(h)
-        elif self.cfg.tie_embeddings and self.embed is not None:
-            h = F.linear(h, self.embed.weight)
-        return h, aux
+            return self.lm_head(h)
+        if self.cfg.tie_embeddings and self.embed is not None:
+            return F.linear(h, self.embed.weight)
+        return h
+
+    def losses(
+        self,
+        h_BSD: torch.Tensor,
+        aux: torch.Tensor,
+        e_BSD: torch.Tensor | None,
+        tokens_BS1: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        mtp: bool = True,
+    ) -> Losses:
+        """The last stage's losses from ``hidden``'s outputs over ``tokens`` (``[B, S + 1]``:
+        inputs and targets): the next-token loss and, with ``mtp`` (training), each MTP
+        depth's. Depth k's position i reads the embedding of input i + k + 1 and predicts
+        token i + k + 2; the last k + 1 positions have no such token (embedding 0, target
+        ignored), and causal attention keeps them from the others."""
+        targets_BS = tokens_BS1[:, 1:]
+        assert self.norm is not None
+        ce = loss_fn(self.head(self.norm(h_BSD)), targets_BS)
+        if not mtp or self.mtp is None:
+            return Losses(ce, aux, ce.new_zeros(0))
+        assert e_BSD is not None, "MTP needs the token embeddings (hidden's third output)"
+        rope = self.rope(h_BSD.shape[1], h_BSD.device)
+        ces = []
+        for k, module in enumerate(self.mtp.values()):
+            e_k = shifted(e_BSD, k + 1, 0.0)
+            h_BSD, aux = module(h_BSD, e_k, aux, rope)
+            ces.append(loss_fn(self.head(module.norm(h_BSD)), shifted(targets_BS, k + 1, -100)))
+        return Losses(ce, aux, torch.stack(ces))
+
+    def blocks(self) -> Iterator[tuple[int, Block]]:
+        """This model's (or stage's) blocks by global layer index: ``layers``, then the MTP
+        modules' blocks as layers ``n_layers + k``."""
+        for i, block in self.layers.items():
+            yield int(i), block  # type: ignore[misc]
+        for k, module in (self.mtp or {}).items():
+            yield self.cfg.n_layers + int(k), module.block
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -17,15 +17,19 @@ import torch
 
 from moe_core.model.eager import seal
 from moe_core.model.norm import RMSNorm
-from moe_core.model.transformer import Block, lm_loss
+from moe_core.model.transformer import Block, MTPModule, lm_loss
 
 
 def apply_compile(model: torch.nn.Module) -> None:
-    """Compile every block and the final norm in place (parameter names stay unchanged)."""
+    """Compile every block (the MTP modules' too), the final norm and the MTP modules' norms
+    in place (parameter names stay unchanged)."""
     seal()
     for module in model.modules():
         if isinstance(module, Block):
             module.compile()
+        elif isinstance(module, MTPModule):
+            for norm in (module.enorm, module.hnorm, module.norm):
+                norm.compile()
     norm = getattr(model, "norm", None)
     if isinstance(norm, RMSNorm):
         norm.compile()

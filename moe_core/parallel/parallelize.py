@@ -128,6 +128,7 @@ def build_chunk(
     if chunk != n_chunks - 1:
         model.norm = None
         model.lm_head = None
+        model.mtp = None  # beside the LM head they share
     if pcfg.ep > 1:
         n_local = cfg.n_experts // pcfg.ep
         for moe in (m for m in model.modules() if isinstance(m, MoE)):

@@ -1,9 +1,12 @@
 """Pipeline parallelism: the layers split into chunks of whole blocks, 1F1B schedules.
 
 ``pp x virtual_stages`` chunks; chunk ``c`` holds layers ``[c * L / C, (c + 1) * L / C)`` and
-lives on pipeline rank ``c % pp`` (so ``virtual_stages > 1`` interleaves). Each micro-batch's
-activations travel with the running auxiliary loss, so router losses of every stage reach the
-loss at the last chunk and their gradients flow back through the same messages.
+lives on pipeline rank ``c % pp`` (so ``virtual_stages > 1`` interleaves); the last also holds
+the multi-token-prediction modules. Each micro-batch's activations travel with the running
+auxiliary loss, so router losses of every stage reach the loss at the last chunk and their
+gradients flow back through the same messages; with MTP the first chunk's token embeddings
+travel beside them (the MTP modules read them), and so their gradient comes back to the
+embedding, added to the blocks' as in one process.
 
 Our own schedule executor rather than ``torch.distributed.pipelining``: it is short, runs the
 same on the torch versions we support (2.11 on the GPU machines, 2.13 on CPU), and gives exact
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import ParallelConfig
-from moe_core.model import Transformer
+from moe_core.model.transformer import Losses, Transformer, zero_losses
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.mesh import Mesh, rank_of
 
@@ -116,12 +119,16 @@ class PipelineRunner:
         act_shape: tuple[int, ...],
         act_dtype: torch.dtype,
         autocast: torch.autocast,
+        mtp_weight: torch.Tensor,
     ) -> None:
         self.chunks, self.mesh, self.groups = chunks, mesh, groups
         self.cfg = mesh.cfg
         self.n_chunks = self.cfg.pp * self.cfg.virtual_stages
         self.act_shape, self.act_dtype, self.autocast = act_shape, act_dtype, autocast
         self.loss_fn = loss_function(self.cfg.compile_on(mesh.device.type))
+        self.mtp_weight = mtp_weight  # a device scalar the trainer sets every step
+        # Hidden states (and, with MTP, the token embeddings) in every message, then the aux.
+        self.n_acts = 2 if next(iter(chunks.values())).cfg.mtp_depth else 1
 
     def _owner(self, chunk: int) -> int:
         return chunk % self.cfg.pp
@@ -147,75 +154,86 @@ class PipelineRunner:
                     orders.setdefault(src, []).append(out[:3])
         return orders
 
-    def _send(self, key: tuple[str, int, int, int], h: torch.Tensor, aux: torch.Tensor) -> None:
+    def _send(self, key: tuple[str, int, int, int], tensors: list[torch.Tensor]) -> None:
+        """Send ``n_acts`` activations (or their gradients) and then the aux loss (or its)."""
         dst_stage = key[3]
         group = self.groups[(self.mesh.pp_rank, dst_stage)]
         dst = self.mesh.pp_ranks[dst_stage]
-        for t in (h.contiguous(), aux.reshape(1).float().contiguous()):
+        *acts, aux = tensors
+        for t in [*(a.contiguous() for a in acts), aux.reshape(1).float().contiguous()]:
             self._pending.append((dist.isend(t, dst=dst, group=group), t))
 
-    def _recv(self, key: tuple[str, int, int], src_stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _recv(self, key: tuple[str, int, int], src_stage: int) -> list[torch.Tensor]:
         while key not in self._inbox:
             nxt = self._orders[src_stage][self._cursor[src_stage]]
             self._cursor[src_stage] += 1
             group = self.groups[(src_stage, self.mesh.pp_rank)]
             src = self.mesh.pp_ranks[src_stage]
-            h = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)
-            aux = torch.empty(1, dtype=torch.float32, device=self.mesh.device)
-            dist.recv(h, src=src, group=group)
-            dist.recv(aux, src=src, group=group)
-            self._inbox[nxt] = (h, aux)
+            device = self.mesh.device
+            message = [
+                torch.empty(self.act_shape, dtype=self.act_dtype, device=device)
+                for _ in range(self.n_acts)
+            ]
+            message.append(torch.empty(1, dtype=torch.float32, device=device))
+            for t in message:
+                dist.recv(t, src=src, group=group)
+            message[-1] = message[-1].reshape(())
+            self._inbox[nxt] = message
         return self._inbox.pop(key)
 
-    def run(
-        self, batches: list[torch.Tensor], forward_only: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward (and unless ``forward_only``, backward) every micro-batch; returns (sum of
-        CE losses, sum of aux losses) over the micro-batches whose last chunk is here (zeros
-        elsewhere)."""
+    def run(self, batches: list[torch.Tensor], forward_only: bool = False) -> Losses:
+        """Forward (and unless ``forward_only``, backward) every micro-batch; returns the sums
+        of their losses over the micro-batches whose last chunk is here (zeros elsewhere; no
+        MTP losses when ``forward_only``)."""
         n_mb = len(batches)
         self._orders = self._channel_orders(n_mb, forward_only)
         self._inbox, self._pending = {}, []
         self._cursor = dict.fromkeys(self._orders, 0)
         saved: dict[tuple[int, int], tuple] = {}
-        ce_sum = torch.zeros((), device=self.mesh.device)
-        aux_sum = torch.zeros((), device=self.mesh.device)
+        sums = zero_losses(self.mesh.device)
         last = self.n_chunks - 1
         for a in schedule(self.cfg, self.mesh.pp_rank, n_mb, forward_only):
             model = self.chunks[a.chunk]
             if a.kind == "F":
                 tokens = batches[a.mb]
+                # inputs: [hidden states or tokens, embeddings (MTP; None on chunk 0), aux]
                 if a.chunk == 0:
-                    x_in, aux_in = tokens[:, :-1], None
+                    inputs: list = [tokens[:, :-1], None, None]
                 else:
-                    h, aux = self._recv(("act", a.mb, a.chunk), self._owner(a.chunk - 1))
-                    x_in, aux_in = h, aux.reshape(())
+                    received = self._recv(("act", a.mb, a.chunk), self._owner(a.chunk - 1))
                     if not forward_only:
-                        x_in, aux_in = x_in.requires_grad_(), aux_in.requires_grad_()
+                        received = [t.requires_grad_() for t in received]
+                    h, *e, aux = received
+                    inputs = [h, e[0] if e else None, aux]
+                x_in, e_in, aux_in = inputs
                 with self.autocast:
-                    out, aux_out = model(x_in, aux_in)
+                    h_out, aux_out, e_out = model.hidden(x_in, aux_in, e_in)
                 if a.chunk == last:
                     with self.autocast:
-                        ce = self.loss_fn(out, tokens[:, 1:])
-                    ce_sum += ce.detach()
-                    aux_sum += aux_out.detach()
+                        losses = model.losses(
+                            h_out, aux_out, e_out, tokens, self.loss_fn, mtp=not forward_only
+                        )
+                    sums = sums + losses.detach()
                     if not forward_only:
-                        saved[(a.mb, a.chunk)] = (x_in, aux_in, (ce + aux_out) / n_mb, None)
+                        objective = losses.objective(self.mtp_weight) / n_mb
+                        saved[(a.mb, a.chunk)] = (inputs, [objective], False)
                 else:
-                    self._send(self._outgoing(a), out.detach(), aux_out.detach())
+                    outs = [h_out, *([e_out] if self.n_acts == 2 else []), aux_out]
+                    self._send(self._outgoing(a), [t.detach() for t in outs])
                     if not forward_only:
-                        saved[(a.mb, a.chunk)] = (x_in, aux_in, out, aux_out)
+                        saved[(a.mb, a.chunk)] = (inputs, outs, True)
             else:
-                x_in, aux_in, out, aux_out = saved.pop((a.mb, a.chunk))
-                if a.chunk == last:
-                    out.backward()
-                else:
-                    g_h, g_aux = self._recv(("grad", a.mb, a.chunk), self._owner(a.chunk + 1))
-                    torch.autograd.backward([out, aux_out], [g_h, g_aux.reshape(())])
+                inputs, outs, sent_on = saved.pop((a.mb, a.chunk))
+                grads = None
+                if sent_on:  # the next chunk's gradients of what this one sent it
+                    grads = self._recv(("grad", a.mb, a.chunk), self._owner(a.chunk + 1))
+                torch.autograd.backward(outs, grads)
                 if a.chunk > 0:
-                    self._send(self._outgoing(a), x_in.grad, aux_in.grad)
+                    x_in, e_in, aux_in = inputs
+                    sent = [x_in.grad, *([e_in.grad] if self.n_acts == 2 else []), aux_in.grad]
+                    self._send(self._outgoing(a), sent)
         for work, _ in self._pending:
             work.wait()
         self._pending = []
         assert not saved and not self._inbox, "pipeline schedule left work behind"
-        return ce_sum, aux_sum
+        return sums

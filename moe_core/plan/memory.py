@@ -11,7 +11,8 @@ holds the same), in bytes:
   holds is ``parallel.pipeline.chunk_layers`` of its chunks), plus the embedding on the first,
   final norm and LM head on the last stage (a tied head is the embedding: counted once), and
   ``N_expert`` its MoE blocks' routed-expert parameters divided by ``ep``; ``b_p`` 2 for bf16
-  and 4 for fp32 weights.
+  and 4 for fp32 weights. The last stage also holds the ``model.mtp_depth`` multi-token
+  prediction modules: an MoE block each, with its norms and projection (``mtp_own``).
 - gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
   N_expert / dp)`` where that group has more than one rank. A rank that reduces nothing
@@ -36,9 +37,14 @@ holds the same), in bytes:
   logits, their fp32 copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16
   autocast, else 4); compiled (the loss fuses the upcast), ``T * (2 V b_c + d_model * (b_p +
   b_c))``: the logits, their gradient at the start of backward, the final norm's input and
-  output.
+  output. Each MTP depth adds, once as the head (the last chunk's backward follows its
+  forward), an MoE block's ``T * A`` (``T * d_model * b_p`` under block recompute), what the
+  head keeps for its own logits, and its norms' and projection's inputs, ``T * d_model * (2 (4
+  + b_p) + 2 b_c)`` (the embeddings and hidden state it normalizes, eagerly, and their
+  concatenation).
 - pipeline send buffers: ``messages * micro_batches * T * d_model * b_p`` (activations
-  forward, gradients backward; the runner holds each until the step ends).
+  forward, gradients backward; the runner holds each until the step ends), twice the
+  activations with MTP (the token embeddings travel beside them).
 - expert-parallel receive buffers (``parallel.dispatcher=nvshmem_rowwise``): the symmetric
   staging of ``RowwiseExchange.buffer_bytes`` for the rows ``rowwise_capacity`` allows, and,
   per MoE layer, the expert-ordered buffers sized for its assignment capacity ``M`` instead of the
@@ -107,6 +113,8 @@ class ParameterCounts:
     embedding: int
     head: int  # LM head; 0 when tied (the embedding is the head: one parameter, counted once)
     final_norm: int
+    mtp_own: int = 0  # an MTP module's parameters beside its block (norms, eh_proj; 0: none)
+    largest_mtp_own: int = 0  # the largest of those (eh_proj)
 
 
 def parameter_counts(m: ModelConfig) -> ParameterCounts:
@@ -122,6 +130,10 @@ def parameter_counts(m: ModelConfig) -> ParameterCounts:
     dense = [p for p in block.parameters() if id(p) not in expert_ids]
     leading = [p.numel() for p in dense_block.parameters()] if dense_block is not None else [0]
     assert model.embed is not None and model.norm is not None
+    own = [0]
+    if model.mtp is not None:
+        params = model.mtp["0"].named_parameters()
+        own = [p.numel() for n, p in params if not n.startswith("block.")]
     return ParameterCounts(
         layer_dense=sum(p.numel() for p in dense),
         layer_expert=sum(p.numel() for p in experts),
@@ -132,6 +144,8 @@ def parameter_counts(m: ModelConfig) -> ParameterCounts:
         embedding=model.embed.weight.numel(),
         head=model.lm_head.weight.numel() if model.lm_head is not None else 0,
         final_norm=model.norm.weight.numel(),
+        mtp_own=sum(own),
+        largest_mtp_own=max(own),
     )
 
 
@@ -150,7 +164,7 @@ class StageParameters:
     chunks: list[int]  # the model chunks this rank runs (``v`` of them under interleaving)
     blocks: list[tuple[int, int]]  # each chunk's (dense, MoE) blocks (``chunk_blocks``)
     layers: int
-    moe_layers: int  # the MoE blocks among them (the rest are leading dense blocks)
+    moe_layers: int  # the MoE blocks among them (the rest are leading dense blocks), MTP's too
     dense: int  # dense parameters, with the embedding / final norm and head where it has them
     experts: int  # its routed experts: 1 / ep of the stage's
     largest: int  # the largest single tensor (of experts, this rank's slice)
@@ -177,6 +191,12 @@ def stage_parameters(run: RunConfig, sh: ParameterCounts, stage: int) -> StagePa
     if last:
         dense += sh.final_norm + sh.head
         largest = max(largest, sh.head)
+        mtp = run.model.mtp_depth  # MoE blocks with their own norms and projection
+        if mtp:
+            moe_blocks += mtp
+            dense += mtp * (sh.layer_dense + sh.mtp_own)
+            largest = max(largest, sh.largest_dense, sh.largest_expert // par.ep)
+            largest = max(largest, sh.largest_mtp_own)
     experts = moe_blocks * sh.layer_expert // par.ep
     layers = dense_blocks + moe_blocks
     return StageParameters(chunks, blocks, layers, moe_blocks, dense, experts, largest, last)
@@ -435,6 +455,20 @@ def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
     return RowwiseBuffers(symmetric, extra_full, extra_layer)
 
 
+def mtp_activation_bytes(run: RunConfig, a_layer: int, extra_layer: int) -> int:
+    """What the MTP depths keep for backward per micro-batch (module doc): each an MoE block
+    (``a_layer`` per token, ``extra_layer`` of rowwise rows), the head's share and its norms'
+    and projection's inputs."""
+    m = run.model
+    if not m.mtp_depth:
+        return 0
+    bp, bc, _ = element_bytes(run)
+    tokens = tokens_per_micro_batch(run)
+    own = tokens * m.d_model * (2 * (4 + bp) + 2 * bc)
+    per_depth = tokens * a_layer + extra_layer + head_activation_bytes(run) + own
+    return m.mtp_depth * per_depth
+
+
 def head_activation_bytes(run: RunConfig) -> int:
     """The LM head's logits, their fp32 copy and log-softmax, and the head's inputs; compiled,
     the logits and their gradient, and the final norm's input and output (module doc)."""
@@ -466,6 +500,7 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
             dense_full if p.layers > p.moe_layers else 0,
         )
         acts = in_flight * per_chunk * tokens * m.d_model * bp + remat
+        mtp = mtp_activation_bytes(run, m.d_model * bp, 0)
     else:
         a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
         chunk = max(
@@ -473,8 +508,9 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
             for n_dense, n_moe in p.blocks
         )
         acts = in_flight * chunk
+        mtp = mtp_activation_bytes(run, a_layer, rowwise.extra_layer)
     if p.last:
-        acts += head_activation_bytes(run)
+        acts += head_activation_bytes(run) + mtp
     return acts
 
 
@@ -489,7 +525,9 @@ def pipeline_send_bytes(run: RunConfig, p: StageParameters) -> int:
     if par.pp == 1:
         return 0
     n_chunks = par.pp * par.virtual_stages
-    message = tokens_per_micro_batch(run) * run.model.d_model * element_bytes(run)[0] + 4
+    carried = 2 if run.model.mtp_depth else 1  # hidden states, and the embeddings for MTP
+    hidden = tokens_per_micro_batch(run) * run.model.d_model * element_bytes(run)[0]
+    message = carried * hidden + 4
     messages = sum(c < n_chunks - 1 for c in p.chunks) + sum(c > 0 for c in p.chunks)
     return messages * run.micro_batches * message
 

@@ -211,7 +211,11 @@ function planLayout(data, L) {
     extraFull = moreRows * (bp * (d + (2 + swigluOut) * h) + 4);
     extraLayer = extraFull - (swigluOut && L.recompute === "selective" ? moreRows * bp * h : 0);
   }
-  const message = T * d * bp + 4;
+  // plan.memory.pipeline_send_bytes: with MTP the token embeddings travel beside the hidden
+  const message = (m.mtp_depth ? 2 : 1) * T * d * bp + 4;
+  // plan.memory.mtp_activation_bytes: per MTP depth an MoE block, the head's share, its inputs
+  const mtpActs = m.mtp_depth * ((block ? T * d * bp : T * aLayer + extraLayer) + headAct +
+    T * d * (2 * (4 + bp) + 2 * bc));
   const reserve = pyRound(C.reserve_gib * C.gib);
 
   const stages = [];
@@ -220,8 +224,7 @@ function planLayout(data, L) {
     const chunks = Array.from({ length: v }, (_, i) => s + i * L.pp);
     const blocks = chunks.map(chunkBlocks);
     const denseBlocks = blocks.reduce((a, [n]) => a + n, 0);
-    const moeLayers = blocks.reduce((a, [, n]) => a + n, 0);
-    const layers = denseBlocks + moeLayers;
+    let moeLayers = blocks.reduce((a, [, n]) => a + n, 0);
     let dense = moeLayers * sh.layer_dense + denseBlocks * sh.dense_block;
     let largest = 0;
     if (moeLayers) largest = Math.max(sh.largest_dense, Math.floor(sh.largest_expert / L.ep));
@@ -234,6 +237,12 @@ function planLayout(data, L) {
     if (last) {
       dense += sh.final_norm + sh.head;
       largest = Math.max(largest, sh.head);
+      if (m.mtp_depth) { // the MTP modules: MoE blocks with their own norms and projection
+        moeLayers += m.mtp_depth;
+        dense += m.mtp_depth * (sh.layer_dense + sh.mtp_own);
+        largest = Math.max(largest, sh.largest_dense, Math.floor(sh.largest_expert / L.ep),
+          sh.largest_mtp_own);
+      }
     }
     const experts = Math.floor((moeLayers * sh.layer_expert) / L.ep);
     const denseShard = dpep > 1 ? dense / dpep : 0;
@@ -250,7 +259,7 @@ function planLayout(data, L) {
         denseBlocks ? denseFull : 0)
       : flight * Math.max(...blocks.map(([nDense, nMoe]) =>
         nMoe * (T * aLayer + extraLayer) + nDense * denseFull));
-    if (last) activations += headAct;
+    if (last) activations += headAct + mtpActs;
     if (autogradGrads) {
       grads = bp * (dense + experts);
       // one micro-batch: written as backward frees the activations
@@ -482,6 +491,9 @@ function parameterCounts(c) {
     embedding: c.vocab_size * d,
     head: c.tie_embeddings ? 0 : d * c.vocab_size,
     final_norm: d,
+    // an MTP module beside its block: enorm, hnorm, eh_proj [d, 2d], its output norm
+    mtp_own: c.mtp_depth ? d + d + 2 * d * d + d : 0,
+    largest_mtp_own: c.mtp_depth ? 2 * d * d : 0,
   };
 }
 
@@ -508,13 +520,17 @@ function modelCounts(c, seqLen) {
   const router = c.n_experts * d;
   const denseMlp = 3 * d * (c.dense_hidden || 0);
   const embedding = vocab * d, finalNorm = d, head = d * vocab;
-  const experts = nMoe * c.n_experts * expert;
-  const total = embedding + nLayers * (attention + layerOther) + nMoe * (router + shared) +
-    experts + nDense * denseMlp + finalNorm + (c.tie_embeddings ? 0 : head);
-  const active = total - nMoe * (c.n_experts - c.top_k) * expert;
-  const matmulActive = nLayers * attention + nMoe * (shared + c.top_k * expert) +
-    nDense * denseMlp + head;
-  const flops = 6 * matmulActive + 3 * nLayers * seqLen * (q + vDim);
+  // MTP depths: each an MoE block with its two input norms, projection and output norm
+  const nMtp = c.mtp_depth, mtpProj = 2 * d * d, mtpNorms = 3 * d;
+  const nMoeAll = nMoe + nMtp, nBlocks = nLayers + nMtp;
+  const experts = nMoeAll * c.n_experts * expert;
+  const total = embedding + nBlocks * (attention + layerOther) + nMoeAll * (router + shared) +
+    experts + nDense * denseMlp + finalNorm + (c.tie_embeddings ? 0 : head) +
+    nMtp * (mtpProj + mtpNorms);
+  const active = total - nMoeAll * (c.n_experts - c.top_k) * expert;
+  const matmulActive = nBlocks * attention + nMoeAll * (shared + c.top_k * expert) +
+    nDense * denseMlp + (1 + nMtp) * head + nMtp * mtpProj;
+  const flops = 6 * matmulActive + 3 * nBlocks * seqLen * (q + vDim);
   return {
     total_params: total,
     active_params: active,

@@ -12,14 +12,15 @@ import torch.distributed as dist
 from moe_core.config import RunConfig
 from moe_core.data.loader import TokenLoader
 from moe_core.model.moe import router_stats_paused
+from moe_core.model.transformer import Losses
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.batches import Batches
 from moe_core.train.router_stats import RouterStats
 
 EVAL_BASE = 1 << 40  # held-out synthetic sequences are numbered from here
 
-# ``Trainer._forward_backward``: (micro-batches, forward_only) -> (summed ce, summed aux).
-ForwardBackward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# ``Trainer._forward_backward``: (micro-batches, forward_only) -> the summed ``Losses``.
+ForwardBackward = Callable[..., Losses]
 
 
 def held_out_batches(cfg: RunConfig, mesh: Mesh, batches: Batches) -> list[torch.Tensor]:
@@ -59,7 +60,7 @@ def held_out_loss(
 ) -> float:
     """Mean held-out loss over ``train.eval_batches`` micro-batches (all ranks)."""
     with router_stats_paused():
-        ce_sum, _ = forward_backward(held_out, forward_only=True)
+        ce_sum = forward_backward(held_out, forward_only=True).ce
     read = torch.stack([ce_sum, router_stats.dropped()])
     if mesh.distributed:
         dist.all_reduce(read)

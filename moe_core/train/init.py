@@ -23,7 +23,7 @@ from moe_core.ckpt.format import buffer_key, state_key, step_dir_name
 from moe_core.config import ParallelConfig, RunConfig
 from moe_core.config_dict import to_dict
 from moe_core.model.meta import on_meta
-from moe_core.model.transformer import Transformer, init_plan, seeded_normal_
+from moe_core.model.transformer import Transformer, init_plan, seeded_normal_, state_shapes
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.checkpoint import Checkpointer
 
@@ -121,6 +121,5 @@ def write_initial_checkpoint(run: RunConfig, checkpoints: str | Path) -> Path:
 
 
 def _expert_bias_names(run: RunConfig) -> list[str]:
-    if not run.model.expert_bias:
-        return []
-    return [f"layers.{i}.moe.router.expert_bias" for i in run.model.moe_layers]
+    """Every router's expert bias (the MTP modules' blocks' too), as the state dict names it."""
+    return [name for name in state_shapes(run.model) if name.endswith("router.expert_bias")]

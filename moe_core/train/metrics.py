@@ -115,6 +115,8 @@ class ConsoleSink:
         if step % self.every and not flagged and "eval_loss" not in m and "downstream" not in m:
             return
         parts = [f"step {step:>6}", f"loss {m['loss']:.4f}"]
+        if "mtp_loss" in m:
+            parts.append(f"mtp {m['mtp_loss']:.4f}")
         if "eval_loss" in m:
             parts.append(f"eval {m['eval_loss']:.4f}")
         parts += [f"grad {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from moe_core.config import RunConfig
 from moe_core.model.moe import Router
+from moe_core.model.transformer import Transformer
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
     ReceiveBufferOverflowError,
@@ -26,13 +27,14 @@ from moe_core.parallel.mesh import Mesh
 from moe_core.train.metrics import router_health
 
 
-def routers_by_layer(modules: list[torch.nn.Module]) -> dict[str, Router]:
-    """Every router of the chunks by its global layer index (as a string)."""
+def routers_by_layer(modules: list[Transformer]) -> dict[str, Router]:
+    """Every router of the chunks by its global layer index (as a string; an MTP module's
+    block is layer ``n_layers + k``)."""
     return {
-        name.split(".")[1]: m
+        str(layer): block.moe.router
         for chunk in modules
-        for name, m in chunk.named_modules()
-        if isinstance(m, Router)
+        for layer, block in chunk.blocks()
+        if block.moe is not None
     }
 
 
@@ -62,7 +64,7 @@ class RouterStats:
     """This rank's routers (``routers``, by layer), rowwise exchanges (``exchanges``) and
     all-to-all dispatchers (``dispatchers``)."""
 
-    def __init__(self, cfg: RunConfig, mesh: Mesh, modules: list[torch.nn.Module]) -> None:
+    def __init__(self, cfg: RunConfig, mesh: Mesh, modules: list[Transformer]) -> None:
         self.cfg = cfg
         self.mesh = mesh
         self.device = mesh.device
@@ -94,7 +96,9 @@ class RouterStats:
         E = self.cfg.model.n_experts
         if not self.routers:
             return torch.zeros(0, E + 1, device=self.device, dtype=torch.float64)
-        out = torch.zeros(self.cfg.model.n_layers, E + 1, device=self.device, dtype=torch.float64)
+        m = self.cfg.model
+        rows = m.n_layers + m.mtp_depth  # the MTP modules' blocks after the model's
+        out = torch.zeros(rows, E + 1, device=self.device, dtype=torch.float64)
         for layer, r in self.routers.items():
             out[int(layer), :E] = r.stat_counts_E.double()
             out[int(layer), E] = r.stat_lb.double()

@@ -1,10 +1,11 @@
-"""Learning-rate schedules as a multiplier of the peak rate, by optimizer step."""
+"""Learning-rate schedules as a multiplier of the peak rate, and the multi-token-prediction
+loss weight, by optimizer step."""
 
 from __future__ import annotations
 
 import math
 
-from moe_core.config import TrainConfig
+from moe_core.config import ModelConfig, TrainConfig
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -25,3 +26,14 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
         return 1.0
     progress = min((step - decay_start) / max(last - decay_start, 1), 1.0)
     return 1.0 - (1.0 - floor) * progress
+
+
+def mtp_weight(step: int, model: ModelConfig, train: TrainConfig) -> float:
+    """The MTP loss weight at ``step``: ``model.mtp_loss_weight`` until the fraction
+    ``model.mtp_late_start`` of ``train.steps``, ``model.mtp_loss_weight_late`` from there on
+    (DeepSeek-V3's constant-then-lower schedule); 0 without MTP."""
+    if not model.mtp_depth:
+        return 0.0
+    if step < model.mtp_late_start * train.steps:
+        return model.mtp_loss_weight
+    return model.mtp_loss_weight_late

@@ -28,6 +28,7 @@ class Stack:
     optimizer: ShardedAdamW
     autocast: torch.autocast
     pipeline: PipelineRunner | None
+    mtp_weight: torch.Tensor  # the MTP loss weight of the step (``schedule.mtp_weight``)
 
 
 def build_stack(cfg: RunConfig, mesh: Mesh) -> Stack:
@@ -58,10 +59,12 @@ def build_stack(cfg: RunConfig, mesh: Mesh) -> Stack:
     # compute in bf16 as they are (norms, router and loss keep fp32 inside the model).
     bf16_over_fp32 = cfg.precision.compute == "bf16" and cfg.precision.params == "fp32"
     autocast = torch.autocast(mesh.device.type, torch.bfloat16, enabled=bf16_over_fp32)
+    # A device scalar set before every step, so a captured step (CUDA graphs) reads it.
+    mtp_weight = torch.zeros((), device=mesh.device)
     pipeline = None
     if pc.pp > 1:
         shape = (tc.micro_batch_size, tc.seq_len, cfg.model.d_model)
-        pipeline = PipelineRunner(
-            chunks, mesh, p2p_groups(pc, mesh), shape, DTYPES[cfg.precision.params], autocast
-        )
-    return Stack(chunks, loss_fn, buckets, optimizer, autocast, pipeline)
+        dtype = DTYPES[cfg.precision.params]
+        groups = p2p_groups(pc, mesh)
+        pipeline = PipelineRunner(chunks, mesh, groups, shape, dtype, autocast, mtp_weight)
+    return Stack(chunks, loss_fn, buckets, optimizer, autocast, pipeline, mtp_weight)

@@ -31,6 +31,7 @@ class StepValues:
 
     ce: torch.Tensor = field(metadata=SUMMED)  # cross-entropy over micro-batches and data ranks
     aux: torch.Tensor = field(metadata=SUMMED)  # weighted router losses, likewise
+    mtp: torch.Tensor = field(metadata=SUMMED)  # [mtp_depth]: each MTP depth's ce, likewise
     lb: torch.Tensor = field(metadata=SUMMED)  # load-balancing scores over routers and calls
     z: torch.Tensor = field(metadata=SUMMED)  # z-losses, likewise
     routers: torch.Tensor = field(metadata=SUMMED)  # router layers over ranks (lb's divisor)
@@ -128,7 +129,7 @@ class StepMetrics:
     """One step as logged (``metrics.jsonl``, the console, MLflow)."""
 
     step: int
-    loss: float  # cross-entropy, mean over the global batch
+    loss: float  # next-token cross-entropy, mean over the global batch (never MTP's)
     aux_loss: float  # weighted router losses summed over layers (part of the objective)
     lb_loss: float  # load-balancing score, mean over layers and micro-batches (1.0 = uniform)
     z_loss: float
@@ -142,6 +143,8 @@ class StepMetrics:
     mfu: float | None = None
     peak_mem_gib: float | None = None
     eval_loss: float | None = None
+    mtp_loss: float | None = None  # the MTP depths' cross-entropy, mean over depths and batch
+    mtp_losses: list[float] | None = None  # each depth's (k = 0: the token two ahead)
     downstream: dict[str, dict[str, float]] | None = None  # per task: its accuracies
     router: dict[str, dict[str, Any]] = field(default_factory=dict)
     # rows a token sent to other expert-parallel ranks per MoE layer (all_to_all dispatcher;

@@ -50,6 +50,7 @@ from moe_core.data.prefetch import pinned
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, Router
+from moe_core.model.transformer import Losses, zero_losses
 from moe_core.parallel.mesh import Mesh, gather_experts, init_distributed
 from moe_core.rundir import RunLock
 from moe_core.train.batches import Batches, check_data_fits
@@ -59,7 +60,7 @@ from moe_core.train.evaluation import Downstream, held_out_batches, held_out_los
 from moe_core.train.guards import Guards
 from moe_core.train.metrics import ConsoleSink, JsonlSink, MetricsSink, peak_tflops, throughput
 from moe_core.train.router_stats import RouterStats, routers_by_layer
-from moe_core.train.schedule import lr_multiplier
+from moe_core.train.schedule import lr_multiplier, mtp_weight
 from moe_core.train.stack import build_stack
 from moe_core.train.step_graph import StepGraphs
 from moe_core.train.step_metrics import StepMetrics, StepValues
@@ -149,6 +150,7 @@ class Trainer:
         self.chunks = stack.chunks
         self.loss_fn, self.buckets, self.optimizer = stack.loss_fn, stack.buckets, stack.optimizer
         self.autocast, self.pipeline = stack.autocast, stack.pipeline
+        self.mtp_weight = stack.mtp_weight
         modules = list(self.chunks.values())
         self.router_stats = RouterStats(self.cfg, self.mesh, modules)
         self.buffers = router_buffers(modules)
@@ -227,31 +229,31 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _forward_backward(
-        self, batches: list[torch.Tensor], forward_only: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(self, batches: list[torch.Tensor], forward_only: bool = False) -> Losses:
+        """Every micro-batch's forward (and unless ``forward_only``, backward of its objective,
+        ``Losses.objective``, MTP included); the sums of their losses (no MTP losses when
+        ``forward_only``). The pipeline runs the same calls chunk by chunk."""
         if self.pipeline is not None:
             return self.pipeline.run(batches, forward_only)
         model = self.chunks[0]
-        ce_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
+        sums = zero_losses(self.device)
         for tokens in batches:
             with self.autocast:
-                logits, aux = model(tokens[:, :-1])
-                ce = self.loss_fn(logits, tokens[:, 1:])
+                h, aux, e = model.hidden(tokens[:, :-1])
+                losses = model.losses(h, aux, e, tokens, self.loss_fn, mtp=not forward_only)
             if not forward_only:
-                ((ce + aux) / len(batches)).backward()
-            ce_sum += ce.detach()
-            aux_sum += aux.detach()
-        return ce_sum, aux_sum
+                (losses.objective(self.mtp_weight) / len(batches)).backward()
+            sums = sums + losses.detach()
+        return sums
 
     def _compute(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The step's device work before its host read: forward and backward of every
-        micro-batch, gradients reduced, their global norm (``StepGraphs.compute`` captures it)."""
+        micro-batch, gradients reduced, their global norm (``StepGraphs.compute`` captures it):
+        summed cross-entropy, aux and MTP losses, and the norm."""
         self.buckets.start_step()
-        ce_sum, aux_sum = self._forward_backward(batches)
+        sums = self._forward_backward(batches)
         self.buckets.finish()
-        return ce_sum, aux_sum, self.optimizer.grad_norm()
+        return sums.ce, sums.aux, sums.mtp_D, self.optimizer.grad_norm()
 
     def train_step(self) -> StepMetrics:
         """One optimizer step: its device work queued, then its one host read made into the
@@ -269,19 +271,20 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = tc.lr * lr_multiplier(self.step, tc)
         self.optimizer.set_lr(lr)
+        self.mtp_weight.fill_(mtp_weight(self.step, self.cfg.model, tc))
         batches = self.micro_batches()
         if self.graphs is None:
-            ce_sum, aux_sum, grad_norm = self._compute(batches)
+            ce_sum, aux_sum, mtp_sum, grad_norm = self._compute(batches)
         else:
-            ce_sum, aux_sum, grad_norm = self.graphs.compute(self._compute, batches)
+            ce_sum, aux_sum, mtp_sum, grad_norm = self.graphs.compute(self._compute, batches)
         if self.step + 1 < tc.steps:
             self.batches.prepare(self.step + 1)
-        reduced, bias, read = self._queue_read(ce_sum, aux_sum, grad_norm)
+        reduced, bias, read = self._queue_read(Losses(ce_sum, aux_sum, mtp_sum), grad_norm)
         self._queue_update(reduced, grad_norm)
         return QueuedStep(lr, len(batches), bias, read)
 
     def _queue_read(
-        self, ce_sum: torch.Tensor, aux_sum: torch.Tensor, grad_norm: torch.Tensor
+        self, sums: Losses, grad_norm: torch.Tensor
     ) -> tuple[StepValues, torch.Tensor | None, Callable[[], StepValues]]:
         """The step's values reduced over all ranks in one collective, the expert-bias rows
         from them, and the step's one host read started."""
@@ -292,8 +295,9 @@ class Trainer:
         known = torch.tensor(values, dtype=torch.float64)  # exact integers past 2**24
         known = pinned(known, self.device).to(self.device, non_blocking=True)
         local = StepValues(
-            ce=ce_sum,
-            aux=aux_sum,
+            ce=sums.ce,
+            aux=sums.aux,
+            mtp=self._mtp_sums(sums.mtp_D),
             routers=known[0],
             dropped=routers.dropped(),
             stop=known[1],
@@ -349,9 +353,12 @@ class Trainer:
         self.step += 1
         per_router_call = max(host.routers.item(), 1) * q.n_batches
         ep_tokens = host.ep_tokens.item()
+        mtp_losses = [v / n_micro for v in host.mtp.tolist()]
         return StepMetrics(
             step=self.step - 1,
             loss=loss,
+            mtp_loss=sum(mtp_losses) / len(mtp_losses) if mtp_losses else None,
+            mtp_losses=mtp_losses or None,
             aux_loss=host.aux.item() / n_micro,
             lb_loss=host.lb.item() / per_router_call,
             z_loss=host.z.item() / per_router_call,
@@ -367,6 +374,12 @@ class Trainer:
             router=health,
             ep_rows_per_token=host.ep_rows.item() / ep_tokens if ep_tokens else None,
         )
+
+    def _mtp_sums(self, mtp_D: torch.Tensor) -> torch.Tensor:
+        """Each MTP depth's summed loss, zeros on stages without the MTP modules (so every
+        rank reduces the same fields)."""
+        depth = self.cfg.model.mtp_depth
+        return mtp_D if mtp_D.numel() == depth else torch.zeros(depth, device=self.device)
 
     def _peak_mem_gib(self) -> float:
         """This rank's peak device memory over the step (GiB; 0 off CUDA). Graph replays
