@@ -1053,7 +1053,7 @@ ARCHITECTURE_FIELDS = (
     "normalize_top_k", "n_expert_groups", "top_k_groups", "routed_scale", "expert_bias",
     "tie_embeddings", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
     "v_head_dim", "rope_scaling", "yarn_factor", "yarn_original_max_seq_len", "yarn_beta_fast",
-    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "mtp_depth",
 )  # fmt: skip
 
 

@@ -538,3 +538,52 @@ def test_a_bf16_glm_folder_keeps_its_router_fp32_both_ways(tmp_path):
     back = _tensors(save_hf(state, cfg, tmp_path / "back"))
     assert set(back) == set(theirs)
     assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in theirs.items())
+
+
+def test_deepseek_multi_token_prediction_layers_export_and_import_bit_exactly(tmp_path):
+    """An MTP depth goes out as the extra layer DeepSeek's checkpoints carry (its norms,
+    projection, block, output norm and copies of the embedding and LM head; transformers loads
+    the model without it and computes our logits) and comes back bit-exactly; a copy unequal to
+    the model's embedding is refused, since our MTP shares it."""
+    cfg = small_config(
+        n_layers=3, n_kv_heads=None, qk_norm="none", kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, router="sigmoid",
+        expert_bias=True, n_dense_layers=1, dense_hidden=80, n_shared_experts=1,
+        n_expert_groups=4, top_k_groups=2, normalize_top_k=True, routed_scale=2.5, mtp_depth=1,
+    )  # fmt: skip
+    model = _randomized_(build_model(cfg, seed=3))
+    state = model.state_dict()
+    out = save_hf(state, cfg, tmp_path / "hf")
+    written = _tensors(out)
+    mtp = {k for k in written if k.startswith("model.layers.3.")}
+    own = {"enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens"}
+    assert {f"model.layers.3.{n}.weight" for n in own} <= mtp
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in mtp
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in mtp
+    assert torch.equal(written["model.layers.3.embed_tokens.weight"], state["embed.weight"])
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        err = (model(tokens)[0] - hf(tokens).logits).abs().max().item()
+    assert err < 1e-5, f"max |logit difference| {err:.2e}"
+
+    back_cfg, back = load_hf(out)
+    assert back_cfg.mtp_depth == 1 and set(back) == set(state)
+    for name, t in state.items():
+        assert torch.equal(back[name], t), name
+    again = _tensors(save_hf(back, back_cfg, tmp_path / "again"))
+    assert set(again) == set(written)
+    assert all(torch.equal(again[k], t) for k, t in written.items())
+
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    if "model.layers.3.embed_tokens.weight" not in tensors:
+        shard = next(f for f in out.glob("*.safetensors") if f != shard)
+        tensors = load_file(str(shard))
+    tensors["model.layers.3.embed_tokens.weight"][0, 0] += 1.0
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (out / "moe_core_config.json").unlink()  # read as a folder DeepSeek wrote
+    with pytest.raises(CheckpointError, match=r"embed_tokens\.weight unequal to model\.embed"):
+        load_hf(out)

@@ -19,7 +19,7 @@ routing, and ``export_note`` names what does not carry over.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -199,6 +199,9 @@ class Family:
     defaults: dict[str, Any]
     fp32_keys: frozenset[str] = frozenset()  # kept in fp32 whatever the weights' dtype
     default_theta: float = 10000.0
+    # an MTP depth's own tensors (``mtp.{k}.`` left out) -> their names on disk ({i}: the layer
+    # it is there, n_layers + k); its block's are ``keys``' at that layer
+    mtp_keys: dict[str, str] = field(default_factory=dict)
     has_aux_loss: ClassVar[bool] = True  # a router_aux_loss_coef in its config
 
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
@@ -299,12 +302,15 @@ class Family:
 
     @staticmethod
     def _plain_attention(cfg: ModelConfig) -> list[Need]:
-        """What a family of q/k/v/o projections and unscaled RoPE cannot do."""
+        """What a family of q/k/v/o projections, unscaled RoPE and no multi-token prediction
+        cannot do."""
         needs: list[Need] = []
         if cfg.latent:
             needs.append(("kv_lora_rank", cfg.kv_lora_rank, "None (no latent attention)"))
         if cfg.rope_scaling != "none":
             needs.append(("rope_scaling", cfg.rope_scaling, "'none' (RoPE unscaled)"))
+        if cfg.mtp_depth:
+            needs.append(("mtp_depth", cfg.mtp_depth, "0 (no multi-token prediction)"))
         return needs
 
     def row_order(self, cfg: ModelConfig, name: str, interleaved: bool = True) -> list[int] | None:
@@ -525,7 +531,7 @@ def _bias_and_shared_zeros(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]
     bias (zeros: no bias) and a shared expert (of width 0: none)."""
     extra: list[tuple[str, tuple[int, ...]]] = []
     D, width = cfg.d_model, cfg.n_shared_experts * cfg.expert_hidden
-    for i in cfg.moe_layers:
+    for i in [*cfg.moe_layers, *range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)]:
         if not cfg.expert_bias:
             extra.append((f"model.layers.{i}.mlp.gate.e_score_correction_bias", (cfg.n_experts,)))
         if not width:
@@ -558,8 +564,8 @@ class DeepseekV3(Family):
     selection-only bias, group-limited top-k, routed scaling, shared experts, leading dense
     blocks; no router loss. Its rotary rows are interleaved on disk (``rope_interleave``, as
     DeepSeek's own checkpoints are): export and import permute them (``row_order``), which
-    changes no value. Multi-token prediction layers after the last block are skipped on
-    import, and said so."""
+    changes no value. Multi-token prediction layers after the last block are the model's MTP
+    depths (``mtp_keys``; ``transformers`` loads the model without them)."""
 
     has_aux_loss: ClassVar[bool] = False
 
@@ -613,7 +619,7 @@ class DeepseekV3(Family):
             v_head_dim=cfg.v_head_dim,
             rope_interleave=True,
             attention_bias=False,
-            num_nextn_predict_layers=0,  # no MTP layer is written: engines should not look
+            num_nextn_predict_layers=cfg.mtp_depth,
         )
 
     def model_fields(self, r: HFConfigReader) -> dict[str, Any]:
@@ -677,6 +683,7 @@ class DeepseekV3(Family):
                 qk_rope_head_dim=r.get("qk_rope_head_dim", int),
                 qk_nope_head_dim=r.get("qk_nope_head_dim", int),
                 v_head_dim=r.get("v_head_dim", int),
+                mtp_depth=self.mtp_layers(r),
             )
         )
 
@@ -821,6 +828,12 @@ DEEPSEEK_V3 = DeepseekV3(
     moe="mlp",
     experts=_EXPERT_PROJS,
     keys=_SHELL | _MLA | _DENSE | _SIGMOID_ROUTER | _swiglu("moe.shared", "mlp.shared_experts"),
+    mtp_keys={
+        "enorm.weight": "model.layers.{i}.enorm.weight",
+        "hnorm.weight": "model.layers.{i}.hnorm.weight",
+        "eh_proj.weight": "model.layers.{i}.eh_proj.weight",
+        "norm.weight": "model.layers.{i}.shared_head.norm.weight",
+    },
     defaults=_COMMON_DEFAULTS
     | dict(
         head_dim=64,  # the class sets it to qk_rope_head_dim (we derive ours: None)

@@ -199,9 +199,19 @@ class Item(NamedTuple):
     rows: slice | None
     fp32: bool
     order: torch.Tensor | None = None  # the class's row order (``Family.row_order``)
+    copy: bool = False  # a copy of ``ours`` the class keeps beside it (DeepSeek's MTP layers)
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+
+
+def _as_layer(cfg: ModelConfig, name: str) -> str:
+    """An MTP depth's block tensor named as the layer it is on disk (``n_layers + k``)."""
+    m = _MTP.fullmatch(name)
+    if m is None or not m[2].startswith("block."):
+        return name
+    return f"layers.{cfg.n_layers + int(m[1])}.{m[2].removeprefix('block.')}"
 
 
 def hf_items(family: Family, cfg: ModelConfig, interleaved: bool = True) -> list[Item]:
@@ -211,7 +221,12 @@ def hf_items(family: Family, cfg: ModelConfig, interleaved: bool = True) -> list
     F = cfg.expert_hidden
     items = []
     for name, shape in state_shapes(cfg).items():
-        m = _LAYER.fullmatch(name)
+        mtp = _MTP.fullmatch(name)
+        if mtp is not None and not mtp[2].startswith("block."):  # an MTP depth's own tensors
+            key = family.mtp_keys[mtp[2]].format(i=cfg.n_layers + int(mtp[1]))
+            items.append(Item(key, shape, name, None, None, False))
+            continue
+        m = _LAYER.fullmatch(_as_layer(cfg, name))
         if m is not None and m[2] in ("moe.experts.w_gate_up", "moe.experts.w_down"):
             i = int(m[1])
             for e in range(cfg.n_experts):
@@ -231,6 +246,12 @@ def hf_items(family: Family, cfg: ModelConfig, interleaved: bool = True) -> list
     for key, shape in family.hf_only(cfg):
         template = re.sub(r"layers\.\d+\.", "layers.{i}.", key)
         items.append(Item(key, shape, None, None, None, template in family.fp32_keys))
+    head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+    for k in range(cfg.mtp_depth):  # the embedding and head each MTP layer keeps a copy of
+        for theirs, ours in (("embed_tokens", "embed.weight"), ("shared_head.head", head)):
+            key = f"model.layers.{cfg.n_layers + k}.{theirs}.weight"
+            shape = (cfg.vocab_size, cfg.d_model)
+            items.append(Item(key, shape, ours, None, None, False, copy=True))
     return items
 
 
@@ -310,7 +331,7 @@ def save_hf(
         for s, items in enumerate(shards, start=1):
             fname = f"model-{s:05d}-of-{n:05d}.safetensors"
             tensors = {}
-            for key, shape, ours, expert, rows, fp32, order in items:
+            for key, shape, ours, expert, rows, fp32, order, _ in items:
                 dtype = torch.float32 if fp32 else source.dtype
                 if ours is None:
                     tensors[key] = torch.zeros(shape, dtype=dtype)
@@ -404,10 +425,29 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
     family = family_for(raw.get("model_type"), path)
     reader = HFConfigReader(path, raw, family)
     fields = family.model_fields(reader)
+    if fields.get("mtp_depth") and not _holds_layer(d, fields["n_layers"]):
+        # transformers builds no MTP layer, so a folder it saved names them without holding any
+        reader.notes.append(
+            f"the {fields['mtp_depth']} multi-token prediction layer(s) config.json names "
+            "(the folder holds none of their tensors)"
+        )
+        fields["mtp_depth"] = 0
     try:
         return ModelConfig(name=safe_name(d.name), **fields), family, reader
     except ConfigError as err:
         raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
+
+
+def _holds_layer(d: Path, layer: int) -> bool:
+    """Whether HF folder ``d``'s weights hold any tensor of ``model.layers.{layer}`` (read from
+    its index, or from the safetensors header)."""
+    prefix = f"model.layers.{layer}."
+    if (d / INDEX).is_file():
+        weight_map = _read_json(d, INDEX).get("weight_map")
+        names = weight_map if isinstance(weight_map, dict) else {}
+    else:
+        names = _scan(d / _weight_files(d)[0])
+    return any(k.startswith(prefix) for k in names)
 
 
 def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
@@ -459,14 +499,15 @@ class HFSource:
     tensor at a time. Made only once the folder checks out, before any tensor is read: its
     files inside it (or its hub snapshot's blobs), each readable, weights in one float dtype
     (the family's fp32 router tensors aside), every tensor's shape as config.json says. A
-    GLM or DeepSeek folder's multi-token prediction layers are skipped, and said so."""
+    DeepSeek folder's multi-token prediction layers are the model's MTP depths (their copies of
+    the embedding and LM head checked equal); a GLM folder's are skipped, and said so."""
 
     def __init__(self, hf_dir: str | os.PathLike) -> None:
         d = self.dir = Path(hf_dir)
         self.cfg, self.family, reader = _folder_config(d)
         notes = [] if reader is None else reader.notes
         mtp = range(0)
-        if reader is not None and isinstance(self.family, (Glm4Moe, DeepseekV3)):
+        if reader is not None and isinstance(self.family, Glm4Moe):
             n_layers = self.cfg.n_layers
             mtp = range(n_layers, n_layers + self.family.mtp_layers(reader))
         interleaved = not isinstance(self.family, DeepseekV3) or self.family.interleaved(reader)
@@ -509,6 +550,7 @@ class HFSource:
             if item.ours is not None:
                 self._parts.setdefault(item.ours, []).append(item)
         self._handles: dict[str, Any] = {}
+        self._check_copies(items)
         if skipped:
             notes.append(
                 f"{skipped} tensors of the multi-token prediction layer(s) model.layers."
@@ -519,6 +561,18 @@ class HFSource:
 
     def names(self) -> set[str]:
         return set(self._parts)
+
+    def _check_copies(self, items: list[Item]) -> None:
+        """The copies a DeepSeek folder's MTP layers keep of the embedding and the LM head must
+        equal them: moe_core's MTP shares the model's, so a differing copy cannot be held."""
+        for item in items:
+            if item.copy and not torch.equal(self._read(item.key), self.get(item.ours)):
+                main = self._parts[item.ours][0].key
+                raise CheckpointError(
+                    f"{self.dir} holds {item.key} unequal to {main}: moe_core's multi-token "
+                    "prediction shares the model's embedding and LM head, so it cannot import "
+                    "a copy of its own."
+                )
 
     def _read(self, key: str) -> torch.Tensor:
         f = self._file[key]
