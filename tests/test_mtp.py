@@ -223,7 +223,10 @@ def test_training_logs_the_mtp_loss_apart_and_resumes_it_exactly(tmp_path):
 # Layouts as tests/test_parallel.py runs them, MTP on: the expert-parallel dispatcher takes the
 # MTP blocks' experts, and pipeline stages carry the embeddings to the MTP modules on the last
 # stage (through two middle chunks when interleaved) and their gradient back.
-MTP = [*BASE, "model.mtp_depth=2"]
+# DeepSeek-V3's block at a small size (latent attention, a dense first block, sigmoid routing
+# in groups with the expert bias, a shared expert) with two MTP depths
+MTP = [*(o for o in BASE if o != "model=tiny"), "model=small-mla", "model.n_layers=4"]
+MTP += ["model.mtp_depth=2"]
 MTP_LAYOUTS = {
     "ep2": (2, ["parallel.ep=2"]),
     "pp2-1f1b": (2, ["parallel.pp=2"]),

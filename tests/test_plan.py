@@ -654,3 +654,31 @@ def test_named_families_plan_on_h200_nodes_and_are_refused_where_they_do_not_fit
     message = str(err.value)
     assert message.startswith(f"model {name} with layout") and one_sentence(message)
     assert not plan(too_big).fits()
+
+
+def test_deepseek_v3_with_mtp_plans_on_32_h200_nodes():
+    """The whole DeepSeek-V3 with its MTP depth on the meta device: 256 GPUs of 32 H200 nodes
+    (EP 64 over 8 nodes, 4 data-parallel replicas, pure-bf16, block recompute) fit, a token's
+    rows reach at most 4 nodes (its 4 groups' nodes, one group a node), and fp32 masters and
+    gradient buffers (precision=bf16) do not fit; its 61 layers, a prime, take no pipeline
+    split (stages of whole blocks), so the one stage holds every block and the MTP depth."""
+    layout = ["model=deepseek-v3", "model.mtp_depth=1", "train=default", "train.seq_len=4096"]
+    layout += ["train.micro_batch_size=1", "train.global_batch_size=1024"]
+    layout += ["train.eval_batches=256", "cluster=slurm", "cluster.nodes=32", "parallel.ep=64"]
+    layout += ["parallel.dp=4", "parallel.recompute=block"]
+    run = compose_run([*layout, "precision=pure-bf16"])
+    check_cluster(run)
+    p = plan(run)
+    assert p.fits() and p.gpus == 256 and len(p.stages) == 1
+    assert p.total_params == count_params(run.model)
+    assert (p.comm.reach.max_nodes, p.comm.plain.max_nodes) == (4, 8)
+    assert p.comm.reach.rows_per_token < p.comm.plain.rows_per_token
+    assert not plan(compose_run([*layout, "precision=bf16"])).fits()
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 is not allowed: .* \(61\)"):
+        compose_run([*layout, "precision=pure-bf16", "parallel.pp=2"])
+
+
+def count_params(m: ModelConfig) -> int:
+    from moe_core.model.flops import count
+
+    return count(m).total_params

@@ -227,6 +227,9 @@ class PipelineRunner:
                 grads = None
                 if sent_on:  # the next chunk's gradients of what this one sent it
                     grads = self._recv(("grad", a.mb, a.chunk), self._owner(a.chunk + 1))
+                    # a chunk of dense blocks alone adds no router loss: its aux needs none
+                    kept = [i for i, t in enumerate(outs) if t.requires_grad]
+                    outs, grads = [outs[i] for i in kept], [grads[i] for i in kept]
                 torch.autograd.backward(outs, grads)
                 if a.chunk > 0:
                     x_in, e_in, aux_in = inputs
