@@ -89,6 +89,12 @@ def block_options(m: ModelConfig) -> list[str]:
         out.append(f"router losses: {m.aux_loss_reduction} over MoE layers")
     if m.tie_embeddings:
         out.append("tied embeddings")
+    if m.mtp_depth:
+        out.append(
+            f"{m.mtp_depth} MTP depth{'s' if m.mtp_depth > 1 else ''} (loss weight "
+            f"{m.mtp_loss_weight:g}, {m.mtp_loss_weight_late:g} from {m.mtp_late_start:.0%} of "
+            "the steps)"
+        )
     return out
 
 

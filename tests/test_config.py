@@ -101,6 +101,10 @@ def test_info_shows_the_block_options_a_model_sets(capsys, monkeypatch):
     assert main(["info", *tied, "model.top_k_groups=2", "model.routed_scale=2.5"]) == 0
     out = capsys.readouterr().out
     assert "experts from the best 2 of 2 groups, routed output x 2.5, tied embeddings" in out
+    assert main(["info", "model=deepseek-v3", "model.mtp_depth=1"]) == 0
+    out = capsys.readouterr().out
+    assert "latent attention (q rank 1536, kv rank 512, heads 128 + 64 rotary, v 128)" in out
+    assert "YaRN x 40 from 4096" in out and "1 MTP depth (loss weight 0.3, 0.1 from 68% of" in out
     assert main(["info", "model=olmoe-1b-7b"]) == 0
     assert "block" not in capsys.readouterr().out
 
