@@ -388,3 +388,22 @@ def test_data_dir_defaults_to_out_dir_data_in_one_place():
     for data in (["data=kjv"], ["data=kjv-gpt2"], ["data=files", "data.path=x"], []):
         assert "dir" not in (compose_dict(data).get("data") or {})
     assert compose_run(["data=kjv", "out_dir=elsewhere"]).data.dir == "elsewhere/data"
+
+
+def test_deepseek_v3_with_its_mtp_depth_counts_what_its_checkpoint_holds():
+    """DeepSeek-V3's checkpoint holds 685B parameters: the 671B model and its 14B MTP layer,
+    which keeps copies of the embedding and LM head. Ours shares those (one MTP depth adds
+    11.6B), and its export writes the copies: 684.5B on disk, within 0.5 %."""
+    import math
+
+    from moe_core.convert.families import DEEPSEEK_V3
+    from moe_core.convert.hf import hf_items
+
+    m = compose_run(["model=deepseek-v3", "model.mtp_depth=1"]).model
+    with_mtp, without = count(m).total_params, count(compose_run(["model=deepseek-v3"]).model)
+    on_disk = sum(math.prod(item.shape) for item in hf_items(DEEPSEEK_V3, m))
+    copies = 2 * without.embedding_params
+    bias = (58 + 1) * 256  # each MoE block's expert bias: a buffer here, a tensor on disk
+    assert on_disk == with_mtp + copies + bias
+    assert abs(on_disk / 685e9 - 1) < 0.005, on_disk
+    assert abs((with_mtp - without.total_params + copies) / 14e9 - 1) < 0.05
