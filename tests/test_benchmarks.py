@@ -90,7 +90,7 @@ def test_multi_gpu_runbook_covers_issue_21_in_calls_that_check_clean(scripts):
     issue_21 = [c for c in calls if not c.what.startswith("issue ")]  # others name theirs
     covered = {int(n) for c in issue_21 for n in c.what.split(".")[0].split("-")}
     assert covered == set(range(1, 9)), covered
-    assert {c.name for c in calls if c.what.startswith("issue 38.")} == {"x8-route"}
+    assert {c.name for c in calls if c.what.startswith("issue 38.")} == {"x8-route", "x8-deepseek"}
     assert runbook.check() == []
 
 
