@@ -770,6 +770,11 @@ MIXTRAL = Mixtral(
     ),
     default_theta=1e6,
 )
+# GLM's and DeepSeek's MoE block: a sigmoid router with its correction bias, a shared expert
+_SIGMOID_MOE = {
+    "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.moe.router.expert_bias": "model.layers.{i}.mlp.gate.e_score_correction_bias",
+} | _swiglu("moe.shared", "mlp.shared_experts")
 GLM4_MOE = Glm4Moe(
     title="GLM-4.5",
     model_type="glm4_moe",
@@ -777,14 +782,7 @@ GLM4_MOE = Glm4Moe(
     config_class="Glm4MoeConfig",
     moe="mlp",
     experts=_EXPERT_PROJS,
-    keys=_SHELL
-    | _attention(("q_proj", "k_proj", "v_proj"), qk_norm=True)
-    | _DENSE
-    | {
-        "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
-        "layers.{i}.moe.router.expert_bias": "model.layers.{i}.mlp.gate.e_score_correction_bias",
-    }
-    | _swiglu("moe.shared", "mlp.shared_experts"),
+    keys=_SHELL | _attention(("q_proj", "k_proj", "v_proj"), qk_norm=True) | _DENSE | _SIGMOID_MOE,
     defaults=_COMMON_DEFAULTS
     | dict(
         num_key_value_heads=8,
@@ -816,10 +814,6 @@ _MLA = {
     "layers.{i}.attn.kv_b_proj.weight": "model.layers.{i}.self_attn.kv_b_proj.weight",
     "layers.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
 }
-_SIGMOID_ROUTER = {
-    "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
-    "layers.{i}.moe.router.expert_bias": "model.layers.{i}.mlp.gate.e_score_correction_bias",
-}
 DEEPSEEK_V3 = DeepseekV3(
     title="DeepSeek-V3",
     model_type="deepseek_v3",
@@ -827,7 +821,7 @@ DEEPSEEK_V3 = DeepseekV3(
     config_class="DeepseekV3Config",
     moe="mlp",
     experts=_EXPERT_PROJS,
-    keys=_SHELL | _MLA | _DENSE | _SIGMOID_ROUTER | _swiglu("moe.shared", "mlp.shared_experts"),
+    keys=_SHELL | _MLA | _DENSE | _SIGMOID_MOE,
     mtp_keys={
         "enorm.weight": "model.layers.{i}.enorm.weight",
         "hnorm.weight": "model.layers.{i}.hnorm.weight",
