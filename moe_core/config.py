@@ -736,6 +736,8 @@ class ParallelConfig:
     ep_capacity_factor: float | None = None
     pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank; interleaved_1f1b needs >= 2
+    # "block": every block keeps its input alone; "selective": the experts' SwiGLU and latent
+    # attention's key-value expansion and core run again in backward (parallel.recompute)
     recompute: Literal["none", "block", "selective"] = "none"
     bucket_mb: float = 64.0  # gradient-reduction bucket size (MiB of fp32 gradients)
     compile: bool | None = None  # torch.compile each block (dispatch stays eager); None: on CUDA

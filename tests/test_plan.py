@@ -682,3 +682,22 @@ def count_params(m: ModelConfig) -> int:
     from moe_core.model.flops import count
 
     return count(m).total_params
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_selective_recompute_keeps_the_compressed_kv_of_latent_attention(dtype):
+    """Under selective recompute latent attention's key-value expansion and core run again in
+    backward: a block keeps q and the compressed key-value, not the expanded keys and values
+    (the formula, the MoE block's and the dense block's, against what autograd keeps)."""
+    from moe_core.plan import dense_layer_activation_bytes
+
+    base = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_experts=8, top_k=2)
+    m = ModelConfig(**{**base, "expert_hidden": 96, "max_seq_len": 64, **FAMILY_SHAPES["mla"]})
+    kept = {r: _saved_bytes_per_token(m, dtype, r, tokens=128) for r in ("none", "selective")}
+    estimate = layer_activation_bytes(m, dtype, dtype, "selective")
+    assert 0.97 * kept["selective"] <= estimate <= 1.05 * kept["selective"], (kept, estimate)
+    dense = _saved_bytes_per_token(m, dtype, "selective", 128, dense=True)
+    estimate = dense_layer_activation_bytes(m, dtype, dtype, "selective")
+    assert 0.97 * dense <= estimate <= 1.05 * dense, (dense, estimate)
+    # the expanded keys and values of 4 heads (48 + 80 wide a head) are no longer kept
+    assert kept["none"] - kept["selective"] > 4 * (48 + 80) * (4 if dtype == "fp32" else 2)

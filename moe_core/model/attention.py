@@ -272,12 +272,23 @@ class LatentAttention(nn.Module):
         # the o-projection reads it without a copy
         q_BSHd = q.view(B, S, H, nope + r)
         c_kv, k_rope = self.kv_a_proj(x_BSD).split([self.kv_rank, r], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, S, H, nope + self.v_dim)
-        k_nope_BSHn, v_BSHv = kv.split([nope, self.v_dim], dim=-1)
         cos_S1r, sin_S1r = (t.to(q.dtype).unsqueeze(1) for t in rope)
         q_rope_BSHr = apply_rotary(q_BSHd[..., nope:], cos_S1r, sin_S1r)
         k_rope_BS1r = apply_rotary(k_rope.view(B, S, 1, r), cos_S1r, sin_S1r)
         q_BSHd = torch.cat([q_BSHd[..., :nope], q_rope_BSHr], dim=-1)
+        return self.o_proj(self.attend(q_BSHd, self.kv_a_norm(c_kv), k_rope_BS1r))
+
+    def attend(
+        self, q_BSHd: torch.Tensor, c_kv_BSc: torch.Tensor, k_rope_BS1r: torch.Tensor
+    ) -> torch.Tensor:
+        """Keys and values expanded from the (normed) compressed key-value, then the core:
+        [B, S, H * v_head_dim]. Selective recompute (``parallel.recompute``) runs this again in
+        backward, so a block keeps q and the compressed key-value, not the expanded keys and
+        values nor the core's own saved tensors."""
+        B, S, H, _ = q_BSHd.shape
+        nope, r = self.nope, self.rope
+        kv = self.kv_b_proj(c_kv_BSc).view(B, S, H, nope + self.v_dim)
+        k_nope_BSHn, v_BSHv = kv.split([nope, self.v_dim], dim=-1)
         k_BSHd = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(B, S, H, r)], dim=-1)
         q_BHSd, k_BHSd, v_BHSv = (t.transpose(1, 2) for t in (q_BSHd, k_BSHd, v_BSHv))
-        return self.o_proj(causal_attention(q_BHSd, k_BHSd, v_BHSv, self.kernels, self.scale))
+        return causal_attention(q_BHSd, k_BHSd, v_BHSv, self.kernels, self.scale)

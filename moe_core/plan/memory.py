@@ -244,11 +244,13 @@ def optimizer_bytes(run: RunConfig, p: StageParameters) -> float:
 # activations
 
 
-def attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool) -> int:
+def attention_activation_bytes(
+    m: ModelConfig, bp: int, bc: int, compiled: bool, selective: bool = False
+) -> int:
     """What every block keeps per token for its norms, attention and RoPE tables (the part
     dense and MoE blocks share; ``layer_activation_bytes`` gives the terms)."""
     if m.latent:
-        return latent_attention_activation_bytes(m, bp, bc, compiled)
+        return latent_attention_activation_bytes(m, bp, bc, compiled, selective)
     assert m.head_dim is not None
     d, q, kv = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
     qk = q + kv if m.qk_norm != "none" else 0  # what QK-norm normalizes
@@ -265,7 +267,9 @@ def attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool)
     return norms + attention + rope
 
 
-def latent_attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled: bool) -> int:
+def latent_attention_activation_bytes(
+    m: ModelConfig, bp: int, bc: int, compiled: bool, selective: bool = False
+) -> int:
     """``attention_activation_bytes`` for multi-head latent attention, per token, with ``r_q``
     (``q_lora_rank``; 0 for a full-rank query), ``r_kv`` (``kv_lora_rank``), ``r`` (the rotary
     dims), ``q = n_heads (nope + r)``, ``v = n_heads v_head_dim``: the block norms as there;
@@ -275,9 +279,12 @@ def latent_attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled
     input, the full q and k (k's rotary part broadcast into every head), the expanded key-value
     projection whose slice v is (``n_heads (nope + v_head_dim)``), the output (token-major: the
     o-projection's input too) and the log-sum-exp: ``b_c (d + 2 q + n_heads (nope + v_head_dim)
-    + v) + 4 n_heads``; bf16 RoPE tables as there. Autograd keeps exactly this on the CPU where
-    query and value heads are equally wide (tests/test_plan.py; unequal ones take the CPU's
-    math SDPA, the GPU's FlashAttention 4 or cuDNN keep the same as equal ones)."""
+    + v) + 4 n_heads``; bf16 RoPE tables as there. Under selective recompute
+    (``LatentAttention.attend`` runs again in backward) the core keeps the projections' input, q,
+    the rotated rotary key and the output, ``b_c (d + q + rope + v)``: not the expanded keys and
+    values. Autograd keeps exactly this on the CPU where query and value heads are equally wide
+    (tests/test_plan.py; unequal ones take the CPU's math SDPA, the GPU's FlashAttention 4 or
+    cuDNN keep the same as equal ones)."""
     assert m.qk_rope_head_dim is not None and m.v_head_dim is not None and m.head_dim
     assert m.qk_nope_head_dim is not None and m.kv_lora_rank is not None
     d, r, H = m.d_model, m.qk_rope_head_dim, m.n_heads
@@ -289,6 +296,8 @@ def latent_attention_activation_bytes(m: ModelConfig, bp: int, bc: int, compiled
     else:
         norms = 2 * d * (4 + bp) + latent * (4 + 2 * bc) + r * bc + scalars
     attention = bc * (d + 2 * q + H * (m.qk_nope_head_dim + m.v_head_dim) + v) + 4 * H
+    if selective:
+        attention = bc * (d + q + r + v)
     tables = 4 * r * bc if bc < 4 and not compiled else 0
     return norms + attention + tables
 
@@ -363,14 +372,20 @@ def layer_activation_bytes(
         experts -= bp * (k - 1) * d
     shared_input = 0 if bp == bc == 4 else bc * d
     shared = bc * 4 * h_shared + shared_input if h_shared else 0
-    return attention_activation_bytes(m, bp, bc, compiled) + router + experts + shared
+    selective = recompute == "selective"
+    return attention_activation_bytes(m, bp, bc, compiled, selective) + router + experts + shared
 
 
 def dense_layer_activation_bytes(
-    m: ModelConfig, param_dtype: str, compute_dtype: str, *, compiled: bool = False
+    m: ModelConfig,
+    param_dtype: str,
+    compute_dtype: str,
+    recompute: str = "none",
+    *,
+    compiled: bool = False,
 ) -> int:
-    """Bytes one leading dense block keeps for backward per token (any recompute but
-    ``block``: selective recompute only touches routed experts): the norms, attention and RoPE
+    """Bytes one leading dense block keeps for backward per token (no recompute, or selective,
+    which touches only its latent attention's core): the norms, attention and RoPE
     tables of an MoE block (``layer_activation_bytes``), and its SwiGLU of ``dense_hidden =
     h_d`` keeps gate, up, SwiGLU and product, ``4 b_c h_d``, and its input, ``b_c d`` (no
     router shares it). Compiled, the block recomputes its MLP norm from the residual input it
@@ -382,7 +397,8 @@ def dense_layer_activation_bytes(
     bp, bc = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
     mlp_input = -bp * m.d_model if compiled else bc * m.d_model
     mlp = 4 * bc * m.dense_hidden + mlp_input
-    return attention_activation_bytes(m, bp, bc, compiled) + mlp
+    selective = recompute == "selective"
+    return attention_activation_bytes(m, bp, bc, compiled, selective) + mlp
 
 
 def max_in_flight(par: ParallelConfig, pp_rank: int, micro_batches: int) -> int:
@@ -503,8 +519,11 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
         mtp = mtp_activation_bytes(run, m.d_model * bp, 0)
     else:
         a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
+        dense_layer = tokens * dense_layer_activation_bytes(
+            m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
+        )
         chunk = max(
-            n_moe * (tokens * a_layer + rowwise.extra_layer) + n_dense * dense_full
+            n_moe * (tokens * a_layer + rowwise.extra_layer) + n_dense * dense_layer
             for n_dense, n_moe in p.blocks
         )
         acts = in_flight * chunk

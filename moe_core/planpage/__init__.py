@@ -192,9 +192,13 @@ def model_data(
             }
             for name, p in precisions.items()
         },
-        # a leading dense block's (selective recompute leaves it as it is); none without one
+        # a leading dense block's (selective recompute touches only latent attention's core);
+        # none without one
         "dense_activation": {
-            name: dense_layer_activation_bytes(m, p["params"], p["compute"], compiled=True)
+            name: {
+                r: dense_layer_activation_bytes(m, p["params"], p["compute"], r, compiled=True)
+                for r in ("none", "selective")
+            }
             for name, p in precisions.items()
             if m.n_dense_layers
         },

@@ -193,7 +193,9 @@ function planLayout(data, L) {
   const aLayer = acts[block ? "none" : L.recompute];
   const aFull = acts.none;
   // a leading dense block's, per token and micro-batch (plan.memory.activation_bytes)
-  const denseFull = m.n_dense_layers ? T * model.dense_activation[L.precision] : 0;
+  const denseActs = model.dense_activation[L.precision];
+  const denseFull = m.n_dense_layers ? T * denseActs.none : 0;
+  const denseLayer = m.n_dense_layers ? T * denseActs[block ? "none" : L.recompute] : 0;
   // plan.memory.chunk_blocks: [dense, MoE] blocks of a chunk (the leading layers are dense)
   const chunkBlocks = (c) => {
     const dense = Math.max(0, Math.min((c + 1) * perChunk, m.n_dense_layers) - c * perChunk);
@@ -258,7 +260,7 @@ function planLayout(data, L) {
       ? flight * perChunk * T * d * bp + Math.max(moeLayers ? T * aFull + extraFull : 0,
         denseBlocks ? denseFull : 0)
       : flight * Math.max(...blocks.map(([nDense, nMoe]) =>
-        nMoe * (T * aLayer + extraLayer) + nDense * denseFull));
+        nMoe * (T * aLayer + extraLayer) + nDense * denseLayer));
     if (last) activations += headAct + mtpActs;
     if (autogradGrads) {
       grads = bp * (dense + experts);
@@ -543,8 +545,8 @@ function modelCounts(c, seqLen) {
 
 // plan.memory.attention_activation_bytes, compiled (the page's runs are on GPUs): norms,
 // attention (a copy of its output where RoPE rotates part of each head).
-function attentionActivationBytes(c, bp, bc) {
-  if (c.kv_lora_rank !== null) return latentAttentionActivationBytes(c, bp, bc);
+function attentionActivationBytes(c, bp, bc, selective) {
+  if (c.kv_lora_rank !== null) return latentAttentionActivationBytes(c, bp, bc, selective);
   const d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim;
   const qk = c.qk_norm !== "none" ? q + kv : 0;
   const stats = { none: 0, projection: 2, head: c.n_heads + c.n_kv_heads }[c.qk_norm];
@@ -555,12 +557,14 @@ function attentionActivationBytes(c, bp, bc) {
 }
 
 // plan.memory.latent_attention_activation_bytes, compiled: the block norms, the latent norms'
-// inputs, the full q and k, the expanded key-value projection, the output, the log-sum-exp.
-function latentAttentionActivationBytes(c, bp, bc) {
+// inputs, the full q and k, the expanded key-value projection, the output, the log-sum-exp;
+// under selective recompute q, the rotated rotary key and the output.
+function latentAttentionActivationBytes(c, bp, bc, selective) {
   const d = c.d_model, r = c.qk_rope_head_dim, H = c.n_heads;
   const q = H * c.head_dim, v = H * c.v_head_dim;
   const latent = (c.q_lora_rank || 0) + c.kv_lora_rank;
   const norms = 3 * d * bp + (latent + r) * bc + 4 * (3 + (c.q_lora_rank !== null ? 1 : 0));
+  if (selective) return norms + bc * (d + q + r + v);
   return norms + bc * (d + 2 * q + H * (c.qk_nope_head_dim + c.v_head_dim) + v) + 4 * H;
 }
 
@@ -577,13 +581,17 @@ function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8E
   if (recompute === "selective" || fp8Experts) experts -= bp * k * h;
   const sharedInput = bp === 4 && bc === 4 ? 0 : bc * d;
   const shared = hShared ? bc * 4 * hShared + sharedInput : 0;
-  return attentionActivationBytes(c, bp, bc) + router + experts + shared;
+  const selective = recompute === "selective";
+  return attentionActivationBytes(c, bp, bc, selective) + router + experts + shared;
 }
 
-// plan.memory.dense_layer_activation_bytes, compiled: a leading dense block's.
-function denseLayerActivationBytes(data, c, paramDtype, computeDtype) {
+// plan.memory.dense_layer_activation_bytes, compiled: a leading dense block's (recompute
+// "none" or "selective").
+function denseLayerActivationBytes(data, c, paramDtype, computeDtype, recompute) {
   const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
-  return attentionActivationBytes(c, bp, bc) + 4 * bc * c.dense_hidden - bp * c.d_model;
+  const selective = recompute === "selective";
+  return attentionActivationBytes(c, bp, bc, selective) + 4 * bc * c.dense_hidden -
+    bp * c.d_model;
 }
 
 // C(N - a, b) / C(N, b), which equals C(N - b, a) / C(N, a), multiplied out over the fewer
@@ -729,8 +737,11 @@ function modelData(data, c) {
     for (const r of ["none", "selective"])
       activation[name][r] = layerActivationBytes(
         data, config, p.params, p.compute, r, p.fp8_parts.includes("experts"));
-    if (config.n_dense_layers)
-      denseActivation[name] = denseLayerActivationBytes(data, config, p.params, p.compute);
+    if (config.n_dense_layers) {
+      denseActivation[name] = {};
+      for (const r of ["none", "selective"])
+        denseActivation[name][r] = denseLayerActivationBytes(data, config, p.params, p.compute, r);
+    }
   }
   const divisors = [];
   for (let i = 1; i * i <= config.n_experts; i++)
@@ -757,7 +768,8 @@ function countRefusal(md) {
     ...Object.entries(md.flops_per_token).map(([s, f]) => [`FLOPs per token at ${s}`, f]),
     ...Object.values(md.activation).flatMap((a) =>
       Object.values(a).map((b) => ["activation bytes per token", b])),
-    ...Object.values(md.dense_activation).map((b) => ["activation bytes per token", b])];
+    ...Object.values(md.dense_activation).flatMap((a) =>
+      Object.values(a).map((b) => ["activation bytes per token", b]))];
   for (const [what, n] of counts)
     if (!Number.isSafeInteger(n))
       return `the custom model's ${what}, ${n.toExponential(3)}, are not allowed: this page ` +
