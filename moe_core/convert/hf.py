@@ -554,7 +554,8 @@ class HFSource:
         if skipped:
             notes.append(
                 f"{skipped} tensors of the multi-token prediction layer(s) model.layers."
-                f"{mtp.start}-{mtp.stop - 1} (moe_core has no MTP head yet)"
+                f"{mtp.start}-{mtp.stop - 1} (moe_core reads GLM's MTP layers as none; "
+                "DeepSeek-V3's are imported as MTP depths)"
             )
         if notes:
             log.warning(f"not imported from {d}: {'; '.join(notes)}.")
