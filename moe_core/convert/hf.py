@@ -554,8 +554,8 @@ class HFSource:
         if skipped:
             notes.append(
                 f"{skipped} tensors of the multi-token prediction layer(s) model.layers."
-                f"{mtp.start}-{mtp.stop - 1} (moe_core reads GLM's MTP layers as none; "
-                "DeepSeek-V3's are imported as MTP depths)"
+                f"{mtp.start}-{mtp.stop - 1} (GLM's MTP layers are not imported; "
+                "DeepSeek-V3's are, as MTP depths)"
             )
         if notes:
             log.warning(f"not imported from {d}: {'; '.join(notes)}.")
