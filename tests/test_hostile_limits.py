@@ -45,7 +45,11 @@ def meta_count(cfg: ModelConfig, seq_len: int) -> ModelCounts:
     matmul = active - not_matmul + (embedding if cfg.tie_embeddings else 0)  # a tied head
     matmul += cfg.mtp_depth * cfg.vocab_size * cfg.d_model  # each MTP depth's pass through it
     blocks = cfg.n_layers + cfg.mtp_depth
-    flops = 6 * matmul + 6 * blocks * seq_len * cfg.n_heads * cfg.head_dim
+    # causal attention over the query/key heads and the value heads (latent attention's are
+    # narrower: its module's v_dim)
+    attn = model.layers["0"].attn
+    v_width = getattr(attn, "v_dim", cfg.head_dim)
+    flops = 6 * matmul + 3 * blocks * seq_len * cfg.n_heads * (cfg.head_dim + v_width)
     return ModelCounts(total, active, matmul, experts, embedding, flops)
 
 
