@@ -71,6 +71,10 @@ def test_closed_form_counts_equal_the_meta_model_of_each_named_model(name):
         {"n_expert_groups": 4, "top_k_groups": 2, "router": "sigmoid", "expert_bias": True},
         {"mtp_depth": 2, "n_shared_experts": 1},
         {"mtp_depth": 1, "n_dense_layers": 1, "dense_hidden": 48, "tie_embeddings": True},
+        {"qk_norm": "none", "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
+        | {"v_head_dim": 16},
+        {"qk_norm": "none", "kv_lora_rank": 8, "q_lora_rank": 12, "qk_rope_head_dim": 4}
+        | {"qk_nope_head_dim": 12, "v_head_dim": 20, "mtp_depth": 1},
     ],
 )
 def test_closed_form_counts_equal_the_meta_model_of_odd_shapes(changes):
