@@ -1,5 +1,5 @@
 """Weighted mixtures (``data.sources``): config refusals, the deterministic dp-independent draw,
-realized shares, exact resume under another data-parallel size, repetition, metrics."""
+realized shares, exact resume under another data-parallel size, repetition, metrics, the plan."""
 
 from __future__ import annotations
 
@@ -345,6 +345,48 @@ def test_mlflow_rows_carry_each_sources_tokens_and_epochs():
     assert rows["data_epochs.b"] == 1.5
 
 
+def three_sources(dirs) -> RunConfig:
+    """a and b at 0.35 and 0.15 of the run, c (a folder that is not there) at 0.5."""
+    spec = f"{{name:a,dir:'{dirs[0]}',weight:0.7}},{{name:b,dir:'{dirs[1]}',weight:0.3}}"
+    sources = f"data.sources=[{spec},{{name:c,dir:/no,weight:1}}]"
+    return run(["train.seq_len=7", "train.steps=100", sources])
+
+
+def test_plan_shows_each_sources_share_and_the_epochs_the_steps_imply(dirs):
+    from rich.console import Console
+
+    from moe_core.cli import source_tokens
+    from moe_core.plan.mixture import mixture_plan, mixture_table
+
+    cfg = three_sources(dirs)
+    rows = mixture_plan(cfg, source_tokens(cfg))
+    # 800 slots: a 0.35 of them over 300 instances, b 0.15 over 100, c unreadable
+    assert [(r.name, r.drawn, r.instances) for r in rows] == [
+        ("a", 280, 300),
+        ("b", 120, 100),
+        ("c", 400, None),
+    ]
+    assert rows[1].epochs == pytest.approx(1.2) and rows[0].epochs == pytest.approx(280 / 300)
+    console = Console(record=True, width=100)
+    console.print(mixture_table(rows))
+    text = console.export_text()
+    assert "35.0%" in text and "1.20 (repeats)" in text and "unknown (not readable)" in text
+
+
+def test_moe_plan_prints_the_mixture_after_the_plan(dirs, monkeypatch, capsys):
+    from rich.console import Console
+
+    import moe_core.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=200))
+    spec = f"[{{name:a,dir:'{dirs[0]}',weight:0.7}},{{name:b,dir:'{dirs[1]}',weight:0.3}}]"
+    overrides = [*BASE, "data.kind=tokens", "train.seq_len=7", "train.steps=100"]
+    assert cli.main(["plan", *overrides, f"data.sources={spec}"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("plan: model tiny") < out.index("data mixture")
+    assert "70.0%" in out and "1.87" in out and "2.40 (repeats)" in out  # 560 / 300, 240 / 100
+
+
 def test_the_pipeline_refuses_a_mixture_in_one_sentence(tmp_path):
     from flows.pretrain import resolve
 
@@ -362,3 +404,43 @@ def test_an_empty_list_of_sources_leaves_existing_stage_keys_alone(tmp_path):
     run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
     before = {k: v for k, v in to_dict(run.data).items() if k not in ("dir", "sources")}
     assert stage_keys(run)["tokenize"] == digest({"data": before, "vocab": run.model.vocab_size})
+
+
+def test_the_page_shows_the_mixture_as_moe_plan_does(dirs):
+    """planner.js's mixtureRows (QuickJS) against plan.mixture.mixture_plan on a grid of
+    global batches and sequence lengths (the page's inputs)."""
+    from dataclasses import replace
+
+    from test_plan_page import page_engine
+
+    from moe_core.cli import source_tokens
+    from moe_core.plan.mixture import epochs_text, mixture_plan
+    from moe_core.planpage import page_data, render
+
+    cfg = three_sources(dirs)
+    tokens = source_tokens(cfg)
+    js = page_engine(render(page_data(cfg, None, tokens)))
+    layouts = [{"global_batch_size": g, "seq_len": q} for g in (8, 24, 998) for q in (7, 63, 255)]
+    script = (
+        f"JSON.stringify({json.dumps(layouts)}.map((L) => mixtureRows(DATA.mixture, L)"
+        ".map((r) => [r.name, r.share, r.drawn, r.tokens, r.instances, r.epochs, "
+        "epochsText(r.epochs, r.instances)])))"
+    )
+    for lay, rows in zip(layouts, json.loads(js.eval(script)), strict=True):
+        train = replace(cfg.train, **lay)
+        ref = mixture_plan(replace(cfg, train=train), tokens)
+        expected = [
+            [
+                r.name,
+                r.share,
+                r.drawn,
+                r.tokens,
+                r.instances,
+                r.epochs,
+                epochs_text(r.epochs, r.instances),
+            ]
+            for r in ref
+        ]
+        assert rows == expected, lay
+    assert epochs_text(None, 0) == "none: it holds no whole sequence"
+    assert mixture_plan(cfg, tokens)[1].instances == 100  # 800 tokens of 8
