@@ -13,7 +13,7 @@ from helpers import BASE, write_token_dir
 
 from moe_core.compose import compose_run
 from moe_core.config import SOURCE_FORMATS, ConfigError, RunConfig, SourceConfig, source_shares
-from moe_core.config_dict import from_dict
+from moe_core.config_dict import from_dict, to_dict
 from moe_core.data.formats import FORMATS
 from moe_core.data.loader import TokenLoader
 from moe_core.data.mixture import MixtureLoader, assign
@@ -170,6 +170,8 @@ def test_hydra_composes_a_list_of_sources_and_shares_follow_weights_and_budgets(
     cfg = run(["data.sources=[{name:a,dir:/a,tokens:100},{name:b,dir:/b,tokens:300}]"])
     assert cfg.source_shares == pytest.approx([0.25, 0.75])
     assert run([]).data.sources == []  # the one folder data.dir, as before
+    # a resolved config (moe train --config, a checkpoint's) reads back as it was
+    assert from_dict(RunConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
 
 
 def test_every_configurable_format_has_a_reader():
@@ -267,9 +269,12 @@ def test_a_state_of_other_sources_weights_or_a_single_folder_is_refused(dirs):
     ]
     loader = MixtureLoader(swapped, [0.3, 0.7], SEQ, 2)
     assert loader.state_problem(state) == "the sources are ['a', 'b'] there, ['b', 'a'] here"
-    single = TokenLoader(dirs[0], "train", SEQ, 2).state_dict()
-    assert mixture(dirs).state_problem(single) == (
+    single = TokenLoader(dirs[0], "train", SEQ, 2)
+    assert mixture(dirs).state_problem(single.state_dict()) == (
         "the state is a single folder's (data.dir) there, a mixture (data.sources) here"
+    )
+    assert single.state_problem(state) == (
+        "the state is a mixture's (data.sources) there, a single folder's (data.dir) here"
     )
     with pytest.raises(ValueError, match=r"consumed=140 .* must be a multiple of 8"):
         bad = {**state, "consumed": 140, "drawn": {"a": 98, "b": 42}}

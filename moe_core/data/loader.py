@@ -116,6 +116,10 @@ class TokenLoader:
     def state_problem(self, state: dict[str, Any]) -> str | None:
         """How a saved state differs from this loader where it must not, as "seq_len is 128
         there, 64 here" (the data by its manifest's sha256); None when this loader resumes it."""
+        if state.get("kind") == "mixture":
+            return (
+                "the state is a mixture's (data.sources) there, a single folder's (data.dir) here"
+            )
         for key, mine in self._identity().items():
             theirs = state.get(key)
             if theirs != mine:
