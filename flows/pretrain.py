@@ -101,6 +101,12 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
             f"writes the shards into the run folder ({layout.data}), so leave it unset."
         )
     data["dir"] = str(layout.data)
+    if data.get("sources"):
+        raise ConfigError(
+            f"data.sources (a mixture of {len(data['sources'])}) is not allowed for the pipeline "
+            "yet: its tokenize stage writes one folder, so train a mixture with moe train (or "
+            "leave data.sources empty)."
+        )
     kind = data.get("kind", DataConfig.kind)
     if kind != "tokens":
         raise ConfigError(
@@ -204,7 +210,7 @@ def stage_task(stage: Stage, ctx: Context):
 
 
 def _tokenize_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
-    data = {k: v for k, v in to_dict(run.data).items() if k != "dir"}
+    data = keyed("data", {k: v for k, v in to_dict(run.data).items() if k != "dir"})
     return {"data": data, "vocab": run.model.vocab_size}
 
 

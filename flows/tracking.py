@@ -141,6 +141,9 @@ def metric_rows(line: dict[str, Any]) -> dict[str, float]:
         for k in ROUTER_SCALARS:
             if k in health:
                 out[f"router.{layer}.{k}"] = float(health[k])
+    for kind in ("data_tokens", "data_epochs"):  # a mixture's sources
+        for source, v in (line.get(kind) or {}).items():
+            out[f"{kind}.{source}"] = float(v)
     for task, accuracies in (line.get("downstream") or {}).items():
         for k, v in accuracies.items():
             out[f"downstream.{task}.{k}"] = float(v)

@@ -153,11 +153,33 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
         check_target(args.html, args.overwrite)  # before any output: a bad path says so alone
     console.print(plan_table(plan(run)))
+    tokens = source_tokens(run)
+    if run.data.sources:
+        from moe_core.plan.mixture import mixture_plan, mixture_table
+
+        console.print(mixture_table(mixture_plan(run, tokens)))
     if args.html is not None:
         from moe_core.planpage import write_page
 
-        out = write_page(run, args.html, args.config_dir, overwrite=args.overwrite)
+        out = write_page(
+            run, args.html, args.config_dir, overwrite=args.overwrite, source_tokens=tokens
+        )
         console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+
+
+def source_tokens(run: RunConfig) -> dict[str, int | None]:
+    """Each mixture source's train split tokens, read from its folder's manifest or files
+    (None for a folder that cannot be read yet)."""
+    from moe_core.data.errors import DataError
+    from moe_core.data.formats import FORMATS
+
+    out: dict[str, int | None] = {}
+    for s in run.data.sources:
+        try:
+            out[s.name] = FORMATS[s.format](s.dir, "train", run.train.seq_len).tokens
+        except (DataError, OSError):
+            out[s.name] = None
+    return out
 
 
 def load_run_config(path: str) -> RunConfig:

@@ -604,6 +604,64 @@ GPT2_VOCAB_SIZE = 50257  # data.tokenizer=gpt2, known without loading it
 MIN_BPE_VOCAB_SIZE = 257  # the 256 byte symbols and the end-of-text token
 
 
+# The token formats a mixture source may name; ``moe_core.data.formats.FORMATS`` opens each one
+# (a test holds the two lists equal: a new format is one name here and one entry there).
+SOURCE_FORMATS = ("moe",)
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a metric name's part
+
+
+@dataclass
+class SourceConfig:
+    """One source of a weighted mixture (``data.sources``): a folder of token data in a known
+    format and either its weight (weights are normalized) or its token budget for the run."""
+
+    name: str = ""
+    dir: str = ""
+    format: str = "moe"
+    weight: float | None = None
+    tokens: int | None = None  # tokens of this source the run trains on (train.seq_len each)
+
+    def check(self, p: str) -> None:
+        """Refuse a bad source, naming its fields under the prefix ``p`` (``data.sources[0].``)."""
+        if not SOURCE_NAME.fullmatch(self.name):
+            fail(
+                p + "name",
+                self.name,
+                "1 to 64 letters, digits and . _ - starting with a letter or digit (it names the "
+                "source's metrics)",
+            )
+        check_folder(p + "dir", self.dir)
+        if self.format not in SOURCE_FORMATS:
+            fail(p + "format", self.format, "one of " + ", ".join(map(repr, SOURCE_FORMATS)))
+        if (self.weight is None) == (self.tokens is None):
+            fail(
+                p + "weight",
+                self.weight,
+                f"a weight or a token budget, exactly one of the two ({p}tokens={self.tokens!r})",
+            )
+        if self.weight is not None and not (math.isfinite(self.weight) and self.weight > 0):
+            fail(p + "weight", self.weight, "a finite number above 0")
+        if self.tokens is not None and self.tokens <= 0:
+            fail(p + "tokens", self.tokens, "a positive number of tokens")
+
+
+def source_shares(sources: Sequence[SourceConfig], run_tokens: int) -> list[float]:
+    """Each source's share of the run's instances. A budget takes ``tokens / run_tokens``; the
+    weighted sources split what the budgets leave, by their normalized weights. With budgets
+    alone the shares are the budgets normalized (the run's length decides the tokens)."""
+    budget = sum(s.tokens or 0 for s in sources)
+    weights = sum(s.weight or 0.0 for s in sources)
+    if not sources:
+        return []
+    if weights == 0:
+        return [(s.tokens or 0) / budget for s in sources]
+    rest = 1.0 - budget / run_tokens
+    return [
+        s.tokens / run_tokens if s.tokens is not None else rest * (s.weight or 0.0) / weights
+        for s in sources
+    ]
+
+
 @dataclass
 class DataConfig:
     """Where training tokens come from and how a corpus becomes token shards.
@@ -635,10 +693,14 @@ class DataConfig:
     # reported). false skips only that hash: sizes and .npy headers are still checked and every
     # token id against the vocabulary, but bytes flipped inside the vocabulary go unnoticed.
     verify_checksums: bool = True
+    # A weighted mixture of token folders (the loader draws from each by its share); empty: the
+    # one folder data.dir, as always. The validation split is the first source's.
+    sources: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         p = "data."
         _finite(self, p)
+        self._check_sources()
         _positive(p + "branching", self.branching)
         if self.path is not None and self.hub is not None:
             fail(p + "hub", self.hub, "leave it unset when data.path is given (one source)")
@@ -662,6 +724,34 @@ class DataConfig:
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
+
+    def _check_sources(self) -> None:
+        if not self.sources:
+            return
+        if self.kind != "tokens":
+            fail(
+                "data.sources",
+                [s.name for s in self.sources],
+                "an empty list with data.kind=synthetic, which reads no files (set "
+                "data.kind=tokens to train on them)",
+            )
+        seen: set[str] = set()
+        for i, source in enumerate(self.sources):
+            source.check(f"data.sources[{i}].")
+            if source.name in seen:
+                fail(f"data.sources[{i}].name", source.name, "a name no other source has")
+            seen.add(source.name)
+
+    @property
+    def eval_dir(self) -> str | None:
+        """The folder whose validation split and tokenizer the run evaluates with: the first
+        source's in a mixture, else ``dir``."""
+        return self.sources[0].dir if self.sources else self.dir
+
+    @property
+    def eval_format(self) -> str:
+        """``eval_dir``'s token format (``moe`` for ``dir``)."""
+        return self.sources[0].format if self.sources else "moe"
 
     @property
     def tokenizer_vocab_size(self) -> int | None:
@@ -1139,8 +1229,9 @@ class RunConfig:
         if self.data.dir is None:
             self.data.dir = f"{self.out_dir}/data"
         vocab = self.data.tokenizer_vocab_size
-        if self.data.kind == "tokens" and vocab is not None:
+        if self.data.kind == "tokens" and vocab is not None and not self.data.sources:
             check_tokenizer_fits(self.data, vocab, self.model.vocab_size)
+        self._check_budgets()
         m, par = self.model, self.parallel
         sections = ("model", "train", "parallel", "precision")
         _check_rules("run", rule_quantities(**{s: getattr(self, s) for s in sections}))
@@ -1201,6 +1292,31 @@ class RunConfig:
                 "in-training downstream evaluation runs on layouts without pipeline stages "
                 "(the evaluate stage scores every task on the final checkpoint)."
             )
+
+    @property
+    def run_tokens(self) -> int:
+        """Tokens the run trains on: ``train.steps x global_batch_size x seq_len``."""
+        t = self.train
+        return t.steps * t.global_batch_size * t.seq_len
+
+    def _check_budgets(self) -> None:
+        """Token budgets beside weights take their exact share: they must leave some of the
+        run's tokens for the weighted sources."""
+        sources = self.data.sources
+        budget = sum(s.tokens or 0 for s in sources)
+        if budget and any(s.weight is not None for s in sources) and budget >= self.run_tokens:
+            fail(
+                "data.sources",
+                [s.name for s in sources],
+                f"token budgets that total less than the {self.run_tokens} tokens the run trains "
+                f"on (train.steps x global_batch_size x seq_len), so that the weighted sources "
+                f"get some; they total {budget}",
+            )
+
+    @property
+    def source_shares(self) -> list[float]:
+        """Each ``data.sources`` entry's share of the run's instances (``source_shares``)."""
+        return source_shares(self.data.sources, self.run_tokens)
 
     @property
     def micro_batches(self) -> int:

@@ -71,7 +71,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     if origin is list:
         if not isinstance(value, list | tuple):
             fail(name, value, f"a list of {_describe(get_args(tp)[0])} values")
-        return [_coerce(name, v, get_args(tp)[0]) for v in value]
+        item = get_args(tp)[0]
+        if dataclasses.is_dataclass(item):  # each entry's fields named by its index
+            return [_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+        return [_coerce(name, v, item) for v in value]
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

@@ -131,18 +131,19 @@ def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
             f"was trained with: {ask}."
         )
     run = checkpoint_config(checkpoint)
-    if run.data.kind != "tokens" or run.data.dir is None:
+    written = run.data.eval_dir  # data.dir, or a mixture's first source (one tokenizer for all)
+    if run.data.kind != "tokens" or written is None:
         raise ConfigError(
             f"the run that wrote {src} trained on synthetic tokens, which have no tokenizer: {ask}."
         )
-    data_dir = Path(run.data.dir)
+    data_dir = Path(written)
     if not data_dir.is_dir():  # a relative path from another working folder: from the run's
         out_dir = checkpoint.resolve().parent.parent
-        if Path(run.data.dir).is_relative_to(run.out_dir):
-            data_dir = out_dir / Path(run.data.dir).relative_to(run.out_dir)
+        if Path(written).is_relative_to(run.out_dir):
+            data_dir = out_dir / Path(written).relative_to(run.out_dir)
     if not (data_dir / "manifest.json").is_file():
         raise ConfigError(
-            f"the data folder {run.data.dir} that the run behind {src} trained on is not there "
+            f"the data folder {written} that the run behind {src} trained on is not there "
             f"any more: {ask}."
         )
     verify_data_dir(data_dir, checksums=False)  # its tokenizer is the one the shards were cut by

@@ -41,6 +41,16 @@ class TokenDataset:
     def tokens(self) -> int:
         return int(self.starts[-1])
 
+    @property
+    def identity(self) -> str:
+        """What names this exact data in a loader state: its manifest's sha256."""
+        return self.manifest.sha256
+
+    @property
+    def tokenizer_id(self) -> str:
+        """The sha256 of the tokenizer that wrote the ids (a mixture's sources must share it)."""
+        return self.manifest.tokenizer["sha256"]
+
     def __len__(self) -> int:
         return self.tokens // self.instance_tokens
 

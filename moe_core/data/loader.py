@@ -12,7 +12,7 @@ that epoch (a different few each epoch). The validation split is read in order, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +38,7 @@ class TokenLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        open_dataset: Callable[..., TokenDataset] = TokenDataset,
     ) -> None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size} is not allowed: it must be > 0.")
@@ -46,14 +47,15 @@ class TokenLoader:
                 f"dp_rank={dp_rank} is not allowed with dp_size={dp_size}: it must be in "
                 f"[0, dp_size) and dp_size > 0."
             )
-        self.dataset = TokenDataset(data_dir, split, seq_len)
+        # ``open_dataset``: another format's reader (``formats.FORMATS``), same interface
+        self.dataset = open_dataset(data_dir, split, seq_len)
         self.split, self.seq_len, self.seed = split, seq_len, seed
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.step_instances = micro_batch_size * dp_size
         self.batches_per_epoch = len(self.dataset) // self.step_instances
         if self.batches_per_epoch == 0:
             raise DataError(
-                f"the {split} split of {self.dataset.manifest.data_dir} holds "
+                f"the {split} split of {Path(data_dir)} holds "
                 f"{len(self.dataset)} instances of {seq_len + 1} tokens, fewer than one "
                 f"micro-batch on each of {dp_size} ranks ({self.step_instances}): tokenize more "
                 "text or lower the sequence length or micro-batch size."
@@ -95,7 +97,7 @@ class TokenLoader:
         """What a saved state must share with this loader to be resumed by it."""
         return {
             "version": STATE_VERSION,
-            "data": self.dataset.manifest.sha256,
+            "data": self.dataset.identity,
             "split": self.split,
             "seq_len": self.seq_len,
             "seed": self.seed,
@@ -114,6 +116,10 @@ class TokenLoader:
     def state_problem(self, state: dict[str, Any]) -> str | None:
         """How a saved state differs from this loader where it must not, as "seq_len is 128
         there, 64 here" (the data by its manifest's sha256); None when this loader resumes it."""
+        if state.get("kind") == "mixture":
+            return (
+                "the state is a mixture's (data.sources) there, a single folder's (data.dir) here"
+            )
         for key, mine in self._identity().items():
             theirs = state.get(key)
             if theirs != mine:

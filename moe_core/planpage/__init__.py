@@ -304,9 +304,14 @@ def _model_key(run: RunConfig, named: dict[str, ModelConfig]) -> str:
     return f"{m.name} (custom)"
 
 
-def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str, Any]:
+def page_data(
+    run: RunConfig,
+    path: str | os.PathLike | None = None,
+    source_tokens: dict[str, int | None] | None = None,
+) -> dict[str, Any]:
     """Everything the page computes from: the planner's numbers for every model of
-    ``conf/model`` (and ``run``'s own when its sizes differ), GPU types, presets, the tour."""
+    ``conf/model`` (and ``run``'s own when its sizes differ), GPU types, presets, the tour,
+    and a mixture's sources (``source_tokens``: their train tokens, None where unknown)."""
     conf = config_dir(path)
     precisions = _with_run_precision(run, _precisions(conf))
     named = {
@@ -353,6 +358,21 @@ def page_data(run: RunConfig, path: str | os.PathLike | None = None) -> dict[str
         "rules": [dataclasses.asdict(r) for r in RULES],  # config's refusals, for configRefusal
         "initial": layout_of(run, key, precisions),
         "tour": tour,
+        "mixture": _mixture(run, source_tokens or {}),
+    }
+
+
+def _mixture(run: RunConfig, source_tokens: dict[str, int | None]) -> dict[str, Any] | None:
+    """What ``mixtureRows`` reads (``plan.mixture.mixture_plan``'s inputs); None: one folder."""
+    if not run.data.sources:
+        return None
+    sources = zip(run.data.sources, run.source_shares, strict=True)
+    return {
+        "steps": run.train.steps,
+        "sources": [
+            {"name": s.name, "share": share, "tokens": source_tokens.get(s.name)}
+            for s, share in sources
+        ],
     }
 
 
@@ -399,11 +419,12 @@ def write_page(
     path: str | os.PathLike | None = None,
     *,
     overwrite: bool = False,
+    source_tokens: dict[str, int | None] | None = None,
 ) -> Path:
     """Write the page for ``run`` to ``out`` (``check_target`` first); ``path``: the conf/
-    folder whose models and presets the page offers."""
+    folder whose models and presets the page offers; ``source_tokens``: a mixture's sizes."""
     target = check_target(out, overwrite)
-    text = render(page_data(run, path))
+    text = render(page_data(run, path, source_tokens))
     try:
         target.write_text(text, encoding="utf-8")
     except OSError as err:

@@ -128,8 +128,20 @@ function withCustom() {
   return { data: { ...DATA, models: { ...DATA.models, [CUSTOM]: model } } };
 }
 
+// The mixture's table (data.sources): it follows the global batch and sequence length typed.
+function showMixture(L) {
+  $("mixture").hidden = !DATA.mixture;
+  if (!DATA.mixture) return;
+  $("mix-steps").textContent = `(over the run's ${DATA.mixture.steps} steps)`;
+  fill(document.querySelector("#mix-table tbody"), mixtureRows(DATA.mixture, L).map((r) => [[
+    cell(r.name), cell(`${fixed(100 * r.share, 1)}%`, "num"), cell(fixed(r.tokens, 0)),
+    cell(epochsText(r.epochs, r.instances), "num"),
+  ]]));
+}
+
 function update() {
   const L = readLayout();
+  showMixture(L);
   const custom = L.model === CUSTOM;
   $("custom").hidden = !custom;
   const own = custom ? withCustom() : { data: DATA };

@@ -777,5 +777,29 @@ function countRefusal(md) {
   return null;
 }
 
+// ---- a mixture's sources (data.sources) ---------------------------------------------------
+
+// plan.mixture.mixture_plan for layout L: each source's share, the instances the run's steps
+// draw from it (half up, as Python's math.floor(x + 0.5)), the tokens trained on, its instances
+// of seq_len + 1 tokens (null: its size unknown) and its epochs (null: unknown or no instance).
+// mix: the page data's mixture (null for one folder).
+function mixtureRows(mix, L) {
+  if (!mix) return [];
+  const slots = mix.steps * L.global_batch_size;
+  return mix.sources.map((s) => {
+    const drawn = Math.floor(slots * s.share + 0.5);
+    const instances = s.tokens === null ? null : Math.floor(s.tokens / (L.seq_len + 1));
+    const epochs = instances ? drawn / instances : null;
+    return { name: s.name, share: s.share, drawn, tokens: drawn * L.seq_len, instances, epochs };
+  });
+}
+
+// plan.mixture.epochs_text: a source's epochs in words.
+function epochsText(epochs, instances) {
+  if (instances === null) return "unknown (not readable)";
+  if (epochs === null) return "none: it holds no whole sequence";
+  return epochs.toFixed(2) + (epochs > 1 ? " (repeats)" : "");
+}
+
 if (typeof module !== "undefined")
-  module.exports = { planLayout, inFlight, modelData, configRefusal };
+  module.exports = { planLayout, inFlight, modelData, configRefusal, mixtureRows };

@@ -1,6 +1,7 @@
-"""The trainer's data: each step's micro-batches from token shards (the loader) or synthetic
-walks, made one step ahead on a background thread (``data.prefetch``), and the checks of the
-token data against the run before anything trains on it."""
+"""The trainer's data: each step's micro-batches from token shards (the loader, or the mixture
+loader over ``data.sources``) or synthetic walks, made one step ahead on a background thread
+(``data.prefetch``), and the checks of the token data against the run before anything trains on
+it."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits
+from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits, fail
 from moe_core.data.errors import DataError
+from moe_core.data.formats import FORMATS
 from moe_core.data.loader import TokenLoader
 from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
+from moe_core.data.mixture import MixtureLoader
 from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
@@ -25,6 +28,9 @@ from moe_core.parallel.mesh import Mesh
 def check_data_fits(cfg: RunConfig) -> None:
     """The token data's vocabulary and validation split against the run, from its manifest
     alone, before the model is built (refusals otherwise come after training steps)."""
+    if cfg.data.sources:
+        check_mixture_fits(cfg)
+        return
     assert cfg.data.dir is not None
     manifest = read_manifest(cfg.data.dir)
     where = str(manifest.data_dir / MANIFEST)
@@ -32,6 +38,30 @@ def check_data_fits(cfg: RunConfig) -> None:
     check_tokenizer_fits(cfg.data, vocab, cfg.model.vocab_size, manifest=where)
     instances = manifest.tokens("validation") // (cfg.train.seq_len + 1)
     check_validation_fits(cfg.train, cfg.parallel.data_parallel, instances, where)
+
+
+def check_mixture_fits(cfg: RunConfig) -> None:
+    """Every source's vocabulary against the model, one tokenizer for all sources (where their
+    format records it) and the first source's validation split against the evaluations."""
+    seq_len, first = cfg.train.seq_len, None
+    for i, source in enumerate(cfg.data.sources):
+        data = FORMATS[source.format](source.dir, "train", seq_len)
+        where = f"data source {source.name!r} ({source.dir})"
+        check_tokenizer_fits(cfg.data, data.vocab_size, cfg.model.vocab_size, manifest=where)
+        tokenizer = getattr(data, "tokenizer_id", None)
+        if tokenizer is not None and first is not None and tokenizer != first[1]:
+            fail(
+                f"data.sources[{i}].dir",
+                source.dir,
+                f"a folder tokenized with the tokenizer of data source {first[0]!r} (sha256 "
+                f"{first[1][:16]}..., this one {tokenizer[:16]}...): the same ids must mean the "
+                "same text in every source",
+            )
+        if tokenizer is not None and first is None:
+            first = (source.name, tokenizer)
+    held_out = FORMATS[cfg.data.eval_format](cfg.data.eval_dir, "validation", seq_len)
+    where = f"data source {cfg.data.sources[0].name!r} ({cfg.data.eval_dir})"
+    check_validation_fits(cfg.train, cfg.parallel.data_parallel, len(held_out), where)
 
 
 class Batches:
@@ -46,8 +76,21 @@ class Batches:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         self.console, self._warn = console, warn
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
-        self.loader: TokenLoader | None = None
-        if cfg.data.kind == "tokens":
+        self.loader: TokenLoader | MixtureLoader | None = None
+        self._repeating: set[str] = set()  # mixture sources already said to repeat
+        if cfg.data.sources:
+            self._verify_data()
+            self.loader = MixtureLoader(
+                cfg.data.sources,
+                cfg.source_shares,
+                tc.seq_len,
+                tc.micro_batch_size,
+                dp_rank=mesh.data_rank,
+                dp_size=cfg.parallel.data_parallel,
+                seed=tc.seed,
+            )
+            self._train_iter = iter(self.loader)
+        elif cfg.data.kind == "tokens":
             assert cfg.data.dir is not None
             self._verify_data()
             self.loader = TokenLoader(
@@ -69,15 +112,19 @@ class Batches:
         dc = self.cfg.data
         main = self.mesh.rank == 0
         problem: list[str | None] = [None]
+        # a mixture's moe-format folders; other formats check their own files when opened
+        dirs = [s.dir for s in dc.sources if s.format == "moe"] if dc.sources else [str(dc.dir)]
         if main and dc.verify_checksums:
             tick = time.perf_counter()
             try:
-                manifest = verify_data_dir(str(dc.dir), checksums=True)
+                manifests = [verify_data_dir(d, checksums=True) for d in dirs]
             except DataError as err:
                 problem[0] = str(err)
             else:
-                shards = [s for split in SPLITS for s in manifest.shards(split)]
-                size = sum((manifest.data_dir / s["file"]).stat().st_size for s in shards)
+                shards = [
+                    m.data_dir / s["file"] for m in manifests for sp in SPLITS for s in m.shards(sp)
+                ]
+                size = sum(path.stat().st_size for path in shards)
                 self.console.print(
                     f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB) in "
                     f"{time.perf_counter() - tick:.1f} s (data.verify_checksums=false skips this)",
@@ -98,7 +145,29 @@ class Batches:
         if self._prefetch is None:
             self._prefetch = Prefetcher(self._produce)
         batches, self.loader_state = self._prefetch.take(step)
+        self._say_repeats(step)
         return [b.to(self.device, non_blocking=True) for b in batches]
+
+    def seen(self) -> tuple[dict[str, int], dict[str, float]] | None:
+        """A mixture's tokens trained on and epochs read per source, all ranks together, after
+        the last step taken (None for one folder or synthetic data)."""
+        if not isinstance(self.loader, MixtureLoader) or self.loader_state is None:
+            return None
+        return self.loader.seen(self.loader_state)
+
+    def _say_repeats(self, step: int) -> None:
+        """Warn once per source when a mixture's step reads a source past its first epoch."""
+        seen = self.seen()
+        if seen is None:
+            return
+        for name, epochs in seen[1].items():
+            if epochs > 1 and name not in self._repeating:
+                self._repeating.add(name)
+                self._warn(
+                    f"data source {name!r} repeats from step {step} on: the run reads more of it "
+                    "than it holds (its epochs are in metrics.jsonl as data_epochs; moe plan "
+                    "shows how many the run implies)"
+                )
 
     def prepare(self, step: int) -> None:
         """Start making step ``step``'s micro-batches on the background thread."""

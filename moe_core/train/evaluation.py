@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import RunConfig
+from moe_core.data.formats import FORMATS
 from moe_core.data.loader import TokenLoader
 from moe_core.model.moe import router_stats_paused
 from moe_core.model.transformer import Losses
@@ -31,14 +32,15 @@ def held_out_batches(cfg: RunConfig, mesh: Mesh, batches: Batches) -> list[torch
     if batches.loader is None:
         start = EVAL_BASE + mesh.data_rank * per_rank * tc.micro_batch_size
         return [b.to(mesh.device) for b in batches.sequences(start, per_rank)]
-    assert cfg.data.dir is not None
+    assert cfg.data.eval_dir is not None  # a mixture's first source, else data.dir
     held_out = TokenLoader(
-        cfg.data.dir,
+        cfg.data.eval_dir,
         "validation",
         tc.seq_len,
         tc.micro_batch_size,
         dp_rank=mesh.data_rank,
         dp_size=pc.data_parallel,
+        open_dataset=FORMATS[cfg.data.eval_format],
     )
     out = [b.to(mesh.device) for b, _ in zip(held_out, range(per_rank), strict=False)]
     if len(out) < per_rank:
@@ -79,11 +81,11 @@ class Downstream:
         from moe_core.eval.tasks import load_tasks, subset
 
         ev = cfg.eval
-        assert cfg.data.dir is not None
+        assert cfg.data.eval_dir is not None
         self.cfg = cfg
         self.tasks = [subset(t, ev.every_limit, ev.seed) for t in load_tasks(ev)]
         self.requests = encode_tasks(
-            self.tasks, load_tokenizer(cfg.data.dir), cfg.model.vocab_size, eos_id
+            self.tasks, load_tokenizer(cfg.data.eval_dir), cfg.model.vocab_size, eos_id
         )
 
     @torch.no_grad()

@@ -150,6 +150,10 @@ class StepMetrics:
     # rows a token sent to other expert-parallel ranks per MoE layer (all_to_all dispatcher;
     # what ``moe plan``'s rows per token predicts)
     ep_rows_per_token: float | None = None
+    # a mixture's sources (data.sources), all ranks together: tokens trained on so far
+    # (train.seq_len per instance) and epochs read (above 1: the source repeats)
+    data_tokens: dict[str, int] | None = None
+    data_epochs: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}

@@ -46,6 +46,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from moe_core.config import RunConfig
 from moe_core.config_dict import to_dict
 from moe_core.convert.native import save_model_dir
+from moe_core.data.manifest import read_manifest
 from moe_core.data.prefetch import pinned
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 from moe_core.model.flops import count
@@ -135,9 +136,9 @@ class Trainer:
         self.batches = Batches(cfg, self.mesh, self.console, self._warn)
         self.downstream_set: Downstream | None = None
         if cfg.eval.every:
-            loader = self.batches.loader
-            assert loader is not None
-            self.downstream_set = Downstream(cfg, loader.dataset.manifest.tokenizer.get("eos_id"))
+            assert cfg.data.eval_dir is not None  # a mixture's first source, else data.dir
+            eos_id = read_manifest(cfg.data.eval_dir).tokenizer.get("eos_id")
+            self.downstream_set = Downstream(cfg, eos_id)
         self._clock: float | None = None  # when the last step's host read returned
         self.flops_per_token = count(cfg.model, cfg.train.seq_len).flops_per_token
         self.peak = peak_tflops(self.device)
@@ -354,6 +355,7 @@ class Trainer:
         per_router_call = max(host.routers.item(), 1) * q.n_batches
         ep_tokens = host.ep_tokens.item()
         mtp_losses = [v / n_micro for v in host.mtp.tolist()]
+        seen = self.batches.seen()  # a mixture's sources: known on every rank, no collective
         return StepMetrics(
             step=self.step - 1,
             loss=loss,
@@ -373,6 +375,8 @@ class Trainer:
             peak_mem_gib=host.peak_mem_gib.item() if self.device.type == "cuda" else None,
             router=health,
             ep_rows_per_token=host.ep_rows.item() / ep_tokens if ep_tokens else None,
+            data_tokens=None if seen is None else seen[0],
+            data_epochs=None if seen is None else seen[1],
         )
 
     def _mtp_sums(self, mtp_D: torch.Tensor) -> torch.Tensor:
@@ -436,8 +440,8 @@ class Trainer:
             raise CheckpointError(
                 f"{self.resumed_from} was trained on other data or another sequence length "
                 f"({problem}), so it is not allowed to resume here: resume with the settings "
-                "it was trained with (data.dir, train.seq_len, train.seed) or train into "
-                "another out_dir."
+                "it was trained with (data.dir or data.sources, train.seq_len, train.seed) or "
+                "train into another out_dir."
             )
         if self.is_main:
             self.console.print(f"resumed from {self.resumed_from} (step {self.step})")
