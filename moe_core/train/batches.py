@@ -14,6 +14,7 @@ from rich.console import Console
 
 from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits
 from moe_core.data.errors import DataError
+from moe_core.data.formats import Vocabulary, check_recorded, open_source, run_vocabulary
 from moe_core.data.loader import TokenLoader
 from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
 from moe_core.data.prefetch import Prefetcher, pinned
@@ -24,8 +25,15 @@ from moe_core.parallel.mesh import Mesh
 
 def check_data_fits(cfg: RunConfig) -> None:
     """The token data's vocabulary and validation split against the run, from its manifest
-    alone, before the model is built (refusals otherwise come after training steps)."""
+    alone (another format: from its headers and sizes), before the model is built (refusals
+    otherwise come after training steps)."""
     assert cfg.data.dir is not None
+    if cfg.data.external:
+        vocab = run_vocabulary(cfg.data, cfg.model.vocab_size)
+        held_out = open_source(cfg.data, "validation", cfg.train.seq_len, vocab)
+        where = f"the {cfg.data.format} corpus {held_out.root}"
+        check_validation_fits(cfg.train, cfg.parallel.data_parallel, len(held_out), where)
+        return
     manifest = read_manifest(cfg.data.dir)
     where = str(manifest.data_dir / MANIFEST)
     vocab = manifest.tokenizer["vocab_size"]
@@ -47,11 +55,14 @@ class Batches:
         self.console, self._warn = console, warn
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
         self.loader: TokenLoader | None = None
+        self.vocab: Vocabulary | None = None  # an external corpus's (formats.run_vocabulary)
         if cfg.data.kind == "tokens":
             assert cfg.data.dir is not None
+            if cfg.data.external:
+                self.vocab = run_vocabulary(cfg.data, cfg.model.vocab_size)
             self._verify_data()
             self.loader = TokenLoader(
-                cfg.data.dir,
+                self.dataset("train"),
                 "train",
                 tc.seq_len,
                 tc.micro_batch_size,
@@ -63,13 +74,32 @@ class Batches:
         self.loader_state = None if self.loader is None else self.loader.state_dict()
         self._prefetch: Prefetcher[list[torch.Tensor]] | None = None
 
+    def dataset(self, split: str) -> Any:
+        """The dataset of ``split`` the loaders read (our shards, or a corpus in another
+        format: ``data.format``)."""
+        return open_source(self.cfg.data, split, self.cfg.train.seq_len, self.vocab)
+
     def _verify_data(self) -> None:
         """Hash every shard against the data manifest before the first step (rank 0, streamed,
-        timed); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
+        timed; another format's files against the record in ``out_dir``, written at first use);
+        ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
         dc = self.cfg.data
         main = self.mesh.rank == 0
         problem: list[str | None] = [None]
-        if main and dc.verify_checksums:
+        if main and dc.verify_checksums and dc.external:
+            tick = time.perf_counter()
+            try:
+                done = check_recorded(self.dataset("train"), self.cfg.out_dir)
+            except DataError as err:
+                problem[0] = str(err)
+            else:
+                self.console.print(
+                    f"{done} in {time.perf_counter() - tick:.1f} s (data.verify_checksums=false "
+                    "skips this)",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+        elif main and dc.verify_checksums:
             tick = time.perf_counter()
             try:
                 manifest = verify_data_dir(str(dc.dir), checksums=True)

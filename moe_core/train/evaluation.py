@@ -33,7 +33,7 @@ def held_out_batches(cfg: RunConfig, mesh: Mesh, batches: Batches) -> list[torch
         return [b.to(mesh.device) for b in batches.sequences(start, per_rank)]
     assert cfg.data.dir is not None
     held_out = TokenLoader(
-        cfg.data.dir,
+        batches.dataset("validation"),
         "validation",
         tc.seq_len,
         tc.micro_batch_size,

@@ -137,7 +137,8 @@ class Trainer:
         if cfg.eval.every:
             loader = self.batches.loader
             assert loader is not None
-            self.downstream_set = Downstream(cfg, loader.dataset.manifest.tokenizer.get("eos_id"))
+            manifest = loader.dataset.manifest  # ours: RunConfig refuses eval.every otherwise
+            self.downstream_set = Downstream(cfg, manifest.tokenizer.get("eos_id"))
         self._clock: float | None = None  # when the last step's host read returned
         self.flops_per_token = count(cfg.model, cfg.train.seq_len).flops_per_token
         self.peak = peak_tflops(self.device)

@@ -1,0 +1,485 @@
+"""Token corpora other tools wrote, read in place with ``TokenDataset``'s interface.
+
+``FORMATS`` maps ``data.format`` to the dataset class that reads it:
+
+- ``moe``: our shards and manifest (``moe tokenize``), ``dataset.TokenDataset``.
+- ``dolma``: Dolma's and Olmo-core's numpy token files: flat arrays of ``uint16``/``uint32``
+  token ids with the end-of-text id after every document, named ``*.npy``. Olmo-core and Dolma
+  write them as raw memory maps without a header (their dtype is then ``data.token_dtype``, or,
+  unset, the smallest of the two that holds the vocabulary, as Olmo-core picks it); a file
+  ``np.save`` wrote (a ``.npy`` header) says its own dtype. A ``NAME.csv.gz`` beside ``NAME.npy``
+  (Dolma's metadata: one ``start,end,...`` row per document) is checked to cover the file.
+- ``megatron``: Megatron-Core indexed datasets, ``PREFIX.idx`` (header ``MMIDIDX``, version 1,
+  dtype code, sequence and document counts, then the int32 sequence lengths, int64 byte
+  pointers and int64 document indices) beside ``PREFIX.bin`` (the tokens). Its documents
+  carry the end-of-text id only where the corpus was preprocessed with one appended.
+
+Each external corpus is one token stream: its files in sorted order, each read whole. The
+validation split is its tail: the last ``data.validation_fraction`` of the tokens (0: none, and
+held-out evaluation is refused by ``check_validation_fits``). Files are opened read-only and
+nothing is written beside them; their sha256 are recorded in the run's own folder at first use
+and checked on every later start (``check_recorded``).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from moe_core.config import DataConfig, check_tokenizer_fits
+from moe_core.data.dataset import TokenDataset
+from moe_core.data.errors import DataError
+from moe_core.data.shards import SPLITS, npy_layout
+from moe_core.data.tokenizer import TOKEN_DTYPES, gpt2_tokenizer, hf_tokenizer
+from moe_core.files import atomic_write, file_sha256, json_bytes
+
+NPY_MAGIC = b"\x93NUMPY"
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+# Megatron-Core's dtype codes; the float ones (6, 7) cannot hold token ids.
+MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
+CHECKSUMS = "data-checksums.json"  # in the run's folder, never in the corpus
+
+
+def default_dtype(vocab_size: int) -> str:
+    """The dtype a headerless token file of this vocabulary is read as (Olmo-core's choice)."""
+    return TOKEN_DTYPES[0] if vocab_size <= 1 << 16 else TOKEN_DTYPES[1]
+
+
+def _check_holds(dtype: np.dtype, vocab_size: int, where: str) -> None:
+    """Refuse token files whose dtype cannot hold the vocabulary's ids: they were written for a
+    smaller tokenizer (or are read with the wrong dtype)."""
+    top = np.iinfo(dtype).max
+    if top < vocab_size - 1:
+        raise DataError(
+            f"{where} holds {dtype} tokens, which is not allowed with a vocabulary of "
+            f"{vocab_size} ids ({dtype} reaches {top}): the corpus was tokenized with a smaller "
+            "tokenizer; set data.tokenizer to the one it was written with."
+        )
+
+
+class ExternalDataset:
+    """The ``seq_len + 1``-token instances of one split of a corpus another tool wrote.
+
+    Subclasses find the files (``_open``: paths, dtypes, byte offsets, token counts, checked);
+    reading, splitting and refusing out-of-vocabulary ids are shared, and behave as
+    ``TokenDataset``'s."""
+
+    format = ""
+
+    def __init__(
+        self,
+        path: str | Path,
+        split: str,
+        seq_len: int,
+        *,
+        vocab_size: int,
+        validation_fraction: float = 0.0,
+        eos_id: int | None = None,
+        token_dtype: str | None = None,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not allowed: one of {', '.join(SPLITS)}.")
+        if seq_len <= 0:
+            raise ValueError(f"seq_len={seq_len} is not allowed: it must be positive.")
+        self.root = Path(os.path.abspath(path))  # names in the identity are relative to it
+        self.split, self.seq_len, self.instance_tokens = split, seq_len, seq_len + 1
+        self.vocab_size, self.eos_id, self.token_dtype = vocab_size, eos_id, token_dtype
+        self.paths: list[Path] = []
+        self.dtypes: list[np.dtype] = []
+        self.offsets: list[int] = []  # bytes before the first token of each file
+        self.sidecars: list[Path] = []  # index and metadata files, checksummed with the tokens
+        self.documents = 0
+        sizes = self._open()
+        stream = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        total = int(stream[-1])
+        cut = total - int(total * validation_fraction)
+        self.first = 0 if split == "train" else cut  # this split's first token in the stream
+        self.starts = stream - self.first  # each file's first token, counted from the split's
+        self._end = cut if split == "train" else total
+        self._arrays: list[np.ndarray | None] = [None] * len(self.paths)
+
+    def _open(self) -> list[int]:
+        raise NotImplementedError
+
+    @property
+    def tokens(self) -> int:
+        return self._end - self.first
+
+    def __len__(self) -> int:
+        return self.tokens // self.instance_tokens
+
+    @property
+    def identity(self) -> str:
+        """What a loader's saved state names this data by: the format, each file's name, dtype
+        and size, and where the split starts (the contents are checked by ``check_recorded``)."""
+        files = [
+            [p.relative_to(self.root).as_posix(), str(d), p.stat().st_size]
+            for p, d in zip(self.paths, self.dtypes, strict=True)
+        ]
+        text = json.dumps([self.format, files, self.first, self._end], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _file(self, k: int) -> np.ndarray:
+        array = self._arrays[k]
+        n = int(self.starts[k + 1] - self.starts[k])
+        if array is None and n == 0:  # an empty file cannot be memory-mapped
+            array = np.zeros(0, dtype=self.dtypes[k])
+        if array is None:
+            array = np.memmap(
+                self.paths[k], dtype=self.dtypes[k], mode="r", offset=self.offsets[k], shape=(n,)
+            )
+            self._arrays[k] = array
+        return array
+
+    def _fill(self, out: np.ndarray, start: int) -> None:
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < len(out):
+            offset = start + done - int(self.starts[k])
+            piece = self._file(k)[offset : offset + len(out) - done]
+            out[done : done + len(piece)] = piece
+            done += len(piece)
+            k += 1
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens ``[start, start + n)`` of this split, as they are on disk (int64)."""
+        out = np.empty(min(n, self.tokens - start), dtype=np.int64)
+        self._fill(out, start)
+        return out
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.batch(np.array([index]))[0]
+
+    def batch(self, indices: np.ndarray) -> np.ndarray:
+        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``;
+        a token id outside the vocabulary is refused, naming its file."""
+        out_BT = np.empty((len(indices), self.instance_tokens), dtype=np.int64)
+        n = len(self)
+        for row, index in enumerate(indices):
+            i = int(index)
+            if not 0 <= i < n:
+                raise IndexError(f"instance {i} is outside the {n} of the {self.split} split.")
+            self._fill(out_BT[row], i * self.instance_tokens)
+        if out_BT.size and not 0 <= out_BT.min() <= out_BT.max() < self.vocab_size:
+            row, col = (int(x[0]) for x in np.nonzero((out_BT < 0) | (out_BT >= self.vocab_size)))
+            position = int(indices[row]) * self.instance_tokens + col
+            path = self.paths[int(np.searchsorted(self.starts, position, side="right")) - 1]
+            raise DataError(
+                f"token id {int(out_BT[row, col])} in {path} is not allowed: the vocabulary has "
+                f"ids 0 to {self.vocab_size - 1}, so the file is damaged or was tokenized with "
+                "another tokenizer (set data.tokenizer to the one it was written with)."
+            )
+        return out_BT
+
+    def files(self) -> list[Path]:
+        """Every file this corpus is read from: the tokens and their index or metadata."""
+        return sorted({*self.paths, *self.sidecars})
+
+
+class DolmaDataset(ExternalDataset):
+    """Dolma / Olmo-core numpy token files (``*.npy``, raw or with a header) under a folder, or
+    those a glob pattern names."""
+
+    format = "dolma"
+
+    def _open(self) -> list[int]:
+        pattern = str(self.root)
+        if self.root.is_dir():
+            found = sorted(p for p in self.root.rglob("*.npy") if p.is_file())
+        elif any(c in pattern for c in "*?["):
+            found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+            found = [p for p in found if p.is_file()]
+            magic = min(pattern.index(c) for c in "*?[" if c in pattern)
+            self.root = Path(os.path.dirname(pattern[:magic]))
+        else:
+            raise DataError(
+                f"data.dir={pattern!r} is not allowed for data.format=dolma: it must be a folder "
+                "of .npy token files or a glob pattern naming them, and it is neither."
+            )
+        if not found:
+            raise DataError(
+                f"{pattern} holds no .npy token files, which data.format=dolma reads: point "
+                "data.dir at the folder Dolma or Olmo-core wrote them into."
+            )
+        sizes = []
+        for path in found:
+            sizes.append(self._open_file(path))
+        return sizes
+
+    def _open_file(self, path: Path) -> int:
+        with open(path, "rb") as f:
+            head = f.read(len(NPY_MAGIC))
+        size = path.stat().st_size
+        if head == NPY_MAGIC:
+            try:
+                dtype, tokens, offset = npy_layout(path)
+            except (ValueError, OSError) as err:
+                raise DataError(
+                    f"{path} has a .npy header that cannot be read ({err}): it is damaged."
+                ) from None
+            if dtype.kind != "u" or size != offset + tokens * dtype.itemsize:
+                raise DataError(
+                    f"{path} is not allowed: it holds {size} bytes as an array of {tokens} "
+                    f"{dtype}, and token files are complete arrays of unsigned integers "
+                    "(uint16 or uint32), so it is damaged or not a token file."
+                )
+        else:
+            dtype = np.dtype(self.token_dtype or default_dtype(self.vocab_size))
+            offset = 0
+            if size % dtype.itemsize:
+                raise DataError(
+                    f"{path} holds {size} bytes, which is not allowed for {dtype} tokens (a "
+                    f"multiple of {dtype.itemsize}): it is truncated, or data.token_dtype is "
+                    "not the dtype it was written in."
+                )
+            tokens = size // dtype.itemsize
+        _check_holds(dtype, self.vocab_size, str(path))
+        self.paths.append(path)
+        self.dtypes.append(dtype)
+        self.offsets.append(offset)
+        metadata = path.with_name(path.name.removesuffix(".npy") + ".csv.gz")
+        if metadata.is_file():
+            self.sidecars.append(metadata)
+            self.documents += self._check_metadata(metadata, path, tokens)
+        elif tokens and self.eos_id is not None:
+            last = int(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(tokens,))[-1])
+            if last != self.eos_id:
+                raise DataError(
+                    f"{path} ends in token {last}, not the end-of-text id {self.eos_id} that ends "
+                    f"every document of a Dolma token file: it is truncated, was written with "
+                    f"another tokenizer, or is not {dtype} (set data.token_dtype)."
+                )
+        return tokens
+
+    @staticmethod
+    def _check_metadata(metadata: Path, path: Path, tokens: int) -> int:
+        """The documents ``metadata`` (Dolma's ``start,end,...`` rows) counts, once its rows
+        are checked to cover ``path``'s tokens in order."""
+        end = 0
+        rows = 0
+        try:
+            with gzip.open(metadata, "rt") as f:
+                for rows, line in enumerate(f, 1):
+                    start_text, end_text, *_ = line.split(",", 2)
+                    start, stop = int(start_text), int(end_text)
+                    if start != end or stop <= start:
+                        raise ValueError(f"row {rows} spans {start} to {stop} after {end}")
+                    end = stop
+        except (OSError, EOFError, ValueError) as err:
+            raise DataError(
+                f"{metadata} is not allowed: it is not Dolma metadata of consecutive documents "
+                f"({err}); remove it to read {path.name} without document counts."
+            ) from None
+        if end != tokens:
+            raise DataError(
+                f"{metadata} ends its documents at token {end}, but {path} holds {tokens} "
+                f"{'tokens' if tokens != 1 else 'token'} of the dtype it is read as: the file "
+                "is truncated or data.token_dtype is not the dtype it was written in."
+            )
+        return rows
+
+
+class MegatronDataset(ExternalDataset):
+    """Megatron-Core indexed datasets: every ``PREFIX.idx`` + ``PREFIX.bin`` in a folder, or
+    the one pair a prefix names."""
+
+    format = "megatron"
+
+    def _open(self) -> list[int]:
+        if self.root.is_dir():
+            indices = sorted(self.root.glob("*.idx"))
+        else:
+            indices = [self.root.with_name(self.root.name + ".idx")]
+            self.root = self.root.parent
+            if not indices[0].is_file():
+                raise DataError(
+                    f"{indices[0]} is missing: data.dir for data.format=megatron is a folder of "
+                    ".idx/.bin pairs or the prefix of one pair (PREFIX.idx and PREFIX.bin)."
+                )
+        if not indices:
+            raise DataError(
+                f"{self.root} holds no .idx files, which data.format=megatron reads: point "
+                "data.dir at the folder of Megatron's .idx/.bin pairs."
+            )
+        return [self._open_pair(idx) for idx in indices]
+
+    def _open_pair(self, idx: Path) -> int:
+        damaged = f"{idx} is not a Megatron-Core index that can be read"
+        raw = idx.read_bytes()
+        if len(raw) < MEGATRON_HEAD.size:
+            raise DataError(f"{damaged}: it holds {len(raw)} bytes, fewer than its header's.")
+        magic, version, code, sequences, documents = MEGATRON_HEAD.unpack_from(raw)
+        if magic != MEGATRON_MAGIC or version != 1:
+            raise DataError(
+                f"{damaged}: it starts with {magic!r} version {version}, not {MEGATRON_MAGIC!r} "
+                "version 1."
+            )
+        if code not in MEGATRON_DTYPES:
+            raise DataError(
+                f"{damaged}: its dtype code {code} is not one of the integer codes "
+                f"{sorted(MEGATRON_DTYPES)} (token ids are integers)."
+            )
+        dtype = np.dtype(MEGATRON_DTYPES[code])
+        expected = MEGATRON_HEAD.size + sequences * (4 + 8) + documents * 8
+        if len(raw) != expected:
+            extra = " (per-sequence modes: a multimodal index, which is not read)" * (
+                len(raw) == expected + sequences
+            )
+            raise DataError(
+                f"{damaged}: it holds {len(raw)} bytes, not the {expected} its header's "
+                f"{sequences} sequences and {documents} document indices take{extra}."
+            )
+        at = MEGATRON_HEAD.size
+        lengths = np.frombuffer(raw, np.int32, sequences, at).astype(np.int64)
+        pointers = np.frombuffer(raw, np.int64, sequences, at + 4 * sequences)
+        doc_index = np.frombuffer(raw, np.int64, documents, at + 12 * sequences)
+        ends = np.cumsum(lengths) * dtype.itemsize
+        if (lengths < 0).any() or not np.array_equal(pointers, ends - lengths * dtype.itemsize):
+            raise DataError(
+                f"{damaged}: its sequence pointers are not the running sum of its sequence "
+                "lengths (a damaged index, or one that reads its .bin out of order)."
+            )
+        if (
+            documents < 1
+            or doc_index[0] != 0
+            or doc_index[-1] != sequences
+            or (np.diff(doc_index) < 0).any()
+        ):
+            raise DataError(
+                f"{damaged}: its document indices do not run from 0 up to its {sequences} "
+                "sequences."
+            )
+        _check_holds(dtype, self.vocab_size, str(idx))
+        bin_path = idx.with_suffix(".bin")
+        if not bin_path.is_file():
+            raise DataError(f"{bin_path} is missing: {idx} indexes tokens in it.")
+        size = bin_path.stat().st_size
+        want = int(ends[-1]) if sequences else 0
+        if size != want:
+            raise DataError(
+                f"{bin_path} holds {size} bytes, not the {want} that {idx} indexes "
+                f"({'truncated' if size < want else 'grown'}): rewrite the pair."
+            )
+        self.paths.append(bin_path)
+        self.dtypes.append(dtype)
+        self.offsets.append(0)
+        self.sidecars.append(idx)
+        self.documents += documents - 1
+        return want // dtype.itemsize
+
+
+FORMATS: dict[str, type] = {
+    "moe": TokenDataset,
+    "dolma": DolmaDataset,
+    "megatron": MegatronDataset,
+}
+
+
+def open_dataset(
+    fmt: str,
+    path: str | Path,
+    split: str,
+    seq_len: int,
+    *,
+    vocab_size: int | None = None,
+    validation_fraction: float = 0.0,
+    eos_id: int | None = None,
+    token_dtype: str | None = None,
+) -> Any:
+    """The dataset of ``fmt`` over ``path``; an external format needs the run's vocabulary
+    (it has no tokenizer of its own)."""
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r} is not allowed: one of {', '.join(FORMATS)}.")
+    if fmt == "moe":
+        return TokenDataset(path, split, seq_len)
+    assert vocab_size is not None
+    return FORMATS[fmt](
+        path,
+        split,
+        seq_len,
+        vocab_size=vocab_size,
+        validation_fraction=validation_fraction,
+        eos_id=eos_id,
+        token_dtype=token_dtype,
+    )
+
+
+@dataclass
+class Vocabulary:
+    """The ids an external corpus is checked against (it carries no tokenizer of its own)."""
+
+    size: int
+    eos_id: int | None
+    tokenizer: Tokenizer | None  # decodes samples; None: ids are shown
+    source: str  # where the size comes from, in words
+
+
+def run_vocabulary(data: DataConfig, model_vocab_size: int) -> Vocabulary:
+    """The run's vocabulary for an external corpus: ``data.tokenizer``'s (``gpt2`` or a Hugging
+    Face name or folder, loaded here), or with ``bpe`` (a BPE exists only where ``moe tokenize``
+    trained one) ``model.vocab_size``; a tokenizer larger than the model is refused."""
+    if data.tokenizer == "bpe":
+        return Vocabulary(model_vocab_size, None, None, "model.vocab_size")
+    built = gpt2_tokenizer() if data.tokenizer == "gpt2" else hf_tokenizer(data.tokenizer)
+    check_tokenizer_fits(data, built.vocab_size, model_vocab_size)
+    return Vocabulary(built.vocab_size, built.eos_id, built.tokenizer, repr(data.tokenizer))
+
+
+def open_source(data: DataConfig, split: str, seq_len: int, vocab: Vocabulary | None) -> Any:
+    """The dataset ``data`` (one source: ``format``, ``dir``) names, for ``split``."""
+    assert data.dir is not None
+    if data.format == "moe":
+        return TokenDataset(data.dir, split, seq_len)
+    assert vocab is not None
+    return open_dataset(
+        data.format,
+        data.dir,
+        split,
+        seq_len,
+        vocab_size=vocab.size,
+        validation_fraction=data.validation_fraction,
+        eos_id=vocab.eos_id,
+        token_dtype=data.token_dtype,
+    )
+
+
+def check_recorded(dataset: ExternalDataset, run_dir: str | Path) -> str:
+    """Hash every file of ``dataset`` against the record in ``run_dir`` (written there at first
+    use, never beside the corpus); a file whose bytes changed since is refused by name. Returns
+    what was done, in words."""
+    record = Path(run_dir) / CHECKSUMS
+    found = {}  # by the name below the corpus's folder: a corpus moved whole still verifies
+    for path in dataset.files():
+        name = path.relative_to(dataset.root).as_posix()
+        found[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    if not record.is_file():
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write(record, json_bytes({"format": dataset.format, "files": found}))
+        return f"recorded the sha256 of {len(found)} files in {record}"
+    try:
+        saved = json.loads(record.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(
+            f"{record} is not a checksum record this run wrote: remove it to record the corpus "
+            "again (after checking the corpus is the one the run started on)."
+        ) from None
+    for name in sorted(set(saved) | set(found)):
+        if saved.get(name) != found.get(name):
+            what = "is new" if name not in saved else "is gone" if name not in found else "changed"
+            raise DataError(
+                f"{dataset.root / name} {what} since this run recorded its corpus in {record}: "
+                "the run would continue on other data; restore the corpus, or start a new run "
+                "(another out_dir)."
+            )
+    return f"verified the sha256 of {len(found)} files against {record}"
