@@ -10,7 +10,7 @@ from the page cache; the formats take turns within each repeat, and the median r
 reported. A CPU measurement: the loader reads memory-mapped files on the host.
 
     python benchmarks/loader_formats.py [--tokens 33554432] [--seq 4096] [--micro-batch 8] \\
-        [--batches 300] [--repeats 5] [--commit SHA] [--out results/loader_formats_cpu.json]
+        [--batches 2000] [--repeats 7] [--commit SHA] [--out results/loader_formats_cpu.json]
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ def token_stream(n: int, seed: int = 0) -> np.ndarray:
     return tokens
 
 
+def at_document_ends(tokens: np.ndarray, files: int) -> list[np.ndarray]:
+    """``tokens`` cut into ``files`` parts of about equal size, each ending a document (as
+    Dolma's and Megatron's files do)."""
+    ends = np.flatnonzero(tokens == EOS) + 1
+    targets = np.linspace(0, len(tokens), files + 1)[1:-1]
+    cuts = np.unique(ends[np.minimum(np.searchsorted(ends, targets), len(ends) - 1)])
+    return np.split(tokens, cuts[cuts < len(tokens)])
+
+
 def write_ours(folder: Path, tokens: np.ndarray, files: int) -> Path:
     """Our shards and manifest (a stand-in tokenizer file: nothing here decodes)."""
     folder.mkdir(parents=True)
@@ -69,7 +78,7 @@ def write_ours(folder: Path, tokens: np.ndarray, files: int) -> Path:
 def write_dolma(folder: Path, tokens: np.ndarray, files: int) -> Path:
     """Raw uint16 token files, as Olmo-core and Dolma write them (no header)."""
     folder.mkdir(parents=True)
-    for k, part in enumerate(np.array_split(tokens, files)):
+    for k, part in enumerate(at_document_ends(tokens, files)):
         part.tofile(folder / f"part-{k:05d}.npy")
     return folder
 
@@ -79,11 +88,10 @@ def write_megatron(folder: Path, tokens: np.ndarray, files: int) -> Path:
     import struct
 
     folder.mkdir(parents=True)
-    for k, part in enumerate(np.array_split(tokens, files)):
+    for k, part in enumerate(at_document_ends(tokens, files)):
         prefix = folder / f"part_{k:05d}_text_document"
         part.tofile(prefix.with_name(prefix.name + ".bin"))
-        ends = np.append(np.flatnonzero(part == EOS) + 1, len(part))
-        lengths = np.diff(np.unique(np.concatenate([[0], ends]))).astype(np.int32)
+        lengths = np.diff(np.concatenate([[0], np.flatnonzero(part == EOS) + 1])).astype(np.int32)
         pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * 2
         docs = np.arange(len(lengths) + 1, dtype=np.int64)
         head = struct.pack(MEGATRON_HEAD, b"MMIDIDX\x00\x00", 1, 8, len(lengths), len(docs))
@@ -106,8 +114,8 @@ def main() -> None:
     p.add_argument("--files", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--batches", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batches", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
