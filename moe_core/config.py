@@ -634,7 +634,8 @@ class DataConfig:
     bpe_vocab_size: int = 4096
     bpe_train_chars: int = 200_000_000  # the trained BPE sees at most this much training text
     shard_tokens: int = 1 << 24  # tokens per shard file (the last one of a split holds the rest)
-    validation_fraction: float = 0.01  # share of documents held out, spread evenly by seed
+    # share of documents held out, spread evenly by seed (another format: its last tokens)
+    validation_fraction: float = 0.01
     seed: int = 0
     workers: int = 0  # tokenizing processes; 0: one per CPU core
     dir: str | None = None  # the token shards; None: <out_dir>/data

@@ -329,7 +329,7 @@ def test_moe_data_shows_files_documents_tokens_and_a_decoded_sample(tmp_path, ca
     out = capsys.readouterr().out
     for word in (
         "dolma",
-        "1 token files",
+        "1 token file (",
         "uint16",
         "documents",
         "50,257 ids",

@@ -25,6 +25,10 @@ class Summary:
     sample_text: str | None = None  # None: no tokenizer to decode with
 
 
+def _files(n: int, what: str) -> str:
+    return f"{n} {what} file{'s' if n != 1 else ''}"
+
+
 def _megabytes(paths: list[Path]) -> str:
     return f"{sum(p.stat().st_size for p in paths) / 1e6:,.1f} MB"
 
@@ -75,21 +79,23 @@ def summarize(data: DataConfig, model_vocab_size: int, sample_tokens: int = 64) 
         tokenizer = vocab.tokenizer
         dtypes = sorted({str(d) for d in train.dtypes})
         if data.format == "megatron" or train.sidecars:
-            documents = f"{train.documents:,} (from {len(train.sidecars)} index/metadata files)"
+            documents = (
+                f"{train.documents:,} (from {_files(len(train.sidecars), 'index/metadata')})"
+            )
         elif vocab.eos_id is not None:
             ends = _count(train, vocab.eos_id) + _count(held_out, vocab.eos_id)
             documents = f"{ends:,} (end-of-text ids {vocab.eos_id} counted; no metadata files)"
         else:
             documents = "unknown (no metadata files, and no tokenizer names the end-of-text id)"
-        share = f"the last {data.validation_fraction:g} of the tokens"
+        share = f"the last {data.validation_fraction * 100:.4g} % of the tokens"
         out.rows += [
             ("format", data.format),
             ("folder", str(train.root)),
             (
                 "files",
-                f"{len(train.paths)} token files ({_megabytes(train.paths)}), dtype "
+                f"{_files(len(train.paths), 'token')} ({_megabytes(train.paths)}), dtype "
                 f"{', '.join(dtypes)}"
-                + (f"; {len(train.sidecars)} index/metadata files" if train.sidecars else ""),
+                + (f"; {_files(len(train.sidecars), 'index/metadata')}" if train.sidecars else ""),
             ),
             ("documents", documents),
             (
