@@ -6,6 +6,7 @@ loader resume; the checksum record; ``moe data``."""
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 from pathlib import Path
 
@@ -227,16 +228,19 @@ def test_checksums_are_recorded_in_the_run_folder_and_a_changed_file_is_refused(
     idx = write_megatron(tmp_path / "mg" / "a", documents(10, 9))
     before = sorted(p.name for p in (tmp_path / "mg").iterdir())
     data = MegatronDataset(tmp_path / "mg", "train", 3, vocab_size=VOCAB)
-    assert check_recorded(data, tmp_path / "run").startswith("recorded the sha256 of 2 files")
+    run = tmp_path / "run"
+    assert check_recorded(data, run, resuming=True).startswith("recorded the sha256 of 2 files")
     assert (tmp_path / "run" / CHECKSUMS).is_file()
     assert sorted(p.name for p in (tmp_path / "mg").iterdir()) == before  # nothing written there
-    assert check_recorded(data, tmp_path / "run").startswith("verified the sha256 of 2 files")
+    assert check_recorded(data, run, resuming=True).startswith("verified the sha256 of 2 files")
     bin_path = idx.with_suffix(".bin")
     raw = bytearray(bin_path.read_bytes())
     raw[0] ^= 1  # still a valid id: only the hash sees it
     bin_path.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=f"{bin_path} changed since this run recorded"):
-        check_recorded(data, tmp_path / "run")
+        check_recorded(data, run, resuming=True)
+    assert check_recorded(data, run, resuming=False).startswith("recorded")  # a new run
+    assert check_recorded(data, run, resuming=True).startswith("verified")
 
 
 # ---- the formats' own writers, where their packages import ------------------------------
@@ -302,21 +306,30 @@ def test_config_refusals_for_external_formats(tmp_path):
             compose_run([*BASE, f"out_dir={tmp_path}", *overrides])
 
 
-def test_training_reads_a_dolma_corpus_records_its_checksums_and_resumes(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["dolma", "megatron"])
+def test_training_reads_a_corpus_in_place_records_its_checksums_and_resumes(tmp_path, capsys, fmt):
     root = tmp_path / "corpus"
     docs = documents(250, 13, top=256)
-    write_dolma(root / "part-0.npy", docs[:120])
-    write_dolma(root / "part-1.npy", docs[120:])
+    if fmt == "dolma":
+        write_dolma(root / "part-0.npy", docs[:120])
+        write_dolma(root / "part-1.npy", docs[120:])
+    else:
+        write_megatron(root / "part_0_text_document", docs[:120])
+        write_megatron(root / "part_1_text_document", docs[120:])
     before = sorted(p.name for p in root.iterdir())
     out = tmp_path / "run"
     held_out = ["data.validation_fraction=0.1", "train.eval_every=2", "train.eval_batches=2"]
-    args = run_args(root, out, "dolma", "model.vocab_size=256", *held_out, "train.steps=2")
+    args = run_args(root, out, fmt, "model.vocab_size=256", *held_out, "train.steps=2")
     assert main(["train", *args]) == 0
     printed = capsys.readouterr().out
     assert "recorded the sha256 of 4 files in" in printed.replace("\n", "")
     assert sorted(p.name for p in root.iterdir()) == before and (out / CHECKSUMS).is_file()
     assert main(["train", *args[:-1], "train.steps=3"]) == 0
     assert "verified the sha256 of 4 files against" in capsys.readouterr().out.replace("\n", "")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [0, 1, 2]
+    assert not list(out.glob("*.superseded-*"))  # resumed, not started over
+    assert any("eval_loss" in m for m in metrics)
 
 
 def test_moe_data_shows_files_documents_tokens_and_a_decoded_sample(tmp_path, capsys):

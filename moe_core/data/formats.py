@@ -17,8 +17,8 @@
 Each external corpus is one token stream: its files in sorted order, each read whole. The
 validation split is its tail: the last ``data.validation_fraction`` of the tokens (0: none, and
 held-out evaluation is refused by ``check_validation_fits``). Files are opened read-only and
-nothing is written beside them; their sha256 are recorded in the run's own folder at first use
-and checked on every later start (``check_recorded``).
+nothing is written beside them; their sha256 are recorded in the run's own folder when a run
+starts and checked when it resumes (``check_recorded``).
 """
 
 from __future__ import annotations
@@ -454,16 +454,16 @@ def open_source(data: DataConfig, split: str, seq_len: int, vocab: Vocabulary | 
     )
 
 
-def check_recorded(dataset: ExternalDataset, run_dir: str | Path) -> str:
-    """Hash every file of ``dataset`` against the record in ``run_dir`` (written there at first
-    use, never beside the corpus); a file whose bytes changed since is refused by name. Returns
-    what was done, in words."""
+def check_recorded(dataset: ExternalDataset, run_dir: str | Path, *, resuming: bool) -> str:
+    """Hash every file of ``dataset``: a new run records them in ``run_dir`` (never beside the
+    corpus), a ``resuming`` one checks them against that record and refuses a file whose bytes
+    changed since, by name. Returns what was done, in words."""
     record = Path(run_dir) / CHECKSUMS
     found = {}  # by the name below the corpus's folder: a corpus moved whole still verifies
     for path in dataset.files():
         name = path.relative_to(dataset.root).as_posix()
         found[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-    if not record.is_file():
+    if not (resuming and record.is_file()):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         atomic_write(record, json_bytes({"format": dataset.format, "files": found}))
         return f"recorded the sha256 of {len(found)} files in {record}"

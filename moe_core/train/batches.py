@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from moe_core.ckpt.format import step_of
 from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits
 from moe_core.data.errors import DataError
 from moe_core.data.formats import Vocabulary, check_recorded, open_source, run_vocabulary
@@ -79,9 +81,17 @@ class Batches:
         format: ``data.format``)."""
         return open_source(self.cfg.data, split, self.cfg.train.seq_len, self.vocab)
 
+    def _resuming(self) -> bool:
+        """Whether this start may resume a checkpoint (``train.resume`` and one is there): the
+        corpus must then be the one recorded when the run began."""
+        ckpts = Path(self.cfg.out_dir) / "checkpoints"
+        found = ckpts.is_dir() and any(step_of(p.name) is not None for p in ckpts.iterdir())
+        return self.cfg.train.resume and found
+
     def _verify_data(self) -> None:
         """Hash every shard against the data manifest before the first step (rank 0, streamed,
-        timed; another format's files against the record in ``out_dir``, written at first use);
+        timed; another format's files against the record in ``out_dir`` on a resume, recorded there
+        on a new run);
         ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
         dc = self.cfg.data
         main = self.mesh.rank == 0
@@ -89,7 +99,9 @@ class Batches:
         if main and dc.verify_checksums and dc.external:
             tick = time.perf_counter()
             try:
-                done = check_recorded(self.dataset("train"), self.cfg.out_dir)
+                done = check_recorded(
+                    self.dataset("train"), self.cfg.out_dir, resuming=self._resuming()
+                )
             except DataError as err:
                 problem[0] = str(err)
             else:
