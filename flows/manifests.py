@@ -53,6 +53,8 @@ ADDED_SINCE: dict[str, Any] = {
     "model.mtp_loss_weight": 0.3,
     "model.mtp_loss_weight_late": 0.1,
     "model.mtp_late_start": 10 / 14.8,
+    "data.format": "moe",
+    "data.token_dtype": None,
 }
 
 
