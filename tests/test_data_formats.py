@@ -329,6 +329,11 @@ def test_training_reads_a_corpus_in_place_records_its_checksums_and_resumes(tmp_
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [0, 1, 2]
     assert not list(out.glob("*.superseded-*"))  # resumed, not started over
+    assert main(["convert", "to-hf", str(out / "model"), str(tmp_path / "hf")]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert (
+        f"trained on a {fmt} corpus, which carries no tokenizer files: give --tokenizer" in printed
+    )
     assert any("eval_loss" in m for m in metrics)
 
 
