@@ -6,7 +6,8 @@
 - ``dolma``: Dolma's and Olmo-core's numpy token files: flat arrays of ``uint16``/``uint32``
   token ids with the end-of-text id after every document, named ``*.npy``. Olmo-core and Dolma
   write them as raw memory maps without a header (their dtype is then ``data.token_dtype``, or,
-  unset, the smallest of the two that holds the vocabulary, as Olmo-core picks it); a file
+  unset, the smaller of the two that holds the vocabulary: Olmo-core's rule, which would take
+  ``uint8`` for 256 ids or fewer, a dtype not read here); a file
   ``np.save`` wrote (a ``.npy`` header) says its own dtype. A ``NAME.csv.gz`` beside ``NAME.npy``
   (Dolma's metadata: one ``start,end,...`` row per document) is checked to cover the file.
 - ``megatron``: Megatron-Core indexed datasets, ``PREFIX.idx`` (header ``MMIDIDX``, version 1,
@@ -52,7 +53,8 @@ CHECKSUMS = "data-checksums.json"  # in the run's folder, never in the corpus
 
 
 def default_dtype(vocab_size: int) -> str:
-    """The dtype a headerless token file of this vocabulary is read as (Olmo-core's choice)."""
+    """The dtype a headerless token file of this vocabulary is read as (Olmo-core's choice
+    above 256 ids)."""
     return TOKEN_DTYPES[0] if vocab_size <= 1 << 16 else TOKEN_DTYPES[1]
 
 
