@@ -95,7 +95,7 @@ def test_dolma_files_read_back_token_for_token_across_file_boundaries(dolma_dir)
     assert ds.tokens == len(expected) and len(ds) == len(expected) // 8
     assert np.array_equal(stream(ds), expected)
     assert [str(d) for d in ds.dtypes] == ["uint16", "uint32", "uint16"]
-    assert ds.documents == 35  # the metadata's rows; the headered file has none
+    assert ds.check_documents() == 40  # 35 metadata rows, and 5 end-of-text ids counted
     batch_BT = ds.batch(np.array([len(ds) - 1, 0, 3]))
     assert batch_BT.dtype == np.int64 and batch_BT.shape == (3, 8)
     assert np.array_equal(batch_BT[0], expected[(len(ds) - 1) * 8 : len(ds) * 8])
@@ -125,7 +125,7 @@ def test_megatron_pairs_read_back_token_for_token(tmp_path):
     write_megatron(tmp_path / "mg" / "a_text_document", a, "uint16")
     write_megatron(tmp_path / "mg" / "b_text_document", b, "int32")
     ds = MegatronDataset(tmp_path / "mg", "train", 5, vocab_size=VOCAB)
-    assert np.array_equal(stream(ds), np.concatenate([*a, *b])) and ds.documents == 42
+    assert np.array_equal(stream(ds), np.concatenate([*a, *b])) and ds.check_documents() == 42
     one = MegatronDataset(tmp_path / "mg" / "b_text_document", "train", 5, vocab_size=VOCAB)
     assert np.array_equal(stream(one), np.concatenate(b))
     assert [p.name for p in one.files()] == ["b_text_document.bin", "b_text_document.idx"]
@@ -169,8 +169,8 @@ def test_damaged_megatron_files_are_refused_in_one_sentence_naming_the_file(
     else:
         idx.unlink()
         bin_path.unlink()
-    with pytest.raises(DataError) as err:
-        MegatronDataset(tmp_path / "mg", "train", 3, vocab_size=VOCAB)
+    with pytest.raises(DataError) as err:  # at open, or (every row) with the checksums
+        MegatronDataset(tmp_path / "mg", "train", 3, vocab_size=VOCAB).check_documents()
     text = str(err.value)
     assert sentence in text and "\n" not in text and text.count(". ") == 0
     assert str(tmp_path / "mg") in text
@@ -179,8 +179,9 @@ def test_damaged_megatron_files_are_refused_in_one_sentence_naming_the_file(
 def test_wrong_dtype_or_vocabulary_and_bad_ids_are_refused(tmp_path):
     docs = documents(8, 7)
     path = write_dolma(tmp_path / "d" / "x.npy", docs, "uint32")
+    wrong = DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB)  # as uint16: 2x tokens
     with pytest.raises(DataError, match=r"ends its documents at token .* data.token_dtype"):
-        DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB)  # read as uint16: 2x tokens
+        wrong.check_documents()  # and so check_recorded, before any step
     ok = DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB, token_dtype="uint32")
     assert np.array_equal(stream(ok), np.concatenate(docs))
     path.with_name("x.csv.gz").unlink()
@@ -258,7 +259,7 @@ def test_megatron_cores_own_builder_is_read_token_for_token(tmp_path):
         builder.add_document(torch.from_numpy(d.astype(np.int64)), [len(d)])
     builder.finalize(prefix + ".idx")
     ds = MegatronDataset(tmp_path / "own", "train", 3, vocab_size=VOCAB)
-    assert np.array_equal(stream(ds), np.concatenate(docs)) and ds.documents == 25
+    assert np.array_equal(stream(ds), np.concatenate(docs)) and ds.check_documents() == 25
     theirs = indexed.IndexedDataset(prefix)
     assert all(np.array_equal(theirs[i], d) for i, d in enumerate(docs))
 
@@ -273,7 +274,7 @@ def test_olmo_cores_own_writer_and_metadata_are_read_token_for_token(tmp_path):
         array[:] = tokens
     utils.write_document_indices(path, dtype=np.uint32, eos_token_id=EOS)
     ds = DolmaDataset(path.parent, "train", 3, vocab_size=100_000, eos_id=EOS)
-    assert np.array_equal(stream(ds), tokens) and ds.documents == 30 and ds.sidecars
+    assert np.array_equal(stream(ds), tokens) and ds.check_documents() == 30 and ds.sidecars
 
 
 def test_dolmas_own_memmap_writer_is_read_token_for_token(tmp_path):
@@ -285,7 +286,7 @@ def test_dolmas_own_memmap_writer_is_read_token_for_token(tmp_path):
         for i, d in enumerate(docs):
             w.write(types.TokenizerOutput.from_tokens(f"d{i}", "src", i, d.tolist()))
     ds = DolmaDataset(tmp_path / "dolma", "train", 3, vocab_size=VOCAB, eos_id=EOS)
-    assert np.array_equal(stream(ds), np.concatenate(docs)) and ds.documents == 12
+    assert np.array_equal(stream(ds), np.concatenate(docs)) and ds.check_documents() == 12
 
 
 # ---- the run: config, training, moe data ------------------------------------------------

@@ -10,10 +10,8 @@ import numpy as np
 
 from moe_core.config import DataConfig
 from moe_core.data.dataset import TokenDataset
-from moe_core.data.formats import ExternalDataset, open_source, run_vocabulary
+from moe_core.data.formats import open_source, run_vocabulary
 from moe_core.data.tokenizer import load_tokenizer
-
-COUNT_CHUNK = 1 << 24  # tokens read at a time when counting end-of-text ids
 
 
 @dataclass
@@ -31,14 +29,6 @@ def _files(n: int, what: str) -> str:
 
 def _megabytes(paths: list[Path]) -> str:
     return f"{sum(p.stat().st_size for p in paths) / 1e6:,.1f} MB"
-
-
-def _count(dataset: ExternalDataset, token: int) -> int:
-    """How often ``token`` occurs in the split (read in chunks: files may not fit in memory)."""
-    found = 0
-    for start in range(0, dataset.tokens, COUNT_CHUNK):
-        found += int(np.count_nonzero(dataset.read(start, COUNT_CHUNK) == token))
-    return found
 
 
 def summarize(data: DataConfig, model_vocab_size: int, sample_tokens: int = 64) -> Summary:
@@ -78,15 +68,16 @@ def summarize(data: DataConfig, model_vocab_size: int, sample_tokens: int = 64) 
         train, held_out = (open_source(data, s, 1, vocab) for s in ("train", "validation"))
         tokenizer = vocab.tokenizer
         dtypes = sorted({str(d) for d in train.dtypes})
-        if data.format == "megatron" or train.sidecars:
+        counted = train.check_documents()
+        if counted is None:
             documents = (
-                f"{train.documents:,} (from {_files(len(train.sidecars), 'index/metadata')})"
+                "unknown (a file without metadata, and no tokenizer names the end-of-text id)"
             )
-        elif vocab.eos_id is not None:
-            ends = _count(train, vocab.eos_id) + _count(held_out, vocab.eos_id)
-            documents = f"{ends:,} (end-of-text ids {vocab.eos_id} counted; no metadata files)"
+        elif data.format == "megatron":
+            documents = f"{counted:,} (their indices)"
         else:
-            documents = "unknown (no metadata files, and no tokenizer names the end-of-text id)"
+            how = f"metadata rows, or end-of-text ids {vocab.eos_id} counted where a file has none"
+            documents = f"{counted:,} ({how if vocab.eos_id is not None else 'metadata rows'})"
         share = f"the last {data.validation_fraction * 100:.4g} % of the tokens"
         out.rows += [
             ("format", data.format),

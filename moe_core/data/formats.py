@@ -49,6 +49,7 @@ MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
 # Megatron-Core's dtype codes; the float ones (6, 7) cannot hold token ids.
 MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
+COUNT_CHUNK = 1 << 24  # tokens compared at a time when end-of-text ids are counted
 CHECKSUMS = "data-checksums.json"  # in the run's folder, never in the corpus
 
 
@@ -101,7 +102,6 @@ class ExternalDataset:
         self.dtypes: list[np.dtype] = []
         self.offsets: list[int] = []  # bytes before the first token of each file
         self.sidecars: list[Path] = []  # index and metadata files, checksummed with the tokens
-        self.documents = 0
         sizes = self._open()
         stream = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
         total = int(stream[-1])
@@ -112,6 +112,14 @@ class ExternalDataset:
         self._arrays: list[np.ndarray | None] = [None] * len(self.paths)
 
     def _open(self) -> list[int]:
+        """Find and check the files as far as their headers and sizes go (every rank opens
+        them at every start, so nothing here reads a whole index or metadata file)."""
+        raise NotImplementedError
+
+    def check_documents(self) -> int | None:
+        """The documents of the corpus (both splits), once every index or metadata row is
+        checked against the tokens; None where a file has neither and no end-of-text id is
+        known. Reads them whole: run with the checksums (``check_recorded``) and ``moe data``."""
         raise NotImplementedError
 
     @property
@@ -253,16 +261,33 @@ class DolmaDataset(ExternalDataset):
         metadata = path.with_name(path.name.removesuffix(".npy") + ".csv.gz")
         if metadata.is_file():
             self.sidecars.append(metadata)
-            self.documents += self._check_metadata(metadata, path, tokens)
-        elif tokens and self.eos_id is not None:
+        if tokens and self.eos_id is not None:  # one token read: catches most wrong dtypes
             last = int(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(tokens,))[-1])
             if last != self.eos_id:
                 raise DataError(
-                    f"{path} ends in token {last}, not the end-of-text id {self.eos_id} that ends "
-                    f"every document of a Dolma token file: it is truncated, was written with "
-                    f"another tokenizer, or is not {dtype} (set data.token_dtype)."
+                    f"{path} ends in token {last}, not the end-of-text id {self.eos_id} that "
+                    f"ends every document of a Dolma token file: it is truncated, was written "
+                    f"with another tokenizer, or is not {dtype} (set data.token_dtype)."
                 )
         return tokens
+
+    def check_documents(self) -> int | None:
+        total: int | None = 0
+        for k, path in enumerate(self.paths):
+            tokens = int(self.starts[k + 1] - self.starts[k])
+            metadata = path.with_name(path.name.removesuffix(".npy") + ".csv.gz")
+            if metadata in self.sidecars:
+                found: int | None = self._check_metadata(metadata, path, tokens)
+            elif self.eos_id is not None:
+                array = self._file(k)  # in chunks: a file may not fit in memory
+                found = sum(
+                    int(np.count_nonzero(array[i : i + COUNT_CHUNK] == self.eos_id))
+                    for i in range(0, tokens, COUNT_CHUNK)
+                )
+            else:
+                found = None
+            total = None if total is None or found is None else total + found
+        return total
 
     @staticmethod
     def _check_metadata(metadata: Path, path: Path, tokens: int) -> int:
@@ -318,10 +343,12 @@ class MegatronDataset(ExternalDataset):
 
     def _open_pair(self, idx: Path) -> int:
         damaged = f"{idx} is not a Megatron-Core index that can be read"
-        raw = idx.read_bytes()
-        if len(raw) < MEGATRON_HEAD.size:
-            raise DataError(f"{damaged}: it holds {len(raw)} bytes, fewer than its header's.")
-        magic, version, code, sequences, documents = MEGATRON_HEAD.unpack_from(raw)
+        size = idx.stat().st_size
+        with open(idx, "rb") as f:
+            head = f.read(MEGATRON_HEAD.size)
+        if len(head) < MEGATRON_HEAD.size:
+            raise DataError(f"{damaged}: it holds {size} bytes, fewer than its header's.")
+        magic, version, code, sequences, documents = MEGATRON_HEAD.unpack(head)
         if magic != MEGATRON_MAGIC or version != 1:
             raise DataError(
                 f"{damaged}: it starts with {magic!r} version {version}, not {MEGATRON_MAGIC!r} "
@@ -334,30 +361,16 @@ class MegatronDataset(ExternalDataset):
             )
         dtype = np.dtype(MEGATRON_DTYPES[code])
         expected = MEGATRON_HEAD.size + sequences * (4 + 8) + documents * 8
-        if len(raw) != expected:
+        if size != expected:
             extra = " (per-sequence modes: a multimodal index, which is not read)" * (
-                len(raw) == expected + sequences
+                size == expected + sequences
             )
             raise DataError(
-                f"{damaged}: it holds {len(raw)} bytes, not the {expected} its header's "
+                f"{damaged}: it holds {size} bytes, not the {expected} its header's "
                 f"{sequences} sequences and {documents} document indices take{extra}."
             )
-        at = MEGATRON_HEAD.size
-        lengths = np.frombuffer(raw, np.int32, sequences, at).astype(np.int64)
-        pointers = np.frombuffer(raw, np.int64, sequences, at + 4 * sequences)
-        doc_index = np.frombuffer(raw, np.int64, documents, at + 12 * sequences)
-        ends = np.cumsum(lengths) * dtype.itemsize
-        if (lengths < 0).any() or not np.array_equal(pointers, ends - lengths * dtype.itemsize):
-            raise DataError(
-                f"{damaged}: its sequence pointers are not the running sum of its sequence "
-                "lengths (a damaged index, or one that reads its .bin out of order)."
-            )
-        if (
-            documents < 1
-            or doc_index[0] != 0
-            or doc_index[-1] != sequences
-            or (np.diff(doc_index) < 0).any()
-        ):
+        lengths, pointers, doc_index = self._arrays_of(idx, sequences, documents)
+        if documents < 1 or doc_index[0] != 0 or doc_index[-1] != sequences:
             raise DataError(
                 f"{damaged}: its document indices do not run from 0 up to its {sequences} "
                 "sequences."
@@ -366,19 +379,49 @@ class MegatronDataset(ExternalDataset):
         bin_path = idx.with_suffix(".bin")
         if not bin_path.is_file():
             raise DataError(f"{bin_path} is missing: {idx} indexes tokens in it.")
-        size = bin_path.stat().st_size
-        want = int(ends[-1]) if sequences else 0
-        if size != want:
+        # The last sequence's pointer and length give the .bin's size; that every pointer is
+        # the running sum of the lengths is checked row by row in check_documents.
+        want = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if sequences else 0
+        found = bin_path.stat().st_size
+        if found != want:
             raise DataError(
-                f"{bin_path} holds {size} bytes, not the {want} that {idx} indexes "
-                f"({'truncated' if size < want else 'grown'}): rewrite the pair."
+                f"{bin_path} holds {found} bytes, not the {want} that {idx} indexes "
+                f"({'truncated' if found < want else 'grown'}): rewrite the pair."
             )
         self.paths.append(bin_path)
         self.dtypes.append(dtype)
         self.offsets.append(0)
         self.sidecars.append(idx)
-        self.documents += documents - 1
         return want // dtype.itemsize
+
+    @staticmethod
+    def _arrays_of(idx: Path, sequences: int, documents: int) -> tuple[np.ndarray, ...]:
+        """The index's lengths, pointers and document indices, memory-mapped (read as used)."""
+        at = MEGATRON_HEAD.size
+        whole = np.memmap(idx, dtype=np.uint8, mode="r")
+        lengths = whole[at : at + 4 * sequences].view(np.int32)
+        pointers = whole[at + 4 * sequences : at + 12 * sequences].view(np.int64)
+        doc_index = whole[at + 12 * sequences : at + 12 * sequences + 8 * documents].view(np.int64)
+        return lengths, pointers, doc_index
+
+    def check_documents(self) -> int | None:
+        total = 0
+        for idx, dtype in zip(self.sidecars, self.dtypes, strict=True):
+            damaged = f"{idx} is not a Megatron-Core index that can be read"
+            with open(idx, "rb") as f:
+                _, _, _, sequences, documents = MEGATRON_HEAD.unpack(f.read(MEGATRON_HEAD.size))
+            lengths, pointers, doc_index = self._arrays_of(idx, sequences, documents)
+            lengths = lengths.astype(np.int64)
+            ends = np.cumsum(lengths) * dtype.itemsize
+            if (lengths < 0).any() or not np.array_equal(pointers, ends - lengths * dtype.itemsize):
+                raise DataError(
+                    f"{damaged}: its sequence pointers are not the running sum of its sequence "
+                    "lengths (a damaged index, or one that reads its .bin out of order)."
+                )
+            if (np.diff(doc_index) < 0).any():
+                raise DataError(f"{damaged}: its document indices go back.")
+            total += documents - 1
+        return total
 
 
 FORMATS: dict[str, type] = {
@@ -461,6 +504,7 @@ def check_recorded(dataset: ExternalDataset, run_dir: str | Path, *, resuming: b
     corpus), a ``resuming`` one checks them against that record and refuses a file whose bytes
     changed since, by name. Returns what was done, in words."""
     record = Path(run_dir) / CHECKSUMS
+    dataset.check_documents()  # every index or metadata row, while every byte is read anyway
     found = {}  # by the name below the corpus's folder: a corpus moved whole still verifies
     for path in dataset.files():
         name = path.relative_to(dataset.root).as_posix()
