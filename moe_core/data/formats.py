@@ -262,7 +262,9 @@ class DolmaDataset(ExternalDataset):
         if metadata.is_file():
             self.sidecars.append(metadata)
         if tokens and self.eos_id is not None:  # one token read: catches most wrong dtypes
-            last = int(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(tokens,))[-1])
+            with open(path, "rb") as f:
+                f.seek(offset + (tokens - 1) * dtype.itemsize)
+                last = int(np.frombuffer(f.read(dtype.itemsize), dtype=dtype)[0])
             if last != self.eos_id:
                 raise DataError(
                     f"{path} ends in token {last}, not the end-of-text id {self.eos_id} that "
