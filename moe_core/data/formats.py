@@ -110,6 +110,7 @@ class ExternalDataset:
         self.starts = stream - self.first  # each file's first token, counted from the split's
         self._end = cut if split == "train" else total
         self._arrays: list[np.ndarray | None] = [None] * len(self.paths)
+        self._identity: str | None = None
 
     def _open(self) -> list[int]:
         """Find and check the files as far as their headers and sizes go (every rank opens
@@ -132,13 +133,16 @@ class ExternalDataset:
     @property
     def identity(self) -> str:
         """What a loader's saved state names this data by: the format, each file's name, dtype
-        and size, and where the split starts (the contents are checked by ``check_recorded``)."""
-        files = [
-            [p.relative_to(self.root).as_posix(), str(d), p.stat().st_size]
-            for p, d in zip(self.paths, self.dtypes, strict=True)
-        ]
-        text = json.dumps([self.format, files, self.first, self._end], separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        and size, and where the split starts (the contents are checked by ``check_recorded``).
+        Computed once: the loader's state is taken every step."""
+        if self._identity is None:
+            files = [
+                [p.relative_to(self.root).as_posix(), str(d), p.stat().st_size]
+                for p, d in zip(self.paths, self.dtypes, strict=True)
+            ]
+            text = json.dumps([self.format, files, self.first, self._end], separators=(",", ":"))
+            self._identity = hashlib.sha256(text.encode()).hexdigest()
+        return self._identity
 
     def _file(self, k: int) -> np.ndarray:
         array = self._arrays[k]
