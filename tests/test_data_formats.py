@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -367,3 +368,33 @@ def test_moe_data_shows_files_documents_tokens_and_a_decoded_sample(tmp_path, ca
     assert main(["data", "data.kind=tokens", f"data.dir={ours}", "--sample-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert "moe (moe tokenize's shards and manifest)" in out and "0 1 2 3 4" in out
+
+
+def test_the_loader_benchmark_runs_small_and_reports_every_format(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "loader_formats.py"
+    out = tmp_path / "loader.json"
+    small = [
+        "--tokens",
+        "200000",
+        "--files",
+        "3",
+        "--seq",
+        "64",
+        "--batches",
+        "5",
+        "--repeats",
+        "1",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # this checkout's moe_core
+    run = subprocess.run(
+        [sys.executable, str(script), *small, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"moe", "dolma", "megatron"} and report["gpu"] == "none (CPU)"
