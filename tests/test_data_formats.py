@@ -297,7 +297,7 @@ def run_args(data: Path, out: Path, fmt: str, *extra: str) -> list[str]:
     return [*BASE, "model.n_layers=2", f"data={fmt}", f"data.dir={data}", f"out_dir={out}", *extra]
 
 
-def test_config_refusals_for_external_formats(tmp_path):
+def test_config_refusals_for_external_formats(tmp_path, capsys):
     cases = [
         (["data.kind=synthetic", "data.format=dolma"], "data.format='dolma' is not allowed"),
         (["data=megatron", "data.dir=/x", "data.token_dtype=uint16"], "data.token_dtype='uint16'"),
@@ -306,6 +306,12 @@ def test_config_refusals_for_external_formats(tmp_path):
     for overrides, sentence in cases:
         with pytest.raises(ConfigError, match=sentence.replace("(", r"\(")):
             compose_run([*BASE, f"out_dir={tmp_path}", *overrides])
+    capsys.readouterr()
+    assert main(["tokenize", "data=dolma", f"data.dir={tmp_path}"]) == 2
+    said = capsys.readouterr().out.replace("\n", "")
+    assert "data.format='dolma' is not allowed for moe tokenize: that corpus is tokens" in said
+    assert main(["data"]) == 2  # synthetic: no folder to show
+    assert "data.kind='synthetic' is not allowed for moe data" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["dolma", "megatron"])
