@@ -54,6 +54,8 @@ ADDED_SINCE: dict[str, Any] = {
     "model.mtp_loss_weight_late": 0.1,
     "model.mtp_late_start": 10 / 14.8,
     "data.sources": [],
+    "data.format": "moe",
+    "data.token_dtype": None,
 }
 
 

@@ -34,7 +34,7 @@ def old_layout(run: RunConfig) -> dict[str, Any]:
 
 def old_stage_keys(run: RunConfig, eval_batches: int) -> dict[str, str]:
     """Each stage's key as version 1 computed it (``eval_batches``: the evaluate stage's)."""
-    data = keyed("data", {k: v for k, v in to_dict(run.data).items() if k != "dir"})
+    data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
     keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
     keys["init"] = digest({"model": keyed("model", to_dict(run.model)), "seed": run.train.seed})
     sections = old_layout(run)

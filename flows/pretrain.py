@@ -95,6 +95,13 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
         check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
     layout = RunLayout(run_dir)
     data = dict(config.get("data", {}))
+    fmt = data.get("format", DataConfig.format)
+    if fmt != "moe":
+        raise ConfigError(
+            f"data.format={fmt!r} is not allowed for the pipeline: its stages start by "
+            "tokenizing a corpus into the run folder; train on tokens another tool wrote with "
+            "moe train (moe data shows them)."
+        )
     if data.get("dir") not in (None, str(layout.data)):
         raise ConfigError(
             f"data.dir={data['dir']!r} is not allowed for the pipeline: its tokenize stage "
@@ -210,7 +217,7 @@ def stage_task(stage: Stage, ctx: Context):
 
 
 def _tokenize_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
-    data = keyed("data", {k: v for k, v in to_dict(run.data).items() if k != "dir"})
+    data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
     return {"data": data, "vocab": run.model.vocab_size}
 
 

@@ -1,4 +1,5 @@
-"""The ``moe`` command: ``info``, ``plan``, ``tokenize``, ``train``, ``convert`` and ``eval``.
+"""The ``moe`` command: ``info``, ``plan``, ``tokenize``, ``data``, ``train``, ``convert``,
+``eval``.
 
 Config-driven commands take Hydra overrides (``moe info model=1t``) and ``--config-name`` (a
 top-level config of ``conf/``, e.g. ``pretrain-1t``); the config is composed and validated
@@ -134,6 +135,11 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
             f"data.kind={run.data.kind!r} is not allowed for moe tokenize: choose a data option "
             "that makes token shards (data=kjv, data=kjv-gpt2, data=files or data=hub)."
         )
+    if run.data.format != "moe":
+        raise ConfigError(
+            f"data.format={run.data.format!r} is not allowed for moe tokenize: that corpus is "
+            f"tokens already, which moe train reads in place (moe data shows it)."
+        )
     from moe_core.data.tokenize import tokenize_corpus
 
     assert run.data.dir is not None
@@ -141,6 +147,31 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
         run.data, run.data.dir, model_vocab_size=run.model.vocab_size, console=console
     )
     console.print(f"wrote {out}/manifest.json", highlight=False, soft_wrap=True)
+
+
+def cmd_data(args: argparse.Namespace) -> None:
+    from moe_core.compose import compose_run
+
+    if args.sample_tokens < 0:
+        raise ConfigError(
+            f"--sample-tokens {args.sample_tokens} is not allowed: a number of tokens, 0 or more."
+        )
+    run = compose_run(args.overrides, args.config_dir, args.config_name)
+    if run.data.kind != "tokens":
+        raise ConfigError(
+            f"data.kind={run.data.kind!r} is not allowed for moe data: synthetic tokens have no "
+            "folder to show; name one (data.kind=tokens data.dir=DIR, with data.format=dolma or "
+            "megatron for another tool's tokens)."
+        )
+    from moe_core.data.describe import summarize
+
+    summary = summarize(run.data, run.model.vocab_size, args.sample_tokens)
+    rows = list(summary.rows)
+    if summary.sample_text is not None:
+        rows.append(("sample", repr(summary.sample_text)))
+    rows.append(("sample ids", " ".join(map(str, summary.sample_ids)) or "(no tokens)"))
+    for name, value in rows:  # one line each, never wrapped: a path or sample stays greppable
+        console.print(f"[bold]{name:>10}[/]  {escape(value)}", highlight=False, soft_wrap=True)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -374,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("info", cmd_info, "print a model's total/active parameters and FLOPs per token"),
         ("plan", cmd_plan, "print a layout's GPUs, memory per GPU and communication per step"),
         ("tokenize", cmd_tokenize, "tokenize a corpus into token shards (default: data=kjv)"),
+        (
+            "data",
+            cmd_data,
+            "show a token folder (ours, Dolma/Olmo-core numpy or Megatron .idx/.bin): files, "
+            "documents, tokens, vocabulary and a decoded sample",
+        ),
         ("train", cmd_train, "train a model (one process, or every rank under torchrun)"),
     ):
         p = sub.add_parser(name, help=helptext)
@@ -395,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument(
                 "--overwrite", action="store_true", help="replace an existing --html file"
+            )
+        if name == "data":
+            p.add_argument(
+                "--sample-tokens",
+                type=int,
+                default=64,
+                help="how many of the first tokens to show, decoded where a tokenizer is known",
             )
         if name == "train":
             p.add_argument(

@@ -670,9 +670,16 @@ class DataConfig:
     ``moe tokenize`` writes into ``dir`` from one source: ``path`` (local text, jsonl/json, csv or
     parquet files, a folder of them or a glob), ``hub`` (a Hugging Face dataset name) or, when
     neither is set, the built-in offline corpus (the King James Bible, one document per chapter).
+    ``format`` says what ``dir`` holds: ``moe`` (our shards), or tokens another tool wrote, read in
+    place (``dolma``: Dolma/Olmo-core numpy token files; ``megatron``: Megatron-Core ``.idx``/
+    ``.bin`` pairs; ``data.formats``), whose vocabulary is ``tokenizer``'s (or, with ``bpe``, which
+    names none, ``model.vocab_size``) and whose validation split is the last
+    ``validation_fraction`` of the tokens.
     """
 
     kind: Literal["synthetic", "tokens"] = "synthetic"
+    format: Literal["moe", "dolma", "megatron"] = "moe"
+    token_dtype: Literal["uint16", "uint32"] | None = None  # dolma files without a header
     branching: int = 4  # synthetic: how many successors each token can have
     path: str | None = None
     hub: str | None = None
@@ -685,7 +692,8 @@ class DataConfig:
     bpe_vocab_size: int = 4096
     bpe_train_chars: int = 200_000_000  # the trained BPE sees at most this much training text
     shard_tokens: int = 1 << 24  # tokens per shard file (the last one of a split holds the rest)
-    validation_fraction: float = 0.01  # share of documents held out, spread evenly by seed
+    # share of documents held out, spread evenly by seed (another format: its last tokens)
+    validation_fraction: float = 0.01
     seed: int = 0
     workers: int = 0  # tokenizing processes; 0: one per CPU core
     dir: str | None = None  # the token shards; None: <out_dir>/data
@@ -724,6 +732,23 @@ class DataConfig:
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
+        if self.format != "moe" and self.kind != "tokens":
+            fail(
+                p + "format",
+                self.format,
+                "'moe' with data.kind='synthetic' (or set data.kind=tokens)",
+            )
+        if self.token_dtype is not None and self.format != "dolma":
+            fail(
+                p + "token_dtype",
+                self.token_dtype,
+                "unset unless data.format='dolma' (the other formats say their dtype)",
+            )
+
+    @property
+    def external(self) -> bool:
+        """Whether ``dir`` holds tokens another tool wrote (no manifest, no tokenizer files)."""
+        return self.kind == "tokens" and self.format != "moe"
 
     def _check_sources(self) -> None:
         if not self.sources:
@@ -1226,9 +1251,20 @@ class RunConfig:
             check_path("out_dir", self.out_dir)
             if self.init.from_hf is not None:
                 self.init.from_hf = check_path("init.from_hf", self.init.from_hf)
+        if self.data.external and self.data.dir is None:
+            fail("data.dir", None, f"the folder of the {self.data.format} corpus to read")
+        if self.data.external and self.eval.every:
+            fail(
+                "eval.every",
+                self.eval.every,
+                f"0 with data.format={self.data.format!r} (downstream tasks read the tokenizer "
+                "files of a moe tokenize folder, which this corpus does not have)",
+            )
         if self.data.dir is None:
             self.data.dir = f"{self.out_dir}/data"
         vocab = self.data.tokenizer_vocab_size
+        if self.data.external and self.data.tokenizer == "bpe":
+            vocab = None  # no BPE is trained for tokens already written: the model's vocabulary
         if self.data.kind == "tokens" and vocab is not None and not self.data.sources:
             check_tokenizer_fits(self.data, vocab, self.model.vocab_size)
         self._check_budgets()

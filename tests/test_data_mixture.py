@@ -174,8 +174,13 @@ def test_hydra_composes_a_list_of_sources_and_shares_follow_weights_and_budgets(
     assert from_dict(RunConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
 
 
-def test_every_configurable_format_has_a_reader():
-    assert set(SOURCE_FORMATS) == set(FORMATS)
+def test_every_format_a_source_may_name_has_a_reader_and_the_external_ones_are_refused():
+    """A mixture's sources are our shards for now: each name a source may take opens from its
+    folder alone; the external formats (they need the run's vocabulary) are refused in one
+    sentence naming the allowed ones."""
+    assert set(SOURCE_FORMATS) <= set(FORMATS) and set(SOURCE_FORMATS) == {"moe"}
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].format='dolma' is not allowed: one"):
+        run(["data.sources=[{name:a,dir:/a,weight:1.0,format:dolma}]"])
 
 
 # ---- the draw ------------------------------------------------------------------------------
@@ -398,17 +403,6 @@ def test_the_pipeline_refuses_a_mixture_in_one_sentence(tmp_path):
     config = {"data": {"kind": "tokens", "sources": [{"name": "a", "dir": "/a", "weight": 1}]}}
     with pytest.raises(ConfigError, match=r"^data.sources \(a mixture of 1\) is not allowed"):
         resolve(config, tmp_path)
-
-
-def test_an_empty_list_of_sources_leaves_existing_stage_keys_alone(tmp_path):
-    from flows.manifests import digest
-    from flows.pretrain import resolve, stage_keys
-    from moe_core.compose import compose_dict
-    from moe_core.config_dict import to_dict
-
-    run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
-    before = {k: v for k, v in to_dict(run.data).items() if k not in ("dir", "sources")}
-    assert stage_keys(run)["tokenize"] == digest({"data": before, "vocab": run.model.vocab_size})
 
 
 def test_the_page_shows_the_mixture_as_moe_plan_does(dirs):

@@ -58,3 +58,28 @@ def test_options_added_since_key_version_2_leave_existing_keys_alone(tmp_path):
     # head_dim is "as before" when it is d_model / n_heads, whether given or not
     same = replace(run, model=replace(run.model, head_dim=run.model.d_model // run.model.n_heads))
     assert stage_keys(same) == before
+
+
+def test_data_options_added_since_key_version_2_leave_the_tokenize_key_alone(tmp_path):
+    """``data.format`` and ``data.token_dtype`` (corpora of other tools, read in place) and
+    ``data.sources`` (mixtures; empty: the one folder) hash only when set: a run folder
+    tokenized before them keeps its tokenize key."""
+    from moe_core.config_dict import to_dict
+
+    run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
+    new = {"dir", "format", "token_dtype", "sources"}
+    data = {k: v for k, v in to_dict(run.data).items() if k not in new}
+    assert stage_keys(run)["tokenize"] == manifests.digest(
+        {"data": data, "vocab": run.model.vocab_size}
+    )
+
+
+def test_the_pipeline_refuses_a_corpus_of_another_format_before_anything_runs(tmp_path):
+    import pytest
+
+    from moe_core.config import ConfigError
+
+    config = compose_dict(["data=dolma", "data.dir=/corpus"], config_name="pretrain-tiny")
+    with pytest.raises(ConfigError, match=r"data\.format='dolma' is not allowed for the pipeline"):
+        resolve(config, tmp_path)
+    assert not any(tmp_path.iterdir())

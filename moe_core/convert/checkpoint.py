@@ -136,6 +136,11 @@ def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
         raise ConfigError(
             f"the run that wrote {src} trained on synthetic tokens, which have no tokenizer: {ask}."
         )
+    if run.data.external and not run.data.sources:
+        raise ConfigError(
+            f"the run that wrote {src} trained on a {run.data.format} corpus, which carries no "
+            f"tokenizer files: {ask}."
+        )
     data_dir = Path(written)
     if not data_dir.is_dir():  # a relative path from another working folder: from the run's
         out_dir = checkpoint.resolve().parent.parent

@@ -8,12 +8,35 @@ may span a shard boundary, and the final partial instance is never served.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from moe_core.data.errors import DataError
 from moe_core.data.manifest import Manifest, verify_data_dir
 from moe_core.data.shards import SPLITS
+
+
+class Instances(Protocol):
+    """What the loader reads: fixed-length instances of one split (``TokenDataset``, and each
+    format of ``formats.FORMATS``)."""
+
+    split: str
+    seq_len: int
+    vocab_size: int
+
+    @property
+    def root(self) -> Path: ...  # the folder named in sentences about the data
+
+    @property
+    def identity(self) -> str: ...  # a loader state saved for other data is refused by it
+
+    @property
+    def tokens(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: np.ndarray) -> np.ndarray: ...
 
 
 class TokenDataset:
@@ -42,9 +65,19 @@ class TokenDataset:
         return int(self.starts[-1])
 
     @property
+    def root(self) -> Path:
+        return self.manifest.data_dir
+
+    @property
     def identity(self) -> str:
-        """What names this exact data in a loader state: its manifest's sha256."""
+        """The sha256 of the manifest, which names every shard's sha256."""
         return self.manifest.sha256
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens ``[start, start + n)`` of this split (int64)."""
+        out = np.empty(min(n, self.tokens - start), dtype=np.int64)
+        self._fill(out, start)
+        return out
 
     @property
     def tokenizer_id(self) -> str:

@@ -12,14 +12,14 @@ that epoch (a different few each epoch). The validation split is read in order, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from moe_core.data.dataset import TokenDataset
+from moe_core.data.dataset import Instances, TokenDataset
 from moe_core.data.errors import DataError
 from moe_core.data.shuffle import Permutation
 
@@ -31,14 +31,13 @@ class TokenLoader:
 
     def __init__(
         self,
-        data_dir: str | Path,
+        data: str | Path | Instances,
         split: Literal["train", "validation"],
         seq_len: int,
         micro_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
-        open_dataset: Callable[..., TokenDataset] = TokenDataset,
     ) -> None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size} is not allowed: it must be > 0.")
@@ -47,15 +46,22 @@ class TokenLoader:
                 f"dp_rank={dp_rank} is not allowed with dp_size={dp_size}: it must be in "
                 f"[0, dp_size) and dp_size > 0."
             )
-        # ``open_dataset``: another format's reader (``formats.FORMATS``), same interface
-        self.dataset = open_dataset(data_dir, split, seq_len)
+        # A folder is ours (moe tokenize); any other format comes as its dataset (formats.py).
+        if isinstance(data, str | Path):
+            data = TokenDataset(data, split, seq_len)
+        if data.split != split or data.seq_len != seq_len:
+            raise ValueError(
+                f"the dataset is the {data.split} split at seq_len={data.seq_len}, which is not "
+                f"allowed for a {split} loader at seq_len={seq_len}."
+            )
+        self.dataset = data
         self.split, self.seq_len, self.seed = split, seq_len, seed
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.step_instances = micro_batch_size * dp_size
         self.batches_per_epoch = len(self.dataset) // self.step_instances
         if self.batches_per_epoch == 0:
             raise DataError(
-                f"the {split} split of {Path(data_dir)} holds "
+                f"the {split} split of {self.dataset.root} holds "
                 f"{len(self.dataset)} instances of {seq_len + 1} tokens, fewer than one "
                 f"micro-batch on each of {dp_size} ranks ({self.step_instances}): tokenize more "
                 "text or lower the sequence length or micro-batch size."
@@ -115,7 +121,8 @@ class TokenLoader:
 
     def state_problem(self, state: dict[str, Any]) -> str | None:
         """How a saved state differs from this loader where it must not, as "seq_len is 128
-        there, 64 here" (the data by its manifest's sha256); None when this loader resumes it."""
+        there, 64 here" (the data by its identity: our manifest's sha256, or a fingerprint of
+        another format's files); None when this loader resumes it."""
         if state.get("kind") == "mixture":
             return (
                 "the state is a mixture's (data.sources) there, a single folder's (data.dir) here"
@@ -124,7 +131,9 @@ class TokenLoader:
             theirs = state.get(key)
             if theirs != mine:
                 if key == "data":
-                    key, theirs, mine = "the data manifest's sha256", str(theirs)[:16], mine[:16]
+                    ours = isinstance(self.dataset, TokenDataset)
+                    key = "the data manifest's sha256" if ours else "the data's fingerprint"
+                    theirs, mine = str(theirs)[:16], mine[:16]
                 return f"{key} is {theirs!r} there, {mine!r} here"
         return None
 

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from moe_core.ckpt.format import step_of
 from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits, fail
 from moe_core.data.errors import DataError
-from moe_core.data.formats import FORMATS
+from moe_core.data.formats import FORMATS, Vocabulary, check_recorded, open_source, run_vocabulary
 from moe_core.data.loader import TokenLoader
 from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
 from moe_core.data.mixture import MixtureLoader
@@ -27,11 +29,18 @@ from moe_core.parallel.mesh import Mesh
 
 def check_data_fits(cfg: RunConfig) -> None:
     """The token data's vocabulary and validation split against the run, from its manifest
-    alone, before the model is built (refusals otherwise come after training steps)."""
+    alone (another format: from its headers and sizes), before the model is built (refusals
+    otherwise come after training steps)."""
     if cfg.data.sources:
         check_mixture_fits(cfg)
         return
     assert cfg.data.dir is not None
+    if cfg.data.external:
+        vocab = run_vocabulary(cfg.data, cfg.model.vocab_size)
+        held_out = open_source(cfg.data, "validation", cfg.train.seq_len, vocab)
+        where = f"the {cfg.data.format} corpus {held_out.root}"
+        check_validation_fits(cfg.train, cfg.parallel.data_parallel, len(held_out), where)
+        return
     manifest = read_manifest(cfg.data.dir)
     where = str(manifest.data_dir / MANIFEST)
     vocab = manifest.tokenizer["vocab_size"]
@@ -76,6 +85,7 @@ class Batches:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         self.console, self._warn = console, warn
         self.data = SyntheticTokens(cfg.model.vocab_size, cfg.data.branching, tc.seed)
+        self.vocab: Vocabulary | None = None  # an external corpus's (formats.run_vocabulary)
         self.loader: TokenLoader | MixtureLoader | None = None
         self._repeating: set[str] = set()  # mixture sources already said to repeat
         if cfg.data.sources:
@@ -92,9 +102,11 @@ class Batches:
             self._train_iter = iter(self.loader)
         elif cfg.data.kind == "tokens":
             assert cfg.data.dir is not None
+            if cfg.data.external:
+                self.vocab = run_vocabulary(cfg.data, cfg.model.vocab_size)
             self._verify_data()
             self.loader = TokenLoader(
-                cfg.data.dir,
+                self.dataset("train"),
                 "train",
                 tc.seq_len,
                 tc.micro_batch_size,
@@ -106,15 +118,44 @@ class Batches:
         self.loader_state = None if self.loader is None else self.loader.state_dict()
         self._prefetch: Prefetcher[list[torch.Tensor]] | None = None
 
+    def dataset(self, split: str) -> Any:
+        """The dataset of ``split`` the loaders read (our shards, or a corpus in another
+        format: ``data.format``)."""
+        return open_source(self.cfg.data, split, self.cfg.train.seq_len, self.vocab)
+
+    def _resuming(self) -> bool:
+        """Whether this start may resume a checkpoint (``train.resume`` and one is there): the
+        corpus must then be the one recorded when the run began."""
+        ckpts = Path(self.cfg.out_dir) / "checkpoints"
+        found = ckpts.is_dir() and any(step_of(p.name) is not None for p in ckpts.iterdir())
+        return self.cfg.train.resume and found
+
     def _verify_data(self) -> None:
         """Hash every shard against the data manifest before the first step (rank 0, streamed,
-        timed); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
+        timed; another format's files against the record in ``out_dir`` on a resume, recorded
+        there on a new run); ``data.verify_checksums=false`` skips that, saying what goes
+        unchecked."""
         dc = self.cfg.data
         main = self.mesh.rank == 0
         problem: list[str | None] = [None]
         # a mixture's moe-format folders; other formats check their own files when opened
         dirs = [s.dir for s in dc.sources if s.format == "moe"] if dc.sources else [str(dc.dir)]
-        if main and dc.verify_checksums:
+        if main and dc.verify_checksums and dc.external and not dc.sources:
+            tick = time.perf_counter()
+            try:
+                done = check_recorded(
+                    self.dataset("train"), self.cfg.out_dir, resuming=self._resuming()
+                )
+            except DataError as err:
+                problem[0] = str(err)
+            else:
+                self.console.print(
+                    f"{done} in {time.perf_counter() - tick:.1f} s (data.verify_checksums=false "
+                    "skips this)",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+        elif main and dc.verify_checksums:
             tick = time.perf_counter()
             try:
                 manifests = [verify_data_dir(d, checksums=True) for d in dirs]

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import RunConfig
-from moe_core.data.formats import FORMATS
 from moe_core.data.loader import TokenLoader
 from moe_core.model.moe import router_stats_paused
 from moe_core.model.transformer import Losses
@@ -33,14 +32,15 @@ def held_out_batches(cfg: RunConfig, mesh: Mesh, batches: Batches) -> list[torch
         start = EVAL_BASE + mesh.data_rank * per_rank * tc.micro_batch_size
         return [b.to(mesh.device) for b in batches.sequences(start, per_rank)]
     assert cfg.data.eval_dir is not None  # a mixture's first source, else data.dir
+    # a mixture's first source (data.eval_dir, our shards), else the run's one source
+    data = cfg.data.eval_dir if cfg.data.sources else batches.dataset("validation")
     held_out = TokenLoader(
-        cfg.data.eval_dir,
+        data,
         "validation",
         tc.seq_len,
         tc.micro_batch_size,
         dp_rank=mesh.data_rank,
         dp_size=pc.data_parallel,
-        open_dataset=FORMATS[cfg.data.eval_format],
     )
     out = [b.to(mesh.device) for b, _ in zip(held_out, range(per_rank), strict=False)]
     if len(out) < per_rank:
