@@ -163,15 +163,29 @@ def cmd_data(args: argparse.Namespace) -> None:
             "folder to show; name one (data.kind=tokens data.dir=DIR, with data.format=dolma or "
             "megatron for another tool's tokens)."
         )
+    from dataclasses import replace
+
     from moe_core.data.describe import summarize
 
-    summary = summarize(run.data, run.model.vocab_size, args.sample_tokens)
-    rows = list(summary.rows)
-    if summary.sample_text is not None:
-        rows.append(("sample", repr(summary.sample_text)))
-    rows.append(("sample ids", " ".join(map(str, summary.sample_ids)) or "(no tokens)"))
-    for name, value in rows:  # one line each, never wrapped: a path or sample stays greppable
-        console.print(f"[bold]{name:>10}[/]  {escape(value)}", highlight=False, soft_wrap=True)
+    parts = [("", run.data)]
+    if run.data.sources:  # a mixture: its shares over the run, then each source's folder
+        from moe_core.plan.mixture import mixture_plan, mixture_table
+
+        console.print(mixture_table(mixture_plan(run, source_tokens(run))))
+        parts = [
+            (f"source {s.name}", replace(run.data, dir=s.dir, format=s.format, sources=[]))
+            for s in run.data.sources
+        ]
+    for title, data in parts:
+        if title:
+            console.print(f"[bold]{title}[/]", highlight=False)
+        summary = summarize(data, run.model.vocab_size, args.sample_tokens)
+        rows = list(summary.rows)
+        if summary.sample_text is not None:
+            rows.append(("sample", repr(summary.sample_text)))
+        rows.append(("sample ids", " ".join(map(str, summary.sample_ids)) or "(no tokens)"))
+        for name, value in rows:  # one line each, never wrapped: paths and samples stay greppable
+            console.print(f"[bold]{name:>10}[/]  {escape(value)}", highlight=False, soft_wrap=True)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

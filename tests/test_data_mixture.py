@@ -397,6 +397,22 @@ def test_moe_plan_prints_the_mixture_after_the_plan(dirs, monkeypatch, capsys):
     assert "70.0%" in out and "1.87" in out and "2.40 (repeats)" in out  # 560 / 300, 240 / 100
 
 
+def test_moe_data_shows_a_mixtures_shares_and_each_source(dirs, monkeypatch, capsys):
+    from rich.console import Console
+
+    import moe_core.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=200))
+    spec = f"[{{name:a,dir:'{dirs[0]}',weight:0.7}},{{name:b,dir:'{dirs[1]}',weight:0.3}}]"
+    overrides = [*BASE, "data.kind=tokens", "train.seq_len=7", "train.steps=100"]
+    assert cli.main(["data", "--sample-tokens=4", *overrides, f"data.sources={spec}"]) == 0
+    out = capsys.readouterr().out
+    assert "data mixture" in out and "70.0%" in out and "2.40 (repeats)" in out
+    assert out.index("source a") < out.index(str(dirs[0])) < out.index("source b")
+    assert out.index("source b") < out.index(str(dirs[1]))
+    assert "sample ids  0 1 2 3" in out and f"sample ids  {B_BASE} " in out
+
+
 def test_the_pipeline_refuses_a_mixture_in_one_sentence(tmp_path):
     from flows.pretrain import resolve
 

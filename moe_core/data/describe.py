@@ -41,7 +41,11 @@ def summarize(data: DataConfig, model_vocab_size: int, sample_tokens: int = 64) 
         shards = [*train.paths, *held_out.paths]
         splits = manifest.content["splits"]
         tok = manifest.tokenizer
-        tokenizer = load_tokenizer(data.dir)
+        try:
+            tokenizer = load_tokenizer(data.dir)
+        except Exception as err:  # tokenizers raises a bare Exception for a damaged file
+            tokenizer = None  # the sample is shown as ids, and why
+            out.rows.append(("tokenizer", f"tokenizer.json unreadable ({err}): ids only"))
         out.rows += [
             ("format", "moe (moe tokenize's shards and manifest)"),
             ("folder", str(manifest.data_dir)),
