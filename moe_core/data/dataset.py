@@ -39,7 +39,69 @@ class Instances(Protocol):
     def batch(self, indices: np.ndarray) -> np.ndarray: ...
 
 
-class TokenDataset:
+class TokenStream:
+    """Fixed-length instances over a split's token files read as one stream (``paths`` in
+    order, ``starts`` the stream position of each file's first token and, last, the split's
+    length): what every format shares. A subclass gives file ``k``'s tokens (``_part``) and
+    the sentence for an id outside the vocabulary (``_refuse``)."""
+
+    split: str
+    instance_tokens: int
+    vocab_size: int
+    paths: list[Path]
+    starts: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.tokens // self.instance_tokens
+
+    def _part(self, k: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _refuse(self, token: int, path: Path) -> None:
+        raise NotImplementedError
+
+    def _fill(self, out: np.ndarray, start: int) -> None:
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < len(out):
+            offset = start + done - int(self.starts[k])
+            piece = self._part(k)[offset : offset + len(out) - done]
+            out[done : done + len(piece)] = piece
+            done += len(piece)
+            k += 1
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens ``[start, start + n)`` of this split (int64)."""
+        out = np.empty(min(n, self.tokens - start), dtype=np.int64)
+        self._fill(out, start)
+        return out
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.batch(np.array([index]))[0]
+
+    def batch(self, indices: np.ndarray) -> np.ndarray:
+        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``;
+        a token id outside the vocabulary is refused, naming its file (``_refuse``)."""
+        out_BT = np.empty((len(indices), self.instance_tokens), dtype=np.int64)
+        n = len(self)
+        for row, index in enumerate(indices):
+            i = int(index)
+            if not 0 <= i < n:
+                raise IndexError(f"instance {i} is outside the {n} of the {self.split} split.")
+            self._fill(out_BT[row], i * self.instance_tokens)
+        if out_BT.size and not 0 <= out_BT.min() <= out_BT.max() < self.vocab_size:
+            row, col = (int(x[0]) for x in np.nonzero((out_BT < 0) | (out_BT >= self.vocab_size)))
+            position = int(indices[row]) * self.instance_tokens + col
+            path = self.paths[int(np.searchsorted(self.starts, position, side="right")) - 1]
+            self._refuse(int(out_BT[row, col]), path)
+        return out_BT
+
+
+class TokenDataset(TokenStream):
     """The ``seq_len + 1``-token instances of one split of a data directory."""
 
     def __init__(
@@ -61,10 +123,6 @@ class TokenDataset:
         self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
 
     @property
-    def tokens(self) -> int:
-        return int(self.starts[-1])
-
-    @property
     def root(self) -> Path:
         return self.manifest.data_dir
 
@@ -73,61 +131,21 @@ class TokenDataset:
         """The sha256 of the manifest, which names every shard's sha256."""
         return self.manifest.sha256
 
-    def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens ``[start, start + n)`` of this split (int64)."""
-        out = np.empty(min(n, self.tokens - start), dtype=np.int64)
-        self._fill(out, start)
-        return out
-
     @property
     def tokenizer_id(self) -> str:
         """The sha256 of the tokenizer that wrote the ids (a mixture's sources must share it)."""
         return self.manifest.tokenizer["sha256"]
 
-    def __len__(self) -> int:
-        return self.tokens // self.instance_tokens
-
-    def _shard(self, k: int) -> np.ndarray:
+    def _part(self, k: int) -> np.ndarray:
         array = self._arrays[k]
         if array is None:
             array = np.load(self.paths[k], mmap_mode="r")
             self._arrays[k] = array
         return array
 
-    def _fill(self, out: np.ndarray, start: int) -> None:
-        k = int(np.searchsorted(self.starts, start, side="right")) - 1
-        done = 0
-        while done < len(out):
-            offset = start + done - int(self.starts[k])
-            piece = self._shard(k)[offset : offset + len(out) - done]
-            out[done : done + len(piece)] = piece
-            done += len(piece)
-            k += 1
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        return self.batch(np.array([index]))[0]
-
-    def batch(self, indices: np.ndarray) -> np.ndarray:
-        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``;
-        a token id outside the tokenizer's vocabulary (a corrupt shard) is refused."""
-        out_BT = np.empty((len(indices), self.instance_tokens), dtype=np.int64)
-        n = len(self)
-        for row, index in enumerate(indices):
-            i = int(index)
-            if not 0 <= i < n:
-                raise IndexError(f"instance {i} is outside the {n} of the {self.split} split.")
-            self._fill(out_BT[row], i * self.instance_tokens)
-        if out_BT.size and not 0 <= out_BT.min() <= out_BT.max() < self.vocab_size:
-            self._refuse(out_BT, indices)
-        return out_BT
-
-    def _refuse(self, out_BT: np.ndarray, indices: np.ndarray) -> None:
-        """Name the first out-of-vocabulary token of a batch: its value and shard."""
-        row, col = (int(x[0]) for x in np.nonzero((out_BT < 0) | (out_BT >= self.vocab_size)))
-        position = int(indices[row]) * self.instance_tokens + col
-        shard = self.paths[int(np.searchsorted(self.starts, position, side="right")) - 1]
+    def _refuse(self, token: int, path: Path) -> None:
         raise DataError(
-            f"token id {int(out_BT[row, col])} in shard {shard.name} of {self.manifest.data_dir} "
-            f"is not allowed: the tokenizer has ids 0 to {self.vocab_size - 1}, so the shard is "
-            "corrupt; rerun moe tokenize with the same settings to rewrite it."
+            f"token id {token} in shard {path.name} of {self.manifest.data_dir} is not allowed: "
+            f"the tokenizer has ids 0 to {self.vocab_size - 1}, so the shard is corrupt; rerun "
+            "moe tokenize with the same settings to rewrite it."
         )

@@ -38,7 +38,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from moe_core.config import DataConfig, check_tokenizer_fits
-from moe_core.data.dataset import Instances, TokenDataset
+from moe_core.data.dataset import Instances, TokenDataset, TokenStream
 from moe_core.data.errors import DataError
 from moe_core.data.shards import SPLITS, npy_layout
 from moe_core.data.tokenizer import TOKEN_DTYPES, gpt2_tokenizer, hf_tokenizer
@@ -71,7 +71,7 @@ def _check_holds(dtype: np.dtype, vocab_size: int, where: str) -> None:
         )
 
 
-class ExternalDataset:
+class ExternalDataset(TokenStream):
     """The ``seq_len + 1``-token instances of one split of a corpus another tool wrote.
 
     Subclasses find the files (``_open``: paths, dtypes, byte offsets, token counts, checked);
@@ -127,9 +127,6 @@ class ExternalDataset:
     def tokens(self) -> int:
         return self._end - self.first
 
-    def __len__(self) -> int:
-        return self.tokens // self.instance_tokens
-
     @property
     def identity(self) -> str:
         """What a loader's saved state names this data by: the format, each file's name, dtype
@@ -144,7 +141,7 @@ class ExternalDataset:
             self._identity = hashlib.sha256(text.encode()).hexdigest()
         return self._identity
 
-    def _file(self, k: int) -> np.ndarray:
+    def _part(self, k: int) -> np.ndarray:
         array = self._arrays[k]
         n = int(self.starts[k + 1] - self.starts[k])
         if array is None and n == 0:  # an empty file cannot be memory-mapped
@@ -156,45 +153,12 @@ class ExternalDataset:
             self._arrays[k] = array
         return array
 
-    def _fill(self, out: np.ndarray, start: int) -> None:
-        k = int(np.searchsorted(self.starts, start, side="right")) - 1
-        done = 0
-        while done < len(out):
-            offset = start + done - int(self.starts[k])
-            piece = self._file(k)[offset : offset + len(out) - done]
-            out[done : done + len(piece)] = piece
-            done += len(piece)
-            k += 1
-
-    def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens ``[start, start + n)`` of this split, as they are on disk (int64)."""
-        out = np.empty(min(n, self.tokens - start), dtype=np.int64)
-        self._fill(out, start)
-        return out
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        return self.batch(np.array([index]))[0]
-
-    def batch(self, indices: np.ndarray) -> np.ndarray:
-        """Instances ``indices`` as one int64 array of shape ``[len(indices), seq_len + 1]``;
-        a token id outside the vocabulary is refused, naming its file."""
-        out_BT = np.empty((len(indices), self.instance_tokens), dtype=np.int64)
-        n = len(self)
-        for row, index in enumerate(indices):
-            i = int(index)
-            if not 0 <= i < n:
-                raise IndexError(f"instance {i} is outside the {n} of the {self.split} split.")
-            self._fill(out_BT[row], i * self.instance_tokens)
-        if out_BT.size and not 0 <= out_BT.min() <= out_BT.max() < self.vocab_size:
-            row, col = (int(x[0]) for x in np.nonzero((out_BT < 0) | (out_BT >= self.vocab_size)))
-            position = int(indices[row]) * self.instance_tokens + col
-            path = self.paths[int(np.searchsorted(self.starts, position, side="right")) - 1]
-            raise DataError(
-                f"token id {int(out_BT[row, col])} in {path} is not allowed: the vocabulary has "
-                f"ids 0 to {self.vocab_size - 1}, so the file is damaged or was tokenized with "
-                "another tokenizer (set data.tokenizer to the one it was written with)."
-            )
-        return out_BT
+    def _refuse(self, token: int, path: Path) -> None:
+        raise DataError(
+            f"token id {token} in {path} is not allowed: the vocabulary has ids 0 to "
+            f"{self.vocab_size - 1}, so the file is damaged or was tokenized with another "
+            "tokenizer (set data.tokenizer to the one it was written with)."
+        )
 
     def files(self) -> list[Path]:
         """Every file this corpus is read from: the tokens and their index or metadata."""
@@ -285,7 +249,7 @@ class DolmaDataset(ExternalDataset):
             if metadata in self.sidecars:
                 found: int | None = self._check_metadata(metadata, path, tokens)
             elif self.eos_id is not None:
-                array = self._file(k)  # in chunks: a file may not fit in memory
+                array = self._part(k)  # in chunks: a file may not fit in memory
                 found = sum(
                     int(np.count_nonzero(array[i : i + COUNT_CHUNK] == self.eos_id))
                     for i in range(0, tokens, COUNT_CHUNK)
