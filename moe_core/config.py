@@ -963,27 +963,34 @@ FP8_PARTS = ("experts", "attention", "dense", "lm_head", "dispatch")
 FP8_GEMM_ALIGN = 16  # FP8 tensor-core GEMMs need both dimensions of a weight divisible by this
 
 
+def attention_linear_shapes(m: ModelConfig) -> list[tuple[str, int, int]]:
+    """(projection, out_features, in_features) of one block's attention projections: q, k, v, o,
+    or multi-head latent attention's (q, or q_a and q_b; kv_a, kv_b, o). The one place their
+    shapes are derived (FLOP counts and FP8 parts read it)."""
+    assert m.head_dim is not None
+    q, kv, d = m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
+    if m.kv_lora_rank is None:
+        return [("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)]
+    assert m.qk_rope_head_dim is not None and m.qk_nope_head_dim and m.v_head_dim
+    H, rank = m.n_heads, m.kv_lora_rank
+    queries = [("q_proj", q, d)]
+    if m.q_lora_rank is not None:
+        queries = [("q_a_proj", m.q_lora_rank, d), ("q_b_proj", q, m.q_lora_rank)]
+    kv_a = ("kv_a_proj", rank + m.qk_rope_head_dim, d)
+    kv_b = ("kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), rank)
+    return [*queries, kv_a, kv_b, ("o_proj", d, H * m.v_head_dim)]
+
+
 def fp8_linear_shapes(m: ModelConfig, parts: Sequence[str]) -> list[tuple[str, str, int, int]]:
     """(part, projection, out_features, in_features) of each linear that ``parts`` swap for
     FP8 (``moe_core.model.fp8.apply_fp8``), derived from the model config alone so that a run is
     refused before any model is built; every layer has the same shapes, so each projection is
     listed once. "experts" and "dispatch" swap no linear."""
-    assert m.head_dim is not None
-    q, kv, d = m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
+    d = m.d_model
     # the dense SwiGLUs: the shared expert (when n_shared_experts > 0), the leading dense blocks'
     widths = [m.n_shared_experts * m.expert_hidden, m.dense_hidden or 0]
-    attention = [("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)]
-    if m.kv_lora_rank is not None:  # multi-head latent attention's projections
-        assert m.qk_rope_head_dim is not None and m.qk_nope_head_dim and m.v_head_dim
-        H, rank, v = m.n_heads, m.kv_lora_rank, m.n_heads * m.v_head_dim
-        queries = [("q_proj", q, d)]
-        if m.q_lora_rank is not None:
-            queries = [("q_a_proj", m.q_lora_rank, d), ("q_b_proj", q, m.q_lora_rank)]
-        kv_a = ("kv_a_proj", rank + m.qk_rope_head_dim, d)
-        kv_b = ("kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), rank)
-        attention = [*queries, kv_a, kv_b, ("o_proj", d, v)]
     linears = {
-        "attention": attention,
+        "attention": attention_linear_shapes(m),
         "dense": [
             shape
             for h in dict.fromkeys(w for w in widths if w)

@@ -142,6 +142,9 @@ def flash4_installed() -> bool:
     )
 
 
+HALF = (torch.bfloat16, torch.float16)  # the dtypes FlashAttention 4 runs
+
+
 @eager
 def _flash4(
     q_BSHd: torch.Tensor, k_BSHd: torch.Tensor, v_BSHd: torch.Tensor, scale: float | None = None
@@ -169,9 +172,6 @@ def causal_attention(
         q_BHSd, k_BHSd, v_BHSe, is_causal=True, scale=scale, enable_gqa=k_BHSd.shape[1] != H
     )
     return o_BHSe.transpose(1, 2).reshape(B, S, -1)
-
-
-HALF = (torch.bfloat16, torch.float16)
 
 
 class Attention(nn.Module):

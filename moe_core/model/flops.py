@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_core.config import ModelConfig
+from moe_core.config import ModelConfig, attention_linear_shapes
 
 
 @dataclass(frozen=True)
@@ -57,20 +57,14 @@ def count(cfg: ModelConfig, seq_len: int | None = None) -> ModelCounts:
     n_moe = len(cfg.moe_layers)
     n_dense = n_layers - n_moe
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    attention = 2 * d * q_dim + 2 * d * kv_dim  # q, o; k, v projections
+    attention = sum(o * i for _, o, i in attention_linear_shapes(cfg))  # its projections
     v_dim = q_dim  # what attention's weighted sum of values spans, over the heads
     biases = {"none": 0, "qkv": q_dim + 2 * kv_dim, "qkvo": q_dim + 2 * kv_dim + d}
     qk_norm = {"none": 0, "head": 2 * cfg.head_dim, "projection": q_dim + kv_dim}[cfg.qk_norm]
-    if cfg.kv_lora_rank is not None:  # latent attention: its projections and latent norms
-        assert cfg.qk_rope_head_dim is not None and cfg.v_head_dim and cfg.qk_nope_head_dim
-        rank, H, v_dim = cfg.kv_lora_rank, cfg.n_heads, cfg.n_heads * cfg.v_head_dim
-        q_rank = cfg.q_lora_rank
-        queries = d * q_dim if q_rank is None else d * q_rank + q_rank * q_dim
-        keys_values = d * (rank + cfg.qk_rope_head_dim) + rank * H * (
-            cfg.qk_nope_head_dim + cfg.v_head_dim
-        )
-        attention = queries + keys_values + v_dim * d
-        qk_norm = rank + (q_rank or 0)
+    if cfg.kv_lora_rank is not None:  # latent attention: its value heads and latent norms
+        assert cfg.v_head_dim is not None
+        v_dim = cfg.n_heads * cfg.v_head_dim
+        qk_norm = cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     norms = 2 * d + qk_norm  # attention and feed-forward norms, QK-norm (MLA: latent norms)
     layer_other = norms + biases[cfg.attention_bias]  # no FLOPs counted for these
     shared = 3 * d * cfg.n_shared_experts * cfg.expert_hidden
