@@ -570,6 +570,10 @@ class TrainConfig:
     max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
     spike_sigma: float = 6.0  # a loss above mean + spike_sigma * std of the window is a spike
     spike_window: int = 100
+    # Intra-document attention: a token attends only to earlier tokens of its own document (the
+    # documents packed into a sequence are split after each EOS), and RoPE positions restart at
+    # 0 in each document, as the document would be seen alone at inference (model.documents)
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         p = "train."
@@ -884,10 +888,12 @@ class ParallelConfig:
         ``nvshmem_rowwise`` (with ``ep = 1`` no token leaves its rank, whatever is set)."""
         return self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
 
-    def cuda_graph_on(self, device_type: str) -> bool:
+    def cuda_graph_on(self, device_type: str, document_mask: bool = False) -> bool:
         """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA in
-        one process, and with ``rowwise_ep`` and no pipeline. ``cuda_graph=true`` on another
-        device is refused (the device is known only once the processes start)."""
+        one process, and with ``rowwise_ep`` and no pipeline, and never with
+        ``train.document_mask`` (each micro-batch has its own number of documents, which a
+        graph cannot vary). ``cuda_graph=true`` on another device is refused (the device is
+        known only once the processes start)."""
         if self.cuda_graph and device_type != "cuda":
             raise ConfigError(
                 f"parallel.cuda_graph=true needs CUDA GPUs, and this run is on {device_type}; "
@@ -895,6 +901,8 @@ class ParallelConfig:
             )
         if self.cuda_graph is not None:
             return self.cuda_graph
+        if document_mask:
+            return False
         return device_type == "cuda" and self.pp == 1 and (self.rowwise_ep or self.world_size == 1)
 
     def __post_init__(self) -> None:
@@ -1322,6 +1330,27 @@ class RunConfig:
                 m.mtp_depth,
                 f"less than train.seq_len ({self.train.seq_len}): the deepest module predicts "
                 f"the token mtp_depth + 1 ahead, which a sequence must hold",
+            )
+        if self.train.document_mask and self.data.kind != "tokens":
+            fail(
+                "train.document_mask",
+                True,
+                "false with data.kind=synthetic (synthetic walks have no documents: train on "
+                "token data, whose EOS ids separate them)",
+            )
+        if self.train.document_mask and par.cuda_graph:
+            fail(
+                "parallel.cuda_graph",
+                True,
+                "false or null with train.document_mask=true (each micro-batch brings its own "
+                "number of documents to the attention kernels, which a captured graph cannot vary)",
+            )
+        if self.train.document_mask and self.data.external and self.data.tokenizer == "bpe":
+            fail(
+                "train.document_mask",
+                True,
+                f"false with data.format={self.data.format!r} and data.tokenizer='bpe' (the EOS "
+                "id that separates documents comes from the tokenizer: name it in data.tokenizer)",
             )
         if self.eval.every and self.data.kind != "tokens":
             fail(

@@ -24,6 +24,7 @@ class Instances(Protocol):
     split: str
     seq_len: int
     vocab_size: int
+    eos_id: int | None  # the id ending each document (None: not known for this corpus)
 
     @property
     def root(self) -> Path: ...  # the folder named in sentences about the data
@@ -121,6 +122,8 @@ class TokenDataset(TokenStream):
         )
         self._arrays: list[np.ndarray | None] = [None] * len(shards)
         self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
+        eos = self.manifest.tokenizer.get("eos_id")
+        self.eos_id: int | None = None if eos is None else int(eos)
 
     @property
     def root(self) -> Path:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.config import ModelConfig
+from moe_core.model.documents import Documents
 from moe_core.model.eager import eager
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.norm import RMSNorm
@@ -114,10 +115,16 @@ class RotaryEmbedding(nn.Module):
             return freqs_SH.cos() * scale, freqs_SH.sin() * scale
         return freqs_SH.cos(), freqs_SH.sin()
 
-    def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq_len: int, device: torch.device, positions_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions 0 .. seq_len - 1 ([S, r]), or of each input's ``positions``
+        ([B, S, r]: positions restarting per document, ``Documents``)."""
         tables = self._tables
         if tables is None or tables[0].device != device or tables[0].shape[0] < seq_len:
             tables = self._tables = self._build(seq_len, device)
+        if positions_BS is not None:
+            return tables[0][positions_BS], tables[1][positions_BS]
         return tables[0][:seq_len], tables[1][:seq_len]
 
 
@@ -155,22 +162,61 @@ def _flash4(
     return out[0] if isinstance(out, tuple) else out
 
 
+@eager
+def _flash4_varlen(
+    q_THd: torch.Tensor,
+    k_THd: torch.Tensor,
+    v_THe: torch.Tensor,
+    docs: Documents,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlashAttention 4 over the documents of a flattened batch (T = B * S tokens). ``docs``
+    is read here, outside any compiled region, so its document count and longest document
+    never become part of a compiled graph."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q_THd,
+        k_THd,
+        v_THe,
+        cu_seqlens_q=docs.cu_seqlens_N,
+        cu_seqlens_k=docs.cu_seqlens_N,
+        max_seqlen_q=docs.max_len,
+        max_seqlen_k=docs.max_len,
+        softmax_scale=scale,
+        causal=True,
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
 def causal_attention(
     q_BHSd: torch.Tensor,
     k_BHSd: torch.Tensor,
     v_BHSe: torch.Tensor,
     kernels: Kernels,
     scale: float | None = None,
+    docs: Documents | None = None,
 ) -> torch.Tensor:
     """The attention core, [B, S, H * e] out: FlashAttention 4 where ``kernels`` picks it and
-    it runs (CUDA, 16-bit), else SDPA (grouped-query heads where k, v have fewer heads)."""
+    it runs (CUDA, 16-bit), else SDPA (grouped-query heads where k, v have fewer heads). With
+    ``docs`` a query sees only earlier keys of its own document: FlashAttention 4's varlen
+    kernels, or SDPA under the explicit mask (the reference; S^2 memory)."""
     B, H, S, _ = q_BHSd.shape
     if kernels.attention == "flash4" and q_BHSd.is_cuda and q_BHSd.dtype in HALF:
+        if docs is not None:
+            t = (x.transpose(1, 2).reshape(B * S, x.shape[1], -1) for x in (q_BHSd, k_BHSd, v_BHSe))
+            return _flash4_varlen(*t, docs, scale).reshape(B, S, -1)
         t = (x.transpose(1, 2) for x in (q_BHSd, k_BHSd, v_BHSe))
         return _flash4(*t, scale).reshape(B, S, -1)
-    o_BHSe = F.scaled_dot_product_attention(
-        q_BHSd, k_BHSd, v_BHSe, is_causal=True, scale=scale, enable_gqa=k_BHSd.shape[1] != H
-    )
+    gqa = k_BHSd.shape[1] != H
+    if docs is not None:
+        o_BHSe = F.scaled_dot_product_attention(
+            q_BHSd, k_BHSd, v_BHSe, attn_mask=docs.mask(), scale=scale, enable_gqa=gqa
+        )
+    else:
+        o_BHSe = F.scaled_dot_product_attention(
+            q_BHSd, k_BHSd, v_BHSe, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     return o_BHSe.transpose(1, 2).reshape(B, S, -1)
 
 
@@ -197,7 +243,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_dim, cfg.norm_eps)
         self.kernels = Kernels()  # its ``attention`` field picks the core (module docstring)
 
-    def forward(self, x_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        docs: Documents | None = None,
+    ) -> torch.Tensor:
+        """``rope``: cos/sin tables, [S, r] or per input ([B, S, r], ``docs``' positions)."""
         B, S, _ = x_BSD.shape
         q, k = self.q_proj(x_BSD), self.k_proj(x_BSD)
         if self.qk_norm == "projection":
@@ -207,10 +259,10 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q_BSHd, k_BSHd = self.q_norm(q_BSHd), self.k_norm(k_BSHd)  # type: ignore[misc]
         v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos_Sr, sin_Sr = rope
-        q = apply_rotary(q_BSHd.transpose(1, 2), cos_Sr.to(q.dtype), sin_Sr.to(q.dtype))
-        k = apply_rotary(k_BSHd.transpose(1, 2), cos_Sr.to(k.dtype), sin_Sr.to(k.dtype))
-        return self.o_proj(causal_attention(q, k, v, self.kernels))
+        cos, sin = (t.to(q.dtype).unsqueeze(-3) for t in rope)  # a heads axis: [(B,) 1, S, r]
+        q = apply_rotary(q_BSHd.transpose(1, 2), cos, sin)
+        k = apply_rotary(k_BSHd.transpose(1, 2), cos, sin)
+        return self.o_proj(causal_attention(q, k, v, self.kernels, docs=docs))
 
 
 # DeepSeek's norms of the compressed query and key-value (its reference's RMSNorm default, and
@@ -261,7 +313,12 @@ class LatentAttention(nn.Module):
         self.scale = (self.nope + self.rope) ** -0.5 * (yarn.softmax_factor if yarn else 1.0)
         self.kernels = Kernels()  # its ``attention`` field picks the core (module docstring)
 
-    def forward(self, x_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        docs: Documents | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         H, nope, r = self.n_heads, self.nope, self.rope
         if self.q_proj is not None:
@@ -272,14 +329,18 @@ class LatentAttention(nn.Module):
         # the o-projection reads it without a copy
         q_BSHd = q.view(B, S, H, nope + r)
         c_kv, k_rope = self.kv_a_proj(x_BSD).split([self.kv_rank, r], dim=-1)
-        cos_S1r, sin_S1r = (t.to(q.dtype).unsqueeze(1) for t in rope)
-        q_rope_BSHr = apply_rotary(q_BSHd[..., nope:], cos_S1r, sin_S1r)
-        k_rope_BS1r = apply_rotary(k_rope.view(B, S, 1, r), cos_S1r, sin_S1r)
+        cos, sin = (t.to(q.dtype).unsqueeze(-2) for t in rope)  # a heads axis: [(B,) S, 1, r]
+        q_rope_BSHr = apply_rotary(q_BSHd[..., nope:], cos, sin)
+        k_rope_BS1r = apply_rotary(k_rope.view(B, S, 1, r), cos, sin)
         q_BSHd = torch.cat([q_BSHd[..., :nope], q_rope_BSHr], dim=-1)
-        return self.o_proj(self.attend(q_BSHd, self.kv_a_norm(c_kv), k_rope_BS1r))
+        return self.o_proj(self.attend(q_BSHd, self.kv_a_norm(c_kv), k_rope_BS1r, docs))
 
     def attend(
-        self, q_BSHd: torch.Tensor, c_kv_BSc: torch.Tensor, k_rope_BS1r: torch.Tensor
+        self,
+        q_BSHd: torch.Tensor,
+        c_kv_BSc: torch.Tensor,
+        k_rope_BS1r: torch.Tensor,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
         """Keys and values expanded from the (normed) compressed key-value, then the core:
         [B, S, H * v_head_dim]. Selective recompute (``parallel.recompute``) runs this again in
@@ -291,4 +352,4 @@ class LatentAttention(nn.Module):
         k_nope_BSHn, v_BSHv = kv.split([nope, self.v_dim], dim=-1)
         k_BSHd = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(B, S, H, r)], dim=-1)
         q_BHSd, k_BHSd, v_BHSv = (t.transpose(1, 2) for t in (q_BSHd, k_BSHd, v_BSHv))
-        return causal_attention(q_BHSd, k_BHSd, v_BHSv, self.kernels, self.scale)
+        return causal_attention(q_BHSd, k_BHSd, v_BHSv, self.kernels, self.scale, docs)

@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, LatentAttention, RotaryEmbedding, YarnScaling
+from moe_core.model.documents import Documents
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE, Router, SwiGLU
@@ -43,9 +44,14 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_hidden)
 
     def forward(
-        self, h_BSD: torch.Tensor, aux: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        h_BSD: torch.Tensor,
+        aux: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        docs: Documents | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), rope)
+        """``docs``: attention within each packed document (``train.document_mask``)."""
+        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), rope, docs)
         if self.moe is None:
             return h_BSD + self.mlp(self.moe_norm(h_BSD)), aux  # type: ignore[misc]
         y_BSD, layer_aux = self.moe(self.moe_norm(h_BSD))
@@ -74,10 +80,11 @@ class MTPModule(nn.Module):
         e_BSD: torch.Tensor,
         aux: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        docs: Documents | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output (the next depth's input) and the running aux loss."""
         x_BSD = self.eh_proj(torch.cat([self.enorm(e_BSD), self.hnorm(h_BSD)], dim=-1))
-        return self.block(x_BSD, aux, rope)
+        return self.block(x_BSD, aux, rope, docs)
 
 
 @dataclass
@@ -157,20 +164,25 @@ class Transformer(nn.Module):
         return self.head(h), aux
 
     def hidden(
-        self, x: torch.Tensor, aux: torch.Tensor | None = None, e: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        aux: torch.Tensor | None = None,
+        e: torch.Tensor | None = None,
+        docs: Documents | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This stage's blocks over ``x`` (tokens where it holds ``embed``, else hidden
         states): the last block's output (before the final norm), the running aux loss, and
-        the token embeddings the MTP modules read (``e`` passed on; None without MTP)."""
+        the token embeddings the MTP modules read (``e`` passed on; None without MTP).
+        ``docs``: the inputs' packed documents, each attended alone from position 0."""
         h = x
         if self.embed is not None:
             h = self.embed(x)
             e = h if self.cfg.mtp_depth else None
         if aux is None:
             aux = torch.zeros((), dtype=torch.float32, device=h.device)
-        rope = self.rope(h.shape[1], h.device)
+        rope = self.rope(h.shape[1], h.device, None if docs is None else docs.positions_BS)
         for block in self.layers.values():
-            h, aux = block(h, aux, rope)
+            h, aux = block(h, aux, rope, docs)
         return h, aux, e
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -190,6 +202,7 @@ class Transformer(nn.Module):
         tokens_BS1: torch.Tensor,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         mtp: bool = True,
+        docs: Documents | None = None,
     ) -> Losses:
         """The last stage's losses from ``hidden``'s outputs over ``tokens`` (``[B, S + 1]``:
         inputs and targets): the next-token loss and, with ``mtp`` (training), each MTP
@@ -202,11 +215,11 @@ class Transformer(nn.Module):
         if not mtp or self.mtp is None:
             return Losses(ce, aux, ce.new_zeros(0))
         assert e_BSD is not None, "MTP needs the token embeddings (hidden's third output)"
-        rope = self.rope(h_BSD.shape[1], h_BSD.device)
+        rope = self.rope(h_BSD.shape[1], h_BSD.device, None if docs is None else docs.positions_BS)
         ces = []
         for k, module in enumerate(self.mtp.values()):
             e_k = shifted(e_BSD, k + 1, 0.0)
-            h_BSD, aux = module(h_BSD, e_k, aux, rope)
+            h_BSD, aux = module(h_BSD, e_k, aux, rope, docs)
             ces.append(loss_fn(self.head(module.norm(h_BSD)), shifted(targets_BS, k + 1, -100)))
         return Losses(ce, aux, torch.stack(ces))
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import ParallelConfig
+from moe_core.model.documents import Documents
 from moe_core.model.transformer import Losses, Transformer, zero_losses
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.mesh import Mesh, rank_of
@@ -181,10 +182,16 @@ class PipelineRunner:
             self._inbox[nxt] = message
         return self._inbox.pop(key)
 
-    def run(self, batches: list[torch.Tensor], forward_only: bool = False) -> Losses:
+    def run(
+        self,
+        batches: list[torch.Tensor],
+        forward_only: bool = False,
+        documents: list[Documents] | None = None,
+    ) -> Losses:
         """Forward (and unless ``forward_only``, backward) every micro-batch; returns the sums
         of their losses over the micro-batches whose last chunk is here (zeros elsewhere; no
-        MTP losses when ``forward_only``)."""
+        MTP losses when ``forward_only``). ``documents``: each micro-batch's packed documents
+        (every rank holds its micro-batches' tokens, so every stage has them)."""
         n_mb = len(batches)
         self._orders = self._channel_orders(n_mb, forward_only)
         self._inbox, self._pending = {}, []
@@ -196,6 +203,7 @@ class PipelineRunner:
             model = self.chunks[a.chunk]
             if a.kind == "F":
                 tokens = batches[a.mb]
+                docs = None if documents is None else documents[a.mb]
                 # inputs: [hidden states or tokens, embeddings (MTP; None on chunk 0), aux]
                 if a.chunk == 0:
                     inputs: list = [tokens[:, :-1], None, None]
@@ -207,11 +215,17 @@ class PipelineRunner:
                     inputs = [h, e[0] if e else None, aux]
                 x_in, e_in, aux_in = inputs
                 with self.autocast:
-                    h_out, aux_out, e_out = model.hidden(x_in, aux_in, e_in)
+                    h_out, aux_out, e_out = model.hidden(x_in, aux_in, e_in, docs)
                 if a.chunk == last:
                     with self.autocast:
                         losses = model.losses(
-                            h_out, aux_out, e_out, tokens, self.loss_fn, mtp=not forward_only
+                            h_out,
+                            aux_out,
+                            e_out,
+                            tokens,
+                            self.loss_fn,
+                            mtp=not forward_only,
+                            docs=docs,
                         )
                     sums = sums + losses.detach()
                     if not forward_only:

@@ -24,7 +24,11 @@ from moe_core.data.mixture import MixtureLoader
 from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
+from moe_core.model.documents import Documents, documents_of
 from moe_core.parallel.mesh import Mesh
+
+# one step's micro-batches (host), their documents (train.document_mask) and the loader state
+Produced = tuple[list[torch.Tensor], list[Documents] | None, dict[str, Any] | None]
 
 
 def check_data_fits(cfg: RunConfig) -> None:
@@ -37,6 +41,13 @@ def check_data_fits(cfg: RunConfig) -> None:
     assert cfg.data.dir is not None
     if cfg.data.external:
         vocab = run_vocabulary(cfg.data, cfg.model.vocab_size)
+        if cfg.train.document_mask and vocab.eos_id is None:
+            fail(
+                "train.document_mask",
+                True,
+                f"false here: data.tokenizer={cfg.data.tokenizer!r} names no EOS token, and "
+                "documents are split after each EOS",
+            )
         held_out = open_source(cfg.data, "validation", cfg.train.seq_len, vocab)
         where = f"the {cfg.data.format} corpus {held_out.root}"
         check_validation_fits(cfg.train, cfg.parallel.data_parallel, len(held_out), where)
@@ -116,7 +127,34 @@ class Batches:
             )
             self._train_iter = iter(self.loader)
         self.loader_state = None if self.loader is None else self.loader.state_dict()
-        self._prefetch: Prefetcher[list[torch.Tensor]] | None = None
+        self._prefetch: Prefetcher[Produced] | None = None
+        # train.document_mask: the id after which a new document starts, and the documents of
+        # the micro-batches ``take`` returned last (None without the mask)
+        self.eos_id = self._eos_id() if tc.document_mask else None
+        self.documents: list[Documents] | None = None
+
+    def _eos_id(self) -> int:
+        """The EOS id of the token data (a mixture's sources share their tokenizer)."""
+        if isinstance(self.loader, MixtureLoader):
+            found = {d.eos_id for d in self.loader.datasets}
+        else:
+            assert self.loader is not None
+            found = {self.loader.dataset.eos_id}
+        if None in found or len(found) != 1:
+            fail(
+                "train.document_mask",
+                True,
+                "false for this data: its EOS id, which separates documents, is not recorded",
+            )
+        return int(found.pop())  # type: ignore[arg-type]
+
+    def documents_of(self, batches: list[torch.Tensor]) -> list[Documents] | None:
+        """The packed documents of host ``batches`` (pinned where a GPU is the destination),
+        or None without ``train.document_mask``."""
+        if self.eos_id is None:
+            return None
+        docs = [documents_of(b[:, :-1], self.eos_id) for b in batches]
+        return [d.pin_memory() for d in docs] if self.device.type == "cuda" else docs
 
     def dataset(self, split: str) -> Any:
         """The dataset of ``split`` the loaders read (our shards, or a corpus in another
@@ -182,11 +220,13 @@ class Batches:
             raise DataError(problem[0])
 
     def take(self, step: int) -> list[torch.Tensor]:
-        """Step ``step``'s micro-batches, on the device (made ahead by ``prepare``)."""
+        """Step ``step``'s micro-batches, on the device (made ahead by ``prepare``); their
+        packed documents go to ``documents``."""
         if self._prefetch is None:
             self._prefetch = Prefetcher(self._produce)
-        batches, self.loader_state = self._prefetch.take(step)
+        batches, docs, self.loader_state = self._prefetch.take(step)
         self._say_repeats(step)
+        self.documents = None if docs is None else [d.to(self.device, True) for d in docs]
         return [b.to(self.device, non_blocking=True) for b in batches]
 
     def seen(self) -> tuple[dict[str, int], dict[str, float]] | None:
@@ -214,18 +254,20 @@ class Batches:
         """Start making step ``step``'s micro-batches on the background thread."""
         self._prefetch.prepare(step)  # type: ignore[union-attr]
 
-    def _produce(self, step: int) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
-        """Step ``step``'s micro-batches in host memory, and the loader's state after them.
-        Token shards: the loader's next ones (a step holds the same instances for any layout).
-        Synthetic: sequences are numbered globally, and data rank ``d`` reads the ``d``-th
-        contiguous slice of the step's batch."""
+    def _produce(self, step: int) -> Produced:
+        """Step ``step``'s micro-batches in host memory, their packed documents (with
+        ``train.document_mask``), and the loader's state after them. Token shards: the loader's
+        next ones (a step holds the same instances for any layout). Synthetic: sequences are
+        numbered globally, and data rank ``d`` reads the ``d``-th contiguous slice of the
+        step's batch."""
         tc = self.cfg.train
         if self.loader is not None:
             batches = [next(self._train_iter) for _ in range(self.cfg.micro_batches)]
-            return [pinned(b, self.device) for b in batches], self.loader.state_dict()
+            docs = self.documents_of(batches)
+            return [pinned(b, self.device) for b in batches], docs, self.loader.state_dict()
         per_rank = tc.global_batch_size // self.cfg.parallel.data_parallel
         start = step * tc.global_batch_size + self.mesh.data_rank * per_rank
-        return self.sequences(start, self.cfg.micro_batches), None
+        return self.sequences(start, self.cfg.micro_batches), None, None
 
     def sequences(self, start: int, n_micro: int) -> list[torch.Tensor]:
         """Synthetic walks ``start ..`` as ``n_micro`` micro-batches in (pinned) host memory."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from moe_core.config import RunConfig
 from moe_core.data.loader import TokenLoader
+from moe_core.model.documents import Documents
 from moe_core.model.moe import router_stats_paused
 from moe_core.model.transformer import Losses
 from moe_core.parallel.mesh import Mesh
@@ -19,18 +20,21 @@ from moe_core.train.router_stats import RouterStats
 
 EVAL_BASE = 1 << 40  # held-out synthetic sequences are numbered from here
 
-# ``Trainer._forward_backward``: (micro-batches, forward_only) -> the summed ``Losses``.
+# ``Trainer._forward_backward``: (micro-batches, forward_only, documents) -> the summed ``Losses``.
 ForwardBackward = Callable[..., Losses]
 
 
-def held_out_batches(cfg: RunConfig, mesh: Mesh, batches: Batches) -> list[torch.Tensor]:
+def held_out_batches(
+    cfg: RunConfig, mesh: Mesh, batches: Batches
+) -> tuple[list[torch.Tensor], list[Documents] | None]:
     """This data rank's ``eval_batches / dp`` held-out micro-batches, on the device (the same
-    sequences whatever the layout)."""
+    sequences whatever the layout), and their packed documents (``train.document_mask``: the
+    held-out loss attends as training does)."""
     tc, pc = cfg.train, cfg.parallel
     per_rank = tc.eval_batches // pc.data_parallel
     if batches.loader is None:
         start = EVAL_BASE + mesh.data_rank * per_rank * tc.micro_batch_size
-        return [b.to(mesh.device) for b in batches.sequences(start, per_rank)]
+        return [b.to(mesh.device) for b in batches.sequences(start, per_rank)], None
     assert cfg.data.eval_dir is not None  # a mixture's first source, else data.dir
     # a mixture's first source (data.eval_dir, our shards), else the run's one source
     data = cfg.data.eval_dir if cfg.data.sources else batches.dataset("validation")
@@ -42,27 +46,30 @@ def held_out_batches(cfg: RunConfig, mesh: Mesh, batches: Batches) -> list[torch
         dp_rank=mesh.data_rank,
         dp_size=pc.data_parallel,
     )
-    out = [b.to(mesh.device) for b, _ in zip(held_out, range(per_rank), strict=False)]
-    if len(out) < per_rank:
+    host = [b for b, _ in zip(held_out, range(per_rank), strict=False)]
+    if len(host) < per_rank:
         raise ValueError(
             f"train.eval_batches={tc.eval_batches} is not allowed: the validation split "
-            f"holds {len(out) * pc.data_parallel} micro-batches."
+            f"holds {len(host) * pc.data_parallel} micro-batches."
         )
-    return out
+    docs = batches.documents_of(host)
+    return [b.to(mesh.device) for b in host], (
+        None if docs is None else [d.to(mesh.device) for d in docs]
+    )
 
 
 @torch.no_grad()
 def held_out_loss(
     cfg: RunConfig,
     mesh: Mesh,
-    held_out: list[torch.Tensor],
+    held_out: tuple[list[torch.Tensor], list[Documents] | None],
     forward_backward: ForwardBackward,
     router_stats: RouterStats,
     step: int,
 ) -> float:
     """Mean held-out loss over ``train.eval_batches`` micro-batches (all ranks)."""
     with router_stats_paused():
-        ce_sum = forward_backward(held_out, forward_only=True).ce
+        ce_sum = forward_backward(held_out[0], forward_only=True, documents=held_out[1]).ce
     read = torch.stack([ce_sum, router_stats.dropped()])
     if mesh.distributed:
         dist.all_reduce(read)

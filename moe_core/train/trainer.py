@@ -49,6 +49,7 @@ from moe_core.convert.native import save_model_dir
 from moe_core.data.manifest import read_manifest
 from moe_core.data.prefetch import pinned
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
+from moe_core.model.documents import Documents
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, Router
 from moe_core.model.transformer import Losses, zero_losses
@@ -89,7 +90,7 @@ class Trainer:
         self.mesh = mesh or init_distributed(cfg.parallel)
         self.device = self.mesh.device
         self.graphs: StepGraphs | None = None
-        if cfg.parallel.cuda_graph_on(self.device.type):
+        if cfg.parallel.cuda_graph_on(self.device.type, cfg.train.document_mask):
             self.graphs = StepGraphs(self.device)
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
@@ -230,29 +231,40 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _forward_backward(self, batches: list[torch.Tensor], forward_only: bool = False) -> Losses:
+    def _forward_backward(
+        self,
+        batches: list[torch.Tensor],
+        forward_only: bool = False,
+        documents: list[Documents] | None = None,
+    ) -> Losses:
         """Every micro-batch's forward (and unless ``forward_only``, backward of its objective,
         ``Losses.objective``, MTP included); the sums of their losses (no MTP losses when
-        ``forward_only``). The pipeline runs the same calls chunk by chunk."""
+        ``forward_only``); ``documents``: each micro-batch's packed documents
+        (``train.document_mask``). The pipeline runs the same calls chunk by chunk."""
         if self.pipeline is not None:
-            return self.pipeline.run(batches, forward_only)
+            return self.pipeline.run(batches, forward_only, documents)
         model = self.chunks[0]
         sums = zero_losses(self.device)
-        for tokens in batches:
+        for i, tokens in enumerate(batches):
+            docs = None if documents is None else documents[i]
             with self.autocast:
-                h, aux, e = model.hidden(tokens[:, :-1])
-                losses = model.losses(h, aux, e, tokens, self.loss_fn, mtp=not forward_only)
+                h, aux, e = model.hidden(tokens[:, :-1], docs=docs)
+                losses = model.losses(
+                    h, aux, e, tokens, self.loss_fn, mtp=not forward_only, docs=docs
+                )
             if not forward_only:
                 (losses.objective(self.mtp_weight) / len(batches)).backward()
             sums = sums + losses.detach()
         return sums
 
-    def _compute(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _compute(
+        self, batches: list[torch.Tensor], documents: list[Documents] | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """The step's device work before its host read: forward and backward of every
         micro-batch, gradients reduced, their global norm (``StepGraphs.compute`` captures it):
         summed cross-entropy, aux and MTP losses, and the norm."""
         self.buckets.start_step()
-        sums = self._forward_backward(batches)
+        sums = self._forward_backward(batches, documents=documents)
         self.buckets.finish()
         return sums.ce, sums.aux, sums.mtp_D, self.optimizer.grad_norm()
 
@@ -275,8 +287,8 @@ class Trainer:
         self.mtp_weight.fill_(mtp_weight(self.step, self.cfg.model, tc))
         batches = self.micro_batches()
         if self.graphs is None:
-            ce_sum, aux_sum, mtp_sum, grad_norm = self._compute(batches)
-        else:
+            ce_sum, aux_sum, mtp_sum, grad_norm = self._compute(batches, self.batches.documents)
+        else:  # never with documents (ParallelConfig.cuda_graph_on)
             ce_sum, aux_sum, mtp_sum, grad_norm = self.graphs.compute(self._compute, batches)
         if self.step + 1 < tc.steps:
             self.batches.prepare(self.step + 1)
