@@ -585,6 +585,9 @@ def test_a_mixture_names_its_tokenizer_once(formats_mix):
     web = f"data.sources=[{{name:web,dir:'{formats_mix}/web',format:dolma,weight:1}}]"
     alone = sources_vocabulary(run([*FORMATS_RUN, web]).data, VOCAB)
     assert alone is not None and (alone.size, alone.files) == (VOCAB, {})
+    named = sources_vocabulary(run([*FORMATS_RUN, web, "data.tokenizer=gpt2"]).data, 50304)
+    assert named is not None and (named.size, named.eos_id) == (50257, 50256)
+    assert "tokenizer.json" in named.files  # what the pipeline's export copies
     assert sources_vocabulary(run(["data.sources=[{name:c,dir:/c,weight:1}]"]).data, 9) is None
 
 
