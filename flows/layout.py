@@ -55,6 +55,10 @@ class RunLayout:
         return self.data / "manifest.json"
 
     @property
+    def data_sources(self) -> Path:
+        return self.data / "sources.json"  # a mixture's: what the tokenize stage verified
+
+    @property
     def init(self) -> Path:
         return self.root / "init"
 

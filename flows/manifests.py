@@ -79,10 +79,16 @@ def folder_fingerprint(folder: Path) -> dict[str, Any]:
     said so, for the stage to refuse when it runs."""
     if not folder.is_dir():
         return {"path": str(folder), "missing": True}
-    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return files_fingerprint(folder, sorted(p for p in folder.iterdir() if p.is_file()))
+
+
+def files_fingerprint(root: Path, files: list[Path]) -> dict[str, Any]:
+    """``files`` (below ``root``) by name relative to it, size and modification time."""
     return {
-        "path": str(folder.resolve()),
-        "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "path": str(root.resolve()),
+        "files": [
+            [p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns] for p in files
+        ],
     }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import json
 import os
 import shutil
@@ -53,10 +54,12 @@ from moe_core.config import (
     ConfigError,
     DataConfig,
     RunConfig,
+    SourceConfig,
     check_folder,
     check_path,
 )
 from moe_core.config_dict import from_dict, to_dict
+from moe_core.data.shards import SPLITS
 from moe_core.errors import RunFailedError, refusals
 from moe_core.rundir import RunLock, set_aside
 
@@ -108,19 +111,22 @@ def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
             f"writes the shards into the run folder ({layout.data}), so leave it unset."
         )
     data["dir"] = str(layout.data)
-    if data.get("sources"):
-        raise ConfigError(
-            f"data.sources (a mixture of {len(data['sources'])}) is not allowed for the pipeline "
-            "yet: its tokenize stage writes one folder, so train a mixture with moe train (or "
-            "leave data.sources empty)."
-        )
     kind = data.get("kind", DataConfig.kind)
     if kind != "tokens":
         raise ConfigError(
             f"data.kind={kind!r} is not allowed for the pipeline: it tokenizes a "
             "corpus, so use a token data option (e.g. data=kjv)."
         )
-    return from_dict(RunConfig, {**config, "data": data, "out_dir": str(layout.train)})
+    run = from_dict(RunConfig, {**config, "data": data, "out_dir": str(layout.train)})
+    if run.data.sources and run.data.tokenizer_dir is None and run.data.tokenizer == "bpe":
+        names = ", ".join(s.name for s in run.data.sources)
+        raise ConfigError(
+            f"data.tokenizer='bpe' is not allowed for a pipeline whose mixture's sources ({names}) "
+            "are all dolma or megatron tokens: the Hugging Face export needs the tokenizer, and "
+            "only a moe-format source carries its files, so name the one the tokens were written "
+            "with (data.tokenizer=gpt2, or a Hugging Face name or folder)."
+        )
+    return run
 
 
 def _supersede(ctx: Context, stage: str, folder: Path) -> None:
@@ -217,6 +223,8 @@ def stage_task(stage: Stage, ctx: Context):
 
 
 def _tokenize_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    if run.data.sources:
+        return _sources_key(run)
     data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
     return {"data": data, "vocab": run.model.vocab_size}
 
@@ -225,6 +233,8 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.data.manifest import read_manifest
     from moe_core.data.tokenize import tokenize_corpus, without_text_sentence
 
+    if ctx.run.data.sources:
+        return _verify_sources(ctx, run_id)
     out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
     with StageProgress("tokenize") as progress:
@@ -252,10 +262,126 @@ def _tokenize_intact(ctx: Context) -> str | None:
     from moe_core.data.manifest import verify_data_dir
 
     try:
-        verify_data_dir(ctx.layout.data, checksums=True)
+        if ctx.run.data.sources:
+            _check_sources(ctx)
+        else:
+            verify_data_dir(ctx.layout.data, checksums=True)
     except Exception as err:
         return str(err)
     return None
+
+
+# A mixture's sources are folders tokenized already (ours, Dolma's, Megatron's): the tokenize
+# stage verifies them instead, and records what it verified in the data folder (sources.json,
+# each other tool's corpus's checksums, the mixture's tokenizer files for the export).
+
+
+def _source_files(source: SourceConfig) -> tuple[Path, list[Path]]:
+    """The folder and files a mixture source reads (a folder, a Dolma glob or a Megatron
+    prefix), found without opening them."""
+    path = Path(source.dir)
+    if path.is_dir():
+        return path, sorted(p for p in path.rglob("*") if p.is_file())
+    if glob.has_magic(source.dir):  # its files lie below the folder before the first wildcard
+        magic = min(source.dir.index(c) for c in "*?[" if c in source.dir)
+        files = sorted(Path(p) for p in glob.glob(source.dir, recursive=True))
+        return Path(os.path.dirname(source.dir[:magic])), [p for p in files if p.is_file()]
+    return path.parent, sorted(path.parent.glob(path.name + ".*"))  # PREFIX.idx, PREFIX.bin
+
+
+def _sources_key(run: RunConfig) -> dict[str, Any]:
+    """What a mixture's verification depends on: each source's folder and format and its
+    contents (ours: the manifest's sha256, which names every shard's; another tool's: each
+    file's name, size and modification time, hashing a corpus at every pipeline start being
+    too slow), the vocabulary they are read with and where the held-out tail starts. Weights
+    are the train stage's."""
+    from moe_core.data.errors import DataError
+    from moe_core.data.manifest import read_manifest
+
+    sources = []
+    for s in run.data.sources:
+        row: dict[str, Any] = {"name": s.name, "dir": s.dir, "format": s.format}
+        if s.token_dtype is not None:
+            row["token_dtype"] = s.token_dtype
+        if s.format == "moe":
+            try:
+                row["manifest"] = read_manifest(s.dir).sha256
+            except (DataError, OSError):
+                row["manifest"] = None  # the stage says why when it runs
+        else:
+            row["files"] = manifests.files_fingerprint(*_source_files(s))
+        sources.append(row)
+    d = run.data
+    return {
+        "sources": sources,
+        "tokenizer": d.tokenizer,
+        "validation_fraction": d.validation_fraction,
+        "vocab": run.model.vocab_size,
+    }
+
+
+def _verify_sources(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
+    """Every source checked as training checks it (``check_mixture_fits``) and hashed (ours
+    against their manifests; another tool's recorded in the data folder), the mixture's
+    tokenizer files written there, and ``sources.json`` saying what was verified."""
+    from moe_core.data.formats import checksums_record, mixture_vocabulary, open_source
+    from moe_core.files import atomic_write, json_bytes
+    from moe_core.train.batches import check_mixture_fits
+
+    run, layout, out = ctx.run, ctx.layout, ctx.layout.data
+    _supersede(ctx, "tokenize", out)
+    out.mkdir(parents=True, exist_ok=True)
+    check_mixture_fits(run)
+    vocab = mixture_vocabulary(run.data, run.model.vocab_size)
+    rows, outputs = _check_sources(ctx, record=True), []
+    for row in rows:
+        if row["format"] != "moe":
+            outputs.append(out / checksums_record(row["name"]))
+    for name, content in sorted(vocab.files.items()):
+        atomic_write(out / name, content)
+        outputs.append(out / name)
+    tokenizer = {"vocab_size": vocab.size, "eos_id": vocab.eos_id, "source": vocab.source}
+    record = {"sources": rows, "tokenizer": tokenizer}
+    atomic_write(layout.data_sources, json_bytes(record))
+    seq_len = run.train.seq_len
+    summary: dict[str, Any] = {"sources": len(rows), "total_tokens": 0}
+    for s in run.data.sources:
+        splits = [open_source(run.data.of_source(s), sp, seq_len, vocab) for sp in SPLITS]
+        summary[f"{s.name}_tokens"] = sum(d.tokens for d in splits)
+        summary["total_tokens"] += summary[f"{s.name}_tokens"]
+    summary["tokenizer"] = vocab.source
+    ctx.tracker.params(run_id, {"data": summary})
+    for f in outputs:
+        ctx.tracker.artifacts(run_id, f, "tokenizer" if f.name in vocab.files else "data")
+    ctx.tracker.artifacts(run_id, layout.data_sources, "data")
+    get_run_logger().info(
+        "tokenize: verified %d sources (%s), %s tokens",
+        len(rows),
+        ", ".join(f"{r['name']}: {r['format']}" for r in rows),
+        f"{summary['total_tokens']:,}",
+    )
+    return summary, [layout.data_sources, *outputs]
+
+
+def _check_sources(ctx: Context, record: bool = False) -> list[dict[str, Any]]:
+    """Each source hashed: ours against its manifest, another tool's corpus recorded in the
+    data folder (``record``) or checked against that record (a changed file raises its one
+    sentence). The rows of ``sources.json``."""
+    from moe_core.data.formats import check_recorded, open_source, sources_vocabulary
+    from moe_core.data.manifest import verify_data_dir
+
+    run, out = ctx.run, ctx.layout.data
+    vocab = sources_vocabulary(run.data, run.model.vocab_size)
+    rows = []
+    for s in run.data.sources:
+        row: dict[str, Any] = {"name": s.name, "format": s.format, "dir": s.dir}
+        if s.format == "moe":
+            row["manifest_sha256"] = verify_data_dir(s.dir, checksums=True).sha256
+        else:
+            corpus = open_source(run.data.of_source(s), "train", run.train.seq_len, vocab)
+            row["checked"] = check_recorded(corpus, out, resuming=not record, source=s.name)
+        rows.append(row)
+    return rows
 
 
 # ---- init --------------------------------------------------------------------------------
@@ -302,6 +428,10 @@ def _train_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
     }
     if run.eval.every:  # in-training downstream scores are part of what train writes
         train["eval"] = to_dict(run.eval)
+    if run.data.sources:  # a mixture's draw (its sources' contents are the tokenize key's)
+        train["mixture"] = [
+            {"name": s.name, "weight": s.weight, "tokens": s.tokens} for s in run.data.sources
+        ]
     return train
 
 
@@ -407,14 +537,13 @@ def _convert_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
 
 def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     from moe_core.convert.checkpoint import checkpoint_to_hf
-    from moe_core.data.manifest import read_manifest
     from moe_core.model.dtypes import DTYPES
 
     layout = ctx.layout
     out = layout.hf
     dtype = DTYPES[ctx.run.precision.params]
-    eos = read_manifest(layout.data).content.get("tokenizer", {}).get("eos_id")
-    checkpoint_to_hf(ctx.final_checkpoint, out, dtype, layout.data, eos, overwrite=True)
+    # the data folder holds the tokenizer files (a mixture's: those the tokenize stage wrote)
+    checkpoint_to_hf(ctx.final_checkpoint, out, dtype, layout.data, _eos(ctx), overwrite=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     if size <= ctx.run.tracking.hf_artifact_max_gib * 2**30:
         ctx.tracker.artifacts(run_id, out, "hf")
@@ -425,6 +554,15 @@ def _convert(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     summary = {"hf_dir": str(out), "bytes": size, "dtype": str(dtype).removeprefix("torch.")}
     ctx.tracker.metrics(run_id, {"hf_bytes": float(size)})
     return summary, [out]
+
+
+def _eos(ctx: Context) -> int | None:
+    """The end-of-text id of the run's tokenizer: its data manifest's, a mixture's record's."""
+    from moe_core.data.manifest import read_manifest
+
+    if ctx.run.data.sources:
+        return json.loads(ctx.layout.data_sources.read_text())["tokenizer"]["eos_id"]
+    return read_manifest(ctx.layout.data).content.get("tokenizer", {}).get("eos_id")
 
 
 # ---- evaluate ----------------------------------------------------------------------------
@@ -449,7 +587,7 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
         result = evaluate(
             ctx.final_checkpoint,
             layout.hf,
-            layout.data,
+            _held_out(ctx),
             EVAL_BATCHES,
             on_progress=lambda phase, done, total: progress.update(
                 f"{done} of {total} {what[phase]}", done, total, force=done == total
@@ -465,7 +603,7 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     if ctx.run.eval.tasks:
         from moe_core.eval.downstream import evaluate_checkpoint, write_scores
 
-        scores = evaluate_checkpoint(ctx.final_checkpoint, layout.data, ctx.run.eval)
+        scores = evaluate_checkpoint(ctx.final_checkpoint, layout.data, ctx.run.eval, _eos(ctx))
         outputs += write_scores(scores, out)
         summary["downstream"] = {s.task: {"examples": s.examples, **s.metrics()} for s in scores}
         ctx.tracker.metrics(run_id, downstream_metrics(summary["downstream"]))
@@ -485,6 +623,19 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
             f"{tolerance:g}: the export does not compute our model."
         )
     return summary, outputs
+
+
+def _held_out(ctx: Context) -> Any:
+    """What the evaluate stage scores: the data folder's validation split, or a mixture's
+    first source's (as training's held-out loss), in whatever format it is."""
+    if not ctx.run.data.sources:
+        return ctx.layout.data
+    from moe_core.data.formats import open_source, sources_vocabulary
+
+    run = ctx.run
+    vocab = sources_vocabulary(run.data, run.model.vocab_size)
+    first = run.data.of_source(run.data.sources[0])
+    return open_source(first, "validation", run.train.seq_len, vocab)
 
 
 def downstream_metrics(table: dict[str, dict]) -> dict[str, float]:
@@ -611,7 +762,12 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
     from moe_core.planpage import write_run_page  # the run's build-a-run page (moe plan --html)
 
-    page = write_run_page(run, root)
+    tokens = None
+    if run.data.sources:  # the page shows each source's epochs by its size
+        from moe_core.data.formats import source_tokens
+
+        tokens = source_tokens(run.data, run.train.seq_len, run.model.vocab_size)
+    page = write_run_page(run, root, tokens)
     tracker.begin(to_dict(run), [layout.config, *([page] if page is not None else [])])
     ctx = Context(run, layout, tracker, stage_keys(run), old_stage_keys(run, EVAL_BATCHES))
     outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}

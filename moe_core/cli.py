@@ -163,23 +163,21 @@ def cmd_data(args: argparse.Namespace) -> None:
             "folder to show; name one (data.kind=tokens data.dir=DIR, with data.format=dolma or "
             "megatron for another tool's tokens)."
         )
-    from dataclasses import replace
-
     from moe_core.data.describe import summarize
+    from moe_core.data.formats import sources_vocabulary
 
     parts = [("", run.data)]
+    vocab = None
     if run.data.sources:  # a mixture: its shares over the run, then each source's folder
         from moe_core.plan.mixture import mixture_plan, mixture_table
 
         console.print(mixture_table(mixture_plan(run, source_tokens(run))))
-        parts = [
-            (f"source {s.name}", replace(run.data, dir=s.dir, format=s.format, sources=[]))
-            for s in run.data.sources
-        ]
+        parts = [(f"source {s.name} ({s.format})", run.data.of_source(s)) for s in run.data.sources]
+        vocab = sources_vocabulary(run.data, run.model.vocab_size)  # the mixture's, for each
     for title, data in parts:
         if title:
             console.print(f"[bold]{title}[/]", highlight=False)
-        summary = summarize(data, run.model.vocab_size, args.sample_tokens)
+        summary = summarize(data, run.model.vocab_size, args.sample_tokens, vocab)
         rows = list(summary.rows)
         if summary.sample_text is not None:
             rows.append(("sample", repr(summary.sample_text)))
@@ -213,18 +211,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def source_tokens(run: RunConfig) -> dict[str, int | None]:
-    """Each mixture source's train split tokens, read from its folder's manifest or files
-    (None for a folder that cannot be read yet)."""
-    from moe_core.data.errors import DataError
-    from moe_core.data.formats import FORMATS
+    """Each mixture source's train split tokens (``formats.source_tokens``)."""
+    from moe_core.data.formats import source_tokens as tokens_of
 
-    out: dict[str, int | None] = {}
-    for s in run.data.sources:
-        try:
-            out[s.name] = FORMATS[s.format](s.dir, "train", run.train.seq_len).tokens
-        except (DataError, OSError):
-            out[s.name] = None
-    return out
+    return tokens_of(run.data, run.train.seq_len, run.model.vocab_size)
 
 
 def load_run_config(path: str) -> RunConfig:

@@ -610,20 +610,23 @@ MIN_BPE_VOCAB_SIZE = 257  # the 256 byte symbols and the end-of-text token
 
 # The token formats a mixture source may name; ``moe_core.data.formats.FORMATS`` opens each one
 # (a test holds the two lists equal: a new format is one name here and one entry there).
-SOURCE_FORMATS = ("moe",)
+SOURCE_FORMATS = ("moe", "dolma", "megatron")
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a metric name's part
 
 
 @dataclass
 class SourceConfig:
     """One source of a weighted mixture (``data.sources``): a folder of token data in a known
-    format and either its weight (weights are normalized) or its token budget for the run."""
+    format (``moe``: our shards; ``dolma``, ``megatron``: another tool's tokens, read in place as
+    ``data.format`` reads them, with the run's vocabulary and ``data.validation_fraction``) and
+    either its weight (weights are normalized) or its token budget for the run."""
 
     name: str = ""
     dir: str = ""
     format: str = "moe"
     weight: float | None = None
     tokens: int | None = None  # tokens of this source the run trains on (train.seq_len each)
+    token_dtype: Literal["uint16", "uint32"] | None = None  # dolma files without a header
 
     def check(self, p: str) -> None:
         """Refuse a bad source, naming its fields under the prefix ``p`` (``data.sources[0].``)."""
@@ -637,6 +640,12 @@ class SourceConfig:
         check_folder(p + "dir", self.dir)
         if self.format not in SOURCE_FORMATS:
             fail(p + "format", self.format, "one of " + ", ".join(map(repr, SOURCE_FORMATS)))
+        if self.token_dtype is not None and self.format != "dolma":
+            fail(
+                p + "token_dtype",
+                self.token_dtype,
+                f"unset unless {p}format='dolma' (the other formats say their dtype)",
+            )
         if (self.weight is None) == (self.tokens is None):
             fail(
                 p + "weight",
@@ -757,6 +766,7 @@ class DataConfig:
     def _check_sources(self) -> None:
         if not self.sources:
             return
+        p = "data."
         if self.kind != "tokens":
             fail(
                 "data.sources",
@@ -764,6 +774,14 @@ class DataConfig:
                 "an empty list with data.kind=synthetic, which reads no files (set "
                 "data.kind=tokens to train on them)",
             )
+        for name, alone in (("format", "moe"), ("token_dtype", None)):
+            if getattr(self, name) != alone:
+                fail(
+                    p + name,
+                    getattr(self, name),
+                    f"{alone!r} (unset) with data.sources: each source names its own "
+                    f"(data.sources[i].{name})",
+                )
         seen: set[str] = set()
         for i, source in enumerate(self.sources):
             source.check(f"data.sources[{i}].")
@@ -772,15 +790,20 @@ class DataConfig:
             seen.add(source.name)
 
     @property
-    def eval_dir(self) -> str | None:
-        """The folder whose validation split and tokenizer the run evaluates with: the first
-        source's in a mixture, else ``dir``."""
-        return self.sources[0].dir if self.sources else self.dir
+    def tokenizer_dir(self) -> str | None:
+        """The folder whose tokenizer files the run's ids are of (downstream tasks, the export):
+        ``dir`` when it is ours, in a mixture its first source in our format (every such source
+        holds the same tokenizer); None where only another tool's tokens are read."""
+        if self.sources:
+            return next((s.dir for s in self.sources if s.format == "moe"), None)
+        return None if self.external else self.dir
 
-    @property
-    def eval_format(self) -> str:
-        """``eval_dir``'s token format (``moe`` for ``dir``)."""
-        return self.sources[0].format if self.sources else "moe"
+    def of_source(self, source: SourceConfig) -> DataConfig:
+        """This config read as the one folder of a mixture's ``source`` (its folder, format and
+        dtype; the vocabulary options and validation fraction the run's)."""
+        return dataclasses.replace(
+            self, dir=source.dir, format=source.format, token_dtype=source.token_dtype, sources=[]
+        )
 
     @property
     def tokenizer_vocab_size(self) -> int | None:
@@ -1274,6 +1297,14 @@ class RunConfig:
                 self.eval.every,
                 f"0 with data.format={self.data.format!r} (downstream tasks read the tokenizer "
                 "files of a moe tokenize folder, which this corpus does not have)",
+            )
+        if self.data.sources and self.data.tokenizer_dir is None and self.eval.every:
+            fail(
+                "eval.every",
+                self.eval.every,
+                "0 with a mixture none of whose sources has format 'moe' (downstream tasks read "
+                "the tokenizer files of a moe tokenize folder, which dolma and megatron sources "
+                "do not have)",
             )
         if self.data.dir is None:
             self.data.dir = f"{self.out_dir}/data"

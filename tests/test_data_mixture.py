@@ -4,6 +4,7 @@ realized shares, exact resume under another data-parallel size, repetition, metr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -115,7 +116,38 @@ def data(*items: dict, **extra) -> dict:
         ),
         (
             data({"name": "a", "dir": "/d/a", "weight": 1, "format": "arrow"}),
-            "data.sources[0].format='arrow' is not allowed: one of 'moe'.",
+            "data.sources[0].format='arrow' is not allowed: one of 'moe', 'dolma', 'megatron'.",
+        ),
+        (
+            data(
+                {
+                    "name": "a",
+                    "dir": "/d/a",
+                    "weight": 1,
+                    "format": "megatron",
+                    "token_dtype": "uint16",
+                }
+            ),
+            "data.sources[0].token_dtype='uint16' is not allowed: unset unless "
+            "data.sources[0].format='dolma' (the other formats say their dtype).",
+        ),
+        (
+            data({"name": "a", "dir": "/d/a", "weight": 1, "token_dtype": "uint8"}),
+            "data.sources[0].token_dtype='uint8' is not allowed: one of 'uint16', 'uint32'.",
+        ),
+        (
+            data({"name": "a", "dir": "/d/a", "weight": 1}, format="dolma"),
+            "data.format='dolma' is not allowed: 'moe' (unset) with data.sources: each source "
+            "names its own (data.sources[i].format).",
+        ),
+        (
+            {
+                **data({"name": "web", "dir": "/d/web", "weight": 1, "format": "dolma"}),
+                "eval": {"every": 5, "tasks": ["toy:rc_0shot"]},
+            },
+            "eval.every=5 is not allowed: 0 with a mixture none of whose sources has format "
+            "'moe' (downstream tasks read the tokenizer files of a moe tokenize folder, which "
+            "dolma and megatron sources do not have).",
         ),
         (
             data({"name": "a", "dir": " ", "weight": 1}),
@@ -125,7 +157,7 @@ def data(*items: dict, **extra) -> dict:
         (
             data({"name": "a", "dir": "/d/a", "wieght": 1}),
             "data.sources[0].wieght is not a known option: data.sources[0] takes dir, format, "
-            "name, tokens, weight.",
+            "name, token_dtype, tokens, weight.",
         ),
         (
             data({"name": "a", "dir": "/d/a", "weight": "heavy"}),
@@ -174,13 +206,13 @@ def test_hydra_composes_a_list_of_sources_and_shares_follow_weights_and_budgets(
     assert from_dict(RunConfig, json.loads(json.dumps(to_dict(cfg)))) == cfg
 
 
-def test_every_format_a_source_may_name_has_a_reader_and_the_external_ones_are_refused():
-    """A mixture's sources are our shards for now: each name a source may take opens from its
-    folder alone; the external formats (they need the run's vocabulary) are refused in one
-    sentence naming the allowed ones."""
-    assert set(SOURCE_FORMATS) <= set(FORMATS) and set(SOURCE_FORMATS) == {"moe"}
-    with pytest.raises(ConfigError, match=r"data.sources\[0\].format='dolma' is not allowed: one"):
-        run(["data.sources=[{name:a,dir:/a,weight:1.0,format:dolma}]"])
+def test_every_format_a_source_may_name_has_a_reader():
+    """Each name a source may take is a format ``formats.FORMATS`` reads, and the other way."""
+    assert tuple(FORMATS) == SOURCE_FORMATS
+    cfg = run(["data.sources=[{name:a,dir:/a,weight:1.0,format:dolma,token_dtype:uint32}]"])
+    assert (cfg.data.sources[0].format, cfg.data.sources[0].token_dtype) == ("dolma", "uint32")
+    one = cfg.data.of_source(cfg.data.sources[0])
+    assert (one.dir, one.format, one.token_dtype, one.sources) == ("/a", "dolma", "uint32", [])
 
 
 # ---- the draw ------------------------------------------------------------------------------
@@ -413,14 +445,6 @@ def test_moe_data_shows_a_mixtures_shares_and_each_source(dirs, monkeypatch, cap
     assert "sample ids  0 1 2 3" in out and f"sample ids  {B_BASE} " in out
 
 
-def test_the_pipeline_refuses_a_mixture_in_one_sentence(tmp_path):
-    from flows.pretrain import resolve
-
-    config = {"data": {"kind": "tokens", "sources": [{"name": "a", "dir": "/a", "weight": 1}]}}
-    with pytest.raises(ConfigError, match=r"^data.sources \(a mixture of 1\) is not allowed"):
-        resolve(config, tmp_path)
-
-
 def test_the_page_shows_the_mixture_as_moe_plan_does(dirs):
     """planner.js's mixtureRows (QuickJS) against plan.mixture.mixture_plan on a grid of
     global batches and sequence lengths (the page's inputs)."""
@@ -459,3 +483,180 @@ def test_the_page_shows_the_mixture_as_moe_plan_does(dirs):
         assert rows == expected, lay
     assert epochs_text(None, 0) == "none: it holds no whole sequence"
     assert mixture_plan(cfg, tokens)[1].instances == 100  # 800 tokens of 8
+
+
+# ---- sources in every format ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def formats_mix(tmp_path_factory):
+    """A Dolma web corpus (listed first: its tail is the held-out split; one file with Dolma's
+    metadata, one without), our shards of code and a Megatron math corpus, all in the tiny
+    model's 4096 ids with end-of-text 0 (the code folder's tokenizer, which the others are read
+    with)."""
+    from test_data_formats import documents, write_dolma, write_megatron
+
+    root = tmp_path_factory.mktemp("formats")
+    web = documents(120, 21, top=VOCAB)
+    write_dolma(root / "web" / "part-0.npy", web[:60])
+    write_dolma(root / "web" / "part-1.npy", web[60:], metadata=False)
+    code = np.concatenate(documents(80, 22, top=VOCAB))
+    splits = {"train": code, "validation": code[:60]}
+    write_token_dir(root / "code", splits, shard_tokens=400, vocab_size=VOCAB)
+    write_megatron(root / "math" / "a_text_document", documents(90, 23, top=VOCAB))
+    return root
+
+
+def formats_spec(root, web=0.5, code=0.3, math=0.2) -> str:
+    return (
+        f"data.sources=[{{name:web,dir:'{root}/web',format:dolma,weight:{web}}},"
+        f"{{name:code,dir:'{root}/code',weight:{code}}},"
+        f"{{name:math,dir:'{root}/math',format:megatron,weight:{math}}}]"
+    )
+
+
+FORMATS_RUN = ["train.seq_len=7", "data.validation_fraction=0.1"]
+
+
+def test_a_mixture_of_every_format_reads_each_in_place_and_resumes_under_another_dp_size(
+    formats_mix,
+):
+    """Dolma, our shards and Megatron in one mixture: each source read by its format's reader
+    with the code folder's vocabulary, the draw served token for token from them, and a state
+    taken mid-run on one rank continued exactly on two."""
+    from moe_core.data.dataset import TokenDataset
+    from moe_core.data.formats import DolmaDataset, MegatronDataset, open_source, sources_vocabulary
+    from moe_core.train.batches import check_mixture_fits
+
+    cfg = run([*FORMATS_RUN, formats_spec(formats_mix)])
+    check_mixture_fits(cfg)
+    vocab = sources_vocabulary(cfg.data, cfg.model.vocab_size)
+    assert vocab is not None and (vocab.size, vocab.eos_id) == (VOCAB, 0)
+    assert "tokenizer.json" in vocab.files
+
+    def opened():
+        return [open_source(cfg.data.of_source(s), "train", SEQ, vocab) for s in cfg.data.sources]
+
+    assert [type(d) for d in opened()] == [DolmaDataset, TokenDataset, MegatronDataset]
+
+    def loaders(dp, mb, state=None):
+        out = []
+        for r in range(dp):
+            src = cfg.data.sources
+            loader = MixtureLoader(
+                src, cfg.source_shares, SEQ, mb, dp_rank=r, dp_size=dp, seed=5, datasets=opened()
+            )
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))
+            out.append(loader)
+        return out
+
+    one = loaders(1, 2)[0]
+    it = iter(one)
+    straight = torch.cat([next(it) for _ in range(60)])  # 120 instances
+    datasets = opened()
+    source_N, instance_N = one.slots(0, 120, [0, 0, 0])
+    for row, s, i in zip(straight, source_N.tolist(), instance_N.tolist(), strict=True):
+        assert torch.equal(row, torch.from_numpy(datasets[s][i]))  # token for token
+    assert np.bincount(source_N, minlength=3).tolist() == [60, 36, 24]
+    first = loaders(1, 2)[0]
+    it = iter(first)
+    for _ in range(20):
+        next(it)
+    state = first.state_dict()
+    assert [s["format"] for s in state["sources"]] == ["dolma", "moe", "megatron"]
+    two = [iter(x) for x in loaders(2, 1, state)]
+    resumed = torch.cat([next(i) for _ in range(40) for i in two])
+    assert torch.equal(resumed, straight[40:])
+
+
+def test_a_mixture_names_its_tokenizer_once(formats_mix):
+    """data.tokenizer may not contradict the tokenizer the moe-format sources were written
+    with; with no source of ours the run's vocabulary is data.tokenizer's (bpe: the model's)."""
+    from moe_core.data.formats import sources_vocabulary
+    from moe_core.train.batches import check_data_fits
+
+    cfg = run([*FORMATS_RUN, formats_spec(formats_mix), "data.tokenizer=gpt2"])
+    with pytest.raises(ConfigError) as err:
+        check_data_fits(cfg)
+    said = str(err.value)
+    assert said.startswith("data.tokenizer='gpt2' is not allowed: 'bpe' (unset, to take theirs)")
+    assert f"data source 'code' ({formats_mix}/code) records another" in said
+    web = f"data.sources=[{{name:web,dir:'{formats_mix}/web',format:dolma,weight:1}}]"
+    alone = sources_vocabulary(run([*FORMATS_RUN, web]).data, VOCAB)
+    assert alone is not None and (alone.size, alone.files) == (VOCAB, {})
+    named = sources_vocabulary(run([*FORMATS_RUN, web, "data.tokenizer=gpt2"]).data, 50304)
+    assert named is not None and (named.size, named.eos_id) == (50257, 50256)
+    assert "tokenizer.json" in named.files  # what the pipeline's export copies
+    assert sources_vocabulary(run(["data.sources=[{name:c,dir:/c,weight:1}]"]).data, 9) is None
+
+
+@pytest.mark.slow
+def test_moe_train_on_every_format_records_checksums_per_source_and_resumes_exactly(
+    tmp_path, formats_mix, capsys
+):
+    """Six steps on the three-format mixture, held-out loss on the Dolma source's tail: each
+    corpus of another tool has its checksums recorded in the run folder, our shards are hashed
+    against their manifest; a resume from step 3 checks the records and trains the same steps;
+    a file changed since is refused by name."""
+    from moe_core.data.errors import DataError
+    from moe_core.train.trainer import Trainer
+
+    def trainer(out: str, *extra: str) -> Trainer:
+        overrides = [*FORMATS_RUN, formats_spec(formats_mix), "train.steps=6", *extra]
+        return Trainer(run([*overrides, f"out_dir={tmp_path / out}", "train.eval_every=3"]))
+
+    straight = trainer("straight", "train.checkpoint_every=3")
+    said = capsys.readouterr().out.replace("\n", "")
+    assert "data source 'web': recorded the sha256 of 3 files in" in said
+    assert re.search(r"data source 'code': verified the sha256 of \d+ shards \(", said)
+    assert "data source 'math': recorded the sha256 of 2 files in" in said
+    history = straight.fit(show_progress=False)
+    assert history[2].eval_loss is not None
+    assert set(history[-1].data_tokens) == {"web", "code", "math"}
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoints" / "step_00000003",
+        resumed_dir / "checkpoints" / "step_00000003",
+    )
+    for name in ("web", "math"):
+        record = f"data-checksums-{name}.json"
+        shutil.copy2(tmp_path / "straight" / record, resumed_dir / record)
+    resumed = trainer("resumed")
+    said = capsys.readouterr().out.replace("\n", "")
+    assert "data source 'math': verified the sha256 of 2 files against" in said
+    assert resumed.step == 3
+    rest = resumed.fit(show_progress=False)
+    assert [m.loss for m in rest] == [m.loss for m in history[3:]]
+    assert [m.data_tokens for m in rest] == [m.data_tokens for m in history[3:]]
+    assert rest[-1].eval_loss == history[-1].eval_loss
+    for a, b in zip(resumed.chunks[0].parameters(), straight.chunks[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    bin_path = formats_mix / "math" / "a_text_document.bin"
+    raw = bin_path.read_bytes()
+    try:
+        bin_path.write_bytes(bytes([raw[0] ^ 1]) + raw[1:])  # still an id: only the hash sees it
+        with pytest.raises(DataError, match=f"{bin_path} changed since this run recorded"):
+            trainer("resumed")
+    finally:
+        bin_path.write_bytes(raw)
+
+
+def test_plan_and_moe_data_show_a_mixture_of_every_format(formats_mix, monkeypatch, capsys):
+    from rich.console import Console
+
+    import moe_core.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=250))
+    args = [*BASE, "data.kind=tokens", *FORMATS_RUN, "train.steps=100", formats_spec(formats_mix)]
+    tokens = cli.source_tokens(run(args[len(BASE) + 1 :]))
+    assert all(isinstance(n, int) and n > 0 for n in tokens.values()), tokens
+    assert cli.main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    assert "data mixture" in out and "50.0%" in out and "unknown" not in out
+    assert cli.main(["data", "--sample-tokens=4", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.index("source web (dolma)") < out.index("source code (moe)")
+    assert out.index("source code (moe)") < out.index("source math (megatron)")
+    assert f"4,096 ids (data source 'code' ({formats_mix}/code)'s tokenizer), end-of-text 0" in out
+    assert "metadata rows, or end-of-text ids 0 counted where a file has none" in out

@@ -131,16 +131,18 @@ def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
             f"was trained with: {ask}."
         )
     run = checkpoint_config(checkpoint)
-    written = run.data.eval_dir  # data.dir, or a mixture's first source (one tokenizer for all)
-    if run.data.kind != "tokens" or written is None:
+    if run.data.kind != "tokens":
         raise ConfigError(
             f"the run that wrote {src} trained on synthetic tokens, which have no tokenizer: {ask}."
         )
-    if run.data.external and not run.data.sources:
-        raise ConfigError(
-            f"the run that wrote {src} trained on a {run.data.format} corpus, which carries no "
-            f"tokenizer files: {ask}."
+    written = run.data.tokenizer_dir  # data.dir, or a mixture's first source of ours
+    if written is None:
+        what = (
+            "a mixture of dolma and megatron sources, which carry"
+            if run.data.sources
+            else f"a {run.data.format} corpus, which carries"
         )
+        raise ConfigError(f"the run that wrote {src} trained on {what} no tokenizer files: {ask}.")
     data_dir = Path(written)
     if not data_dir.is_dir():  # a relative path from another working folder: from the run's
         out_dir = checkpoint.resolve().parent.parent

@@ -38,6 +38,7 @@ from moe_core.convert.families import (
     export_note,
     family_for,
 )
+from moe_core.data.tokenizer import TOKENIZER_FILES
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.files import (
     TMP_MARK,
@@ -53,13 +54,6 @@ log = logging.getLogger(__name__)
 
 OUR_CONFIG = "moe_core_config.json"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # safetensors' names of the dtypes a weight may have (our training writes one of these)
 _WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -10,7 +10,7 @@ import numpy as np
 
 from moe_core.config import DataConfig
 from moe_core.data.dataset import TokenDataset
-from moe_core.data.formats import open_source, run_vocabulary
+from moe_core.data.formats import Vocabulary, open_source, run_vocabulary
 from moe_core.data.tokenizer import load_tokenizer
 
 
@@ -31,8 +31,14 @@ def _megabytes(paths: list[Path]) -> str:
     return f"{sum(p.stat().st_size for p in paths) / 1e6:,.1f} MB"
 
 
-def summarize(data: DataConfig, model_vocab_size: int, sample_tokens: int = 64) -> Summary:
-    """``data``'s folder described; an external corpus is read with the run's vocabulary."""
+def summarize(
+    data: DataConfig,
+    model_vocab_size: int,
+    sample_tokens: int = 64,
+    vocab: Vocabulary | None = None,
+) -> Summary:
+    """``data``'s folder described; an external corpus is read with the run's vocabulary
+    (``vocab``, a mixture's; else ``data.tokenizer``'s)."""
     out = Summary()
     assert data.dir is not None
     if data.format == "moe":
@@ -68,7 +74,7 @@ def summarize(data: DataConfig, model_vocab_size: int, sample_tokens: int = 64) 
             ),
         ]
     else:
-        vocab = run_vocabulary(data, model_vocab_size)
+        vocab = vocab or run_vocabulary(data, model_vocab_size)
         train, held_out = (open_source(data, s, 1, vocab) for s in ("train", "validation"))
         tokenizer = vocab.tokenizer
         dtypes = sorted({str(d) for d in train.dtypes})

@@ -24,24 +24,32 @@ starts and checked when it resumes (``check_recorded``).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from moe_core.config import DataConfig, check_tokenizer_fits
-from moe_core.data.dataset import Instances, TokenDataset, TokenStream
+from moe_core.config import ConfigError, DataConfig, check_tokenizer_fits, fail
+from moe_core.data.dataset import TokenDataset, TokenStream
 from moe_core.data.errors import DataError
+from moe_core.data.manifest import read_manifest
 from moe_core.data.shards import SPLITS, npy_layout
-from moe_core.data.tokenizer import TOKEN_DTYPES, gpt2_tokenizer, hf_tokenizer
+from moe_core.data.tokenizer import (
+    TOKEN_DTYPES,
+    TOKENIZER_FILES,
+    gpt2_tokenizer,
+    hf_tokenizer,
+    load_tokenizer,
+)
 from moe_core.files import atomic_write, file_sha256, json_bytes
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -438,6 +446,9 @@ class Vocabulary:
     eos_id: int | None
     tokenizer: Tokenizer | None  # decodes samples; None: ids are shown
     source: str  # where the size comes from, in words
+    # The tokenizer's files by name, as an export writes them beside the weights (none with
+    # data.tokenizer=bpe and no folder of ours: only the size is known).
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 def run_vocabulary(data: DataConfig, model_vocab_size: int) -> Vocabulary:
@@ -448,7 +459,52 @@ def run_vocabulary(data: DataConfig, model_vocab_size: int) -> Vocabulary:
         return Vocabulary(model_vocab_size, None, None, "model.vocab_size")
     built = gpt2_tokenizer() if data.tokenizer == "gpt2" else hf_tokenizer(data.tokenizer)
     check_tokenizer_fits(data, built.vocab_size, model_vocab_size)
-    return Vocabulary(built.vocab_size, built.eos_id, built.tokenizer, repr(data.tokenizer))
+    return Vocabulary(
+        built.vocab_size, built.eos_id, built.tokenizer, repr(data.tokenizer), built.files
+    )
+
+
+def mixture_vocabulary(data: DataConfig, model_vocab_size: int) -> Vocabulary:
+    """A mixture's vocabulary: the tokenizer its first source in our format was written with
+    (its manifest's size and end-of-text id, its files), which ``data.tokenizer`` may name
+    again but not contradict; without such a source, ``run_vocabulary``'s."""
+    ours = next((s for s in data.sources if s.format == "moe"), None)
+    if ours is None:
+        return run_vocabulary(data, model_vocab_size)
+    manifest = read_manifest(ours.dir)
+    tok = manifest.tokenizer
+    where = f"data source {ours.name!r} ({ours.dir})"
+    check_tokenizer_fits(data, tok["vocab_size"], model_vocab_size, manifest=where)
+    if data.tokenizer != "bpe":
+        built = gpt2_tokenizer() if data.tokenizer == "gpt2" else hf_tokenizer(data.tokenizer)
+        if built.sha256 != tok["sha256"]:
+            fail(
+                "data.tokenizer",
+                data.tokenizer,
+                f"'bpe' (unset, to take theirs) or the tokenizer the moe-format sources were "
+                f"written with: {where} records another (sha256 {tok['sha256'][:16]}..., this "
+                f"one {built.sha256[:16]}...), and the same ids must mean the same text in every "
+                "source",
+            )
+    files = {
+        name: (manifest.data_dir / name).read_bytes()
+        for name in TOKENIZER_FILES
+        if (manifest.data_dir / name).is_file()
+    }
+    try:
+        tokenizer: Tokenizer | None = load_tokenizer(manifest.data_dir)
+    except Exception:  # tokenizers raises a bare Exception for a damaged file: ids are shown
+        tokenizer = None
+    said = f"{where}'s tokenizer"
+    return Vocabulary(tok["vocab_size"], tok.get("eos_id"), tokenizer, said, files)
+
+
+def sources_vocabulary(data: DataConfig, model_vocab_size: int) -> Vocabulary | None:
+    """What a mixture's sources of other tools are read with (``mixture_vocabulary``); None
+    when every source is ours (each carries its own)."""
+    if all(s.format == "moe" for s in data.sources):
+        return None
+    return mixture_vocabulary(data, model_vocab_size)
 
 
 def open_source(data: DataConfig, split: str, seq_len: int, vocab: Vocabulary | None) -> Any:
@@ -469,11 +525,37 @@ def open_source(data: DataConfig, split: str, seq_len: int, vocab: Vocabulary | 
     )
 
 
-def check_recorded(dataset: ExternalDataset, run_dir: str | Path, *, resuming: bool) -> str:
+def source_tokens(data: DataConfig, seq_len: int, model_vocab_size: int) -> dict[str, int | None]:
+    """Each mixture source's train split tokens, read from its folder's manifest or files
+    (None for a folder that cannot be read yet, or another tool's tokens whose vocabulary
+    cannot be had): what ``moe plan`` and the plan page show the epochs by."""
+    try:
+        vocab = sources_vocabulary(data, model_vocab_size)
+    except (ConfigError, DataError, OSError):
+        vocab = None
+    out: dict[str, int | None] = {}
+    for s in data.sources:
+        out[s.name] = None
+        if s.format != "moe" and vocab is None:
+            continue
+        with contextlib.suppress(DataError, OSError):
+            out[s.name] = open_source(data.of_source(s), "train", seq_len, vocab).tokens
+    return out
+
+
+def checksums_record(source: str | None = None) -> str:
+    """The file in the run's folder that holds a corpus's checksums: the one folder's, or a
+    mixture's source ``source``'s (names are letters, digits and ``._-``)."""
+    return CHECKSUMS if source is None else f"data-checksums-{source}.json"
+
+
+def check_recorded(
+    dataset: ExternalDataset, run_dir: str | Path, *, resuming: bool, source: str | None = None
+) -> str:
     """Hash every file of ``dataset``: a new run records them in ``run_dir`` (never beside the
-    corpus), a ``resuming`` one checks them against that record and refuses a file whose bytes
-    changed since, by name. Returns what was done, in words."""
-    record = Path(run_dir) / CHECKSUMS
+    corpus; ``checksums_record(source)``), a ``resuming`` one checks them against that record
+    and refuses a file whose bytes changed since, by name. Returns what was done, in words."""
+    record = Path(run_dir) / checksums_record(source)
     dataset.check_documents()  # every index or metadata row, while every byte is read anyway
     found = {}  # by the name below the corpus's folder: a corpus moved whole still verifies
     for path in dataset.files():
@@ -499,9 +581,3 @@ def check_recorded(dataset: ExternalDataset, run_dir: str | Path, *, resuming: b
                 "(another out_dir)."
             )
     return f"verified the sha256 of {len(found)} files against {record}"
-
-
-# What a mixture's sources (``data.sources``) read: each name of ``config.SOURCE_FORMATS`` opens
-# one split of a folder from (folder, split, seq_len) alone. Our shards only, for now: the
-# external formats need the run's vocabulary and their own options per source.
-InstanceDataset = Instances

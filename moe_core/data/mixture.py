@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from moe_core.config import SourceConfig
+from moe_core.data.dataset import Instances, TokenDataset
 from moe_core.data.errors import DataError
-from moe_core.data.formats import FORMATS, InstanceDataset
 from moe_core.data.shuffle import Permutation
 
 STATE_VERSION = 1
@@ -59,7 +59,8 @@ def assign(
 
 class MixtureLoader:
     """Micro-batches ``int64 [micro_batch_size, seq_len + 1]`` of one rank drawn from several
-    sources by their shares; the train split of each."""
+    sources by their shares; the train split of each (``datasets``, one a source, in any format
+    of ``formats.FORMATS``; omitted, the sources are folders of ours, opened here)."""
 
     def __init__(
         self,
@@ -70,6 +71,8 @@ class MixtureLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        *,
+        datasets: Sequence[Instances] | None = None,
     ) -> None:
         if len(shares) != len(sources) or not sources:
             raise ValueError(f"{len(shares)} shares for {len(sources)} sources: one each.")
@@ -82,9 +85,19 @@ class MixtureLoader:
             )
         self.sources, self.shares = list(sources), [float(x) for x in shares]
         self.names = [s.name for s in sources]
-        self.datasets: list[InstanceDataset] = [
-            FORMATS[s.format](s.dir, "train", seq_len) for s in sources
-        ]
+        if datasets is None:
+            if any(s.format != "moe" for s in sources):
+                raise ValueError("sources in another format than 'moe' come with their datasets.")
+            datasets = [TokenDataset(s.dir, "train", seq_len) for s in sources]
+        if len(datasets) != len(sources):
+            raise ValueError(f"{len(datasets)} datasets for {len(sources)} sources: one each.")
+        for d in datasets:
+            if d.split != "train" or d.seq_len != seq_len:
+                raise ValueError(
+                    f"the dataset of {d.root} is the {d.split} split at seq_len={d.seq_len}, "
+                    f"which is not allowed for a mixture's train split at seq_len={seq_len}."
+                )
+        self.datasets: list[Instances] = list(datasets)
         self.sizes = [len(d) for d in self.datasets]
         for source, n in zip(sources, self.sizes, strict=True):
             if n == 0:

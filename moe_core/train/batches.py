@@ -15,9 +15,22 @@ import torch.distributed as dist
 from rich.console import Console
 
 from moe_core.ckpt.format import step_of
-from moe_core.config import RunConfig, check_tokenizer_fits, check_validation_fits, fail
+from moe_core.config import (
+    DataConfig,
+    RunConfig,
+    SourceConfig,
+    check_tokenizer_fits,
+    check_validation_fits,
+    fail,
+)
 from moe_core.data.errors import DataError
-from moe_core.data.formats import FORMATS, Vocabulary, check_recorded, open_source, run_vocabulary
+from moe_core.data.formats import (
+    Vocabulary,
+    check_recorded,
+    open_source,
+    run_vocabulary,
+    sources_vocabulary,
+)
 from moe_core.data.loader import TokenLoader
 from moe_core.data.manifest import MANIFEST, read_manifest, verify_data_dir
 from moe_core.data.mixture import MixtureLoader
@@ -61,11 +74,14 @@ def check_data_fits(cfg: RunConfig) -> None:
 
 
 def check_mixture_fits(cfg: RunConfig) -> None:
-    """Every source's vocabulary against the model, one tokenizer for all sources (where their
-    format records it) and the first source's validation split against the evaluations."""
+    """Every source opened as the run reads it (sizes, dtypes against the vocabulary), its
+    vocabulary against the model, one tokenizer for all sources (where their format records it;
+    the others are read with it, ``formats.mixture_vocabulary``) and the first source's
+    validation split against the evaluations."""
     seq_len, first = cfg.train.seq_len, None
+    vocab = sources_vocabulary(cfg.data, cfg.model.vocab_size)
     for i, source in enumerate(cfg.data.sources):
-        data = FORMATS[source.format](source.dir, "train", seq_len)
+        data = open_source(cfg.data.of_source(source), "train", seq_len, vocab)
         where = f"data source {source.name!r} ({source.dir})"
         check_tokenizer_fits(cfg.data, data.vocab_size, cfg.model.vocab_size, manifest=where)
         tokenizer = getattr(data, "tokenizer_id", None)
@@ -79,8 +95,9 @@ def check_mixture_fits(cfg: RunConfig) -> None:
             )
         if tokenizer is not None and first is None:
             first = (source.name, tokenizer)
-    held_out = FORMATS[cfg.data.eval_format](cfg.data.eval_dir, "validation", seq_len)
-    where = f"data source {cfg.data.sources[0].name!r} ({cfg.data.eval_dir})"
+    head = cfg.data.sources[0]
+    held_out = open_source(cfg.data.of_source(head), "validation", seq_len, vocab)
+    where = f"data source {head.name!r} ({head.dir})"
     check_validation_fits(cfg.train, cfg.parallel.data_parallel, len(held_out), where)
 
 
@@ -100,6 +117,7 @@ class Batches:
         self.loader: TokenLoader | MixtureLoader | None = None
         self._repeating: set[str] = set()  # mixture sources already said to repeat
         if cfg.data.sources:
+            self.vocab = sources_vocabulary(cfg.data, cfg.model.vocab_size)
             self._verify_data()
             self.loader = MixtureLoader(
                 cfg.data.sources,
@@ -109,6 +127,7 @@ class Batches:
                 dp_rank=mesh.data_rank,
                 dp_size=cfg.parallel.data_parallel,
                 seed=tc.seed,
+                datasets=[self.dataset("train", s) for s in cfg.data.sources],
             )
             self._train_iter = iter(self.loader)
         elif cfg.data.kind == "tokens":
@@ -156,10 +175,16 @@ class Batches:
         docs = [documents_of(b[:, :-1], self.eos_id) for b in batches]
         return [d.pin_memory() for d in docs] if self.device.type == "cuda" else docs
 
-    def dataset(self, split: str) -> Any:
+    def dataset(self, split: str, source: SourceConfig | None = None) -> Any:
         """The dataset of ``split`` the loaders read (our shards, or a corpus in another
-        format: ``data.format``)."""
-        return open_source(self.cfg.data, split, self.cfg.train.seq_len, self.vocab)
+        format: ``data.format``), or of a mixture's ``source``."""
+        data = self.cfg.data if source is None else self.cfg.data.of_source(source)
+        return open_source(data, split, self.cfg.train.seq_len, self.vocab)
+
+    def held_out(self) -> Any:
+        """The validation split evaluations read: the one folder's, a mixture's first source's."""
+        sources = self.cfg.data.sources
+        return self.dataset("validation", sources[0] if sources else None)
 
     def _resuming(self) -> bool:
         """Whether this start may resume a checkpoint (``train.resume`` and one is there): the
@@ -169,46 +194,28 @@ class Batches:
         return self.cfg.train.resume and found
 
     def _verify_data(self) -> None:
-        """Hash every shard against the data manifest before the first step (rank 0, streamed,
-        timed; another format's files against the record in ``out_dir`` on a resume, recorded
-        there on a new run); ``data.verify_checksums=false`` skips that, saying what goes
-        unchecked."""
+        """Before the first step (rank 0, streamed, timed), every folder of ours hashed against
+        its data manifest, every corpus of another format against the record of its checksums
+        in ``out_dir`` on a resume, recorded there on a new run (a mixture: each source, its own
+        record); ``data.verify_checksums=false`` skips that, saying what goes unchecked."""
         dc = self.cfg.data
         main = self.mesh.rank == 0
         problem: list[str | None] = [None]
-        # a mixture's moe-format folders; other formats check their own files when opened
-        dirs = [s.dir for s in dc.sources if s.format == "moe"] if dc.sources else [str(dc.dir)]
-        if main and dc.verify_checksums and dc.external and not dc.sources:
-            tick = time.perf_counter()
+        if main and dc.verify_checksums:
+            parts = [(s.name, dc.of_source(s)) for s in dc.sources] or [(None, dc)]
             try:
-                done = check_recorded(
-                    self.dataset("train"), self.cfg.out_dir, resuming=self._resuming()
-                )
+                for name, data in parts:
+                    tick = time.perf_counter()
+                    done = self._verify_part(name, data)
+                    said = done if name is None else f"data source {name!r}: {done}"
+                    self.console.print(
+                        f"{said} in {time.perf_counter() - tick:.1f} s "
+                        "(data.verify_checksums=false skips this)",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
             except DataError as err:
                 problem[0] = str(err)
-            else:
-                self.console.print(
-                    f"{done} in {time.perf_counter() - tick:.1f} s (data.verify_checksums=false "
-                    "skips this)",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-        elif main and dc.verify_checksums:
-            tick = time.perf_counter()
-            try:
-                manifests = [verify_data_dir(d, checksums=True) for d in dirs]
-            except DataError as err:
-                problem[0] = str(err)
-            else:
-                shards = [
-                    m.data_dir / s["file"] for m in manifests for sp in SPLITS for s in m.shards(sp)
-                ]
-                size = sum(path.stat().st_size for path in shards)
-                self.console.print(
-                    f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB) in "
-                    f"{time.perf_counter() - tick:.1f} s (data.verify_checksums=false skips this)",
-                    highlight=False,
-                )
         elif main:
             self._warn(
                 "data.verify_checksums=false: shard sha256 not checked (sizes, headers and token "
@@ -218,6 +225,17 @@ class Batches:
             dist.broadcast_object_list(problem, src=0)
         if problem[0] is not None:
             raise DataError(problem[0])
+
+    def _verify_part(self, name: str | None, data: DataConfig) -> str:
+        """One folder's files hashed (``_verify_data``); what was done, in words."""
+        if data.external:
+            corpus = open_source(data, "train", self.cfg.train.seq_len, self.vocab)
+            resuming = self._resuming()
+            return check_recorded(corpus, self.cfg.out_dir, resuming=resuming, source=name)
+        manifest = verify_data_dir(str(data.dir), checksums=True)
+        shards = [manifest.data_dir / s["file"] for sp in SPLITS for s in manifest.shards(sp)]
+        size = sum(path.stat().st_size for path in shards)
+        return f"verified the sha256 of {len(shards)} shards ({size / 1e6:,.1f} MB)"
 
     def take(self, step: int) -> list[torch.Tensor]:
         """Step ``step``'s micro-batches, on the device (made ahead by ``prepare``); their

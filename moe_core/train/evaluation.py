@@ -35,11 +35,8 @@ def held_out_batches(
     if batches.loader is None:
         start = EVAL_BASE + mesh.data_rank * per_rank * tc.micro_batch_size
         return [b.to(mesh.device) for b in batches.sequences(start, per_rank)], None
-    assert cfg.data.eval_dir is not None  # a mixture's first source, else data.dir
-    # a mixture's first source (data.eval_dir, our shards), else the run's one source
-    data = cfg.data.eval_dir if cfg.data.sources else batches.dataset("validation")
     held_out = TokenLoader(
-        data,
+        batches.held_out(),  # a mixture's first source's, in any format; else the one folder's
         "validation",
         tc.seq_len,
         tc.micro_batch_size,
@@ -88,11 +85,11 @@ class Downstream:
         from moe_core.eval.tasks import load_tasks, subset
 
         ev = cfg.eval
-        assert cfg.data.eval_dir is not None
+        assert cfg.data.tokenizer_dir is not None  # config: eval.every needs one
         self.cfg = cfg
         self.tasks = [subset(t, ev.every_limit, ev.seed) for t in load_tasks(ev)]
         self.requests = encode_tasks(
-            self.tasks, load_tokenizer(cfg.data.eval_dir), cfg.model.vocab_size, eos_id
+            self.tasks, load_tokenizer(cfg.data.tokenizer_dir), cfg.model.vocab_size, eos_id
         )
 
     @torch.no_grad()

@@ -137,8 +137,9 @@ class Trainer:
         self.batches = Batches(cfg, self.mesh, self.console, self._warn)
         self.downstream_set: Downstream | None = None
         if cfg.eval.every:
-            assert cfg.data.eval_dir is not None  # a mixture's first source, else data.dir
-            eos_id = read_manifest(cfg.data.eval_dir).tokenizer.get("eos_id")
+            # data.dir, or a mixture's first source of ours (the config refuses none)
+            assert cfg.data.tokenizer_dir is not None
+            eos_id = read_manifest(cfg.data.tokenizer_dir).tokenizer.get("eos_id")
             self.downstream_set = Downstream(cfg, eos_id)
         self._clock: float | None = None  # when the last step's host read returned
         self.flops_per_token = count(cfg.model, cfg.train.seq_len).flops_per_token
