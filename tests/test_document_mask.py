@@ -181,3 +181,24 @@ def test_documents_move_with_their_tensors():
     docs = documents_of(torch.tensor([[1, EOS, 2]]), EOS)
     moved = docs.to(torch.device("cpu"))
     assert isinstance(moved, Documents) and moved.max_len == docs.max_len
+
+
+def test_the_evaluate_stage_scores_a_masked_run_as_it_trained_in_both_models(tmp_path):
+    """The pipeline's perplexity (ours against transformers') takes the documents too: both
+    agree under the mask, and the mask changes the loss."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_core.convert.hf import save_hf
+    from moe_core.eval.perplexity import score
+
+    cfg = _variants()["gqa-head-norm"]
+    ours = build_model(cfg, seed=4).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(
+        save_hf(ours.state_dict(), cfg, tmp_path / "hf"), dtype=torch.float32
+    ).eval()
+    tokens, _ = _packed([[7, 12, 14], [20, 10, 3]], cfg.vocab_size, seed=5)
+    masked, hf_masked = score(ours, theirs, tokens, EOS)
+    plain, hf_plain = score(ours, theirs, tokens, None)
+    assert abs(masked - hf_masked) < 1e-5 * masked
+    assert abs(plain - hf_plain) < 1e-5 * plain
+    assert abs(masked - plain) > 1e-4

@@ -25,6 +25,7 @@ from moe_core.convert.hf import load_hf, save_hf
 from moe_core.convert.native import save_model_dir
 from moe_core.errors import CheckpointError
 from moe_core.model import build_model
+from moe_core.model.documents import documents_of
 
 transformers = pytest.importorskip("transformers")
 # GLM's class builds its shared expert at width 0 where a model has none
@@ -256,6 +257,24 @@ def test_an_imported_model_computes_the_logits_transformers_computes(hf_case):
     with torch.no_grad():
         err = (ours(tokens)[0] - hf(tokens).logits).abs().max().item()
     assert err < 1e-5, f"max |logit difference| {err:.2e}"
+
+
+def test_packed_documents_compute_what_transformers_computes_under_their_mask(hf_case):
+    """``train.document_mask``: our varlen-style documents against the stock class given the
+    same documents as its position ids and a 4-D block-diagonal causal mask."""
+    _, hf, src = hf_case
+    ours = load_model(src)
+    tokens = _tokens(hf.config.vocab_size, length=24)
+    eos = int(tokens[0, 5])
+    tokens[0, 13], tokens[1, 9] = eos, eos  # documents end at 5, 13 and 9: uneven in each row
+    docs = documents_of(tokens, eos)
+    with torch.no_grad():
+        packed = ours.head(ours.norm(ours.hidden(tokens, docs=docs)[0]))
+        theirs = hf(tokens, position_ids=docs.positions_BS, attention_mask=docs.mask()).logits
+        unmasked = hf(tokens).logits
+    err = (packed - theirs).abs().max().item()
+    assert err < 1e-5, f"max |logit difference| {err:.2e}"
+    assert (packed - unmasked).abs().max().item() > 1e-3  # the documents did change the logits
 
 
 def test_an_imported_model_generates_the_greedy_tokens_transformers_does(hf_case):

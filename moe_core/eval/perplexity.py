@@ -16,6 +16,7 @@ from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
 from moe_core.data.dataset import Instances
 from moe_core.data.loader import TokenLoader
 from moe_core.model import Transformer, build_model, lm_loss
+from moe_core.model.documents import documents_of
 
 PROMPTS = (
     "In the beginning",
@@ -37,6 +38,25 @@ class EvalResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@torch.no_grad()
+def score(
+    ours: Transformer, theirs: torch.nn.Module, tokens_BT: torch.Tensor, eos_id: int | None
+) -> tuple[float, float]:
+    """Mean next-token cross-entropy of a micro-batch by our model and by ``transformers``';
+    with ``eos_id`` (a run trained with ``train.document_mask``) attention stays within each
+    document and positions restart, for transformers through position ids and a 4-D mask."""
+    inputs_BS = tokens_BT[:, :-1]
+    if eos_id is None:
+        logits, hf_logits = ours(inputs_BS)[0], theirs(inputs_BS).logits
+    else:
+        docs = documents_of(inputs_BS, eos_id)
+        logits = ours.head(ours.norm(ours.hidden(inputs_BS, docs=docs)[0]))
+        hf_logits = theirs(inputs_BS, position_ids=docs.positions_BS, attention_mask=docs.mask())
+        hf_logits = hf_logits.logits
+    targets_BS = tokens_BT[:, 1:]
+    return float(lm_loss(logits, targets_BS)), float(lm_loss(hf_logits, targets_BS))
 
 
 @torch.no_grad()
@@ -70,14 +90,18 @@ def evaluate(
     ours.load_state_dict(CheckpointSource(checkpoint, run.model, torch.float32).state_dict())
     theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     held_out = TokenLoader(data_dir, "validation", run.train.seq_len, run.train.micro_batch_size)
+    # a run trained with train.document_mask is scored as it trained: attention within each
+    # document, positions from 0 in each; transformers takes the same documents as position ids
+    # and a 4-D mask
+    eos = held_out.dataset.eos_id if run.train.document_mask else None
     loss_sum = hf_sum = 0.0
     n_batches = tokens = 0
     for tokens_BT in held_out:
         if n_batches == batches:
             break
-        logits, _ = ours(tokens_BT[:, :-1])
-        loss_sum += float(lm_loss(logits, tokens_BT[:, 1:]))
-        hf_sum += float(lm_loss(theirs(tokens_BT[:, :-1]).logits, tokens_BT[:, 1:]))
+        loss, hf_loss = score(ours, theirs, tokens_BT, eos)
+        loss_sum += loss
+        hf_sum += hf_loss
         n_batches += 1
         tokens += tokens_BT[:, 1:].numel()
         report("scoring", n_batches, batches)
