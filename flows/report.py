@@ -117,36 +117,78 @@ def stage_markdown(
 def mlflow_where(name: str, link: str | None, page: str | None, uri: str) -> str | None:
     """A run's place in MLflow as markdown: its page on a server, or, for a local store, the
     command that serves it and the page's address under it (``mlflow ui``'s default port)."""
+    from flows.tracking import LOCAL_UI
+
     if link is not None:
         return f"[{name} run]({link})"
     if page is not None:
-        return f"`mlflow ui --backend-store-uri {uri}`, then `http://127.0.0.1:5000/{page}`"
+        return f"`mlflow ui --backend-store-uri {uri}`, then `{LOCAL_UI}/{page}`"
     return None
 
 
-def summary_line(outcome: dict[str, Any]) -> str:
-    """The run in one line: the flow run's final state message and the log's last line."""
+def _launches(launches: list[dict[str, Any]]) -> str:
+    """How training was launched: how many times, why it was relaunched, and whether an
+    earlier pipeline (stopped or crashed) launched it before."""
+    failed = [str(a.get("detail")) for a in launches if not a.get("ok")]
+    text = str(len(launches))
+    if failed:
+        text += f" (relaunched after: {'; '.join(failed)})"
+    earlier = int(launches[0].get("number", 1)) - 1 if launches else 0
+    if earlier:
+        text += f", after {earlier} launch{'es' if earlier > 1 else ''} by an interrupted pipeline"
+    return text
+
+
+def summary_rows(outcome: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's headline as (label, text) rows: the Hugging Face folder, the perplexities,
+    the losses from the run's first step, the launches, the skipped stages and the MLflow run's
+    page. ``moe pipeline`` prints them last; ``summary_line`` joins them."""
     evaluation = outcome.get("evaluate", {})
     train = outcome.get("train", {})
-    parts = [f"Hugging Face checkpoint {outcome['hf_dir']}"]
+    rows = [("Hugging Face checkpoint", str(outcome["hf_dir"]))]
     if "perplexity" in evaluation:
-        parts.append(
-            f"held-out perplexity {evaluation['perplexity']:.3f} "
-            f"(transformers: {evaluation.get('hf_perplexity', float('nan')):.3f})"
+        rows.append(
+            (
+                "held-out perplexity",
+                f"{evaluation['perplexity']:.3f} (transformers: "
+                f"{evaluation.get('hf_perplexity', float('nan')):.3f})",
+            )
         )
     if "final_loss" in train:
-        parts.append(f"final loss {train['final_loss']:.4f}")
+        loss = f"{train['first_loss']:.4f} -> {train['final_loss']:.4f} over {train['steps']} steps"
+        if "final_eval_loss" in train:
+            loss += f" (held-out {train['final_eval_loss']:.4f})"
+        rows.append(("loss", loss))
+    if train.get("launches"):
+        rows.append(("training launches", _launches(train["launches"])))
     skipped = [n for n, s in outcome["stages"].items() if s == "Skipped"]
     if skipped:
-        parts.append(f"skipped (verified): {', '.join(skipped)}")
-    if outcome["mlflow_ui"] is None:  # the store was unreachable during the run
-        parts.append(
-            "MLflow was unreachable, so there is nothing to browse yet: the metrics are in "
-            "metrics.jsonl and go to MLflow on a later run"
+        rows.append(("skipped (verified)", ", ".join(skipped)))
+    if outcome.get("mlflow_run") is None:  # the store was unreachable during the run
+        rows.append(
+            (
+                "MLflow",
+                "unreachable, so there is nothing to browse yet: the metrics are in "
+                "metrics.jsonl and go to MLflow on a later run",
+            )
         )
     else:
-        parts.append(f"browse with: {outcome['mlflow_ui']}")
-    return "done: " + "; ".join(parts)
+        serve = f" (once `{outcome['mlflow_ui']}` serves it)" if outcome.get("mlflow_ui") else ""
+        rows.append(("MLflow run", f"{outcome['mlflow_run']}{serve}"))
+    return rows
+
+
+def summary_line(outcome: dict[str, Any]) -> str:
+    """The run in one line: the flow run's final state message."""
+    return "done: " + "; ".join(f"{label}: {text}" for label, text in summary_rows(outcome))
+
+
+def summary_text(outcome: dict[str, Any]) -> str:
+    """The run in a line per row, labels aligned: what ``moe pipeline`` prints last."""
+    rows = summary_rows(outcome)
+    width = max(len(label) for label, _ in rows)
+    head = f"pipeline done: {outcome['run_dir']}"
+    return "\n".join([head, *(f"  {label:<{width}}  {text}" for label, text in rows)])
 
 
 def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
@@ -155,7 +197,7 @@ def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
     lines = ["## pretrain", "", f"Run folder: `{outcome['run_dir']}`", "", "| stage | state |"]
     lines.append("|---|---|")
     lines += [f"| {n} | {s} |" for n, s in outcome["stages"].items()]
-    lines += ["", summary_line(outcome).removeprefix("done: ").replace("; ", "  \n"), ""]
+    lines += ["", "  \n".join(f"{label}: {text}" for label, text in summary_rows(outcome)), ""]
     if mlflow is not None:
         lines.append(f"MLflow: {mlflow}")
     return "\n".join(lines).rstrip() + "\n"

@@ -125,7 +125,7 @@ def data(*items: dict, **extra) -> dict:
         (
             data({"name": "a", "dir": "/d/a", "wieght": 1}),
             "data.sources[0].wieght is not a known option: data.sources[0] takes dir, format, "
-            "name, tokens, weight.",
+            "name, tokens, weight (did you mean data.sources[0].weight?).",
         ),
         (
             data({"name": "a", "dir": "/d/a", "weight": "heavy"}),
@@ -414,7 +414,7 @@ def test_moe_data_shows_a_mixtures_shares_and_each_source(dirs, monkeypatch, cap
 
 
 def test_the_pipeline_refuses_a_mixture_in_one_sentence(tmp_path):
-    from flows.pretrain import resolve
+    from flows.layout import resolve
 
     config = {"data": {"kind": "tokens", "sources": [{"name": "a", "dir": "/a", "weight": 1}]}}
     with pytest.raises(ConfigError, match=r"^data.sources \(a mixture of 1\) is not allowed"):
