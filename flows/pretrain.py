@@ -37,13 +37,13 @@ from flows.manifests import digest, keyed
 from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
-    StageProgress,
     artifact_key,
     mlflow_where,
     publish,
     quiet_refusals,
     run_markdown,
     stage_markdown,
+    stage_progress,
     summary_line,
 )
 from flows.tracking import LOCAL_UI, Tracker
@@ -197,7 +197,7 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
     out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
-    with StageProgress("tokenize") as progress:
+    with stage_progress("tokenize") as progress:
         tokenize_corpus(
             ctx.run.data,
             out,
@@ -415,7 +415,7 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     out = layout.eval
     out.mkdir(parents=True, exist_ok=True)
     what = {"scoring": "held-out micro-batches scored", "sampling": "prompts continued"}
-    with StageProgress("evaluate") as progress:
+    with stage_progress("evaluate") as progress:
         result = evaluate(
             ctx.final_checkpoint,
             layout.hf,
@@ -435,7 +435,15 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     if ctx.run.eval.tasks:
         from moe_core.eval.downstream import evaluate_checkpoint, write_scores
 
-        scores = evaluate_checkpoint(ctx.final_checkpoint, layout.data, ctx.run.eval)
+        with stage_progress("evaluate") as progress:
+            scores = evaluate_checkpoint(
+                ctx.final_checkpoint,
+                layout.data,
+                ctx.run.eval,
+                on_progress=lambda done, total: progress.update(
+                    f"{done} of {total} downstream batches scored", done, total
+                ),
+            )
         outputs += write_scores(scores, out)
         summary["downstream"] = {s.task: {"examples": s.examples, **s.metrics()} for s in scores}
         ctx.tracker.metrics(run_id, downstream_metrics(summary["downstream"]))

@@ -9,12 +9,11 @@ stage (the stage's outputs and manifest are already written when it is published
 from __future__ import annotations
 
 import logging
-import math
 import re
-import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from moe_core.progress import LineProgress
 
 LABELS = {
     "total_tokens": "tokens",
@@ -203,60 +202,11 @@ def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-class StageProgress:
-    """A running stage's progress: a line in the run's log at most every ``every_s`` seconds
-    (the first and the last always), and a bar while stderr is a terminal."""
+def stage_progress(name: str, every_s: float = 10.0, bar: bool | None = None) -> LineProgress:
+    """A running stage's progress in the run's log (``moe_core.progress.LineProgress``)."""
+    from prefect import get_run_logger
 
-    def __init__(
-        self, name: str, every_s: float = 10.0, bar: bool | None = None, log: Any = None
-    ) -> None:
-        from prefect import get_run_logger
-
-        self.name, self.every_s, self.log = name, every_s, log or get_run_logger()
-        self.show_bar = sys.stderr.isatty() if bar is None else bar
-        self.last, self.pending = -math.inf, None
-        self.lines: list[str] = []  # what went to the log, for whoever asks
-
-    def __enter__(self) -> StageProgress:
-        if self.show_bar:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn(f"[bold]{self.name}"),
-                BarColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-            )
-            self.bar.start()
-            self.task = self.bar.add_task("", total=None)
-        return self
-
-    def update(
-        self, text: str, done: int | None = None, total: int | None = None, force: bool = False
-    ) -> None:
-        """Show ``text`` (``done`` of ``total`` on the bar); ``force`` logs it now (a phase's
-        end)."""
-        if self.show_bar:
-            self.bar.update(self.task, completed=done or 0, total=total, description=text)
-        now = time.monotonic()
-        if force or now - self.last >= self.every_s:
-            self._log(text)
-            self.last = now
-        else:
-            self.pending = text
-
-    def _log(self, text: str) -> None:
-        self.log.info("%s: %s", self.name, text)
-        self.lines.append(text)
-        self.pending = None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.show_bar:
-            self.bar.stop()
-        if self.pending is not None and exc[0] is None:
-            self._log(self.pending)
+    return LineProgress(name, get_run_logger().info, every_s, bar)
 
 
 def publish(key: str, markdown: str, description: str) -> None:

@@ -24,6 +24,7 @@ from rich.table import Table
 from moe_core.config import ConfigError, Dtype, ModelConfig, RunConfig, check_folder
 from moe_core.config_dict import from_dict
 from moe_core.errors import refusals
+from moe_core.progress import LineProgress
 
 DEFAULT_CONFIG_NAME = "config"
 
@@ -51,6 +52,14 @@ def _size(text: str) -> int:
             "with a unit KB, MB, GB, KiB, MiB or GiB (such as 5GB)."
         )
     return int(size)
+
+
+def progress(name: str, bar: bool = True) -> LineProgress:
+    """A long step's progress: a bar on a terminal (unless ``bar`` is off: the step draws its
+    own), else a plain line on stdout every 10 s."""
+    terminal = sys.stderr.isatty()
+    say = None if terminal else lambda line: console.print(line, markup=False, highlight=False)
+    return LineProgress(name, say, bar=terminal and bar)
 
 
 def block_options(m: ModelConfig) -> list[str]:
@@ -145,9 +154,16 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     from moe_core.data.tokenize import tokenize_corpus
 
     assert run.data.dir is not None
-    out = tokenize_corpus(
-        run.data, run.data.dir, model_vocab_size=run.model.vocab_size, console=console
-    )
+    with progress("tokenize", bar=False) as shown:  # tokenize_corpus draws its own bar
+        out = tokenize_corpus(
+            run.data,
+            run.data.dir,
+            model_vocab_size=run.model.vocab_size,
+            console=console,
+            on_progress=lambda p: shown.update(
+                p.text(), p.documents, p.total, force=p.documents == p.total
+            ),
+        )
     console.print(f"wrote {out}/manifest.json", highlight=False)
 
 
@@ -405,19 +421,36 @@ def cmd_eval(args: argparse.Namespace) -> None:
     # Scoring needs the run's own tokenizer, and `moe eval score` has no option to give one.
     ask = "moe eval score scores only checkpoints of runs on a token folder that is still there"
     tokenizer = run_tokenizer_dir(args.checkpoint, ask=ask)
-    scores = evaluate_checkpoint(args.checkpoint, tokenizer, cfg)
-    table = Table(title=f"downstream tasks, {args.checkpoint}")
-    for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
-        table.add_column(column, justify="left" if column == "task" else "right")
-    for s in scores:
-        m = s.metrics()
-        table.add_row(s.task, str(s.examples), *(f"{m[k]:.4f}" for k in list(m)))
-    console.print(table)
+    with progress("score") as shown:
+        scores = evaluate_checkpoint(
+            args.checkpoint,
+            tokenizer,
+            cfg,
+            on_progress=lambda done, total: shown.update(
+                f"{done} of {total} batches of {', '.join(cfg.tasks)}", done, total
+            ),
+        )
+    console.print(scores_table(scores, f"downstream tasks, {args.checkpoint}"))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         for f in write_scores(scores, out):
             console.print(f"wrote {f}")
+
+
+def scores_table(scores: list, title: str) -> Table:
+    """Downstream scores, a task a row; a task's name is never cut, at any console width."""
+    table = Table(title=title)
+    width = max((len(s.task) for s in scores), default=4)
+    for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
+        left = column == "task"
+        table.add_column(
+            column, justify="left" if left else "right", min_width=width if left else None
+        )
+    for s in scores:
+        m = s.metrics()
+        table.add_row(s.task, str(s.examples), *(f"{m[k]:.4f}" for k in list(m)))
+    return table
 
 
 def build_parser() -> argparse.ArgumentParser:

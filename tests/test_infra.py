@@ -312,10 +312,10 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
     perplexity = json.loads((tmp_path / "tiny" / "eval" / "result.json").read_text())["perplexity"]
     assert perplexity > 1
     summary = tiny["state"]["message"]
-    assert summary.startswith(f"done: Hugging Face checkpoint {tmp_path / 'tiny' / 'hf'}; ")
-    assert f"held-out perplexity {perplexity:.3f}" in summary
-    assert f"browse with: {mlflow_url}/#/experiments/" in summary
-    shown = "Finished in state Completed('done: Hugging Face checkpoint"
+    assert summary.startswith(f"done: Hugging Face checkpoint: {tmp_path / 'tiny' / 'hf'}; ")
+    assert f"held-out perplexity: {perplexity:.3f}" in summary
+    assert f"MLflow run: {mlflow_url}/#/experiments/" in summary
+    shown = "Finished in state Completed('done: Hugging Face checkpoint:"
     assert shown in watched["tiny"], watched["tiny"][-3000:]  # --watch streams the log
     # (tokenize and init were done by the session's run; evaluate's progress streams)
     assert "evaluate: 4 of 4 held-out micro-batches scored" in watched["tiny"]
