@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from flows.tracking import LOCAL_UI
 from moe_core.progress import LineProgress
 
 LABELS = {
@@ -116,8 +117,6 @@ def stage_markdown(
 def mlflow_where(name: str, link: str | None, page: str | None, uri: str) -> str | None:
     """A run's place in MLflow as markdown: its page on a server, or, for a local store, the
     command that serves it and the page's address under it (``mlflow ui``'s default port)."""
-    from flows.tracking import LOCAL_UI
-
     if link is not None:
         return f"[{name} run]({link})"
     if page is not None:
