@@ -409,10 +409,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
         console.print(f"task files: {path}{hint}")
         return
     from moe_core.compose import compose_run
+    from moe_core.convert.folders import existing_source
 
     if args.checkpoint is None:
         raise ConfigError("moe eval score needs a training checkpoint (a step_N folder).")
     cfg = compose_run(args.overrides, args.config_dir).eval
+    existing_source(args.checkpoint)
     if not cfg.tasks:
         raise ConfigError("eval.tasks=[] is not allowed here: name the tasks to score.")
     from moe_core.convert.checkpoint import run_tokenizer_dir  # torch, once the config holds

@@ -95,7 +95,11 @@ def test_a_mistyped_key_is_answered_before_anything_heavy_with_the_nearest_key(a
             ["convert", "to-hf", "no/such/step_00000008", "out", "--max-shard-size", "5XB"],
             "--max-shard-size '5XB' is not allowed",
         ),
-        (["eval", "score", "no/such/step_00000008"], "eval.tasks=[] is not allowed here"),
+        (
+            ["eval", "score", "no/such/step_00000008"],
+            "no/such/step_00000008 does not exist: name a training checkpoint",
+        ),
+        (["eval", "score", "conf"], "eval.tasks=[] is not allowed here"),
     ],
 )
 def test_other_config_errors_are_answered_before_anything_heavy(args, start):
