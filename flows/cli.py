@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,25 +64,29 @@ def server_startup_time() -> Iterator[None]:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
-    from flows.pretrain import pretrain
+    """Compose and check every run's config, then run the flow for each (one, or one per sweep
+    combination), and print each run's summary on stdout."""
+    from flows.layout import resolve, run_root
     from moe_core.compose import compose_dict, sweep
 
-    console = Console()
     run_dir, overrides = split_run_dir(args.overrides, f"runs/{args.config_name}")
-    runs = sweep(overrides) if args.multirun else [overrides]
+    combos = sweep(overrides) if args.multirun else [overrides]
+    planned = []
+    for i, combo in enumerate(combos):  # a config error is answered before torch or Prefect
+        config = compose_dict(combo, args.config_dir, args.config_name)
+        target = str(Path(run_dir) / str(i)) if args.multirun else run_dir
+        planned.append((target, config, resolve(config, run_root(target))))
+    from flows.launch import preflight  # the launch checks: torch, still no Prefect server
+
+    for _, _, run in planned:
+        preflight(run, logging.getLogger(__name__))  # the flow logs the plan
+    from flows.pretrain import pretrain
+    from flows.report import summary_text
+
     outcomes = []
     with server_startup_time():
-        for i, combo in enumerate(runs):
-            config = compose_dict(combo, args.config_dir, args.config_name)
-            target = str(Path(run_dir) / str(i)) if args.multirun else run_dir
-            outcomes.append((target, pretrain(config=config, run_dir=target)))
-    # One run's summary is the flow's last log line already (its final state's message); a
-    # sweep gets one line per run (never wrapped: the commands in it are copied).
-    if len(outcomes) > 1:
-        for target, outcome in outcomes:
-            console.print(
-                f"{target}: perplexity {outcome['perplexity']:.3f}, {outcome['hf_dir']}",
-                soft_wrap=True,
-            )
+        for target, config, _ in planned:
+            outcomes.append(pretrain(config=config, run_dir=target))
+    # The last lines on stdout (Prefect's log goes to stderr): each run's summary, a line a row.
+    for outcome in outcomes:
+        print(summary_text(outcome), flush=True)

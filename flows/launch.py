@@ -51,6 +51,20 @@ def check_launchable(run: RunConfig, launcher: type[Launcher], logger: Logger) -
     launcher.check(run)
 
 
+def preflight(run: RunConfig, logger: Logger) -> None:
+    """Everything a pipeline refuses before its first stage, given its resolved config
+    (``flows.layout.resolve``): the launch (``check_launchable``) and the downstream task
+    files. ``moe pipeline`` calls it before Prefect starts, the flow again for a deployment
+    run."""
+    from flows.launchers import launcher_class
+
+    check_launchable(run, launcher_class(run), logger)
+    if run.eval.tasks:  # the task files are there and hold every configured task
+        from moe_core.eval.tasks import load_tasks
+
+        load_tasks(run.eval)
+
+
 class MetricsSender:
     """While training runs, ``metrics.jsonl`` goes to MLflow every few seconds (and once more
     at the end)."""

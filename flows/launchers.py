@@ -283,13 +283,19 @@ class SlurmLauncher(ClusterLauncher):
 
     @classmethod
     def check(cls, run: RunConfig) -> None:
-        missing = [t for t in ("sbatch", "squeue", "sacct", "scancel") if not shutil.which(t)]
+        commands = ("sbatch", "squeue", "sacct", "scancel")
+        missing = [t for t in commands if not shutil.which(t)]
         if missing:
+            named = " and ".join(filter(None, [", ".join(missing[:-1]), missing[-1]]))
+            gone = (
+                "none of them is"
+                if len(missing) == len(commands)
+                else f"{named} {'is' if len(missing) == 1 else 'are'} not"
+            )
             raise ConfigError(
                 f"cluster.kind='slurm' is not allowed on this machine: it submits with sbatch and "
-                f"follows with squeue, sacct and scancel, and {' and '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not on PATH (run the pipeline on a "
-                "Slurm login node, infra/README.md)."
+                f"follows with squeue, sacct and scancel, and {gone} on PATH (run the pipeline "
+                "on a Slurm login node, infra/README.md)."
             )
 
     @property

@@ -5,8 +5,20 @@ once. Checkpoint folders inside ``checkpoints/`` are named by
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from moe_core.config import (
+    ClusterConfig,
+    ConfigError,
+    DataConfig,
+    RunConfig,
+    check_folder,
+    check_path,
+)
+from moe_core.config_dict import from_dict
 
 
 @dataclass(frozen=True)
@@ -131,3 +143,55 @@ def checkpoint(folder: Path, step: int) -> Path:
     from moe_core.train.checkpoint import step_dir_name  # lazily: it imports torch
 
     return folder / step_dir_name(step)
+
+
+def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
+    """The run's config with every path inside ``run_dir`` (validated on the way)."""
+    if config.get("cluster", {}).get("kind", ClusterConfig.kind) != "local":
+        check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
+    layout = RunLayout(run_dir)
+    data = dict(config.get("data", {}))
+    fmt = data.get("format", DataConfig.format)
+    if fmt != "moe":
+        raise ConfigError(
+            f"data.format={fmt!r} is not allowed for the pipeline: its stages start by "
+            "tokenizing a corpus into the run folder; train on tokens another tool wrote with "
+            "moe train (moe data shows them)."
+        )
+    if data.get("dir") not in (None, str(layout.data)):
+        raise ConfigError(
+            f"data.dir={data['dir']!r} is not allowed for the pipeline: its tokenize stage "
+            f"writes the shards into the run folder ({layout.data}), so leave it unset."
+        )
+    data["dir"] = str(layout.data)
+    kind = data.get("kind", DataConfig.kind)
+    if kind != "tokens":
+        raise ConfigError(
+            f"data.kind={kind!r} is not allowed for the pipeline: it tokenizes a "
+            "corpus, so use a token data option (e.g. data=kjv)."
+        )
+    run = from_dict(RunConfig, {**config, "data": data, "out_dir": str(layout.train)})
+    if run.data.sources and run.data.tokenizer_dir is None and run.data.tokenizer == "bpe":
+        names = ", ".join(s.name for s in run.data.sources)
+        raise ConfigError(
+            f"data.tokenizer='bpe' is not allowed for a pipeline whose mixture's sources ({names}) "
+            "are all dolma or megatron tokens: the Hugging Face export needs the tokenizer, and "
+            "only a moe-format source carries its files, so name the one the tokens were written "
+            "with (data.tokenizer=gpt2, or a Hugging Face name or folder)."
+        )
+    return run
+
+
+def run_root(run_dir: str) -> Path:
+    """``run_dir`` made absolute; an empty one or a symlink loop on the way is refused in one
+    sentence."""
+    check_folder("run_dir", run_dir)
+    try:
+        return Path(run_dir).resolve()
+    except (RuntimeError, OSError) as err:  # Python 3.11/3.12 raise RuntimeError for a loop
+        if isinstance(err, OSError) and err.errno != errno.ELOOP:
+            raise
+        raise ConfigError(
+            f"run_dir={run_dir!r} is not allowed: it leads into a symlink loop; give a folder "
+            "that exists or can be made."
+        ) from None

@@ -147,6 +147,10 @@ def rekey(run_dir: Path, stage: str, record: dict[str, Any], key: str) -> dict[s
     return record
 
 
+NO_MANIFEST = "no manifest"
+KEY_CHANGED = "its inputs or config changed"
+
+
 def verify(
     run_dir: Path, stage: str, key: str, old_key: str | None = None
 ) -> tuple[dict[str, Any] | None, str]:
@@ -154,12 +158,12 @@ def verify(
     ``KEY_VERSION``, for ``old_key``) and its files are intact, else (None, why it must run)."""
     record = read(run_dir, stage)
     if not isinstance(record, dict):
-        return None, "no manifest"
+        return None, NO_MANIFEST
     # Any version holding the current key is this config's (a stage whose key did not change);
     # only one from before KEY_VERSION may hold the old one.
     accepted = {key} if current(record) or old_key is None else {key, old_key}
     if record.get("key") not in accepted:
-        return None, "its inputs or config changed"
+        return None, KEY_CHANGED
     files = record.get("files")
     if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
         return None, "its manifest does not list its files"

@@ -15,7 +15,6 @@ again (``cluster.launch_retries``) and every attempt resumes from the newest val
 from __future__ import annotations
 
 import dataclasses
-import errno
 import glob
 import json
 import os
@@ -32,33 +31,29 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed
 
 from flows import manifests
-from flows.launch import check_launchable, launch_attempts
+from flows.launch import launch_attempts, preflight
 from flows.launchers import Attempt, launcher_class
-from flows.layout import RunLayout
+from flows.layout import RunLayout, resolve, run_root
 from flows.manifests import digest, keyed
 from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
-    StageProgress,
     artifact_key,
     mlflow_where,
     publish,
     quiet_refusals,
     run_markdown,
     stage_markdown,
+    stage_progress,
     summary_line,
 )
-from flows.tracking import Tracker
+from flows.tracking import LOCAL_UI, Tracker
 from moe_core.config import (
     ClusterConfig,
-    ConfigError,
-    DataConfig,
     RunConfig,
     SourceConfig,
-    check_folder,
-    check_path,
 )
-from moe_core.config_dict import from_dict, to_dict
+from moe_core.config_dict import to_dict
 from moe_core.data.shards import SPLITS
 from moe_core.errors import RunFailedError, refusals
 from moe_core.rundir import RunLock, set_aside
@@ -92,43 +87,6 @@ def stage_keys(run: RunConfig) -> dict[str, str]:
     return keys
 
 
-def resolve(config: dict[str, Any], run_dir: Path) -> RunConfig:
-    """The run's config with every path inside ``run_dir`` (validated on the way)."""
-    if config.get("cluster", {}).get("kind", ClusterConfig.kind) != "local":
-        check_path("run_dir", str(run_dir))  # the batch script or manifest holds it
-    layout = RunLayout(run_dir)
-    data = dict(config.get("data", {}))
-    fmt = data.get("format", DataConfig.format)
-    if fmt != "moe":
-        raise ConfigError(
-            f"data.format={fmt!r} is not allowed for the pipeline: its stages start by "
-            "tokenizing a corpus into the run folder; train on tokens another tool wrote with "
-            "moe train (moe data shows them)."
-        )
-    if data.get("dir") not in (None, str(layout.data)):
-        raise ConfigError(
-            f"data.dir={data['dir']!r} is not allowed for the pipeline: its tokenize stage "
-            f"writes the shards into the run folder ({layout.data}), so leave it unset."
-        )
-    data["dir"] = str(layout.data)
-    kind = data.get("kind", DataConfig.kind)
-    if kind != "tokens":
-        raise ConfigError(
-            f"data.kind={kind!r} is not allowed for the pipeline: it tokenizes a "
-            "corpus, so use a token data option (e.g. data=kjv)."
-        )
-    run = from_dict(RunConfig, {**config, "data": data, "out_dir": str(layout.train)})
-    if run.data.sources and run.data.tokenizer_dir is None and run.data.tokenizer == "bpe":
-        names = ", ".join(s.name for s in run.data.sources)
-        raise ConfigError(
-            f"data.tokenizer='bpe' is not allowed for a pipeline whose mixture's sources ({names}) "
-            "are all dolma or megatron tokens: the Hugging Face export needs the tokenizer, and "
-            "only a moe-format source carries its files, so name the one the tokens were written "
-            "with (data.tokenizer=gpt2, or a Hugging Face name or folder)."
-        )
-    return run
-
-
 def _supersede(ctx: Context, stage: str, folder: Path) -> None:
     """Outputs another configuration left in ``folder`` are moved aside (kept, never deleted);
     outputs of this configuration (an interrupted attempt, also one from before
@@ -141,6 +99,13 @@ def _supersede(ctx: Context, stage: str, folder: Path) -> None:
         set_aside([folder])
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(key)
+
+
+def _interrupted(ctx: Context, stage: str) -> bool:
+    """Whether ``stage`` last started with this configuration and did not finish: its folder's
+    marker (``_supersede``) holds this key, though its manifest is missing or older."""
+    marker = ctx.layout.marker(stage)
+    return marker.is_file() and marker.read_text() in (ctx.keys[stage], ctx.old_keys[stage])
 
 
 def _status(err: BaseException) -> str:
@@ -186,6 +151,8 @@ def _stage(stage: Stage, ctx: Context):
         logger.info("%s: outputs verified, skipped", name)
         _publish(ctx, stage, "Skipped", record["summary"], ctx.tracker.state["stages"].get(name))
         return Completed(name="Skipped", message="outputs verified", data=record["summary"])
+    if why in (manifests.NO_MANIFEST, manifests.KEY_CHANGED) and _interrupted(ctx, name):
+        why = "it was interrupted before it finished"
     logger.info("%s: runs (%s)", name, why)
     run_id = ctx.tracker.stage(name)
     try:
@@ -237,7 +204,7 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
         return _verify_sources(ctx, run_id)
     out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
-    with StageProgress("tokenize") as progress:
+    with stage_progress("tokenize") as progress:
         tokenize_corpus(
             ctx.run.data,
             out,
@@ -583,7 +550,7 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     out = layout.eval
     out.mkdir(parents=True, exist_ok=True)
     what = {"scoring": "held-out micro-batches scored", "sampling": "prompts continued"}
-    with StageProgress("evaluate") as progress:
+    with stage_progress("evaluate") as progress:
         result = evaluate(
             ctx.final_checkpoint,
             layout.hf,
@@ -603,7 +570,16 @@ def _evaluate(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     if ctx.run.eval.tasks:
         from moe_core.eval.downstream import evaluate_checkpoint, write_scores
 
-        scores = evaluate_checkpoint(ctx.final_checkpoint, layout.data, ctx.run.eval, _eos(ctx))
+        with stage_progress("evaluate") as progress:
+            scores = evaluate_checkpoint(
+                ctx.final_checkpoint,
+                layout.data,
+                ctx.run.eval,
+                _eos(ctx),
+                on_progress=lambda done, total: progress.update(
+                    f"{done} of {total} downstream batches scored", done, total
+                ),
+            )
         outputs += write_scores(scores, out)
         summary["downstream"] = {s.task: {"examples": s.examples, **s.metrics()} for s in scores}
         ctx.tracker.metrics(run_id, downstream_metrics(summary["downstream"]))
@@ -698,21 +674,6 @@ def default_run_dir(cluster: dict[str, Any] | None = None) -> str:
     return folder
 
 
-def _run_root(run_dir: str) -> Path:
-    """``run_dir`` made absolute; an empty one or a symlink loop on the way is refused in one
-    sentence."""
-    check_folder("run_dir", run_dir)
-    try:
-        return Path(run_dir).resolve()
-    except (RuntimeError, OSError) as err:  # Python 3.11/3.12 raise RuntimeError for a loop
-        if isinstance(err, OSError) and err.errno != errno.ELOOP:
-            raise
-        raise ConfigError(
-            f"run_dir={run_dir!r} is not allowed: it leads into a symlink loop; give a folder "
-            "that exists or can be made."
-        ) from None
-
-
 @flow(name="pretrain")
 def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, Any]:
     """Run (or resume) the pipeline for a resolved config in ``run_dir`` (default: a folder of
@@ -737,13 +698,9 @@ def pretrain(config: dict[str, Any], run_dir: str | None = None) -> dict[str, An
 def _pipeline(config: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
     """Resolve, check, lock, then every stage."""
     logger = get_run_logger()
-    root = _run_root(default_run_dir(config.get("cluster")) if run_dir is None else run_dir)
+    root = run_root(default_run_dir(config.get("cluster")) if run_dir is None else run_dir)
     run = resolve(config, root)  # refusals come before anything is written
-    check_launchable(run, launcher_class(run), logger)
-    if run.eval.tasks:  # the task files are there and hold every configured task
-        from moe_core.eval.tasks import load_tasks
-
-        load_tasks(run.eval)
+    preflight(run, logger)
     lock = RunLock(root, "pretrain pipeline")
     if lock.previous is not None:
         logger.warning("took over the lock of %s: it no longer runs", lock.previous)
@@ -814,10 +771,12 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     outcome["perplexity"] = evaluation.get("perplexity")
     # A store that was unreachable during the run has nothing to show yet: no link offered.
     link = tracker.link(tracker.parent)  # a server's run page, else how to serve the sqlite store
+    page = tracker.page(tracker.parent)
     where = None
-    outcome["mlflow_ui"] = None
-    if tracker.online:
-        outcome["mlflow_ui"] = link or f"mlflow ui --backend-store-uri {tracker.uri}"
-        where = mlflow_where("parent", link, tracker.page(tracker.parent), tracker.uri)
+    outcome["mlflow_run"] = outcome["mlflow_ui"] = None
+    if tracker.online and page is not None:
+        outcome["mlflow_run"] = link or f"{LOCAL_UI}/{page}"  # the parent run's page
+        outcome["mlflow_ui"] = None if link else f"mlflow ui --backend-store-uri {tracker.uri}"
+        where = mlflow_where("parent", link, page, tracker.uri)
     publish(artifact_key(root, "pretrain"), run_markdown(outcome, where), f"pretrain run {root}")
     return outcome

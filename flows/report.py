@@ -9,12 +9,12 @@ stage (the stage's outputs and manifest are already written when it is published
 from __future__ import annotations
 
 import logging
-import math
 import re
-import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from flows.tracking import LOCAL_UI
+from moe_core.progress import LineProgress
 
 LABELS = {
     "total_tokens": "tokens",
@@ -120,33 +120,73 @@ def mlflow_where(name: str, link: str | None, page: str | None, uri: str) -> str
     if link is not None:
         return f"[{name} run]({link})"
     if page is not None:
-        return f"`mlflow ui --backend-store-uri {uri}`, then `http://127.0.0.1:5000/{page}`"
+        return f"`mlflow ui --backend-store-uri {uri}`, then `{LOCAL_UI}/{page}`"
     return None
 
 
-def summary_line(outcome: dict[str, Any]) -> str:
-    """The run in one line: the flow run's final state message and the log's last line."""
+def _launches(launches: list[dict[str, Any]]) -> str:
+    """How training was launched: how many times, why it was relaunched, and whether an
+    earlier pipeline (stopped or crashed) launched it before."""
+    failed = [str(a.get("detail")) for a in launches if not a.get("ok")]
+    text = str(len(launches))
+    if failed:
+        text += f" (relaunched after: {'; '.join(failed)})"
+    earlier = int(launches[0].get("number", 1)) - 1 if launches else 0
+    if earlier:
+        text += f", after {earlier} launch{'es' if earlier > 1 else ''} by an interrupted pipeline"
+    return text
+
+
+def summary_rows(outcome: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's headline as (label, text) rows: the Hugging Face folder, the perplexities,
+    the losses from the run's first step, the launches, the skipped stages and the MLflow run's
+    page. ``moe pipeline`` prints them last; ``summary_line`` joins them."""
     evaluation = outcome.get("evaluate", {})
     train = outcome.get("train", {})
-    parts = [f"Hugging Face checkpoint {outcome['hf_dir']}"]
+    rows = [("Hugging Face checkpoint", str(outcome["hf_dir"]))]
     if "perplexity" in evaluation:
-        parts.append(
-            f"held-out perplexity {evaluation['perplexity']:.3f} "
-            f"(transformers: {evaluation.get('hf_perplexity', float('nan')):.3f})"
+        rows.append(
+            (
+                "held-out perplexity",
+                f"{evaluation['perplexity']:.3f} (transformers: "
+                f"{evaluation.get('hf_perplexity', float('nan')):.3f})",
+            )
         )
     if "final_loss" in train:
-        parts.append(f"final loss {train['final_loss']:.4f}")
+        loss = f"{train['first_loss']:.4f} -> {train['final_loss']:.4f} over {train['steps']} steps"
+        if "final_eval_loss" in train:
+            loss += f" (held-out {train['final_eval_loss']:.4f})"
+        rows.append(("loss", loss))
+    if train.get("launches"):
+        rows.append(("training launches", _launches(train["launches"])))
     skipped = [n for n, s in outcome["stages"].items() if s == "Skipped"]
     if skipped:
-        parts.append(f"skipped (verified): {', '.join(skipped)}")
-    if outcome["mlflow_ui"] is None:  # the store was unreachable during the run
-        parts.append(
-            "MLflow was unreachable, so there is nothing to browse yet: the metrics are in "
-            "metrics.jsonl and go to MLflow on a later run"
+        rows.append(("skipped (verified)", ", ".join(skipped)))
+    if outcome.get("mlflow_run") is None:  # the store was unreachable during the run
+        rows.append(
+            (
+                "MLflow",
+                "unreachable, so there is nothing to browse yet: the metrics are in "
+                "metrics.jsonl and go to MLflow on a later run",
+            )
         )
     else:
-        parts.append(f"browse with: {outcome['mlflow_ui']}")
-    return "done: " + "; ".join(parts)
+        serve = f" (once `{outcome['mlflow_ui']}` serves it)" if outcome.get("mlflow_ui") else ""
+        rows.append(("MLflow run", f"{outcome['mlflow_run']}{serve}"))
+    return rows
+
+
+def summary_line(outcome: dict[str, Any]) -> str:
+    """The run in one line: the flow run's final state message."""
+    return "done: " + "; ".join(f"{label}: {text}" for label, text in summary_rows(outcome))
+
+
+def summary_text(outcome: dict[str, Any]) -> str:
+    """The run in a line per row, labels aligned: what ``moe pipeline`` prints last."""
+    rows = summary_rows(outcome)
+    width = max(len(label) for label, _ in rows)
+    head = f"pipeline done: {outcome['run_dir']}"
+    return "\n".join([head, *(f"  {label:<{width}}  {text}" for label, text in rows)])
 
 
 def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
@@ -155,66 +195,17 @@ def run_markdown(outcome: dict[str, Any], mlflow: str | None) -> str:
     lines = ["## pretrain", "", f"Run folder: `{outcome['run_dir']}`", "", "| stage | state |"]
     lines.append("|---|---|")
     lines += [f"| {n} | {s} |" for n, s in outcome["stages"].items()]
-    lines += ["", summary_line(outcome).removeprefix("done: ").replace("; ", "  \n"), ""]
+    lines += ["", "  \n".join(f"{label}: {text}" for label, text in summary_rows(outcome)), ""]
     if mlflow is not None:
         lines.append(f"MLflow: {mlflow}")
     return "\n".join(lines).rstrip() + "\n"
 
 
-class StageProgress:
-    """A running stage's progress: a line in the run's log at most every ``every_s`` seconds
-    (the first and the last always), and a bar while stderr is a terminal."""
+def stage_progress(name: str, every_s: float = 10.0, bar: bool | None = None) -> LineProgress:
+    """A running stage's progress in the run's log (``moe_core.progress.LineProgress``)."""
+    from prefect import get_run_logger
 
-    def __init__(
-        self, name: str, every_s: float = 10.0, bar: bool | None = None, log: Any = None
-    ) -> None:
-        from prefect import get_run_logger
-
-        self.name, self.every_s, self.log = name, every_s, log or get_run_logger()
-        self.show_bar = sys.stderr.isatty() if bar is None else bar
-        self.last, self.pending = -math.inf, None
-        self.lines: list[str] = []  # what went to the log, for whoever asks
-
-    def __enter__(self) -> StageProgress:
-        if self.show_bar:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn(f"[bold]{self.name}"),
-                BarColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-            )
-            self.bar.start()
-            self.task = self.bar.add_task("", total=None)
-        return self
-
-    def update(
-        self, text: str, done: int | None = None, total: int | None = None, force: bool = False
-    ) -> None:
-        """Show ``text`` (``done`` of ``total`` on the bar); ``force`` logs it now (a phase's
-        end)."""
-        if self.show_bar:
-            self.bar.update(self.task, completed=done or 0, total=total, description=text)
-        now = time.monotonic()
-        if force or now - self.last >= self.every_s:
-            self._log(text)
-            self.last = now
-        else:
-            self.pending = text
-
-    def _log(self, text: str) -> None:
-        self.log.info("%s: %s", self.name, text)
-        self.lines.append(text)
-        self.pending = None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.show_bar:
-            self.bar.stop()
-        if self.pending is not None and exc[0] is None:
-            self._log(self.pending)
+    return LineProgress(name, get_run_logger().info, every_s, bar)
 
 
 def publish(key: str, markdown: str, description: str) -> None:

@@ -57,6 +57,9 @@ NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
 RUN_DIR_TAG = "moe.run_dir"  # groups the attempts of one run folder
 
 
+# Where ``mlflow ui`` serves a local store unless told otherwise (its default host and port).
+LOCAL_UI = "http://127.0.0.1:5000"
+
 # The Prefect variable infra/deploy.sh sets to its MLflow server's URI (when one answers).
 PREFECT_VARIABLE = "mlflow_tracking_uri"
 RUN_FOLDER = "the run folder's sqlite store"

@@ -62,9 +62,10 @@ moe_wait_until() {
     done
 }
 
-# moe_http_ok URL: whether URL answers 2xx.
+# moe_http_ok URL: whether URL answers 2xx (quietly: no answer is an answer here).
 moe_http_ok() {
-    python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$1"
+    python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$1" \
+        >/dev/null 2>&1
 }
 
 # moe_wait_http URL PID LOG SECONDS: wait until URL answers 2xx (see moe_wait_until).

@@ -1,5 +1,5 @@
 """The ``moe`` command: ``info``, ``plan``, ``tokenize``, ``data``, ``train``, ``convert``,
-``eval``.
+``eval``, and ``pipeline`` (the Prefect flow, registered by the ``flows`` package).
 
 Config-driven commands take Hydra overrides (``moe info model=1t``) and ``--config-name`` (a
 top-level config of ``conf/``, e.g. ``pretrain-1t``); the config is composed and validated
@@ -24,10 +24,13 @@ from rich.table import Table
 from moe_core.config import ConfigError, Dtype, ModelConfig, RunConfig, check_folder
 from moe_core.config_dict import from_dict
 from moe_core.errors import refusals
+from moe_core.progress import LineProgress
 
 DEFAULT_CONFIG_NAME = "config"
 
-console = Console()
+# Lines are never broken at the console's width: a log reader (a pipeline's stage log, a file)
+# gets each sentence and path whole; a terminal wraps them itself. Tables keep the width.
+console = Console(soft_wrap=True)
 
 
 def _size(text: str) -> int:
@@ -49,6 +52,14 @@ def _size(text: str) -> int:
             "with a unit KB, MB, GB, KiB, MiB or GiB (such as 5GB)."
         )
     return int(size)
+
+
+def progress(name: str, bar: bool = True) -> LineProgress:
+    """A long step's progress: a bar on a terminal (unless ``bar`` is off: the step draws its
+    own), else a plain line on stdout every 10 s."""
+    terminal = sys.stderr.isatty()
+    say = None if terminal else lambda line: console.print(line, markup=False, highlight=False)
+    return LineProgress(name, say, bar=terminal and bar)
 
 
 def block_options(m: ModelConfig) -> list[str]:
@@ -143,10 +154,17 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     from moe_core.data.tokenize import tokenize_corpus
 
     assert run.data.dir is not None
-    out = tokenize_corpus(
-        run.data, run.data.dir, model_vocab_size=run.model.vocab_size, console=console
-    )
-    console.print(f"wrote {out}/manifest.json", highlight=False, soft_wrap=True)
+    with progress("tokenize", bar=False) as shown:  # tokenize_corpus draws its own bar
+        out = tokenize_corpus(
+            run.data,
+            run.data.dir,
+            model_vocab_size=run.model.vocab_size,
+            console=console,
+            on_progress=lambda p: shown.update(
+                p.text(), p.documents, p.total, force=p.documents == p.total
+            ),
+        )
+    console.print(f"wrote {out}/manifest.json", highlight=False)
 
 
 def cmd_data(args: argparse.Namespace) -> None:
@@ -183,14 +201,15 @@ def cmd_data(args: argparse.Namespace) -> None:
             rows.append(("sample", repr(summary.sample_text)))
         rows.append(("sample ids", " ".join(map(str, summary.sample_ids)) or "(no tokens)"))
         for name, value in rows:  # one line each, never wrapped: paths and samples stay greppable
-            console.print(f"[bold]{name:>10}[/]  {escape(value)}", highlight=False, soft_wrap=True)
+            console.print(f"[bold]{name:>10}[/]  {escape(value)}", highlight=False)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from moe_core.compose import compose_run
-    from moe_core.plan import plan, plan_table
 
     run = compose_run(args.overrides, args.config_dir, args.config_name)
+    from moe_core.plan import plan, plan_table  # torch: after the config is known to be valid
+
     if args.html is not None:
         from moe_core.planpage import check_target
 
@@ -207,7 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         out = write_page(
             run, args.html, args.config_dir, overwrite=args.overwrite, source_tokens=tokens
         )
-        console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+        console.print(f"wrote {out}", highlight=False)
 
 
 def source_tokens(run: RunConfig) -> dict[str, int | None]:
@@ -285,9 +304,10 @@ def _check_machine(run: RunConfig) -> None:
 
 
 def _train(run) -> None:
+    from moe_core.train.metrics import first_logged
     from moe_core.train.trainer import Trainer
 
-    trainer = Trainer(run)
+    trainer = Trainer(run, console=console)
     par = run.parallel
     if trainer.is_main:
         console.print(
@@ -300,10 +320,15 @@ def _train(run) -> None:
             f"nothing to train: {run.out_dir} already holds step {trainer.step} of "
             f"train.steps={run.train.steps}; raise train.steps to train on.",
             highlight=False,
-            soft_wrap=True,
         )
     elif trainer.is_main:
-        done = f"done: loss {history[0].loss:.3f} -> {history[-1].loss:.3f}"
+        # From the run's first step (metrics.jsonl keeps the steps before a resume), not this
+        # process's first.
+        first, last = first_logged(Path(run.out_dir) / "metrics.jsonl"), history[-1]
+        step, loss = (first["step"], first["loss"]) if first else (history[0].step, history[0].loss)
+        done = f"done: loss {loss:.3f} at step {step} -> {last.loss:.3f} at step {last.step}"
+        if history[0].step > step:
+            done += f" (resumed at step {history[0].step})"
         if run.train.save_model:
             done += (
                 f"; model saved to {run.out_dir}/model "
@@ -314,20 +339,18 @@ def _train(run) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from moe_core.convert.hf import (
-        check_exportable,
-        config_from_hf,
-        load_hf,
-        refuse_existing,
-        refuse_overlap,
-        save_hf,
-    )
-    from moe_core.convert.native import load_model_dir, save_model_dir
+    from moe_core.convert.folders import existing_source, refuse_existing, refuse_overlap
 
+    # The folders and options first, before torch is imported: a wrong one is answered at once.
     max_shard_bytes = _size(args.max_shard_size)
     check_folder("OUT", args.out)  # an unset variable: never the current folder
+    if args.direction == "to-hf":
+        existing_source(args.src)
     refuse_overlap(Path(args.src), Path(args.out))  # before anything is read or replaced
     refuse_existing(Path(args.out), args.overwrite)
+    from moe_core.convert.hf import check_exportable, config_from_hf, load_hf, save_hf
+    from moe_core.convert.native import load_model_dir, save_model_dir
+
     tokenizer = args.tokenizer
     if args.direction == "to-hf" and tokenizer is None and not args.no_tokenizer:
         from moe_core.convert.checkpoint import run_tokenizer_dir
@@ -376,25 +399,30 @@ def cmd_eval(args: argparse.Namespace) -> None:
         console.print(f"task files: {path}{hint}")
         return
     from moe_core.compose import compose_run
-    from moe_core.convert.checkpoint import run_tokenizer_dir
-    from moe_core.eval.downstream import evaluate_checkpoint, write_scores
+    from moe_core.convert.folders import existing_source
 
     if args.checkpoint is None:
         raise ConfigError("moe eval score needs a training checkpoint (a step_N folder).")
+    cfg = compose_run(args.overrides, args.config_dir).eval
+    existing_source(args.checkpoint)
+    if not cfg.tasks:
+        raise ConfigError("eval.tasks=[] is not allowed here: name the tasks to score.")
+    from moe_core.convert.checkpoint import run_tokenizer_dir  # torch, once the config holds
+    from moe_core.eval.downstream import evaluate_checkpoint, write_scores
+
     # Scoring needs the run's own tokenizer, and `moe eval score` has no option to give one.
     ask = "moe eval score scores only checkpoints of runs on a token folder that is still there"
     tokenizer = run_tokenizer_dir(args.checkpoint, ask=ask)
-    cfg = compose_run(args.overrides, args.config_dir).eval
-    if not cfg.tasks:
-        raise ConfigError("eval.tasks=[] is not allowed here: name the tasks to score.")
-    scores = evaluate_checkpoint(args.checkpoint, tokenizer, cfg)
-    table = Table(title=f"downstream tasks, {args.checkpoint}")
-    for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
-        table.add_column(column, justify="left" if column == "task" else "right")
-    for s in scores:
-        m = s.metrics()
-        table.add_row(s.task, str(s.examples), *(f"{m[k]:.4f}" for k in list(m)))
-    console.print(table)
+    with progress("score") as shown:
+        scores = evaluate_checkpoint(
+            args.checkpoint,
+            tokenizer,
+            cfg,
+            on_progress=lambda done, total: shown.update(
+                f"{done} of {total} batches of {', '.join(cfg.tasks)}", done, total
+            ),
+        )
+    console.print(scores_table(scores, f"downstream tasks, {args.checkpoint}"))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -402,8 +430,27 @@ def cmd_eval(args: argparse.Namespace) -> None:
             console.print(f"wrote {f}")
 
 
+def scores_table(scores: list, title: str) -> Table:
+    """Downstream scores, a task a row; a task's name is never cut, at any console width."""
+    table = Table(title=title)
+    width = max((len(s.task) for s in scores), default=4)
+    for column in ("task", "examples", "acc", "acc_raw", "acc_per_char", "acc_per_token"):
+        left = column == "task"
+        table.add_column(
+            column, justify="left" if left else "right", min_width=width if left else None
+        )
+    for s in scores:
+        m = s.metrics()
+        table.add_row(s.task, str(s.examples), *(f"{m[k]:.4f}" for k in list(m)))
+    return table
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="moe",
+        description=__doc__.replace("``", ""),  # the docstring's markup is not for a terminal
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
         ("info", cmd_info, "print a model's total/active parameters and FLOPs per token"),
@@ -506,12 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.fn(args)
     except refusals() as err:
-        console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
         return 2
     except OSError as err:  # a missing file, a full disk, a symlink loop: one line, no traceback
-        console.print(
-            f"[red]error:[/] {escape(_os_sentence(err))}", highlight=False, soft_wrap=True
-        )
+        console.print(f"[red]error:[/] {escape(_os_sentence(err))}", highlight=False)
         return 2
     return 0
 

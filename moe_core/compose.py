@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_core.config import ConfigError, RunConfig
-from moe_core.config_dict import from_dict, refuse_moved, to_dict
+from moe_core.config import ConfigError, RunConfig, did_you_mean, fail, nearest_first
+from moe_core.config_dict import from_dict, refuse_moved, to_dict, unknown_option
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -67,19 +67,24 @@ def compose_dict(
         first = str(err).strip().splitlines()[0]
         unknown = re.search(r"Could not override '([\w.]+)'", first)
         if unknown:
-            key = unknown.group(1)
-            section = getattr(RunConfig(), key.split(".")[0], None)
-            fields = sorted(to_dict(section)) if dataclasses.is_dataclass(section) else []
-            where = (
-                f"{key.split('.')[0]} takes {', '.join(fields)}" if fields else "no such section"
-            )
-            raise ConfigError(f"{key} is not a known option: {where}.") from None
+            head, _, rest = unknown.group(1).partition(".")
+            section = getattr(RunConfig(), head, None)
+            if dataclasses.is_dataclass(section) and rest:
+                raise unknown_option(unknown.group(1), to_dict(section)) from None
+            raise unknown_option(head, _top_level(), rest) from None
         missing = re.search(r"Could not find '([\w/-]+)/([^'/]+)'", first)
         if missing:
-            group = missing.group(1)
+            group, value = missing.group(1), missing.group(2)
             options = sorted(p.stem for p in (root / group).glob("*.yaml"))
+            fail(group, value, f"one of {', '.join(options)}", options)
+        primary = re.search(r"Cannot find primary config '([^']+)'", first)
+        if primary:
+            name, names = primary.group(1), sorted(p.stem for p in root.glob("*.yaml"))
+            hint = did_you_mean(name, names)
+            listed = "its configs, nearest first, are" if hint else "its configs are"
             raise ConfigError(
-                f"{group}={missing.group(2)!r} is not allowed: one of {', '.join(options)}."
+                f"--config-name {name!r} is not a config of {root}: {listed} "
+                f"{', '.join(nearest_first(name, names))}{hint}."
             ) from None
         bad = _unparsable(list(overrides))
         if bad is not None and (not bad.isascii() or any(c.isspace() for c in bad)):
@@ -99,6 +104,11 @@ def compose_dict(
     if (data.get("init") or {}).get("from_hf") is not None:
         _model_from_hf(data, list(overrides))
     return data  # type: ignore[return-value]
+
+
+def _top_level() -> list[str]:
+    """What a run config takes at its top: its sections and its own fields (``out_dir``)."""
+    return [f.name for f in dataclasses.fields(RunConfig)]
 
 
 def _model_from_hf(data: dict[str, Any], overrides: list[str]) -> None:

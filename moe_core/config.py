@@ -8,11 +8,12 @@ naming the field, the bad value and what is allowed, before any model, GPU or pr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,8 +26,26 @@ class OptionNotImplementedError(ConfigError, NotImplementedError):
     """An option that is configured but not built yet; the message names it."""
 
 
-def fail(name: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"{name}={value!r} is not allowed: {allowed}.")
+def fail(name: str, value: Any, allowed: str, options: Sequence[str] = ()) -> None:
+    """Refuse ``name=value`` in one sentence: what is ``allowed``, and the nearest of
+    ``options`` when the value looks like a misspelling of one."""
+    hint = did_you_mean(value, options, repr) if isinstance(value, str) else ""
+    raise ConfigError(f"{name}={value!r} is not allowed: {allowed}{hint}.")
+
+
+def nearest_first(word: str, options: Iterable[str]) -> list[str]:
+    """``options`` with those close to ``word`` first, nearest first (difflib's ratio), then
+    the rest in their order."""
+    options = list(options)
+    close = difflib.get_close_matches(word, options, n=len(options), cutoff=0.6)
+    return close + [o for o in options if o not in close]
+
+
+def did_you_mean(word: str, options: Iterable[str], show: Callable[[str], str] = str) -> str:
+    """`` (did you mean X?)`` naming the option nearest ``word`` (as ``show`` writes it), or
+    "" when none is near: the end of a refusal of a mistyped key or value."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {show(close[0])}?)" if close else ""
 
 
 # Values written into a batch script or a Kubernetes manifest (flows/render.py) are held to these

@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from moe_core.config import ConfigError, fail
+from moe_core.config import ConfigError, did_you_mean, fail
 
 T = TypeVar("T")
 
@@ -66,7 +67,7 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         return _coerce(name, value, inner[0])
     if origin is Literal:
         if value not in get_args(tp):
-            fail(name, value, _describe(tp))
+            fail(name, value, _describe(tp), [a for a in get_args(tp) if isinstance(a, str)])
         return value
     if origin is list:
         if not isinstance(value, list | tuple):
@@ -108,13 +109,23 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key in unknown:
         refuse_moved(prefix + key, data[key])
     if unknown:
-        key = prefix + unknown[0]
-        section = prefix.rstrip(".") or "the run config"
-        raise ConfigError(
-            f"{key} is not a known option: {section} takes {', '.join(sorted(fields))}."
-        )
+        raise unknown_option(prefix + unknown[0], fields)
     kwargs = {k: _coerce(prefix + k, v, hints[k]) for k, v in data.items()}
     return cls(**kwargs)
+
+
+def unknown_option(key: str, fields: Iterable[str], rest: str = "") -> ConfigError:
+    """The refusal of ``key`` (``section.name``, or a top-level ``name``), which its section
+    does not take: the ``fields`` it takes, and the nearest one when ``key`` looks like a
+    misspelling of it (``rest``: what followed ``key`` in the override, as in ``tain.steps``)."""
+    section, _, name = key.rpartition(".")
+    fields = sorted(fields)
+    hint = did_you_mean(name, fields, lambda f: ".".join(filter(None, (section, f, rest))))
+    whole = ".".join(filter(None, (key, rest)))
+    return ConfigError(
+        f"{whole} is not a known option: {section or 'the run config'} takes "
+        f"{', '.join(fields)}{hint}."
+    )
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -133,7 +133,8 @@ def data(*items: dict, **extra) -> dict:
         ),
         (
             data({"name": "a", "dir": "/d/a", "weight": 1, "token_dtype": "uint8"}),
-            "data.sources[0].token_dtype='uint8' is not allowed: one of 'uint16', 'uint32'.",
+            "data.sources[0].token_dtype='uint8' is not allowed: one of 'uint16', 'uint32' "
+            "(did you mean 'uint32'?).",
         ),
         (
             data({"name": "a", "dir": "/d/a", "weight": 1}, format="dolma"),
@@ -157,7 +158,7 @@ def data(*items: dict, **extra) -> dict:
         (
             data({"name": "a", "dir": "/d/a", "wieght": 1}),
             "data.sources[0].wieght is not a known option: data.sources[0] takes dir, format, "
-            "name, token_dtype, tokens, weight.",
+            "name, token_dtype, tokens, weight (did you mean data.sources[0].weight?).",
         ),
         (
             data({"name": "a", "dir": "/d/a", "weight": "heavy"}),

@@ -162,7 +162,7 @@ def test_local_jsonl_txt_parquet_folder_and_glob(tmp_path):
 
 
 def test_progress_reports_documents_tokens_and_rate_and_is_logged_every_few_seconds(tmp_path):
-    from flows.report import StageProgress
+    from moe_core.progress import LineProgress
 
     docs = [f"Document number {i} with a few words." for i in range(50)]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
@@ -177,12 +177,7 @@ def test_progress_reports_documents_tokens_and_rate_and_is_logged_every_few_seco
     assert re.match(expected, last.text()), last.text()
 
     logged: list[str] = []
-
-    class Log:  # stands in for the run logger
-        def info(self, fmt: str, *args: object) -> None:
-            logged.append(fmt % args)
-
-    with StageProgress("tokenize", every_s=3600, bar=False, log=Log()) as progress:
+    with LineProgress("tokenize", logged.append, every_s=3600, bar=False) as progress:
         for text in ("first", "second", "third"):
             progress.update(text)
         progress.update("phase end", force=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zipfile
 from pathlib import Path
 
@@ -261,7 +262,7 @@ def check_against_the_checkpoint(task_dir: Path, data: Path, out: Path) -> None:
 
 
 def test_training_scores_the_tasks_every_n_steps_as_the_evaluate_stage_scores_a_checkpoint(
-    task_dir, token_data, tmp_path
+    task_dir, token_data, tmp_path, capsys
 ):
     from flows.plots import training_plots
     from moe_core.compose import compose_run
@@ -276,11 +277,31 @@ def test_training_scores_the_tasks_every_n_steps_as_the_evaluate_stage_scores_a_
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
     args = ["eval", "score", str(checkpoint), "eval.tasks=[toy:rc_0shot]", "eval.limit=5"]
+    capsys.readouterr()
     assert main([*args, f"eval.tasks_from={task_dir}", "--out", str(tmp_path / "cli")]) == 0
+    shown = capsys.readouterr().out  # not on a terminal: progress as plain lines
+    assert re.search(r"^score: 1 of \d+ batches of toy:rc_0shot$", shown, re.M), shown
     table = json.loads((tmp_path / "cli" / "downstream.json").read_text())
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert table["toy:rc_0shot"]["acc"] == pytest.approx(last["downstream"]["toy_rc_0shot"]["acc"])
     assert main(["eval", "score", str(checkpoint)]) == 2  # no tasks named: one sentence
+
+
+def test_the_scores_table_never_cuts_a_tasks_name():
+    import io
+
+    from rich.console import Console
+
+    from moe_core.cli import scores_table
+    from moe_core.eval.downstream import TaskScore
+
+    names = ["arc_easy:rc_5shot", "hellaswag:rc_5shot", "winogrande:val_rc_5shot"]
+    scores = [TaskScore(n, "rc", 500, 0.25, 0.3125, 0.28125) for n in names]
+    console = Console(file=io.StringIO(), width=80)
+    console.print(scores_table(scores, "downstream tasks"))
+    shown = console.file.getvalue()
+    assert all(name in shown for name in names), shown
+    assert "…" not in shown
 
 
 def test_the_gpt2_bpe_encodes_the_tasks(task_dir):

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flows.pretrain import resolve, stage_keys
+from flows.layout import resolve
+from flows.pretrain import stage_keys
 from moe_core.compose import compose_dict, compose_run
 from moe_core.config import ARCHITECTURE_FIELDS, ConfigError
 from moe_core.convert import load_model

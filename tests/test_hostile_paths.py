@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, MetadataIndex
 
 from flows.cli import split_run_dir
+from flows.layout import run_root
 from flows.manifests import checksums
 from flows.manifests import verify as verify_stage
 from flows.manifests import write as write_stage
-from flows.pretrain import _run_root
 from moe_core.ckpt.dcp_read import REFUSAL, load, quiet, read_metadata
 from moe_core.cli import main
 from moe_core.config import ConfigError, DataConfig
@@ -112,7 +112,7 @@ def test_an_empty_data_dir_or_run_dir_is_refused(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=sentence):
             split_run_dir([f"run_dir={value}", "train.steps=1"], "runs/x")
         with pytest.raises(ConfigError, match=sentence):
-            _run_root(value)
+            run_root(value)
     assert list(tmp_path.iterdir()) == []
 
 

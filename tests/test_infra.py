@@ -312,10 +312,10 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
     perplexity = json.loads((tmp_path / "tiny" / "eval" / "result.json").read_text())["perplexity"]
     assert perplexity > 1
     summary = tiny["state"]["message"]
-    assert summary.startswith(f"done: Hugging Face checkpoint {tmp_path / 'tiny' / 'hf'}; ")
-    assert f"held-out perplexity {perplexity:.3f}" in summary
-    assert f"browse with: {mlflow_url}/#/experiments/" in summary
-    shown = "Finished in state Completed('done: Hugging Face checkpoint"
+    assert summary.startswith(f"done: Hugging Face checkpoint: {tmp_path / 'tiny' / 'hf'}; ")
+    assert f"held-out perplexity: {perplexity:.3f}" in summary
+    assert f"MLflow run: {mlflow_url}/#/experiments/" in summary
+    shown = "Finished in state Completed('done: Hugging Face checkpoint:"
     assert shown in watched["tiny"], watched["tiny"][-3000:]  # --watch streams the log
     # (tokenize and init were done by the session's run; evaluate's progress streams)
     assert "evaluate: 4 of 4 held-out micro-batches scored" in watched["tiny"]
@@ -346,3 +346,53 @@ def test_deployments_from_prefect_yaml_run_through_a_worker(
 
     services.stop_all()  # infra/stop.sh ends each service with its children
     assert not group_alive(worker_pid) and not group_alive(server_pid)
+
+
+@pytest.mark.slow
+def test_the_local_stack_steps_of_infra_readme_run_as_written(tmp_path: Path):
+    """infra/README.md's "A local stack, step by step", run line by line in a fresh clone (its
+    ports made free ones): a server, a worker, MLflow, the deploy (which takes what the running
+    pools can and names what it left out), `prefect deployment run 'pretrain/tiny' --watch` to
+    a completed run that logged to that MLflow server, and the services stopped."""
+    text = (INFRA / "README.md").read_text()
+    steps = re.search(r"## A local stack, step by step\n\n```bash\n(.*?)```", text, re.S)
+    assert steps is not None, "infra/README.md lost its local stack steps"
+    prefect_port, mlflow_port = free_port(), free_port()
+    script = steps.group(1).replace("4200", str(prefect_port)).replace("5000", str(mlflow_port))
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=300)
+    # `. .venv/bin/activate`, the README's first step: this test's environment.
+    (clone / ".venv" / "bin").mkdir(parents=True)
+    (clone / ".venv" / "bin" / "activate").write_text(
+        f'export PATH="{Path(sys.executable).parent}:$PATH"\n'
+    )
+    state = tmp_path / "state"
+    services = Services(state)
+    env = {**services.env, "MLFLOW_PORT": str(mlflow_port)}  # deploy.sh's default MLflow port
+    env.pop("PYTHONPATH", None)  # the clone's code, as a fresh user runs it
+    env.pop("PREFECT_HOME", None)  # the scripts' own, under MOE_INFRA_DIR
+    try:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        shown = " ".join((done.stdout + done.stderr).split())  # rich wraps at 80 columns
+        assert done.returncode == 0, shown[-4000:]
+        assert "deployed olmoe-1b-7b, tiny to " in shown
+        assert "left out 1t, 47b: the server has no work pool 'slurm' yet" in shown
+        assert "left out 1t-kubernetes, 47b-kubernetes: the server has no work pool" in shown
+        assert f"flow runs log to MLflow at http://127.0.0.1:{mlflow_port}" in shown
+        assert "Finished in state Completed('done: Hugging Face checkpoint: " in shown
+        (run,) = (clone / "runs" / "tiny").iterdir()  # the flow run's own folder
+        assert (run / "hf" / "config.json").is_file()
+        assert not (run / "mlflow.db").exists(), "the MLflow server, not the run folder"
+        # The last step stopped each service it started (server, worker, MLflow).
+        pids = [int(p) for p in re.findall(r"^started [^\n]*\(pid (\d+),", done.stdout, re.M)]
+        assert len(pids) == 3 and not any(group_alive(pid) for pid in pids)
+        assert not list(state.glob("*.pid"))
+    finally:
+        services.stop_all()  # what a failed step left running

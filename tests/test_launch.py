@@ -453,7 +453,7 @@ def test_model_name_keeps_out_dir_in_runs():
 
 
 def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
-    from flows.pretrain import resolve
+    from flows.layout import resolve
 
     config = _with("cluster", "nodes", 8)
     with pytest.raises(ConfigError) as err:
@@ -465,7 +465,7 @@ def test_pipeline_run_dir_is_checked_for_a_cluster(tmp_path: Path):
 
 
 def test_pipeline_keeps_the_shards_in_its_run_folder_and_refuses_another_data_dir(tmp_path):
-    from flows.pretrain import resolve
+    from flows.layout import resolve
 
     config = compose_dict(["data=kjv"])
     assert resolve(config, tmp_path).data.dir == str(tmp_path / "data")
@@ -482,8 +482,9 @@ def test_stage_keys_of_run_folders_from_before_the_precision_section_still_match
     """The train key hashes precision where it lived before (train.dtype, parallel.param_dtype,
     ...), so rerunning an existing run folder skips its finished stages. The digests were
     computed by the code before the precision section on these configs."""
+    from flows.layout import resolve
     from flows.migrate import old_stage_keys
-    from flows.pretrain import EVAL_BATCHES, resolve
+    from flows.pretrain import EVAL_BATCHES
 
     def stage_keys(run):  # the keys as run folders of that time hold them (flows.migrate)
         return old_stage_keys(run, EVAL_BATCHES)
@@ -546,4 +547,12 @@ def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeyp
         "cluster.kind='slurm' is not allowed on this machine: it submits with sbatch and follows "
         "with squeue, sacct and scancel, and sacct and scancel are not on PATH (run the pipeline "
         "on a Slurm login node, infra/README.md)."
+    )
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # a machine with none of them
+    with pytest.raises(ConfigError) as err:
+        SlurmLauncher.check(run)
+    assert "sbatch and squeue" not in str(err.value), "each command is named once"
+    assert str(err.value).endswith(
+        "scancel, and none of them is on PATH (run the pipeline on a Slurm login node, "
+        "infra/README.md)."
     )

@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "moe_core.config_dict": {LEAF},  # configs as dicts: coercion, moved keys
     "moe_core.files": set(),
     "moe_core.hardware": set(),
+    "moe_core.progress": set(),  # a long step's progress lines (the CLI and the flow's stages)
     # init.from_hf: the model section from a checkpoint's config (convert.hf, lazily)
     "moe_core.compose": {LEAF, "moe_core.config_dict", "moe_core.convert"},
     "moe_core.errors": {LEAF, "moe_core.data"},  # refusals() names DataError, lazily

@@ -49,10 +49,18 @@ def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finish
     first = flow_runs(run_dir)[0]
     assert first.state.type.value == "COMPLETED"
     message = first.state.message
-    assert message.startswith(f"done: Hugging Face checkpoint {run_dir}/hf; held-out perplexity ")
-    assert f"perplexity {outcome['perplexity']:.3f}" in message
+    assert message.startswith(f"done: Hugging Face checkpoint: {run_dir}/hf; held-out perplexity: ")
+    assert f"perplexity: {outcome['perplexity']:.3f}" in message
+    lines = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert f"; loss: {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over 8 steps" in message
+    assert "; training launches: 1; " in message
+    parent = json.loads((run_dir / "mlflow.json").read_text())["parent"]
+    assert outcome["mlflow_run"] == (
+        f"http://127.0.0.1:5000/#/experiments/1/runs/{parent}?workflowType=machine_learning"
+    )
     assert message.endswith(
-        f"browse with: mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db"
+        f"; MLflow run: {outcome['mlflow_run']} (once `mlflow ui --backend-store-uri "
+        f"sqlite:///{run_dir}/mlflow.db` serves it)"
     )
     found = artifacts(first.id)
     assert set(found) == {f"tiny-{name}" for name in (*STAGES, "pretrain")}
@@ -184,7 +192,7 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
     store, in headless Chromium (the system's binary, driven by Playwright)."""
     from playwright.sync_api import expect, sync_playwright
 
-    from flows.tracking import ui_page
+    from flows.tracking import LOCAL_UI, ui_page
 
     run_dir, outcome = finished
     ids = json.loads((run_dir / "mlflow.json").read_text())
@@ -206,8 +214,10 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
                 page.locator(f'a[href="#/experiments/1/runs/{ids["stages"][name]}"]')
             ).to_have_text(name)
 
-        # The parent run's page: the headline metrics; its screenshot goes to docs/.
-        page.goto(f"{url}/{ui_page('1', ids['parent'])}")
+        # The parent run's page, at the address `moe pipeline` prints last (served here on
+        # another port): the headline metrics; its screenshot goes to docs/.
+        page.goto(outcome["mlflow_run"].replace(LOCAL_UI, url))
+        expect(page.get_by_text("tiny", exact=True).first).to_be_visible()
         for metric in ("final_loss", "final_eval_loss", "perplexity", "tokens_per_s_per_gpu"):
             expect(page.get_by_text(metric, exact=True).first).to_be_visible()
         expect(page.get_by_text("Child runs", exact=True)).to_be_visible()
@@ -260,16 +270,33 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path)
 
 
 @pytest.mark.slow
-def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(finished, tmp_path):
+def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(
+    finished, tmp_path, capsys
+):
     from mlflow.tracking import MlflowClient
+
+    from moe_core.cli import main
 
     run_dir = copy_of(finished[0], tmp_path / "run")
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     parent_id = json.loads((run_dir / "mlflow.json").read_text())["parent"]
     before = client.get_run(parent_id)
     assert {"final_loss", "perplexity", "tokens_per_s_per_gpu"} <= set(before.data.metrics)
-    again = run_pipeline(run_dir, [])
-    assert set(again["stages"].values()) == {"Skipped"}
+    capsys.readouterr()
+    assert main(["pipeline", *SMALL, f"run_dir={run_dir}"]) == 0  # as a user reruns it
+    # Its last lines on stdout: the summary, a row a line, the earlier run's numbers and page.
+    last = capsys.readouterr().out.splitlines()[-7:]
+    assert last[0] == f"pipeline done: {run_dir}"
+    rows = dict(line.strip().split("  ", 1) for line in last[1:])
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert rows["Hugging Face checkpoint"] == str(run_dir / "hf")
+    assert rows["held-out perplexity"].startswith(f"{finished[1]['perplexity']:.3f} (transformers")
+    assert rows["training launches"] == "1"
+    assert rows["skipped (verified)"] == "tokenize, init, train, convert, evaluate"
+    assert rows["MLflow run"].startswith(f"http://127.0.0.1:5000/#/experiments/1/runs/{parent_id}")
+    steps = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert rows["loss"].startswith(f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over 8 ")
+    assert "Completed(" not in "\n".join(last)
     after = client.get_run(parent_id)
     assert after.info.end_time == before.info.end_time
     assert "every stage's outputs verified, none redone" in after.data.tags["mlflow.note.content"]
@@ -314,6 +341,14 @@ def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_p
     assert all(p.stat().st_mtime_ns == t for p, t in before.items())
     lines = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(8))
+    # The rerun says the stage was interrupted (nothing changed); its summary's loss is from
+    # the run's first step, not the resumed one, and it counts the crashed pipeline's launch.
+    log = run_logs(flow_runs(run_dir)[-1].id)
+    assert "train: runs (it was interrupted before it finished)" in log
+    assert "resumed from " in log and "(step 0)" not in log.split("train: runs")[1]
+    message = flow_runs(run_dir)[-1].state.message
+    assert f"loss: {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over 8 steps" in message
+    assert "training launches: 1, after 1 launch by an interrupted pipeline" in message
     ref, got = masters(reference_dir), masters(run_dir)
     assert all(torch.equal(ref[k], got[k]) for k in ref), "resumed training must end identical"
 

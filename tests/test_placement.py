@@ -200,11 +200,11 @@ def test_deepseek_v3_plan_counts_the_saving_of_node_limited_routing():
     assert c.all_to_all_per_layer < cp.all_to_all_per_layer and c.all_to_all < cp.all_to_all
     # the rows' bytes scale with the rows (the size exchange is the same for both)
     assert c.all_to_all / cp.all_to_all == pytest.approx(ratio, rel=1e-3)
-    text = plan_text(grouped, width=400)
+    text = plan_text(grouped)
     line = next(x for x in text.splitlines() if "group-limited routing" in x)
     assert "at most 8 of 64 ranks, 4 of 8 nodes (top-k alone: 8 ranks, 8 nodes)" in line
     assert f"rows per token {r.rows_per_token:.2f} instead of {p.rows_per_token:.2f}" in line
-    assert "group-limited routing" not in plan_text(plain, width=400)
+    assert "group-limited routing" not in plan_text(plain)
 
 
 def test_layouts_where_groups_do_not_nest_are_planned_with_their_bound():
@@ -227,7 +227,7 @@ def test_layouts_where_groups_do_not_nest_are_planned_with_their_bound():
     r = plan(run).comm.reach
     assert not r.nests_ranks and r.group_ranks == 2 and r.max_ranks == 4
     assert "groups do not nest in this layout: a group touches up to 2 ranks" in plan_text(
-        plan(run), width=400
+        plan(run)
     )
     for bad, field in [
         (["model.n_expert_groups=5"], "model.n_expert_groups=5"),  # 48 / 5

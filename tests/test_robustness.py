@@ -631,7 +631,8 @@ def test_a_missing_source_says_so_and_eval_suggests_no_option_it_lacks(tmp_path,
         assert main(argv) == 2
         printed = capsys.readouterr().out.replace("\n", "")
         assert f"error: {missing} does not exist: name a training checkpoint (a step_N" in printed
-    assert main(["eval", "score", str(empty)]) == 2
+    # (a task named: an empty eval.tasks is refused first, before torch is imported)
+    assert main(["eval", "score", str(empty), "eval.tasks=[arc_easy:rc_5shot]"]) == 2
     printed = capsys.readouterr().out.replace("\n", "")
     assert f"{empty} has no training checkpoint beside it" in printed
     assert "--tokenizer" not in printed and "moe eval score scores only checkpoints" in printed

@@ -5,8 +5,9 @@ import json
 from dataclasses import replace
 
 from flows import manifests
+from flows.layout import resolve
 from flows.migrate import old_stage_keys
-from flows.pretrain import EVAL_BATCHES, NAMES, resolve, stage_keys
+from flows.pretrain import EVAL_BATCHES, NAMES, stage_keys
 from moe_core.compose import compose_dict
 
 

@@ -125,14 +125,46 @@ def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_train
 def test_the_summary_offers_no_mlflow_ui_for_a_store_that_was_not_reached():
     from flows.report import summary_line
 
-    outcome = {"hf_dir": "run/hf", "stages": {"train": "Completed"}, "mlflow_ui": None}
+    outcome = {"hf_dir": "run/hf", "stages": {"train": "Completed"}, "mlflow_run": None}
     line = summary_line(outcome)
-    assert "browse with" not in line
-    assert "MLflow was unreachable, so there is nothing to browse yet" in line
+    assert "MLflow run" not in line
+    assert "MLflow: unreachable, so there is nothing to browse yet" in line
+    outcome["mlflow_run"] = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     outcome["mlflow_ui"] = "mlflow ui --backend-store-uri sqlite:///run/mlflow.db"
     assert summary_line(outcome).endswith(
-        "; browse with: mlflow ui --backend-store-uri sqlite:///run/mlflow.db"
+        "; MLflow run: http://127.0.0.1:5000/#/experiments/1/runs/abc (once `mlflow ui "
+        "--backend-store-uri sqlite:///run/mlflow.db` serves it)"
     )
+
+
+def test_the_summary_names_the_losses_from_the_first_step_and_the_relaunches():
+    from flows.report import summary_text
+
+    launches = [
+        {"number": 2, "ok": False, "detail": "training exited with code 1"},
+        {"number": 3, "ok": True, "detail": "training exited with code 0"},
+    ]
+    outcome = {
+        "run_dir": "/runs/tiny",
+        "hf_dir": "/runs/tiny/hf",
+        "stages": {"tokenize": "Skipped", "train": "Completed"},
+        "train": {"first_loss": 8.3, "final_loss": 4.8, "steps": 150, "launches": launches},
+        "evaluate": {"perplexity": 102.26, "hf_perplexity": 102.261},
+        "mlflow_run": "http://mlflow:5000/#/experiments/1/runs/abc",
+        "mlflow_ui": None,
+    }
+    lines = summary_text(outcome).splitlines()
+    assert lines[0] == "pipeline done: /runs/tiny"
+    rows = {line[:27].strip(): line[27:] for line in lines[1:]}
+    assert rows == {
+        "Hugging Face checkpoint": "/runs/tiny/hf",
+        "held-out perplexity": "102.260 (transformers: 102.261)",
+        "loss": "8.3000 -> 4.8000 over 150 steps",
+        "training launches": "2 (relaunched after: training exited with code 1), after 1 "
+        "launch by an interrupted pipeline",
+        "skipped (verified)": "tokenize",
+        "MLflow run": "http://mlflow:5000/#/experiments/1/runs/abc",
+    }
 
 
 def tracking_warnings(caplog) -> list[str]:

@@ -19,7 +19,8 @@ from moe_core.ckpt import dcp_read
 from moe_core.ckpt.format import MANIFEST, buffer_key, parse_key, step_of, trainer_state, verify
 from moe_core.config import ConfigError, ModelConfig, RunConfig
 from moe_core.config_dict import from_dict, upgrade_saved
-from moe_core.convert.hf import MAY_BE_FP32, expected_names, refuse_overlap, save_hf
+from moe_core.convert.folders import existing_source, refuse_overlap
+from moe_core.convert.hf import MAY_BE_FP32, expected_names, save_hf
 from moe_core.data.manifest import verify_data_dir
 from moe_core.errors import CheckpointError
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
@@ -111,12 +112,7 @@ def run_tokenizer_dir(src: str | os.PathLike, ask: str = CONVERT_ASK) -> Path:
     config its checkpoint records, checked against the folder's manifest. One sentence where
     there is none (synthetic tokens, no checkpoint to ask, the folder moved), ending with
     ``ask``: what the caller's user can do instead (the options of their own command)."""
-    src = Path(src)
-    if not src.exists():
-        raise ConfigError(
-            f"{src} does not exist: name a training checkpoint (a step_N folder) or the model "
-            "folder a run saved beside its checkpoints."
-        )
+    src = existing_source(src)
     checkpoint = src if (src / ".metadata").is_file() else None
     if checkpoint is None:
         found = [

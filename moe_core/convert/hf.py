@@ -38,6 +38,7 @@ from moe_core.convert.families import (
     export_note,
     family_for,
 )
+from moe_core.convert.folders import refuse_existing
 from moe_core.data.tokenizer import TOKENIZER_FILES
 from moe_core.errors import CheckpointError, RunFileError
 from moe_core.files import (
@@ -68,19 +69,6 @@ def check_exportable(cfg: ModelConfig) -> Family:
     return choose_family(cfg)
 
 
-def refuse_existing(out: Path, overwrite: bool) -> None:
-    """Refuse to write into ``out`` when it holds anything (but temporaries of a killed
-    convert), unless ``overwrite``."""
-    if overwrite or not (out.exists() or out.is_symlink()):
-        return
-    # What a killed convert left is removed by the rerun, not counted as the user's files.
-    if not out.is_dir() or any(not is_stale_temporary(p) for p in out.iterdir()):
-        raise FileExistsError(
-            f"{out} already exists and is not empty: pass --overwrite (overwrite=True) to "
-            "replace it, or choose another folder."
-        )
-
-
 def _tokenizer_files(folder: Path) -> list[Path]:
     """The tokenizer files of ``folder`` an export copies: each inside it (a symlink leading
     out would copy any file of the machine into a folder that is then shared)."""
@@ -90,25 +78,6 @@ def _tokenizer_files(folder: Path) -> list[Path]:
             f"tokenizer directory {folder} holds none of: {', '.join(TOKENIZER_FILES)}."
         )
     return [inside(folder, f.name, folder, CheckpointError) for f in files]
-
-
-def refuse_overlap(src: Path, out: Path, tokenizer_dir: Path | None = None) -> None:
-    """Refuse an ``out`` that is ``src``, holds it or lies inside it, or the same with the
-    ``checkpoints`` folder of the run ``src`` belongs to (the one it lies in, or its sibling
-    for a run's model folder) or the tokenizer folder read: writing there replaces what is
-    being read, and ``--overwrite`` would delete the whole run (or data set)."""
-    s, o = src.resolve(), out.resolve()
-    checkpoints = s.parent if s.parent.name == "checkpoints" else s.parent / "checkpoints"
-    guarded = [("SRC", s)] + ([("the run's checkpoints", checkpoints)] * checkpoints.is_dir())
-    if tokenizer_dir is not None:
-        guarded.append(("the tokenizer folder", tokenizer_dir.resolve()))
-    for what, folder in guarded:
-        how = "is" if o == folder else "holds" if folder.is_relative_to(o) else "lies inside"
-        if folder.is_relative_to(o) or o.is_relative_to(folder):
-            raise ConfigError(
-                f"OUT {out} {how} {what} {folder}: writing there would replace (with "
-                f"--overwrite delete) what is being converted; choose an OUT outside {folder}."
-            )
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

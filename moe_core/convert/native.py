@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from moe_core.config import ModelConfig
 from moe_core.config_dict import from_dict, to_dict
-from moe_core.convert.hf import OUR_CONFIG, refuse_existing, unwritten, write_safetensors
+from moe_core.convert.folders import refuse_existing
+from moe_core.convert.hf import OUR_CONFIG, unwritten, write_safetensors
 from moe_core.errors import CheckpointError
 from moe_core.files import (
     atomic_write,

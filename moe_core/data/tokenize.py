@@ -158,7 +158,9 @@ def tokenize_corpus(
     end = first
     without_text = WithoutText()
     tasks = _tasks(source, first, needed, without_text)
-    with _Progress(show_progress, console, source.total) as (bar, task):
+    # The bar on a terminal only: elsewhere rich shows just its last frame (a caller's
+    # on_progress gives such a reader lines as it goes).
+    with _Progress(show_progress and console.is_terminal, console, source.total) as (bar, task):
         for first_index, lengths, flat in _encoded(tasks, built, cfg):
             end = first_index + len(lengths)
             _route(first_index, lengths, flat, writers, resume, cfg.validation_fraction, phase)

@@ -104,6 +104,7 @@ def request_logprobs(
     device: torch.device | str = "cpu",
     fixed_shape: bool = False,
     group: dist.ProcessGroup | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
     """``sum log p(continuation | context)`` of each request. Requests whose model input is
     the same (answer letters: one context, a one-token continuation per choice) share one row.
@@ -111,7 +112,8 @@ def request_logprobs(
     (to ``[batch_size, max_len]`` with ``fixed_shape``, for static buffers and compiled
     graphs); batch ``j`` runs on data rank ``j % world`` of ``group`` (all ranks run as many
     forwards, the last ones on padding where they have no batch left, since expert-parallel
-    dispatch is collective) and the sums are gathered on every rank."""
+    dispatch is collective) and the sums are gathered on every rank. ``on_progress(done,
+    total)`` follows this rank's batches."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
     seqs = [(r.context + r.continuation)[-(max_len + 1) :] for r in requests]
@@ -123,7 +125,7 @@ def request_logprobs(
     batches = _batches(list(range(len(inputs))), batch_size)
     rounds = -(-len(batches) // world)
     mine: dict[int, float] = {}
-    for j in range(rounds * world)[rank::world]:
+    for done, j in enumerate(range(rounds * world)[rank::world]):
         batch = [inputs[k] for k in batches[j]] if j < len(batches) else []
         width = max_len if fixed_shape or not batch else max(len(x) for x in batch)
         rows = batch_size if fixed_shape or not batch else len(batch)
@@ -138,6 +140,8 @@ def request_logprobs(
                 logp_CV = logits_BTV[b, start:end].float().log_softmax(-1)
                 target_C = torch.tensor(seqs[i][start + 1 : end + 1], device=logp_CV.device)
                 mine[i] = float(logp_CV.gather(1, target_C[:, None]).sum())
+        if on_progress is not None:
+            on_progress(done + 1, rounds)
     if world > 1:
         parts: list = [None] * world
         dist.all_gather_object(parts, mine, group=group)
@@ -211,10 +215,14 @@ def score_tasks(
     eos_id: int | None = None,
     fixed_shape: bool = False,
     group: dist.ProcessGroup | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[TaskScore]:
-    """Score every task with ``forward`` (collective over ``group`` when one is running)."""
+    """Score every task with ``forward`` (collective over ``group`` when one is running;
+    ``on_progress(done, total)`` follows the batches)."""
     requests = encode_tasks(tasks, tokenizer, vocab_size, eos_id)
-    logp = request_logprobs(requests, forward, max_len, batch_size, device, fixed_shape, group)
+    logp = request_logprobs(
+        requests, forward, max_len, batch_size, device, fixed_shape, group, on_progress
+    )
     return scores_from(tasks, requests, logp)
 
 
@@ -239,12 +247,13 @@ def evaluate_checkpoint(
     data_dir: str | os.PathLike,
     cfg: EvalConfig,
     eos_id: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[TaskScore]:
     """Every configured task (``cfg.limit`` examples of each, 0: all) scored by the model of a
     training checkpoint, fp32, on the GPU where there is one; batches of the run's
     micro-batch size, sequences cut to the model's ``max_seq_len``. ``data_dir`` holds the
     tokenizer; the end-of-text id is its data manifest's, or ``eos_id`` where it has none (a
-    mixture's tokenizer files)."""
+    mixture's tokenizer files); ``on_progress(done, total)`` follows the batches."""
     from moe_core.convert.checkpoint import CheckpointSource, checkpoint_config
     from moe_core.data.manifest import read_manifest
     from moe_core.data.tokenizer import load_tokenizer
@@ -268,6 +277,7 @@ def evaluate_checkpoint(
         batch_size=run.train.micro_batch_size,
         device=device,
         eos_id=eos,
+        on_progress=on_progress,
     )
 
 

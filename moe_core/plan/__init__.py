@@ -31,7 +31,7 @@ from moe_core.plan.memory import (
     parameter_counts,
 )
 from moe_core.plan.planner import Plan, plan
-from moe_core.plan.report import plan_table, plan_text
+from moe_core.plan.report import plan_rows, plan_table, plan_text
 from moe_core.plan.timing import BLOCK_RECOMPUTE_FLOPS, StepTime, step_time
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "max_in_flight",
     "parameter_counts",
     "plan",
+    "plan_rows",
     "plan_table",
     "plan_text",
     "step_time",

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import io
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from moe_core.parallel.ddp import reduce_groups
 from moe_core.plan.memory import GIB
@@ -17,20 +16,25 @@ if TYPE_CHECKING:
 Rows = list[tuple[str, str]]
 
 
+def plan_rows(p: Plan) -> Rows:
+    """The plan's rows: the layout, the busiest rank's memory by part (names indented), whether
+    it fits the cluster, and the traffic per step."""
+    return _layout_rows(p) + _memory_rows(p) + _cluster_rows(p) + _traffic_rows(p)
+
+
 def plan_table(p: Plan) -> Table:
-    """A rich table of the plan (what ``moe plan`` prints): the layout, the busiest rank's
-    memory by part, whether it fits the cluster, and the traffic per step."""
+    """A rich table of the plan (what ``moe plan`` prints)."""
     t = Table(title=f"plan: {p.name}", show_header=False)
-    for name, value in _layout_rows(p) + _memory_rows(p) + _cluster_rows(p) + _traffic_rows(p):
+    for name, value in plan_rows(p):
         t.add_row(name, value)
     return t
 
 
-def plan_text(p: Plan, width: int = 110) -> str:
-    """The table as plain text (for logs)."""
-    console = Console(record=True, width=width, file=io.StringIO())
-    console.print(plan_table(p))
-    return console.export_text()
+def plan_text(p: Plan) -> str:
+    """The plan as plain lines (for logs), a row each, never a box: a log viewer or a
+    terminal of any width (``prefect deployment run --watch`` at 80 columns) wraps a long line
+    whole instead of cutting a table into fragments."""
+    return "\n".join(f"{name}: {Text.from_markup(value).plain}" for name, value in plan_rows(p))
 
 
 def _count(n: int) -> str:

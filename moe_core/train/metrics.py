@@ -104,6 +104,17 @@ class JsonlSink:
         self.file.close()
 
 
+def first_logged(path: Path) -> dict[str, Any] | None:
+    """The first step a ``metrics.jsonl`` holds (the run's first, kept across resumes), or
+    None without one."""
+    try:
+        with path.open() as f:
+            record = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "loss" in record else None
+
+
 class ConsoleSink:
     """A line every ``every`` steps (and for every skipped or spiking step)."""
 
