@@ -1143,6 +1143,9 @@ class ClusterConfig:
     poll_s: float = 10.0  # slurm: seconds between two looks at the job's state and log
     start_timeout_s: float = 86400.0  # slurm: a job queued this long is cancelled; 0: wait
     train_timeout_s: float = 0.0  # the train stage (all attempts) is stopped after this; 0: never
+    # GB/s one node writes to the run folder's filesystem: moe plan's time to write a checkpoint
+    # (a parallel filesystem gives a node some GB/s; measure yours and set it)
+    storage_write_gbps: float = 5.0
 
     def __post_init__(self) -> None:
         p = "cluster."
@@ -1154,6 +1157,7 @@ class ClusterConfig:
         _positive(p + "poll_s", self.poll_s)
         _non_negative(p + "start_timeout_s", self.start_timeout_s)
         _non_negative(p + "train_timeout_s", self.train_timeout_s)
+        _positive(p + "storage_write_gbps", self.storage_write_gbps)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
         if self.rdzv_port > 65535:
             fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")

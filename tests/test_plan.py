@@ -39,6 +39,7 @@ from moe_core.plan import (
     plan,
 )
 from moe_core.plan.memory import compiles, expert_activations
+from moe_core.plan.report import plan_text
 
 
 def one_sentence(message: str) -> bool:
@@ -171,6 +172,45 @@ def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, t
     if flat:
         per_param += 2  # fp32 accumulation buffer instead of bf16 gradients
     assert mem.weights + mem.gradients + mem.optimizer == per_param * n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "pure-bf16"])
+def test_the_checkpoint_plan_is_what_a_checkpoint_writes(precision, tmp_path):
+    """The plan's bytes per checkpoint against the files a real checkpoint holds (tensors plus
+    DCP's small per-entry overhead and the manifest), and its time at the stated rate."""
+    from moe_core.train.trainer import Trainer
+
+    run = compose_run(
+        [
+            "model=tiny",
+            "model.n_layers=2",
+            f"precision={precision}",
+            "train.seq_len=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "train.steps=1",
+            "train.save_model=false",
+            "cluster.storage_write_gbps=2",
+            f"out_dir={tmp_path}",
+        ]
+    )
+    c = plan(run).checkpoint
+    n = plan(run).memory.dense_params + plan(run).memory.expert_params
+    assert c.total == c.per_rank == c.per_node == {"fp32": 12, "pure-bf16": 6}[precision] * n
+    assert c.seconds == pytest.approx(c.per_node / 2e9)
+    Trainer(run).fit(show_progress=False)
+    (step,) = (tmp_path / "checkpoints").iterdir()
+    written = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
+    assert c.total <= written < 1.05 * c.total, (written, c.total)
+
+
+def test_the_1t_plan_says_what_a_checkpoint_costs():
+    run = compose_run([], config_name="pretrain-1t")
+    c = plan(run).checkpoint
+    # 1.2T parameters, each a bf16 weight with an fp32 master and two fp32 moments saved: 12 B
+    assert c.total == pytest.approx(12 * 1.2e12, rel=0.005)
+    assert c.per_node == 8 * c.per_rank
+    assert "(cluster.storage_write_gbps)" in plan_text(plan(run))
 
 
 @pytest.mark.parametrize("pp,n_mb", [(4, 8), (4, 2), (1, 3)])

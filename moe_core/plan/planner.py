@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from moe_core.config import ClusterConfig, ParallelConfig, RunConfig
 from moe_core.model.flops import count
+from moe_core.plan.checkpoint import CheckpointPlan, checkpoint_plan
 from moe_core.plan.communication import Communication, communication
 from moe_core.plan.memory import (
     GIB,
@@ -38,6 +39,7 @@ class Plan:
     stages: tuple[StageMemory, ...]
     comm: Communication
     flops_per_token: int  # model FLOPs, forward + backward, at train.seq_len
+    checkpoint: CheckpointPlan
 
     @property
     def gpus(self) -> int:
@@ -81,6 +83,7 @@ def plan(run: RunConfig) -> Plan:
         stages=stages,
         comm=communication(run, stages),
         flops_per_token=counts.flops_per_token,
+        checkpoint=checkpoint_plan(run, stages),
     )
 
 

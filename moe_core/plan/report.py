@@ -19,7 +19,8 @@ Rows = list[tuple[str, str]]
 def plan_rows(p: Plan) -> Rows:
     """The plan's rows: the layout, the busiest rank's memory by part (names indented), whether
     it fits the cluster, and the traffic per step."""
-    return _layout_rows(p) + _memory_rows(p) + _cluster_rows(p) + _traffic_rows(p)
+    rows = _layout_rows(p) + _memory_rows(p) + _cluster_rows(p) + _checkpoint_rows(p)
+    return rows + _traffic_rows(p)
 
 
 def plan_table(p: Plan) -> Table:
@@ -119,6 +120,20 @@ def _cluster_rows(p: Plan) -> Rows:
         )
     )
     return rows
+
+
+def _checkpoint_rows(p: Plan) -> Rows:
+    """The bytes of one checkpoint and the busiest node's time to write them."""
+    c = p.checkpoint
+    size = f"{c.total / GIB:,.1f} GiB" if c.total < 2**40 else f"{c.total / 2**40:,.2f} TiB"
+    return [
+        (
+            "checkpoint",
+            f"{c.per_rank / GIB:,.2f} GiB per rank (its shard's masters and moments), "
+            f"{c.per_node / GIB:,.1f} GiB per node, {size} in all; {c.seconds:,.1f} s to write "
+            f"at {c.write_gbps:g} GB/s per node (cluster.storage_write_gbps)",
+        )
+    ]
 
 
 def _reach_rows(p: Plan) -> Rows:
