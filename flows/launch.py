@@ -5,9 +5,11 @@ rendered by ``flows.render``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ from moe_core.plan import (
     plan,
     plan_text,
 )
+from moe_core.train.watchdog import hang_since
 
 if TYPE_CHECKING:
     from flows.tracking import Tracker
@@ -123,14 +126,20 @@ def launch_attempts(
                 tries,
                 newest_checkpoint(train_dir),
             )
+        began = time.time()
         with MetricsSender(tracker, run_id, train_dir / "metrics.jsonl"):
             attempt = launcher.attempt(number)
+        hang = None if attempt.ok else hang_since(train_dir, began)
+        if hang is not None:  # the watchdog ended it: say where it hung
+            attempt = dataclasses.replace(attempt, detail=f"{attempt.detail} ({hang})")
         attempts.append(attempt)
         history.append(attempt.record())
         record.write_text(json.dumps(history, indent=1))
         params = {"kind": run.cluster.kind, "job_id": attempt.job_id, "state": attempt.state}
         if attempt.script is not None:
             params["script"] = attempt.script
+        if hang is not None:
+            params["hang"] = hang
         tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
         if attempt.ok:
             return attempts

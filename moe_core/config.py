@@ -593,6 +593,12 @@ class TrainConfig:
     # documents packed into a sequence are split after each EOS), and RoPE positions restart at
     # 0 in each document, as the document would be seen alone at inference (model.documents)
     document_mask: bool = False
+    # The hang watchdog (train.watchdog): a step longer than hang_factor x the median of the
+    # recent steps (never less than hang_min_s; hang_first_s until 3 steps finished) is a hang,
+    # reported by every rank and ended so the launcher relaunches; hang_factor=0 turns it off
+    hang_factor: float = 10.0
+    hang_min_s: float = 300.0
+    hang_first_s: float = 1800.0
 
     def __post_init__(self) -> None:
         p = "train."
@@ -613,6 +619,10 @@ class TrainConfig:
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         for name in ("checkpoint_every", "keep_last", "keep_every"):
             _non_negative(p + name, getattr(self, name))
+        for name in ("hang_min_s", "hang_first_s"):
+            _positive(p + name, getattr(self, name))
+        if self.hang_factor != 0 and self.hang_factor <= 1:
+            fail(p + "hang_factor", self.hang_factor, "0 (no watchdog) or more than 1")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             fail(p + "min_lr_ratio", self.min_lr_ratio, "a number from 0 to 1")
         if not 0.0 < self.decay_fraction <= 1.0:

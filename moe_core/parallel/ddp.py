@@ -31,6 +31,7 @@ from torch import nn
 from moe_core.config import ParallelConfig
 from moe_core.model.moe import Experts
 from moe_core.parallel.mesh import Mesh, reduce_scatter_flat
+from moe_core.parallel.trace import TRACE
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class Bucket:
     is_expert: bool
     decay: bool
     keeps_autograd_grads: bool  # param.grad used as it is: no flat gradient buffer
+
+    @property
+    def kind(self) -> str:
+        """The group it reduces over, in words (the hang watchdog's trace)."""
+        return "dp (experts)" if self.is_expert else "dp x ep (dense)"
+
     param_flat: torch.Tensor = field(init=False)  # model dtype, padded; params are views
     grad_flat: torch.Tensor | None = field(init=False)  # accumulation buffer, padded (zeros)
     grad_shard: torch.Tensor | None = field(init=False)  # reduced gradient of this rank's shard
@@ -216,6 +223,7 @@ class GradBuckets:
         if self.divisor != 1:
             b.grad_flat.div_(self.divisor)
         if b.group is not None:
+            TRACE.enter("reduce_scatter (gradient bucket)", group=b.kind, nbytes=b.grad_flat.nbytes)
             b.work = reduce_scatter_flat(b.grad_shard, b.grad_flat, group=b.group, async_op=True)
 
     def finish(self) -> None:

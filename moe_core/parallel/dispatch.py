@@ -54,12 +54,15 @@ import torch.distributed as dist
 from moe_core.model.moe import Experts, Routing, router_stats_recording
 from moe_core.parallel.placement import RoutingRule, visit_probabilities
 from moe_core.parallel.symmetric import SymmetricHeap
+from moe_core.parallel.trace import DISPATCH, TRACE
 from moe_kernels.fp8 import E4M3, dequantize, quantize_rowwise
 from moe_kernels.routing import ExpertSlots, expert_slots
 from moe_kernels.rowwise import PeerRows, gather_rows, put_rows
 from moe_kernels.slot_permute import permute_to_slots, slot_weights, sum_from_slots
 
 EXACT_FP32_INTS = 2**24  # expert ids travel as fp32 beside the weights
+DISPATCH_BACK = "all_to_all (token dispatch, backward)"
+ROWWISE = "rowwise exchange (token dispatch)"  # what the hang watchdog's trace names
 
 
 def check_local_experts(experts: Experts, offset: int, n_local: int) -> None:
@@ -96,6 +99,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
+        TRACE.enter(DISPATCH_BACK, group="ep", nbytes=g.nbytes)
         dx = g.new_empty(sum(in_splits), *g.shape[1:])
         dist.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
         return dx, None, None, None
@@ -154,6 +158,7 @@ class AllToAllDispatcher:
             raise ValueError(f"{ep_size * n_local} experts: ids must stay below 2**24")
         self.group, self.ep_size, self.n_local = group, ep_size, n_local
         self.fp8_rows = fp8_rows
+        self.where = ""  # the MoE module it serves (parallelize names it), for the trace
         self.ep_rank = dist.get_rank(group)
         self.expert_offset = self.ep_rank * n_local
         # Rows sent to other ranks and tokens dispatched since ``take_counts``, from the split
@@ -169,6 +174,7 @@ class AllToAllDispatcher:
         P, El = self.ep_size, self.n_local
         K = routing.experts_TK.shape[1]
         check_local_experts(experts, self.expert_offset, El)
+        TRACE.enter(DISPATCH, self.where, "ep", x_TD.nbytes)
 
         # Sender: the ranks each token visits, as a [T, P] slot map into the send buffer.
         _, send = rank_slots(routing.experts_TK, P, El)  # counts_E: rows to each rank
@@ -405,12 +411,14 @@ class RowwiseDispatcher:
             raise ValueError(f"{P * n_local} experts: ids must stay below 2**24")
         self.exchange, self.ep_size, self.n_local = exchange, P, n_local
         self.expert_offset = exchange.heap.rank * n_local
+        self.where = ""  # the MoE module it serves (parallelize names it), for the trace
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         ex, P, El = self.exchange, self.ep_size, self.n_local
         K = routing.experts_TK.shape[1]
         dev, R, M = x_TD.device, ex.rows, ex.assignments
         check_local_experts(experts, self.expert_offset, El)
+        TRACE.enter(ROWWISE, self.where, "ep", x_TD.nbytes)
         if x_TD.dtype != ex.dtype or ex.top_k != K or x_TD.shape[1] != ex.d_model:
             raise ValueError(
                 f"tokens {tuple(x_TD.shape)} {x_TD.dtype} top-{K} do not fit the exchange's "

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
 from moe_core.parallel.mesh import Mesh, all_gather_flat, gather_experts
+from moe_core.parallel.trace import TRACE
 from moe_kernels.adamw import adamw_step_
 from moe_kernels.sum_squares import sum_squares
 
@@ -91,6 +92,7 @@ class ShardedAdamW:
         acc = torch.float32 if self.mesh.device.type == "cuda" else torch.float64
         sq = sum_of_squares(shards, acc).to(self.mesh.device).float()
         if self.mesh.distributed:
+            TRACE.enter("all_reduce (gradient norm)", group="world", nbytes=sq.nbytes)
             dist.all_reduce(sq)
         return sq.sqrt()
 
@@ -147,6 +149,9 @@ class ShardedAdamW:
         for b in self.buckets:
             if b.group is not None:
                 shard = b.param_flat[b.shard].clone()
+                TRACE.enter(
+                    "all_gather (updated weights)", group=b.kind, nbytes=b.param_flat.nbytes
+                )
                 all_gather_flat(b.param_flat, shard, group=b.group)
 
     def shards(self, index: int, allocate: bool = False) -> dict[str, torch.Tensor]:

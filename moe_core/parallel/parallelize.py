@@ -131,7 +131,7 @@ def build_chunk(
         model.mtp = None  # beside the LM head they share
     if pcfg.ep > 1:
         n_local = cfg.n_experts // pcfg.ep
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        for where, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
             with on_meta():
                 moe.experts = Experts(n_local, cfg.d_model, cfg.expert_hidden)
             moe.experts.expert_offset = mesh.ep_rank * n_local
@@ -139,6 +139,7 @@ def build_chunk(
                 moe.dispatcher = RowwiseDispatcher(exchange, n_local)
             else:
                 moe.dispatcher = AllToAllDispatcher(mesh.ep_group, pcfg.ep, n_local, fp8_rows)
+            moe.dispatcher.where = where  # type: ignore[attr-defined]
     return model
 
 

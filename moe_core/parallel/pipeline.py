@@ -30,6 +30,7 @@ from moe_core.model.documents import Documents
 from moe_core.model.transformer import Losses, Transformer, zero_losses
 from moe_core.parallel.compile import loss_function
 from moe_core.parallel.mesh import Mesh, rank_of
+from moe_core.parallel.trace import TRACE
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,8 @@ class PipelineRunner:
         group = self.groups[(self.mesh.pp_rank, dst_stage)]
         dst = self.mesh.pp_ranks[dst_stage]
         *acts, aux = tensors
+        pair = f"pp {self.mesh.pp_rank}->{dst_stage}"
+        TRACE.enter(f"send ({key[0]})", group=pair, nbytes=sum(a.nbytes for a in acts))
         for t in [*(a.contiguous() for a in acts), aux.reshape(1).float().contiguous()]:
             self._pending.append((dist.isend(t, dst=dst, group=group), t))
 
@@ -176,6 +179,8 @@ class PipelineRunner:
                 for _ in range(self.n_acts)
             ]
             message.append(torch.empty(1, dtype=torch.float32, device=device))
+            pair = f"pp {src_stage}->{self.mesh.pp_rank}"
+            TRACE.enter(f"recv ({nxt[0]})", group=pair, nbytes=sum(t.nbytes for t in message))
             for t in message:
                 dist.recv(t, src=src, group=group)
             message[-1] = message[-1].reshape(())
@@ -203,6 +208,7 @@ class PipelineRunner:
             model = self.chunks[a.chunk]
             if a.kind == "F":
                 tokens = batches[a.mb]
+                TRACE.micro_batch = a.mb
                 docs = None if documents is None else documents[a.mb]
                 # inputs: [hidden states or tokens, embeddings (MTP; None on chunk 0), aux]
                 if a.chunk == 0:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_core.parallel.trace import TRACE
+
 SUM, MAX, LOCAL = "sum", "max", "local"  # how a field combines over ranks (LOCAL: it does not)
 SUMMED, MAXIMUM, AS_IS = ({"reduce": r} for r in (SUM, MAX, LOCAL))  # field metadata
 
@@ -87,6 +89,7 @@ class StepValues:
         (none when ``world`` is 1); local fields are kept as they are."""
         flat = self.pack(rank, world)
         if world > 1:
+            TRACE.enter("all_reduce (step values)", group="world", nbytes=flat.nbytes)
             dist.all_reduce(flat)
         return self.unpack(flat, world)
 

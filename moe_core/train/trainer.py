@@ -54,6 +54,7 @@ from moe_core.model.flops import count
 from moe_core.model.moe import Experts, Router
 from moe_core.model.transformer import Losses, zero_losses
 from moe_core.parallel.mesh import Mesh, gather_experts, init_distributed
+from moe_core.parallel.trace import TRACE
 from moe_core.rundir import RunLock
 from moe_core.train.batches import Batches, check_data_fits
 from moe_core.train.checkpoint import Checkpointer, router_buffers
@@ -66,6 +67,9 @@ from moe_core.train.schedule import lr_multiplier, mtp_weight
 from moe_core.train.stack import build_stack
 from moe_core.train.step_graph import StepGraphs
 from moe_core.train.step_metrics import StepMetrics, StepValues
+from moe_core.train.watchdog import Watchdog
+
+COUNTS_WAIT_S = 5.0  # the hang report waits this long for a device to give its router counts
 
 __all__ = ["StepMetrics", "Trainer", "routers_by_layer", "threading_main"]
 
@@ -94,6 +98,9 @@ class Trainer:
             self.graphs = StepGraphs(self.device)
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
+        self.watchdog = Watchdog(
+            cfg.train, cfg.out_dir, self.mesh.rank, cfg.parallel.world_size, self._router_counts
+        )
         self._lock: RunLock | None = None
         self._lock_out_dir()
         try:
@@ -193,6 +200,24 @@ class Trainer:
         """This rank's routers by global layer index."""
         return self.router_stats.routers
 
+    def _router_counts(self) -> dict[str, list[float]] | None:
+        """Each router's expert counts of the step so far (the hang report), read on a stream
+        of its own and given up after ``COUNTS_WAIT_S`` when a hung device does not answer."""
+        stats = {name: r.stat_counts_E for name, r in self.routers.items()}
+        if self.device.type != "cuda":
+            return {name: t.tolist() for name, t in stats.items()}
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            host = {n: t.to("cpu", non_blocking=True) for n, t in stats.items()}
+            done = torch.cuda.Event()
+            done.record(stream)
+        deadline = time.monotonic() + COUNTS_WAIT_S
+        while not done.query():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return {name: t.tolist() for name, t in host.items()}
+
     @property
     def exchanges(self) -> list:
         """This rank's rowwise dispatchers' exchanges (whose dropped rows each step checks)."""
@@ -247,6 +272,7 @@ class Trainer:
         model = self.chunks[0]
         sums = zero_losses(self.device)
         for i, tokens in enumerate(batches):
+            TRACE.micro_batch = i
             docs = None if documents is None else documents[i]
             with self.autocast:
                 h, aux, e = model.hidden(tokens[:, :-1], docs=docs)
@@ -487,7 +513,8 @@ class Trainer:
             try:
                 with self._progress(show) as progress:
                     while self.step < tc.steps:
-                        m = self.train_step()
+                        with self.watchdog.watch(self.step):
+                            m = self.train_step()
                         self._evaluate_on_cadence(m)
                         history.append(m)
                         for sink in sinks:
@@ -509,6 +536,7 @@ class Trainer:
                 if self.stop_requested and self.is_main:
                     self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
             finally:
+                self.watchdog.close()
                 gc.unfreeze()
                 self._stop_prefetching()
                 self._clock = None

@@ -1,0 +1,210 @@
+"""The hang watchdog: a step that takes far longer than the recent ones is a hang, named and
+ended, so the launcher relaunches from the newest checkpoint instead of waiting for the
+scheduler's time limit.
+
+A thread on every rank watches the step in progress. Its limit is ``train.hang_factor`` times
+the median of the last steps, never below ``train.hang_min_s``, and ``train.hang_first_s`` until
+``WARM_STEPS`` steps have finished (compilation and warm-up). Past it, each rank writes where it
+stands (``parallel.trace``: the last collective it entered, with layer, micro-batch, group and
+bytes; its router's expert counts of the step where the device answers) to
+``<out_dir>/hangs/step_<N>/rank_<r>.json`` and a line to its log. Rank 0 then waits
+``REPORT_WAIT_S`` for the others' files and names the ranks behind, those that entered fewest
+collectives in the step (a rank stuck in its own work never reaches the collective the others
+wait in), or that wrote nothing, in one sentence: on its log, in ``hangs/latest.txt`` (the
+pipeline puts it in the relaunch's reason and the tracking run) and in the step's folder. Every
+rank then exits with ``HANG_EXIT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from moe_core.config import TrainConfig
+from moe_core.files import atomic_write, json_bytes
+from moe_core.parallel.trace import TRACE, Trace
+
+HANG_EXIT = 75  # the exit status of a rank the watchdog ended (EX_TEMPFAIL: try again)
+WARM_STEPS = 3  # steps after which the recent steps set the limit
+RECENT_STEPS = 20  # how many recent steps the median is over
+REPORT_WAIT_S = 10.0  # rank 0 waits this long for the other ranks' reports
+POLL_S = 0.5
+LATEST = "latest.txt"
+
+
+def hangs_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "hangs"
+
+
+def hang_since(out_dir: str | Path, since: float) -> str | None:
+    """The sentence of a hang reported in ``out_dir`` at or after ``since`` (a ``time.time()``),
+    for the launcher's reason to relaunch; None if there was none."""
+    latest = hangs_dir(out_dir) / LATEST
+    try:
+        if latest.stat().st_mtime >= since:
+            return latest.read_text().strip()
+    except OSError:
+        return None
+    return None
+
+
+class Watchdog:
+    """Watches ``watch(step)`` blocks on a thread; ``counts()`` gives the rank's router counts
+    for the report (None when they cannot be read)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        out_dir: str | Path,
+        rank: int,
+        world: int,
+        counts: Callable[[], dict[str, list[float]] | None] = lambda: None,
+        trace: Trace = TRACE,
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.cfg, self.dir, self.rank, self.world = cfg, hangs_dir(out_dir), rank, world
+        self.counts, self.trace, self._exit = counts, trace, exit
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._current: tuple[int, float] | None = None  # (step, when it began)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.hang_factor > 0
+
+    def limit_s(self) -> float:
+        """How long the step in progress may take."""
+        if len(self.recent) < WARM_STEPS:
+            return self.cfg.hang_first_s
+        return max(self.cfg.hang_min_s, self.cfg.hang_factor * statistics.median(self.recent))
+
+    @contextmanager
+    def watch(self, step: int) -> Iterator[None]:
+        """The block is step ``step``: timed, and watched while it runs."""
+        self.trace.begin_step(step)
+        if not self.enabled:
+            yield
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread.start()
+        began = time.monotonic()
+        self._current = (step, began)
+        try:
+            yield
+        finally:
+            self._current = None
+        self.recent.append(time.monotonic() - began)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            current = self._current
+            if current is None:
+                continue
+            step, began = current
+            elapsed, limit = time.monotonic() - began, self.limit_s()
+            if elapsed > limit:
+                self.fire(step, elapsed, limit)
+                return
+
+    # ---- the report --------------------------------------------------------------------
+
+    def report(self, step: int, elapsed: float, limit: float) -> dict[str, Any]:
+        last = self.trace.last
+        mine = last if last is not None and last.step == step else None
+        try:
+            counts = self.counts()
+        except Exception as err:  # the report must come out whatever the device does
+            counts = {"unreadable": [str(err)]}  # type: ignore[dict-item]
+        return {
+            "rank": self.rank,
+            "step": step,
+            "elapsed_s": round(elapsed, 3),
+            "limit_s": round(limit, 3),
+            "entered": self.trace.seq if mine is not None else 0,
+            "last": None if mine is None else mine.as_dict(),
+            "where": "no collective yet in this step" if mine is None else mine.describe(),
+            "router_counts": counts,
+        }
+
+    def fire(self, step: int, elapsed: float, limit: float) -> None:
+        """Write this rank's report (and on rank 0 the sentence naming the ranks behind), then
+        end the process."""
+        folder = self.dir / f"step_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = self.report(step, elapsed, limit)
+        atomic_write(folder / f"rank_{self.rank}.json", json_bytes(mine))
+        print(
+            f"hang watchdog: rank {self.rank} has been in step {step} for {elapsed:.1f} s (limit "
+            f"{limit:.1f} s); it last entered {mine['where']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.rank == 0:
+            sentence = name_lagging(collect(folder, self.world, REPORT_WAIT_S), step, self.world)
+            atomic_write(folder / "summary.txt", (sentence + "\n").encode())
+            atomic_write(self.dir / LATEST, (sentence + "\n").encode())
+            print(sentence, file=sys.stderr, flush=True)
+        self._exit(HANG_EXIT)
+
+
+def collect(folder: Path, world: int, wait_s: float) -> dict[int, dict[str, Any]]:
+    """The ranks' reports in ``folder``, waiting up to ``wait_s`` for all ``world`` of them."""
+    deadline = time.monotonic() + wait_s
+    reports: dict[int, dict[str, Any]] = {}
+    while True:
+        for r in range(world):
+            path = folder / f"rank_{r}.json"
+            if r not in reports and path.is_file():
+                reports[r] = json.loads(path.read_text())
+        if len(reports) == world or time.monotonic() > deadline:
+            return reports
+        time.sleep(POLL_S)
+
+
+def name_lagging(reports: dict[int, dict[str, Any]], step: int, world: int) -> str:
+    """One sentence: which ranks are behind at ``step`` and where everyone stands."""
+    silent = [r for r in range(world) if r not in reports]
+    fewest = min((rep["entered"] for rep in reports.values()), default=0)
+    most = max((rep["entered"] for rep in reports.values()), default=0)
+    behind = sorted(r for r, rep in reports.items() if rep["entered"] == fewest and most > fewest)
+    parts = []
+    if behind:
+        where = reports[behind[0]]["where"]
+        ahead = next(rep for rep in reports.values() if rep["entered"] == most)["where"]
+        ranks = ", ".join(map(str, behind))
+        parts.append(
+            f"rank{'s' if len(behind) > 1 else ''} {ranks} fell behind (last entered {where}) "
+            f"while the others wait in {ahead}"
+        )
+    if silent:
+        parts.append(
+            f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+            "wrote no report (dead, or stuck where its watchdog cannot run)"
+        )
+    if not parts:
+        where = next(iter(reports.values()))["where"] if reports else "unknown"
+        parts.append(
+            f"every rank stands at the same place ({where}): a collective or the "
+            "device itself hangs"
+        )
+    elapsed = max((rep["elapsed_s"] for rep in reports.values()), default=0.0)
+    return (
+        f"hang at step {step} after {elapsed:.0f} s: {'; '.join(parts)}; every rank exits "
+        f"({HANG_EXIT}) so the launcher relaunches from the newest checkpoint"
+    )
