@@ -19,6 +19,8 @@ from moe_core.model.attention import causal_attention, context_attention
 from moe_core.model.context import ContextShard, local_positions, pairs_per_rank
 from moe_core.model.documents import documents_of
 from moe_core.model.kernel_choice import Kernels
+from moe_core.plan import plan
+from moe_core.plan.memory import context_activation_bytes
 from moe_core.train.trainer import Trainer
 
 EOS = 0  # write_token_dir's stand-in tokenizer records EOS id 0
@@ -183,3 +185,41 @@ def test_latent_attention_at_cp4_within_documents_trains_the_single_process_mode
         for x in ("one", "cp4")
     ]
     assert abs(evals[0] - evals[1]) < 1e-5
+
+
+def _stage(overrides: list[str]):
+    return plan(compose_run([*BASE, *overrides]))
+
+
+def test_the_plan_counts_a_cp_th_of_each_sequence_plus_the_gathered_keys_and_values():
+    """``moe plan`` at CP=2 and sequence S: a rank's activations are those of one process at
+    S / 2 plus, per layer, the other rank's keys and values (grouped-query: 2 kv heads of 32);
+    the traffic adds their all-gather and reduce-scatter per layer."""
+    cp2 = compose_run([*BASE, *GQA, "parallel.cp=2", "train.seq_len=64"])
+    with_cp = _stage([*GQA, "parallel.cp=2", "train.seq_len=64"])
+    half = _stage([*GQA, "train.seq_len=32"])
+    assert with_cp.tokens_per_micro_batch == half.tokens_per_micro_batch == 2 * 32
+    T, kv, layers, bc = 2 * 32, 2 * 32, 4, 4  # tokens per rank, kv width, fp32
+    gathered = context_activation_bytes(cp2)
+    assert gathered == (2 - 1) * T * 2 * kv * bc
+    assert with_cp.memory.activations == half.memory.activations + layers * gathered
+    assert with_cp.comm.context_per_layer == 2 * T * 2 * kv * bc  # gather + reduce-scatter
+    assert with_cp.comm.context == with_cp.comm.context_per_layer * layers * 4  # micro-batches
+    assert half.comm.context == 0
+    # the sequence-proportional all-to-all halves with the rank's tokens
+    ep = ["parallel.ep=2", "train.global_batch_size=16"]
+    assert (
+        _stage([*GQA, *ep, "parallel.cp=2", "train.seq_len=64"]).comm.all_to_all_per_layer
+        == _stage([*GQA, *ep, "train.seq_len=32"]).comm.all_to_all_per_layer
+    )
+
+
+def test_the_plan_gathers_latent_attentions_compressed_key_value():
+    """Latent attention sends its compressed key-value and rotary key (32 + 16 wide in
+    small-mla), gathered again by selective recompute, and keeps nothing gathered then."""
+    mla = [o for o in BASE if o != "model=tiny"] + ["model=small-mla", "parallel.cp=2"]
+    run = compose_run([*mla, "parallel.recompute=selective"])
+    T = 2 * 32 // 2
+    assert plan(run).comm.context_per_layer == 3 * T * (32 + 16) * 4
+    assert context_activation_bytes(run) == 0
+    assert context_activation_bytes(compose_run(mla)) > 0

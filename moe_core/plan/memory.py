@@ -91,8 +91,34 @@ def compiles(run: RunConfig) -> bool:
 
 
 def tokens_per_micro_batch(run: RunConfig) -> int:
-    """``T``: the tokens of one micro-batch."""
-    return run.train.micro_batch_size * run.train.seq_len
+    """``T``: the tokens of one micro-batch a rank holds (under context parallelism a
+    ``parallel.cp``-th of each sequence: every sequence-proportional part divides by cp)."""
+    return run.train.micro_batch_size * run.train.seq_len // run.parallel.cp
+
+
+def context_activation_bytes(run: RunConfig) -> int:
+    """What one attention layer keeps beyond ``layer_activation_bytes`` under context
+    parallelism (``parallel.cp`` > 1), per micro-batch: the keys and values gathered from the
+    other ``cp - 1`` ranks, which the core keeps for backward, ``(cp - 1) T 2 d_kv b_c``; for
+    latent attention the gathered compressed key-value (``cp T r_kv b_c``, the expansion's
+    input) and the other ranks' expanded keys and key-value projection, ``(cp - 1) T b_c (q +
+    n_heads (nope + v_head_dim))``; nothing under selective recompute, which gathers inside
+    the recomputed part. 0 without context parallelism."""
+    m, par = run.model, run.parallel
+    cp = par.cp
+    if cp == 1:
+        return 0
+    _, bc, _ = element_bytes(run)
+    tokens = tokens_per_micro_batch(run)
+    if not m.latent:
+        assert m.head_dim is not None
+        return (cp - 1) * tokens * 2 * m.kv_heads * m.head_dim * bc
+    if par.recompute == "selective":
+        return 0
+    assert m.head_dim is not None and m.qk_nope_head_dim is not None and m.v_head_dim
+    assert m.kv_lora_rank is not None
+    expanded = m.n_heads * m.head_dim + m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return tokens * bc * ((cp - 1) * expanded + cp * m.kv_lora_rank)
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,25 +531,32 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
     per_chunk = m.n_layers // (par.pp * par.virtual_stages)
     rowwise = rowwise_buffers(run)
     kept = {**expert_activations(run), "compiled": compiles(run)}
-    dense_full = tokens * dense_layer_activation_bytes(
-        m, prec.params, prec.compute, compiled=kept["compiled"]
+    gathered = context_activation_bytes(run)  # every block's attention, each layer
+    dense_full = (
+        tokens
+        * dense_layer_activation_bytes(m, prec.params, prec.compute, compiled=kept["compiled"])
+        + gathered
     )
     if par.recompute == "block":
         a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
         # one block rematerialized at a time: the largest kind the stage holds
         remat = max(
-            tokens * a_full + rowwise.extra_full if p.moe_layers else 0,
+            tokens * a_full + rowwise.extra_full + gathered if p.moe_layers else 0,
             dense_full if p.layers > p.moe_layers else 0,
         )
         acts = in_flight * per_chunk * tokens * m.d_model * bp + remat
         mtp = mtp_activation_bytes(run, m.d_model * bp, 0)
     else:
         a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
-        dense_layer = tokens * dense_layer_activation_bytes(
-            m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
+        dense_layer = (
+            tokens
+            * dense_layer_activation_bytes(
+                m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
+            )
+            + gathered
         )
         chunk = max(
-            n_moe * (tokens * a_layer + rowwise.extra_layer) + n_dense * dense_layer
+            n_moe * (tokens * a_layer + rowwise.extra_layer + gathered) + n_dense * dense_layer
             for n_dense, n_moe in p.blocks
         )
         acts = in_flight * chunk
