@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.model.documents import Documents
+from moe_core.model.eager import eager
 
 # Flat-tensor collectives under their current names (torch 2.13 renamed them; 2.11 has the old).
 # Defined here, the lowest layer that collects (``parallel.mesh`` passes them on).
@@ -67,6 +68,13 @@ class _GatherSequence(torch.autograd.Function):
         out = g_rank.new_empty((g_rank.shape[0] // shard.cp, *g_rank.shape[1:]))
         reduce_scatter_flat(out, g_rank, group=shard.group)
         return out, None
+
+
+@eager
+def _gather_sequence(x_S: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """The gather run eagerly inside compiled blocks (a collective is a compile boundary, as
+    the token dispatch is)."""
+    return _GatherSequence.apply(x_S, shard)
 
 
 @dataclass
@@ -116,7 +124,7 @@ class ContextShard:
         """Every rank's slice of ``x`` along ``dim`` (the sequence), in sequence order
         (collective over the group; autograd reduce-scatters the gradient back)."""
         x_S = x.movedim(dim, 0)
-        return _GatherSequence.apply(x_S, self).movedim(0, dim)
+        return _gather_sequence(x_S, self).movedim(0, dim)
 
     def documents(self, docs: Documents) -> Documents:
         """``docs`` of the whole micro-batch as this rank sees them: its tokens' positions, and

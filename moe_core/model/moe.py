@@ -101,6 +101,13 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD.float(), w_ED.float())
 
 
+@eager
+def _summed_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` summed over ``group``'s ranks, in place (eagerly: a compile boundary)."""
+    dist.all_reduce(t, group=group)
+    return t
+
+
 class Router(nn.Module):
     """fp32 logits -> softmax or sigmoid scores -> top-k (optionally bias-steered, optionally
     group-limited) -> weights (optionally renormalized over the k, times ``routed_scale``).
@@ -186,8 +193,7 @@ class Router(nn.Module):
         losses is the whole sequences' loss and its gradient."""
         if self.context_group is None:
             return load_balancing_loss(share_TE, counts_E, self.top_k)
-        total_E = counts_E.clone()
-        dist.all_reduce(total_E, group=self.context_group)
+        total_E = _summed_over(counts_E.clone(), self.context_group)
         # load_balancing_loss divides by this rank's tokens, a context_size-th of the whole
         return load_balancing_loss(share_TE, total_E, self.top_k) / self.context_size
 
