@@ -312,7 +312,8 @@ def _train(run) -> None:
     if trainer.is_main:
         console.print(
             f"training [bold]{run.model.name}[/] for {run.train.steps} steps on "
-            f"{par.world_size} x {trainer.device.type} (pp {par.pp}, dp {par.dp}, ep {par.ep})"
+            f"{par.world_size} x {trainer.device.type} "
+            f"(pp {par.pp}, dp {par.dp}, cp {par.cp}, ep {par.ep})"
         )
     history = trainer.fit()
     if trainer.is_main and not history:

@@ -890,15 +890,21 @@ def check_validation_fits(t: TrainConfig, data_parallel: int, instances: int, wh
 
 @dataclass
 class ParallelConfig:
-    """The layout ``world = pp x dp x ep`` and how each kind of parallelism runs.
+    """The layout ``world = pp x dp x cp x ep`` and how each kind of parallelism runs.
 
-    Dense weights are replicated over the ``dp x ep`` ranks of a pipeline stage, expert weights
-    over its ``dp`` ranks; every one of the ``dp x ep`` ranks reads its own slice of the batch.
+    Dense weights are replicated over the ``dp x cp x ep`` ranks of a pipeline stage, expert
+    weights over its ``dp x cp`` ranks; every one of the ``dp x ep`` data ranks reads its own
+    slice of the batch, which its ``cp`` context-parallel ranks share, each keeping a slice of
+    every sequence (``moe_core.model.context``).
     """
 
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    # Context parallelism: each sequence split over this many ranks (2 x cp chunks, rank r
+    # holding chunks r and 2cp - 1 - r so causal attention work is equal); keys and values
+    # are all-gathered over them in every attention layer.
+    cp: int = 1
     # Token dispatch when ep > 1: NCCL/gloo all-to-all (a host read per layer), or rows written
     # straight into the owners' buffers through symmetric memory (no host read).
     dispatcher: Literal["all_to_all", "nvshmem_rowwise"] = "all_to_all"
@@ -960,8 +966,14 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         p = "parallel."
         _finite(self, p)
-        for name in ("pp", "dp", "ep", "virtual_stages", "bucket_mb"):
+        for name in ("pp", "dp", "ep", "cp", "virtual_stages", "bucket_mb"):
             _positive(p + name, getattr(self, name))
+        if self.cp > 1 and self.pp > 1:
+            raise OptionNotImplementedError(
+                f"parallel.cp={self.cp} with parallel.pp={self.pp} is not built yet: context "
+                "parallelism runs on layouts without pipeline stages; set parallel.pp=1 or "
+                "parallel.cp=1."
+            )
         if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
             fail(p + "virtual_stages", self.virtual_stages, "1 with parallel.pp_schedule=1f1b")
         if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
@@ -1005,12 +1017,19 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.ep
+        return self.pp * self.dp * self.cp * self.ep
 
     @property
     def data_parallel(self) -> int:
-        """Ranks of one pipeline stage that each read their own slice of the batch."""
+        """Ranks of one pipeline stage that each read their own slice of the batch (the ``cp``
+        ranks of each share it)."""
         return self.dp * self.ep
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks of one pipeline stage whose losses (each a mean over its own tokens) make up
+        the step's loss: ``dp x cp x ep``, what gradients and summed losses are divided by."""
+        return self.dp * self.cp * self.ep
 
 
 # The dtype names a config may use; ``moe_core.parallel.parallelize.DTYPES`` maps them to torch
@@ -1422,11 +1441,36 @@ class RunConfig:
                 self.eval.every,
                 "0 with data.kind=synthetic (downstream tasks need the tokenizer of token data)",
             )
+        if par.cp > 1:
+            self._check_context_parallel()
         if self.eval.every and par.pp > 1:
             raise OptionNotImplementedError(
                 f"eval.every={self.eval.every} with parallel.pp={par.pp} is not built yet: "
                 "in-training downstream evaluation runs on layouts without pipeline stages "
                 "(the evaluate stage scores every task on the final checkpoint)."
+            )
+
+    def _check_context_parallel(self) -> None:
+        """What ``parallel.cp > 1`` needs of the rest of the run (``moe_core.model.context``)."""
+        cp, t = self.parallel.cp, self.train
+        if t.seq_len % (2 * cp):
+            fail(
+                "train.seq_len",
+                t.seq_len,
+                f"a multiple of 2 x parallel.cp ({2 * cp}) with parallel.cp={cp}: each sequence "
+                "is cut into 2 x cp equal chunks",
+            )
+        if self.model.mtp_depth:
+            raise OptionNotImplementedError(
+                f"model.mtp_depth={self.model.mtp_depth} with parallel.cp={cp} is not built yet: "
+                "the multi-token-prediction modules shift whole sequences, which context "
+                "parallelism splits; set model.mtp_depth=0 or parallel.cp=1."
+            )
+        if self.eval.every:
+            raise OptionNotImplementedError(
+                f"eval.every={self.eval.every} with parallel.cp={cp} is not built yet: "
+                "in-training downstream evaluation scores whole sequences on each rank (the "
+                "evaluate stage scores every task on the final checkpoint)."
             )
 
     @property

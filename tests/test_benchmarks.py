@@ -43,6 +43,20 @@ def test_every_benchmark_imports_and_takes_the_olmoe_shape_from_the_config(scrip
     assert (olmoe.d_model, olmoe.n_experts, olmoe.top_k) == (ep.D, ep.E, ep.K)
 
 
+def test_long_context_runs_compose_and_fit_one_h200_by_the_plan(scripts):
+    """Issue 42's one-GPU lengths (4k reference, 16k, 32k, 64k): each composes as a one-GPU
+    ``moe train`` at its sequence, and some recompute choice fits an H200 by ``moe plan``."""
+    lc = scripts("long_context")
+    assert [s for s, _ in lc.LENGTHS] == [4096, 16384, 32768, 65536]
+    for seq_len, mbs in lc.LENGTHS:
+        found = lc.choose(seq_len, mbs, 8, 8.0)
+        assert found is not None, seq_len
+        run = compose_run(lc.overrides(seq_len, mbs, found[0], 8))
+        assert (run.parallel.world_size, run.train.seq_len) == (1, seq_len)
+        assert found[1] + 8.0 <= run.cluster.gpu_memory_gib
+    assert lc.choose(65536, 1, 8, 8.0)[0] != "none"  # 64k needs recompute on one H200
+
+
 def test_report_stamps_where_a_benchmark_ran_and_saves_it(scripts, tmp_path):
     """Every benchmark's JSON header comes from ``report.stamp``; ``save`` makes the folder and
     writes nothing without ``--out``."""

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.config import ModelConfig
+from moe_core.model.context import ContextShard, chunk_ids
 from moe_core.model.documents import Documents
 from moe_core.model.eager import eager
 from moe_core.model.kernel_choice import Kernels
@@ -220,6 +221,49 @@ def causal_attention(
     return o_BHSe.transpose(1, 2).reshape(B, S, -1)
 
 
+def context_attention(
+    q_BHSd: torch.Tensor,
+    k_BHKd: torch.Tensor,
+    v_BHKe: torch.Tensor,
+    kernels: Kernels,
+    shard: ContextShard,
+    scale: float | None = None,
+    docs: Documents | None = None,
+) -> torch.Tensor:
+    """The attention core under context parallelism, [B, S, H * e] out: this rank's queries
+    (its head chunk, then its tail chunk) against the whole sequence's keys and values (K = cp
+    x S, in sequence order, ``ContextShard.gather``). Each chunk attends the keys up to its own
+    end, causally aligned at the bottom right (its last query sees every one of them):
+    FlashAttention 4's causal kernel where ``kernels`` picks it and it runs, else SDPA under
+    that mask. With ``docs``: one SDPA under the documents' mask between this rank's queries
+    and every key (no varlen kernel here yet)."""
+    B, H, S, _ = q_BHSd.shape
+    gqa = k_BHKd.shape[1] != H
+    if docs is not None:
+        mask = shard.documents(docs).mask()
+        o_BHSe = F.scaled_dot_product_attention(
+            q_BHSd, k_BHKd, v_BHKe, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        return o_BHSe.transpose(1, 2).reshape(B, S, -1)
+    c = shard.chunk
+    flash = kernels.attention == "flash4" and q_BHSd.is_cuda and q_BHSd.dtype in HALF
+    outs = []
+    for i, chunk in enumerate(chunk_ids(shard.cp, shard.rank)):
+        end = (chunk + 1) * c
+        q_c, k_c, v_c = q_BHSd[:, :, i * c : (i + 1) * c], k_BHKd[:, :, :end], v_BHKe[:, :, :end]
+        if flash:
+            t = (x.transpose(1, 2) for x in (q_c, k_c, v_c))
+            outs.append(_flash4(*t, scale).reshape(B, c, -1))
+            continue
+        keys = torch.arange(end, device=q_BHSd.device)
+        mask_cK = keys[None, :] <= keys[chunk * c :, None]
+        o_BHce = F.scaled_dot_product_attention(
+            q_c, k_c, v_c, attn_mask=mask_cK, scale=scale, enable_gqa=gqa
+        )
+        outs.append(o_BHce.transpose(1, 2).reshape(B, c, -1))
+    return torch.cat(outs, dim=1)
+
+
 class Attention(nn.Module):
     """q/k/v/o projections (biases as ``model.attention_bias`` says), QK-norm as
     ``model.qk_norm`` says (``q_norm``/``k_norm`` None without one), RoPE, causal attention."""
@@ -242,6 +286,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim if per_head else q_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_dim, cfg.norm_eps)
         self.kernels = Kernels()  # its ``attention`` field picks the core (module docstring)
+        self.context: ContextShard | None = None  # parallel.cp > 1: this rank's sequence slice
 
     def forward(
         self,
@@ -262,6 +307,9 @@ class Attention(nn.Module):
         cos, sin = (t.to(q.dtype).unsqueeze(-3) for t in rope)  # a heads axis: [(B,) 1, S, r]
         q = apply_rotary(q_BSHd.transpose(1, 2), cos, sin)
         k = apply_rotary(k_BSHd.transpose(1, 2), cos, sin)
+        if self.context is not None:  # every rank's keys and values, then this rank's queries
+            k, v = self.context.gather(k, 2), self.context.gather(v, 2)
+            return self.o_proj(context_attention(q, k, v, self.kernels, self.context, docs=docs))
         return self.o_proj(causal_attention(q, k, v, self.kernels, docs=docs))
 
 
@@ -312,6 +360,10 @@ class LatentAttention(nn.Module):
         yarn = YarnScaling.of(cfg)
         self.scale = (self.nope + self.rope) ** -0.5 * (yarn.softmax_factor if yarn else 1.0)
         self.kernels = Kernels()  # its ``attention`` field picks the core (module docstring)
+        # parallel.cp > 1: this rank's sequence slice; the compressed key-value and the rotary
+        # key are gathered (kv_lora_rank + qk_rope_head_dim per token, not every head's keys
+        # and values), then expanded for the whole sequence on every rank
+        self.context: ContextShard | None = None
 
     def forward(
         self,
@@ -346,10 +398,20 @@ class LatentAttention(nn.Module):
         [B, S, H * v_head_dim]. Selective recompute (``parallel.recompute``) runs this again in
         backward, so a block keeps q and the compressed key-value, not the expanded keys and
         values nor the core's own saved tensors."""
-        B, S, H, _ = q_BSHd.shape
+        B, _, H, _ = q_BSHd.shape
         nope, r = self.nope, self.rope
+        if self.context is not None:
+            c_kv_BSc, k_rope_BS1r = (
+                self.context.gather(c_kv_BSc, 1),
+                self.context.gather(k_rope_BS1r, 1),
+            )
+        S = c_kv_BSc.shape[1]  # the keys' length: the whole sequence's under context parallelism
         kv = self.kv_b_proj(c_kv_BSc).view(B, S, H, nope + self.v_dim)
         k_nope_BSHn, v_BSHv = kv.split([nope, self.v_dim], dim=-1)
         k_BSHd = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(B, S, H, r)], dim=-1)
         q_BHSd, k_BHSd, v_BHSv = (t.transpose(1, 2) for t in (q_BSHd, k_BSHd, v_BSHv))
+        if self.context is not None:
+            return context_attention(
+                q_BHSd, k_BHSd, v_BHSv, self.kernels, self.context, self.scale, docs
+            )
         return causal_attention(q_BHSd, k_BHSd, v_BHSv, self.kernels, self.scale, docs)

@@ -19,31 +19,46 @@ import torch
 class Documents:
     """``positions_BS``: each input's position within its document; ``cu_seqlens_N``: where
     each document starts in the batch flattened row after row, then ``B * S`` (int32, the
-    varlen kernels' ``cu_seqlens``); ``max_len``: the longest document."""
+    varlen kernels' ``cu_seqlens``); ``max_len``: the longest document.
+
+    Under context parallelism (``ContextShard.documents``) a rank holds some of each row's
+    tokens: ``positions_BS`` are its tokens', ``query_index_S`` their places in the whole
+    sequence, and ``key_positions_BS`` the whole sequence's positions (the gathered keys')."""
 
     positions_BS: torch.Tensor
     cu_seqlens_N: torch.Tensor
     max_len: int
+    key_positions_BS: torch.Tensor | None = None
+    query_index_S: torch.Tensor | None = None
+
+    def _map(self, f) -> Documents:
+        optional = (self.key_positions_BS, self.query_index_S)
+        return Documents(
+            f(self.positions_BS),
+            f(self.cu_seqlens_N),
+            self.max_len,
+            *(None if t is None else f(t) for t in optional),
+        )
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Documents:
-        return Documents(
-            self.positions_BS.to(device, non_blocking=non_blocking),
-            self.cu_seqlens_N.to(device, non_blocking=non_blocking),
-            self.max_len,
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Documents:
-        return Documents(
-            self.positions_BS.pin_memory(), self.cu_seqlens_N.pin_memory(), self.max_len
-        )
+        return self._map(lambda t: t.pin_memory())
 
     def mask(self) -> torch.Tensor:
-        """[B, 1, S, S] boolean: query i sees key j when j <= i in the same document (for
-        attention cores without varlen support; S^2 memory per row)."""
-        doc_BS = torch.cumsum(self.positions_BS == 0, dim=1)
-        S = doc_BS.shape[1]
-        causal_SS = torch.ones(S, S, dtype=torch.bool, device=doc_BS.device).tril()
-        return ((doc_BS[:, :, None] == doc_BS[:, None, :]) & causal_SS)[:, None]
+        """[B, 1, S, K] boolean: query i sees key j when j is at or before i in the same
+        document (for attention cores without varlen support; S x K memory per row). K = S but
+        under context parallelism, where the keys are the whole sequence's."""
+        keys_BK = self.positions_BS if self.key_positions_BS is None else self.key_positions_BS
+        doc_BK = torch.cumsum(keys_BK == 0, dim=1)
+        K = doc_BK.shape[1]
+        query_S = self.query_index_S
+        if query_S is None:
+            query_S = torch.arange(K, device=doc_BK.device)
+        doc_BS = doc_BK.index_select(1, query_S)
+        causal_SK = torch.arange(K, device=doc_BK.device)[None, :] <= query_S[:, None]
+        return ((doc_BS[:, :, None] == doc_BK[:, None, :]) & causal_SK)[:, None]
 
 
 def documents_of(inputs_BS: torch.Tensor, eos_id: int) -> Documents:

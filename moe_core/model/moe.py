@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -100,6 +101,13 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD.float(), w_ED.float())
 
 
+@eager
+def _summed_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` summed over ``group``'s ranks, in place (eagerly: a compile boundary)."""
+    dist.all_reduce(t, group=group)
+    return t
+
+
 class Router(nn.Module):
     """fp32 logits -> softmax or sigmoid scores -> top-k (optionally bias-steered, optionally
     group-limited) -> weights (optionally renormalized over the k, times ``routed_scale``).
@@ -133,6 +141,10 @@ class Router(nn.Module):
         self.register_buffer("stat_lb", torch.zeros((), dtype=torch.float32), False)
         self.register_buffer("stat_z", torch.zeros((), dtype=torch.float32), False)
         self.register_buffer("stat_calls", torch.zeros((), dtype=torch.int64), False)
+        # parallel.cp > 1 (``apply_context``): the ranks sharing this rank's sequences, over
+        # which the load-balancing loss counts its shares (the whole sequences' routing)
+        self.context_group: dist.ProcessGroup | None = None
+        self.context_size = 1
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -164,7 +176,7 @@ class Router(nn.Module):
 
         counts_E = expert_counts(experts_TK, self.n_experts)
         share_TE = probs_TE if self.kind == "softmax" else probs_TE / probs_TE.sum(-1, keepdim=True)
-        lb = load_balancing_loss(share_TE, counts_E, self.top_k)
+        lb = self._load_balancing(share_TE, counts_E)
         z = z_loss(logits_TE)
         aux = self.aux_loss_coef * lb + self.z_loss_coef * z
         if _record_stats:
@@ -174,6 +186,16 @@ class Router(nn.Module):
                 self.stat_z += z.detach()
                 self.stat_calls += 1
         return Routing(experts_TK, weights_TK, counts_E, aux)
+
+    def _load_balancing(self, share_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss; under context parallelism with the shares routed over the
+        whole sequences (summed over the group, no gradient), so that the mean of the ranks'
+        losses is the whole sequences' loss and its gradient."""
+        if self.context_group is None:
+            return load_balancing_loss(share_TE, counts_E, self.top_k)
+        total_E = _summed_over(counts_E.clone(), self.context_group)
+        # load_balancing_loss divides by this rank's tokens, a context_size-th of the whole
+        return load_balancing_loss(share_TE, total_E, self.top_k) / self.context_size
 
     def _limit_to_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
         """``select_TE`` with every expert outside a token's ``top_k_groups`` best groups at

@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig
 from moe_core.model.attention import Attention, LatentAttention, RotaryEmbedding, YarnScaling
+from moe_core.model.context import ContextShard
 from moe_core.model.documents import Documents
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
@@ -154,6 +155,9 @@ class Transformer(nn.Module):
         if cfg.mtp_depth:
             self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, k) for k in range(cfg.mtp_depth)})
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, YarnScaling.of(cfg))
+        # parallel.cp > 1 (``apply_context``): ``hidden`` and ``losses`` take whole sequences
+        # and keep this rank's slice of them
+        self.context: ContextShard | None = None
 
     def forward(
         self, x: torch.Tensor, aux: torch.Tensor | None = None
@@ -176,14 +180,32 @@ class Transformer(nn.Module):
         ``docs``: the inputs' packed documents, each attended alone from position 0."""
         h = x
         if self.embed is not None:
+            if self.context is not None:
+                x = self.context.local(x)
             h = self.embed(x)
             e = h if self.cfg.mtp_depth else None
         if aux is None:
             aux = torch.zeros((), dtype=torch.float32, device=h.device)
-        rope = self.rope(h.shape[1], h.device, None if docs is None else docs.positions_BS)
+        rope = self._rope(h, docs)
+        if self.context is not None and docs is not None:
+            docs = self.context.documents(docs)
         for block in self.layers.values():
             h, aux = block(h, aux, rope, docs)
         return h, aux, e
+
+    def _rope(
+        self, h_BSD: torch.Tensor, docs: Documents | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables of ``h``'s positions: 0 .. S - 1, each document's own
+        (``docs``), or under context parallelism this rank's global ones."""
+        if self.context is None:
+            positions = None if docs is None else docs.positions_BS
+            return self.rope(h_BSD.shape[1], h_BSD.device, positions)
+        if docs is None:
+            positions = self.context.positions(h_BSD.device)
+        else:
+            positions = self.context.documents(docs).positions_BS
+        return self.rope(self.context.seq_len, h_BSD.device, positions)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head (or the tied embedding) over normed hidden states; a stage without
@@ -210,12 +232,14 @@ class Transformer(nn.Module):
         token i + k + 2; the last k + 1 positions have no such token (embedding 0, target
         ignored), and causal attention keeps them from the others."""
         targets_BS = tokens_BS1[:, 1:]
+        if self.context is not None:
+            targets_BS = self.context.local(targets_BS)
         assert self.norm is not None
         ce = loss_fn(self.head(self.norm(h_BSD)), targets_BS)
         if not mtp or self.mtp is None:
             return Losses(ce, aux, ce.new_zeros(0))
         assert e_BSD is not None, "MTP needs the token embeddings (hidden's third output)"
-        rope = self.rope(h_BSD.shape[1], h_BSD.device, None if docs is None else docs.positions_BS)
+        rope = self._rope(h_BSD, docs)
         ces = []
         for k, module in enumerate(self.mtp.values()):
             e_k = shifted(e_BSD, k + 1, 0.0)
@@ -307,6 +331,18 @@ def apply_kernels(model: nn.Module, kernels: Kernels) -> None:
     for m in model.modules():
         if isinstance(m, (Attention, LatentAttention, Experts)):
             m.kernels = kernels
+
+
+def apply_context(model: Transformer, shard: ContextShard) -> None:
+    """Split ``model``'s sequences over a context-parallel group (``parallel.cp``), in place:
+    the model slices its inputs and targets, attention gathers keys and values, routers
+    count their load-balancing shares over the group's tokens."""
+    model.context = shard
+    for m in model.modules():
+        if isinstance(m, (Attention, LatentAttention)):
+            m.context = shard
+        if isinstance(m, Router):
+            m.context_group, m.context_size = shard.group, shard.cp
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

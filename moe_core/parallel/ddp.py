@@ -1,4 +1,5 @@
-"""Gradient reduction: dense weights over the stage's ``dp x ep`` ranks, experts over ``dp``.
+"""Gradient reduction: dense weights over the stage's ``dp x cp x ep`` ranks, experts over
+``dp x cp``.
 
 Parameters are packed into buckets (one kind of weight, one weight-decay setting, bounded
 size). Each bucket owns a flat parameter buffer (the model's parameters become views into it)
@@ -15,9 +16,10 @@ one micro-batch, or when gradients accumulate in the weights' own dtype: autogra
 and no buffer (measured on one H200: the copy of a bf16 gradient into the buffer is most of the
 trainer's overhead over a bare step). ``Bucket.gradients`` hides which of the two a bucket does.
 
-Gradients are averaged over ``dp x ep`` for both kinds: every rank's loss is a mean over its own
-tokens, and an expert on one rank has already summed, through the all-to-all backward, the
-gradient of every token of its expert-parallel group.
+Gradients are averaged over ``dp x cp x ep`` for both kinds: every rank's loss is a mean over its
+own tokens (a context-parallel rank's: over its slice of the sequences, an equal share), and an
+expert on one rank has already summed, through the all-to-all backward, the gradient of every
+token of its expert-parallel group.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ class ReduceGroups:
     """How many ranks of a pipeline stage reduce (and ZeRO-1 shard) each kind of weight: the
     sizes of ``Mesh.dense_dp_group`` and ``Mesh.expert_dp_group``."""
 
-    dense: int  # every one of the stage's dp x ep ranks holds the dense weights
-    expert: int  # the dp ranks holding the same experts
+    dense: int  # every one of the stage's dp x cp x ep ranks holds the dense weights
+    expert: int  # the dp x cp ranks holding the same experts
 
 
 def reduce_groups(par: ParallelConfig) -> ReduceGroups:
     """The reduction groups of layout ``par`` (what ``plan`` counts buffers and traffic over)."""
-    return ReduceGroups(dense=par.dp * par.ep, expert=par.dp)
+    return ReduceGroups(dense=par.dp * par.cp * par.ep, expert=par.dp * par.cp)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -1,7 +1,9 @@
-"""The ``pp x dp x ep`` process layout and its process groups.
+"""The ``pp x dp x cp x ep`` process layout and its process groups.
 
-Rank order puts ``ep`` innermost (expert-parallel peers are neighbours, e.g. NVLink peers),
-then ``dp``, then ``pp``: ``rank = (pp_rank * dp + dp_rank) * ep + ep_rank``.
+Rank order puts ``ep`` innermost (expert-parallel peers are neighbours, e.g. NVLink peers: the
+all-to-all of every MoE layer is the heaviest traffic), then ``cp`` (a key/value all-gather
+every attention layer), then ``dp`` (one gradient reduction per step), then ``pp`` (point to
+point between stages): ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * ep + ep_rank``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import ConfigError, ParallelConfig
+from moe_core.model.context import all_gather_flat, reduce_scatter_flat
+
+__all__ = ["Mesh", "all_gather_flat", "build_mesh", "init_distributed", "reduce_scatter_flat"]
 
 Group = dist.ProcessGroup | None  # None: the default group (or no process group at all)
-
-# Flat-tensor collectives under their current names (torch 2.13 renamed them; 2.11 has the old).
-all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclass
@@ -30,9 +31,11 @@ class Mesh:
     pp_rank: int = 0
     dp_rank: int = 0
     ep_rank: int = 0
-    ep_group: Group = None  # same stage and dp rank: exchanges tokens
-    expert_dp_group: Group = None  # same stage and ep rank: reduces expert weights
-    dense_dp_group: Group = None  # same stage: reduces dense weights (dp x ep ranks)
+    cp_rank: int = 0
+    ep_group: Group = None  # same stage, dp and cp rank: exchanges tokens
+    expert_dp_group: Group = None  # same stage and ep rank: reduces expert weights (dp x cp)
+    dense_dp_group: Group = None  # same stage: reduces dense weights (dp x cp x ep ranks)
+    cp_group: Group = None  # same stage, dp and ep rank: shares sequences (gathers keys)
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global rank of each stage
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
@@ -58,8 +61,8 @@ def gather_experts(local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def rank_of(cfg: ParallelConfig, pp_rank: int, dp_rank: int, ep_rank: int) -> int:
-    return (pp_rank * cfg.dp + dp_rank) * cfg.ep + ep_rank
+def rank_of(cfg: ParallelConfig, pp_rank: int, dp_rank: int, ep_rank: int, cp_rank: int = 0) -> int:
+    return ((pp_rank * cfg.dp + dp_rank) * cfg.cp + cp_rank) * cfg.ep + ep_rank
 
 
 def env_world_size() -> int:
@@ -70,9 +73,9 @@ def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
     """Before any process-group work: the launcher's world must be the configured layout."""
     if world_size != cfg.world_size:
         raise ConfigError(
-            f"the layout pp={cfg.pp} x dp={cfg.dp} x ep={cfg.ep} needs {cfg.world_size} "
-            f"processes, but {world_size} were launched; launch {cfg.world_size} "
-            "(e.g. torchrun --nproc-per-node N) or change parallel.pp/dp/ep."
+            f"the layout pp={cfg.pp} x dp={cfg.dp} x cp={cfg.cp} x ep={cfg.ep} needs "
+            f"{cfg.world_size} processes, but {world_size} were launched; launch "
+            f"{cfg.world_size} (e.g. torchrun --nproc-per-node N) or change parallel.pp/dp/cp/ep."
         )
 
 
@@ -87,22 +90,37 @@ def build_mesh(cfg: ParallelConfig) -> Mesh:
         return Mesh(cfg, device=device)
     rank = dist.get_rank()
     ep_rank = rank % cfg.ep
-    dp_rank = (rank // cfg.ep) % cfg.dp
-    pp_rank = rank // (cfg.ep * cfg.dp)
-    mesh = Mesh(cfg, rank, pp_rank, dp_rank, ep_rank)
-    for p in range(cfg.pp):
-        for d in range(cfg.dp):
-            g = dist.new_group([rank_of(cfg, p, d, e) for e in range(cfg.ep)])
-            if (p, d) == (pp_rank, dp_rank) and cfg.ep > 1:
-                mesh.ep_group = g
-        for e in range(cfg.ep):
-            g = dist.new_group([rank_of(cfg, p, d, e) for d in range(cfg.dp)])
-            if (p, e) == (pp_rank, ep_rank) and cfg.dp > 1:
-                mesh.expert_dp_group = g
-        g = dist.new_group([rank_of(cfg, p, d, e) for d in range(cfg.dp) for e in range(cfg.ep)])
-        if p == pp_rank and cfg.data_parallel > 1:
-            mesh.dense_dp_group = g
-    mesh.pp_ranks = [rank_of(cfg, p, dp_rank, ep_rank) for p in range(cfg.pp)]
+    cp_rank = (rank // cfg.ep) % cfg.cp
+    dp_rank = (rank // (cfg.ep * cfg.cp)) % cfg.dp
+    pp_rank = rank // (cfg.ep * cfg.cp * cfg.dp)
+    mesh = Mesh(cfg, rank, pp_rank, dp_rank, ep_rank, cp_rank)
+    here = (pp_rank, dp_rank, cp_rank, ep_rank)
+    coords = [
+        (p, d, c, e)
+        for p in range(cfg.pp)
+        for d in range(cfg.dp)
+        for c in range(cfg.cp)
+        for e in range(cfg.ep)
+    ]
+
+    def groups(same: tuple[int, ...]) -> Group:
+        """Make every group of ranks that agree with each other on the axes ``same`` (in
+        one order on all ranks); the one holding this rank, None if it is this rank alone."""
+        mine: Group = None
+        keys = sorted({tuple(x[i] for i in same) for x in coords})
+        for key in keys:
+            members = [x for x in coords if tuple(x[i] for i in same) == key]
+            g = dist.new_group([rank_of(cfg, p, d, e, c) for p, d, c, e in members])
+            if key == tuple(here[i] for i in same) and len(members) > 1:
+                mine = g
+        return mine
+
+    # pp, dp, cp, ep = axes 0, 1, 2, 3
+    mesh.ep_group = groups((0, 1, 2))
+    mesh.expert_dp_group = groups((0, 3))
+    mesh.dense_dp_group = groups((0,))
+    mesh.cp_group = groups((0, 1, 3))
+    mesh.pp_ranks = [rank_of(cfg, p, dp_rank, ep_rank, cp_rank) for p in range(cfg.pp)]
     if dist.get_backend() == "nccl":
         mesh.device = torch.device("cuda", torch.cuda.current_device())
     return mesh

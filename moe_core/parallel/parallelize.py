@@ -20,12 +20,13 @@ from moe_core.config import (
 )
 from moe_core.model import Transformer
 from moe_core.model.attention import flash4_installed
+from moe_core.model.context import ContextShard
 from moe_core.model.dtypes import DTYPES
 from moe_core.model.fp8 import apply_fp8
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE
-from moe_core.model.transformer import apply_kernels
+from moe_core.model.transformer import apply_context, apply_kernels
 from moe_core.parallel.compile import apply_compile
 from moe_core.parallel.dispatch import (
     AllToAllDispatcher,
@@ -150,9 +151,11 @@ def parallelize(
     mesh: Mesh,
     seed: int,
     tokens: int,
+    seq_len: int | None = None,
 ) -> dict[int, Transformer]:
     """This rank's chunks by global chunk id, allocated on ``mesh.device`` and initialized, in
-    ``precision`` (``tokens``: per micro-batch, which sizes the rowwise dispatcher's buffers)."""
+    ``precision`` (``tokens``: this rank's per micro-batch, which sizes the rowwise dispatcher's
+    buffers; ``seq_len``: the sequences' length, which ``parallel.cp > 1`` splits)."""
     kernels = choose_kernels(pcfg, precision, mesh.device)
     dtype = DTYPES[precision.params]
     exchange = None
@@ -167,6 +170,9 @@ def parallelize(
         for p in model.parameters():
             p.data = p.data.to(dtype)
         apply_kernels(model, kernels)
+        if pcfg.cp > 1:
+            assert seq_len is not None, "context parallelism splits sequences of a known length"
+            apply_context(model, ContextShard(pcfg.cp, mesh.cp_rank, seq_len, mesh.cp_group))
         apply_fp8(model, precision.fp8_parts, mesh.device)
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):

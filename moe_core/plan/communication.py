@@ -18,6 +18,12 @@ Ring collectives send ``(g - 1) / g`` of the buffer.
 - reduce-scatter of the gradients (``b_o``) and all-gather of the updated weights, once per step.
 - pipeline: one ``T * d_model * b_p`` message per micro-batch and chunk boundary, each way
   (``memory.pipeline_send_bytes``).
+- context parallelism (``parallel.cp`` > 1), per attention layer (every block) and micro-batch:
+  the all-gather of the keys and values forward, ``(cp - 1) T w b_c`` with ``w = 2 d_kv``
+  (latent attention gathers its compressed key-value and rotary key, ``w = kv_lora_rank +
+  qk_rope_head_dim``), the reduce-scatter of their gradients backward, the same bytes; the
+  forward again under block recompute, and under selective recompute for latent attention
+  (its gather is in the recomputed part). ``T`` is a rank's tokens, a cp-th of the sequences.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class Communication:
     reduce_scatter: int  # gradients in the optimizer's dtype, dense and expert groups
     all_gather: int  # updated weights in the model dtype
     pipeline: int  # the busiest rank's activation and gradient messages
+    context_per_layer: int  # K/V all-gather + gradient reduce-scatter, one layer and micro-batch
+    context: int  # the step: every layer of the busiest stage, every micro-batch
     reach: Reach  # where a token's rows go under the model's routing (parallel.placement)
     plain: Reach  # the same under plain top-k (no expert groups), to compare
 
@@ -78,6 +86,23 @@ def all_to_all_bytes_per_layer(run: RunConfig) -> float:
     return per_layer
 
 
+def context_bytes_per_layer(run: RunConfig) -> float:
+    """One attention layer and micro-batch under context parallelism (module docstring)."""
+    m, par = run.model, run.parallel
+    if par.cp == 1:
+        return 0.0
+    _, bc, _ = element_bytes(run)
+    if m.latent:
+        assert m.kv_lora_rank is not None and m.qk_rope_head_dim is not None
+        width = m.kv_lora_rank + m.qk_rope_head_dim
+    else:
+        assert m.head_dim is not None
+        width = 2 * m.kv_heads * m.head_dim
+    once = (par.cp - 1) * tokens_per_micro_batch(run) * width * bc
+    again = par.recompute == "block" or (par.recompute == "selective" and m.latent)
+    return once * (3 if again else 2)
+
+
 def zero1_bytes(run: RunConfig, dense: int, experts: int) -> tuple[float, float]:
     """Reduce-scatter of the gradients (``b_o``) and all-gather of the weights (``b_p``) of a
     rank holding ``dense`` and ``experts`` parameters, over their groups ``dp x ep`` and
@@ -97,12 +122,15 @@ def communication(run: RunConfig, stages: tuple[StageMemory, ...]) -> Communicat
     busiest = max(stages, key=lambda s: s.dense_params + s.expert_params)
     reduce_scatter, all_gather = zero1_bytes(run, busiest.dense_params, busiest.expert_params)
     rule, per_node = RoutingRule.of(run.model), ranks_per_node(run)
+    context = context_bytes_per_layer(run)
     return Communication(
         all_to_all_per_layer=round(per_layer),
         all_to_all=round(per_layer * moe_layers * run.micro_batches),
         reduce_scatter=round(reduce_scatter),
         all_gather=round(all_gather),
         pipeline=max(s.p2p_buffers for s in stages),
+        context_per_layer=round(context),
+        context=round(context * max(s.layers for s in stages) * run.micro_batches),
         reach=reach(rule, run.parallel.ep, per_node),
         plain=reach(rule.plain, run.parallel.ep, per_node),
     )

@@ -14,34 +14,34 @@ holds the same), in bytes:
   and 4 for fp32 weights. The last stage also holds the ``model.mtp_depth`` multi-token
   prediction modules: an MoE block each, with its norms and projection (``mtp_own``).
 - gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
-  ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * ep) +
-  N_expert / dp)`` where that group has more than one rank. A rank that reduces nothing
-  (``dp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
+  ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * cp * ep) +
+  N_expert / (dp * cp))`` where that group has more than one rank. A rank that reduces nothing
+  (``dp x cp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
   gradients instead: ``b_p * (N_dense + N_expert)`` and no transient. With one micro-batch
   those are written while backward frees the activations, so the peak holds
   ``max(activations, gradients)``: only the gradients beyond the activations count.
 - optimizer (ZeRO-1): two Adam moments in ``b_o`` and, when the weights are less precise than
   that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
   for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
-  master), over ``N_dense / (dp * ep) + N_expert / dp`` elements.
-- activations: ``in_flight * T * (n_moe * A + n_dense * A_dense)`` for the rank's chunk with
-  the most (an upper bound where interleaved chunks differ), with ``T = micro_batch_size *
-  seq_len`` tokens per micro-batch, ``in_flight`` the most forwards whose backward is still
-  pending in the stage's schedule (``pp - s`` for 1F1B), ``n_moe`` and ``n_dense`` the chunk's
-  MoE and leading dense blocks and ``A``, ``A_dense`` the bytes each saves per token
-  (``layer_activation_bytes``, ``dense_layer_activation_bytes``, eager or with compiled blocks,
-  as the run compiles: ``parallel.compile``, on by default on GPUs); block recompute keeps
-  ``d_model * b_p`` per layer and token instead, plus one rematerialized layer (``T * A``, or
-  ``T * A_dense`` where that is larger and the stage holds one) during backward. The stage
-  holding the LM head adds, eager, ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the
-  logits, their fp32 copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16
-  autocast, else 4); compiled (the loss fuses the upcast), ``T * (2 V b_c + d_model * (b_p +
-  b_c))``: the logits, their gradient at the start of backward, the final norm's input and
-  output. Each MTP depth adds, once as the head (the last chunk's backward follows its
-  forward), an MoE block's ``T * A`` (``T * d_model * b_p`` under block recompute), what the
-  head keeps for its own logits, and its norms' and projection's inputs, ``T * d_model * (2 (4
-  + b_p) + 2 b_c)`` (the embeddings and hidden state it normalizes, eagerly, and their
-  concatenation).
+  master), over ``N_dense / (dp * cp * ep) + N_expert / (dp * cp)`` elements.
+- activations: ``in_flight * T * (n_moe * A + n_dense * A_dense)`` for the rank's chunk with the
+  most (an upper bound where interleaved chunks differ), with ``T = micro_batch_size * seq_len /
+  cp`` the rank's tokens per micro-batch (``context_activation_bytes`` adds, per attention layer,
+  what context parallelism gathers), ``in_flight`` the most forwards whose backward is still
+  pending in the stage's schedule (``pp - s`` for 1F1B), ``n_moe`` and ``n_dense`` the chunk's MoE
+  and leading dense blocks and ``A``, ``A_dense`` the bytes each saves per token
+  (``layer_activation_bytes``, ``dense_layer_activation_bytes``, eager or with compiled blocks, as
+  the run compiles: ``parallel.compile``, on by default on GPUs); block recompute keeps ``d_model
+  * b_p`` per layer and token instead, plus one rematerialized layer (``T * A``, or ``T *
+  A_dense`` where that is larger and the stage holds one) during backward. The stage holding the
+  LM head adds, eager, ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the logits, their
+  fp32 copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16 autocast, else 4);
+  compiled (the loss fuses the upcast), ``T * (2 V b_c + d_model * (b_p + b_c))``: the logits,
+  their gradient at the start of backward, the final norm's input and output. Each MTP depth adds,
+  once as the head (the last chunk's backward follows its forward), an MoE block's ``T * A`` (``T
+  * d_model * b_p`` under block recompute), what the head keeps for its own logits, and its norms'
+  and projection's inputs, ``T * d_model * (2 (4 + b_p) + 2 b_c)`` (the embeddings and hidden
+  state it normalizes, eagerly, and their concatenation).
 - pipeline send buffers: ``messages * micro_batches * T * d_model * b_p`` (activations
   forward, gradients backward; the runner holds each until the step ends), twice the
   activations with MTP (the token embeddings travel beside them).
@@ -91,8 +91,34 @@ def compiles(run: RunConfig) -> bool:
 
 
 def tokens_per_micro_batch(run: RunConfig) -> int:
-    """``T``: the tokens of one micro-batch."""
-    return run.train.micro_batch_size * run.train.seq_len
+    """``T``: the tokens of one micro-batch a rank holds (under context parallelism a
+    ``parallel.cp``-th of each sequence: every sequence-proportional part divides by cp)."""
+    return run.train.micro_batch_size * run.train.seq_len // run.parallel.cp
+
+
+def context_activation_bytes(run: RunConfig) -> int:
+    """What one attention layer keeps beyond ``layer_activation_bytes`` under context
+    parallelism (``parallel.cp`` > 1), per micro-batch: the keys and values gathered from the
+    other ``cp - 1`` ranks, which the core keeps for backward, ``(cp - 1) T 2 d_kv b_c``; for
+    latent attention the gathered compressed key-value (``cp T r_kv b_c``, the expansion's
+    input) and the other ranks' expanded keys and key-value projection, ``(cp - 1) T b_c (q +
+    n_heads (nope + v_head_dim))``; nothing under selective recompute, which gathers inside
+    the recomputed part. 0 without context parallelism."""
+    m, par = run.model, run.parallel
+    cp = par.cp
+    if cp == 1:
+        return 0
+    _, bc, _ = element_bytes(run)
+    tokens = tokens_per_micro_batch(run)
+    if not m.latent:
+        assert m.head_dim is not None
+        return (cp - 1) * tokens * 2 * m.kv_heads * m.head_dim * bc
+    if par.recompute == "selective":
+        return 0
+    assert m.head_dim is not None and m.qk_nope_head_dim is not None and m.v_head_dim
+    assert m.kv_lora_rank is not None
+    expanded = m.n_heads * m.head_dim + m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return tokens * bc * ((cp - 1) * expanded + cp * m.kv_lora_rank)
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,25 +531,32 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
     per_chunk = m.n_layers // (par.pp * par.virtual_stages)
     rowwise = rowwise_buffers(run)
     kept = {**expert_activations(run), "compiled": compiles(run)}
-    dense_full = tokens * dense_layer_activation_bytes(
-        m, prec.params, prec.compute, compiled=kept["compiled"]
+    gathered = context_activation_bytes(run)  # every block's attention, each layer
+    dense_full = (
+        tokens
+        * dense_layer_activation_bytes(m, prec.params, prec.compute, compiled=kept["compiled"])
+        + gathered
     )
     if par.recompute == "block":
         a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
         # one block rematerialized at a time: the largest kind the stage holds
         remat = max(
-            tokens * a_full + rowwise.extra_full if p.moe_layers else 0,
+            tokens * a_full + rowwise.extra_full + gathered if p.moe_layers else 0,
             dense_full if p.layers > p.moe_layers else 0,
         )
         acts = in_flight * per_chunk * tokens * m.d_model * bp + remat
         mtp = mtp_activation_bytes(run, m.d_model * bp, 0)
     else:
         a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
-        dense_layer = tokens * dense_layer_activation_bytes(
-            m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
+        dense_layer = (
+            tokens
+            * dense_layer_activation_bytes(
+                m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
+            )
+            + gathered
         )
         chunk = max(
-            n_moe * (tokens * a_layer + rowwise.extra_layer) + n_dense * dense_layer
+            n_moe * (tokens * a_layer + rowwise.extra_layer + gathered) + n_dense * dense_layer
             for n_dense, n_moe in p.blocks
         )
         acts = in_flight * chunk

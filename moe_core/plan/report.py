@@ -54,7 +54,8 @@ def _layout_rows(p: Plan) -> Rows:
         ("parameters", f"{_count(p.total_params)} total, {_count(p.active_params)} active"),
         (
             "layout",
-            f"pp {par.pp} x dp {par.dp} x ep {par.ep} = {p.gpus} {unit} "
+            f"pp {par.pp} x dp {par.dp}{f' x cp {par.cp}' if par.cp > 1 else ''} x ep {par.ep} "
+            f"= {p.gpus} {unit} "
             f"({par.pp_schedule}, recompute {par.recompute}, {p.param_dtype} weights, "
             f"{p.compute_dtype} compute)",
         ),
@@ -182,4 +183,15 @@ def _traffic_rows(p: Plan) -> Rows:
             f"{c.all_gather / GIB:,.2f} GiB per step",
         ),
         ("pipeline p2p", f"{c.pipeline / GIB:,.2f} GiB per step"),
+        *(
+            [
+                (
+                    "context K/V",
+                    f"{c.context_per_layer / GIB:,.3f} GiB per layer and micro-batch "
+                    f"(all-gather + gradient reduce-scatter), {c.context / GIB:,.1f} GiB per step",
+                )
+            ]
+            if p.parallel.cp > 1
+            else []
+        ),
     ]

@@ -6,9 +6,9 @@ recompute) at the fraction of the GPU's peak one H200 reached in ``moe train``
 node, the NIC between nodes; an all-to-all whose group spans nodes sends
 ``(ep - local) / (ep - 1)`` of its bytes over the NIC, the rest over NVLink, at once); nothing
 overlapped. The pipeline's idle slots, ``(pp - 1) / v`` micro-batches per rank, stretch
-compute, all-to-all and sends: ``step = (compute + all_to_all + sends) * (n_mb + (pp - 1) / v)
-/ n_mb + reduce_scatter + all_gather``; the bubble is the share
-``((pp - 1) / v) / (n_mb + (pp - 1) / v)``.
+compute, all-to-all, sends and context parallelism's key/value exchange: ``step = (compute +
+all_to_all + sends + context) * (n_mb + (pp - 1) / v) / n_mb + reduce_scatter +
+all_gather``; the bubble is the share ``((pp - 1) / v) / (n_mb + (pp - 1) / v)``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class StepTime:
     reduce_scatter: float
     all_gather: float
     pipeline: float  # activation and gradient sends
+    context: float  # context parallelism's key/value all-gathers and gradient reduce-scatters
     bubble: float  # share of the step a pipeline rank idles
     step: float
     tokens_per_s_per_gpu: float
@@ -76,9 +77,11 @@ def step_time(p: Plan, gpu: GPU | None = None, measured: Measurement = MEASURED)
     reduce_scatter = _ring_seconds(c.reduce_scatter, span, per_node, g)
     all_gather = _ring_seconds(c.all_gather, span, per_node, g)
     sends = _ring_seconds(c.pipeline, par.world_size, per_node, g)
+    # a context-parallel group spans its cp x ep consecutive ranks (mesh order)
+    context = _ring_seconds(c.context, par.cp * par.ep, per_node, g) if par.cp > 1 else 0.0
     idle = (par.pp - 1) / par.virtual_stages
     bubble = idle / (n_mb + idle)
-    step = (compute + a2a + sends) / (1 - bubble) + reduce_scatter + all_gather
+    step = (compute + a2a + sends + context) / (1 - bubble) + reduce_scatter + all_gather
     tps = tokens / par.pp / step
     return StepTime(
         compute=compute,
@@ -86,6 +89,7 @@ def step_time(p: Plan, gpu: GPU | None = None, measured: Measurement = MEASURED)
         reduce_scatter=reduce_scatter,
         all_gather=all_gather,
         pipeline=sends,
+        context=context,
         bubble=bubble,
         step=step,
         tokens_per_s_per_gpu=tps,

@@ -329,6 +329,7 @@ function planLayout(data, L) {
     reduce_scatter: ringSeconds(comm.reduce_scatter, dpep),
     all_gather: ringSeconds(comm.all_gather, dpep),
     pipeline: ringSeconds(comm.pipeline, world),
+    context: 0, // no context parallelism on the page yet: its layouts are all cp 1
   };
   const idle = (L.pp - 1) / v;
   time.bubble = idle / (nMb + idle);

@@ -72,7 +72,8 @@ def held_out_loss(
         dist.all_reduce(read)
     ce, dropped = read.tolist()
     router_stats.check_dropped(dropped, f"evaluation after step {step}")
-    return ce / cfg.train.eval_batches
+    # each context-parallel rank's loss is a mean over its slice of the sequences
+    return ce / (cfg.train.eval_batches * cfg.parallel.cp)
 
 
 class Downstream:

@@ -147,7 +147,7 @@ class RouterStats:
         if not self.routers:
             return {}
         E = self.cfg.model.n_experts
-        n_scores = self.cfg.micro_batches * self.cfg.parallel.data_parallel
+        n_scores = self.cfg.micro_batches * self.cfg.parallel.loss_ranks
         with_bias = self.cfg.model.expert_bias
         health = {}
         for i, (layer, r) in enumerate(self.routers.items()):

@@ -34,15 +34,15 @@ class Stack:
 def build_stack(cfg: RunConfig, mesh: Mesh) -> Stack:
     """Build this rank's part of the run (collective where the layout is)."""
     tc, pc = cfg.train, cfg.parallel
-    tokens = tc.micro_batch_size * tc.seq_len
-    chunks = parallelize(cfg.model, pc, cfg.precision, mesh, tc.seed, tokens)
+    tokens = tc.micro_batch_size * tc.seq_len // pc.cp  # this rank's, per micro-batch
+    chunks = parallelize(cfg.model, pc, cfg.precision, mesh, tc.seed, tokens, tc.seq_len)
     loss_fn = loss_function(pc.compile_on(mesh.device.type))
     state_dtype = DTYPES[cfg.precision.optimizer]
     buckets = GradBuckets(
         list(chunks.values()),
         mesh,
         pc.bucket_mb,
-        divisor=pc.data_parallel,
+        divisor=pc.loss_ranks,
         grad_dtype=state_dtype,
         micro_batches=cfg.micro_batches,
     )

@@ -1,4 +1,5 @@
-"""The training loop over any ``pp x dp x ep`` layout (one process is the 1 x 1 x 1 layout).
+"""The training loop over any ``pp x dp x cp x ep`` layout (one process is the 1 x 1 x 1 x 1
+layout).
 
 One optimizer step: every data-parallel rank runs ``global_batch / (micro_batch x dp x ep)``
 micro-batches (through the pipeline when ``pp > 1``), each loss scaled so the step's gradient is
@@ -376,7 +377,7 @@ class Trainer:
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
         routers.check_dropped(host.dropped.item(), f"step {self.step}")
-        n_micro = q.n_batches * pc.data_parallel
+        n_micro = q.n_batches * pc.loss_ranks  # every rank's loss is a mean of its tokens
         loss, norm = host.ce.item() / n_micro, host.grad_norm.item()
         verdict = self.guards.check(loss, norm)  # skips exactly where ``ok`` was false
         health = routers.finish_step(
@@ -625,7 +626,7 @@ class Trainer:
                 local[name] = t.detach().cpu()
         if not self.mesh.distributed:
             return local
-        representative = self.mesh.dp_rank == 0 and self.mesh.ep_rank == 0
+        representative = self.mesh.dp_rank == self.mesh.cp_rank == self.mesh.ep_rank == 0
         gathered: list = [None] * dist.get_world_size() if self.is_main else []
         dist.gather_object(
             local if representative else None, gathered if self.is_main else None, dst=0
