@@ -905,6 +905,10 @@ class ParallelConfig:
     # holding chunks r and 2cp - 1 - r so causal attention work is equal); keys and values
     # are all-gathered over them in every attention layer.
     cp: int = 1
+    # The process group's backend: "auto" takes NCCL where there are GPUs and gloo on CPUs;
+    # "gloo" on a GPU machine runs every rank on the GPU of its local rank modulo the GPUs
+    # there, so several ranks can share one GPU (correctness runs: NCCL refuses that)
+    backend: Literal["auto", "gloo"] = "auto"
     # Token dispatch when ep > 1: NCCL/gloo all-to-all (a host read per layer), or rows written
     # straight into the owners' buffers through symmetric memory (no host read).
     dispatcher: Literal["all_to_all", "nvshmem_rowwise"] = "all_to_all"
@@ -985,6 +989,13 @@ class ParallelConfig:
         _check_rules("parallel", rule_quantities(parallel=self))
         if self.cuda_graph and self.pp > 1:
             fail(p + "cuda_graph", True, "false or null with parallel.pp > 1 (not captured)")
+        if self.backend == "gloo" and self.dispatcher == "nvshmem_rowwise":
+            fail(
+                p + "dispatcher",
+                self.dispatcher,
+                "'all_to_all' with parallel.backend=gloo (the rowwise exchange needs symmetric "
+                "memory, which ranks sharing a GPU cannot map)",
+            )
         if self.cuda_graph and self.ep > 1 and self.dispatcher == "all_to_all":
             fail(
                 p + "cuda_graph",

@@ -73,11 +73,16 @@ def test_the_limit_follows_the_recent_steps_after_warm_up():
     [
         ("train.hang_factor=1", "train.hang_factor=1.0 is not allowed: 0 (no watchdog) or more"),
         ("train.hang_min_s=0", "train.hang_min_s=0.0 is not allowed: it must be positive."),
+        (
+            "parallel.backend=gloo parallel.ep=2 parallel.dispatcher=nvshmem_rowwise",
+            "parallel.dispatcher='nvshmem_rowwise' is not allowed: 'all_to_all' with "
+            "parallel.backend=gloo",
+        ),
     ],
 )
 def test_bad_watchdog_options_are_refused(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        compose_run([*BASE, override])
+        compose_run([*BASE, *override.split()])
 
 
 @pytest.fixture(scope="module")

@@ -81,13 +81,9 @@ def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
 
 def build_mesh(cfg: ParallelConfig) -> Mesh:
     """Create every group (all ranks call new_group for all groups, in one order)."""
+    gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if cfg.world_size == 1:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-        return Mesh(cfg, device=device)
+        return Mesh(cfg, device=gpu or torch.device("cpu"))
     rank = dist.get_rank()
     ep_rank = rank % cfg.ep
     cp_rank = (rank // cfg.ep) % cfg.cp
@@ -121,8 +117,8 @@ def build_mesh(cfg: ParallelConfig) -> Mesh:
     mesh.dense_dp_group = groups((0,))
     mesh.cp_group = groups((0, 1, 3))
     mesh.pp_ranks = [rank_of(cfg, p, dp_rank, ep_rank, cp_rank) for p in range(cfg.pp)]
-    if dist.get_backend() == "nccl":
-        mesh.device = torch.device("cuda", torch.cuda.current_device())
+    if gpu is not None and (dist.get_backend() == "nccl" or cfg.backend == "gloo"):
+        mesh.device = gpu  # gloo on GPUs (parallel.backend): CUDA tensors through gloo
     return mesh
 
 
@@ -133,8 +129,12 @@ def init_distributed(cfg: ParallelConfig) -> Mesh:
     if world > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            if cfg.backend == "gloo":  # ranks may share a GPU (several per GPU)
+                torch.cuda.set_device(local_rank % torch.cuda.device_count())
+                dist.init_process_group("gloo")
+            else:
+                torch.cuda.set_device(local_rank)
+                dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         else:
             dist.init_process_group("gloo")
     return build_mesh(cfg)
