@@ -33,6 +33,10 @@ def fail(name: str, value: Any, allowed: str) -> None:
 # shapes, so none of them can end a line, close a quote or reach the shell.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 NAME_ALLOWED = "letters, digits and . _ - (starting with a letter or digit, at most 100)"
+# A Dask scheduler's address (data.scheduler); it is also written into Slurm batch scripts.
+SCHEDULER_ADDRESS = re.compile(
+    r"(tcp|tls)://[A-Za-z0-9.-]+:\d{1,5}|(tcp|tls)://\[[0-9a-fA-F:]+\]:\d{1,5}"
+)
 SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
 SAFE_PATH_ALLOWED = (
     "letters, digits and . _ / + = @ : , - only (no spaces, quotes, newlines or shell "
@@ -695,7 +699,15 @@ class DataConfig:
     # share of documents held out, spread evenly by seed (another format: its last tokens)
     validation_fraction: float = 0.01
     seed: int = 0
-    workers: int = 0  # tokenizing processes; 0: one per CPU core
+    # Tokenizing processes of the local Dask cluster moe tokenize starts (and stops); 0: one per
+    # CPU core; 1: in the calling process, no cluster. Leave it 0 with ``scheduler``.
+    workers: int = 0
+    # A running Dask cluster's scheduler (``tcp://host:port``) that tokenizes instead of a local
+    # one: its workers, on any machines that see ``dir``, encode and write the shards.
+    scheduler: str | None = None
+    # Documents per unit of work (a task): units are fixed ranges of documents, so the shards do
+    # not depend on it nor on the number of workers; a rerun redoes only unfinished units.
+    unit_documents: int = 256
     dir: str | None = None  # the token shards; None: <out_dir>/data
     # Training start hashes every shard against the manifest (read once, streamed; the time is
     # reported). false skips only that hash: sizes and .npy headers are still checked and every
@@ -731,6 +743,16 @@ class DataConfig:
             fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
+        _positive(p + "unit_documents", self.unit_documents)
+        if self.scheduler is not None:
+            if not SCHEDULER_ADDRESS.fullmatch(self.scheduler):
+                fail(p + "scheduler", self.scheduler, "a Dask scheduler address, tcp://host:port")
+            if self.workers != 0:
+                fail(
+                    p + "workers",
+                    self.workers,
+                    "0 with data.scheduler (the running cluster's workers tokenize)",
+                )
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         if self.format != "moe" and self.kind != "tokens":
             fail(

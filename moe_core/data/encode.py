@@ -1,11 +1,9 @@
-"""Document batches -> token ids with EOS after each document, in worker processes.
+"""Document batches -> token ids with EOS after each document (what a tokenize worker runs).
 
-Kept to numpy and ``tokenizers`` so that a spawned worker starts in a fraction of a second.
+Kept to numpy and ``tokenizers``, so that a worker imports little.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -31,18 +29,3 @@ class Encoder:
                 flat.append(self.eos_id)
                 lengths[i] = len(ids) + 1
         return lengths, np.array(flat, dtype=self.dtype)
-
-
-_encoder: Encoder | None = None
-
-
-def init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
-    """Process-pool initializer: one single-threaded tokenizer per worker process."""
-    global _encoder
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _encoder = Encoder(tokenizer_json, eos_id, dtype)
-
-
-def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _encoder is not None, "init_worker was not run in this process"
-    return _encoder(texts)
