@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moe_core.files import atomic_write, file_sha256, inside, json_bytes, sha256_hex
+from moe_core.files import TMP_MARK, atomic_write, file_sha256, inside, json_bytes, sha256_hex
 
 SPLITS = ("train", "validation")
 
@@ -208,3 +209,20 @@ def _reads(path: Path) -> object:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def write_split(
+    data_dir: Path, split: str, tokens: np.ndarray, dtype: str, shard_tokens: int
+) -> tuple[int, list[ShardRecord]]:
+    """``tokens`` (one document) as ``split``'s shards of ``shard_tokens``: ``(documents,
+    records)`` for ``manifest.build_manifest``. Tests and benchmarks make folders with it."""
+    cutter = Cutter(split, shard_tokens)
+    source = data_dir / f".{split}-tokens{TMP_MARK}{os.getpid()}"  # what the shards copy from
+    with open(source, "wb") as f:
+        np.save(f, np.asarray(tokens, dtype=dtype), allow_pickle=False)
+    try:
+        jobs = cutter.add(source.name, 0, np.array([0]), np.array([len(tokens)]))
+        records = [write_shard(str(data_dir), job, dtype)[0] for job in jobs + cutter.finish()]
+    finally:
+        source.unlink()
+    return cutter.documents, records

@@ -87,13 +87,14 @@ class TokenizeProgress:
 
 
 @dataclass
-class _Run:
-    """Counters of one tokenize call, for the progress bar and the summary."""
+class TokenizeStats:
+    """Counters of one tokenize call, for the progress bar, the summary and benchmarks."""
 
-    tokens: int = 0
+    tokens: int = 0  # encoded by this call (not those of units already on disk)
     shards_reused: int = 0
     tokenizer_seconds: float = 0.0  # building (for bpe: training) the tokenizer
-    tokenize_seconds: float = 0.0
+    engine_seconds: float = 0.0  # starting (and stopping) the local cluster, or connecting
+    tokenize_seconds: float = 0.0  # from the first unit read to the last shard written
 
 
 def tokenize_corpus(
@@ -104,13 +105,14 @@ def tokenize_corpus(
     show_progress: bool = True,
     console: Console | None = None,
     on_progress: Callable[[TokenizeProgress], None] | None = None,
+    stats: TokenizeStats | None = None,
 ) -> Path:
     """Tokenize the configured corpus into ``out_dir``; return it once ``manifest.json`` is there.
 
     ``model_vocab_size`` refuses a tokenizer with more ids than the model can embed. Nothing that
     is already in ``out_dir`` is deleted: a directory made with other settings is refused.
     ``on_progress`` is called after each encoded batch (a pipeline logs it; the terminal has
-    the bar of ``show_progress``).
+    the bar of ``show_progress``). ``stats``, when given, is filled in as the call goes.
     """
     start = time.perf_counter()
     console = console or Console(stderr=True)
@@ -123,7 +125,7 @@ def tokenize_corpus(
     if job is not None and _complete(out, console if show_progress else None):
         return out
 
-    run = _Run()
+    run = stats if stats is not None else TokenizeStats()
     phase = validation_phase(cfg.seed)
     tick = time.perf_counter()
     built = _tokenizer(cfg, out, job, source, phase)
@@ -144,11 +146,12 @@ def tokenize_corpus(
     remove_temporaries(units)
     routing = Routing(built.sha256, built.eos_id, built.dtype, cfg.validation_fraction, phase)
     without_text = WithoutText()
-    tick = time.perf_counter()
+    clock = {"open": time.perf_counter()}
     with open_engine(cfg) as engine, _Progress(show_progress, console, source.total) as (bar, task):
+        run.engine_seconds = time.perf_counter() - clock["open"]
 
         def report(documents: int, shards: int) -> None:
-            rate = run.tokens / max(time.perf_counter() - tick, 1e-9)
+            rate = run.tokens / max(time.perf_counter() - clock["first unit"], 1e-9)
             status = f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards"
             bar.update(task, completed=documents, status=status)
             if on_progress is not None:
@@ -156,9 +159,12 @@ def tokenize_corpus(
 
         work = _Work(out, routing, engine, cfg.shard_tokens, run, report)
         for unit, first, texts in _units(source, cfg.unit_documents, without_text):
+            clock.setdefault("first unit", time.perf_counter())
             work.add(unit, first, texts)
         records = work.finish()
-    run.tokenize_seconds = time.perf_counter() - tick
+        clock["done"] = time.perf_counter()
+        run.tokenize_seconds = clock["done"] - clock.get("first unit", clock["done"])
+    run.engine_seconds += time.perf_counter() - clock["done"]  # stopping the local cluster
     end = work.end
     total_tokens = sum(r.tokens for split in records.values() for r in split)
     if total_tokens == 0:
@@ -396,7 +402,7 @@ class _Work:
         routing: Routing,
         engine: Engine,
         shard_tokens: int,
-        run: _Run,
+        run: TokenizeStats,
         report: Callable[[int, int], None],
     ) -> None:
         self.out, self.routing, self.engine, self.run, self.report = (
@@ -487,7 +493,7 @@ class _Progress:
 
 
 def _summary(
-    console: Console, out: Path, manifest: dict[str, Any], run: _Run, seconds: float
+    console: Console, out: Path, manifest: dict[str, Any], run: TokenizeStats, seconds: float
 ) -> None:
     splits = manifest["splits"]
     shards = sum(len(s["shards"]) for s in splits.values())

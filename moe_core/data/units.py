@@ -73,7 +73,6 @@ _encoders: dict[str, Encoder] = {}  # one per tokenizer in each worker process
 def _encoder(data_dir: Path, routing: Routing) -> Encoder:
     encoder = _encoders.get(routing.tokenizer_sha256)
     if encoder is None:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a worker is one core
         path = data_dir / TOKENIZER_JSON
         data = path.read_bytes() if path.is_file() else b""
         if sha256_hex(data) != routing.tokenizer_sha256:
@@ -87,12 +86,26 @@ def _encoder(data_dir: Path, routing: Routing) -> Encoder:
     return encoder
 
 
+def _one_thread(encoder: Encoder, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``encoder(texts)`` on this thread alone (a worker is one core), the setting restored
+    after (in the driver, with one worker, it would also slow the BPE trainer down)."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read by tokenizers at each call
+    try:
+        return encoder(texts)
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
 def encode_unit(
     data_dir: str, routing: Routing, unit: int, first: int, texts: list[str]
 ) -> UnitRecord:
     """Tokenize documents ``first``... of unit ``unit`` and write its file and record."""
     d = Path(data_dir)
-    lengths, flat = _encoder(d, routing)(texts)
+    lengths, flat = _one_thread(_encoder(d, routing), texts)
     held = np.repeat(routing.held_out(first, len(texts)), lengths)
     data = npy_bytes(np.concatenate([flat[~held], flat[held]]))
     record = UnitRecord(
