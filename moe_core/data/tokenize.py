@@ -126,43 +126,45 @@ def tokenize_corpus(
         return out
 
     run = stats if stats is not None else TokenizeStats()
-    phase = validation_phase(cfg.seed)
-    tick = time.perf_counter()
-    built = _tokenizer(cfg, out, job, source, phase)
-    run.tokenizer_seconds = time.perf_counter() - tick if job is None else 0.0
-    if model_vocab_size is not None:
-        check_tokenizer_fits(cfg, built.vocab_size, model_vocab_size)
-    created = not out.exists()
-    if job is None:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / JOB, json_bytes({"spec": spec, "tokenizer": built.info()}))
-    for name, data in built.files.items():
-        if not (out / name).is_file() or (out / name).read_bytes() != data:
-            atomic_write(out / name, data)
-    remove_temporaries(out)
-
-    units = out / UNITS
-    units.mkdir(exist_ok=True)
-    remove_temporaries(units)
-    routing = Routing(built.sha256, built.eos_id, built.dtype, cfg.validation_fraction, phase)
-    without_text = WithoutText()
+    # The engine first: a cluster that cannot be reached is named before anything is written.
     clock = {"open": time.perf_counter()}
-    with open_engine(cfg) as engine, _Progress(show_progress, console, source.total) as (bar, task):
+    with open_engine(cfg) as engine:
         run.engine_seconds = time.perf_counter() - clock["open"]
+        phase = validation_phase(cfg.seed)
+        tick = time.perf_counter()
+        built = _tokenizer(cfg, out, job, source, phase)
+        run.tokenizer_seconds = time.perf_counter() - tick if job is None else 0.0
+        if model_vocab_size is not None:
+            check_tokenizer_fits(cfg, built.vocab_size, model_vocab_size)
+        created = not out.exists()
+        if job is None:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write(out / JOB, json_bytes({"spec": spec, "tokenizer": built.info()}))
+        for name, data in built.files.items():
+            if not (out / name).is_file() or (out / name).read_bytes() != data:
+                atomic_write(out / name, data)
+        remove_temporaries(out)
 
-        def report(documents: int, shards: int) -> None:
-            rate = run.tokens / max(time.perf_counter() - clock["first unit"], 1e-9)
-            status = f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards"
-            bar.update(task, completed=documents, status=status)
-            if on_progress is not None:
-                on_progress(TokenizeProgress(documents, source.total, run.tokens, rate, shards))
+        units = out / UNITS
+        units.mkdir(exist_ok=True)
+        remove_temporaries(units)
+        routing = Routing(built.sha256, built.eos_id, built.dtype, cfg.validation_fraction, phase)
+        without_text = WithoutText()
+        with _Progress(show_progress, console, source.total) as (bar, task):
 
-        work = _Work(out, routing, engine, cfg.shard_tokens, run, report)
-        for unit, first, texts in _units(source, cfg.unit_documents, without_text):
-            clock.setdefault("first unit", time.perf_counter())
-            work.add(unit, first, texts)
-        records = work.finish()
-        clock["done"] = time.perf_counter()
+            def report(documents: int, shards: int) -> None:
+                rate = run.tokens / max(time.perf_counter() - clock["first unit"], 1e-9)
+                status = f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards"
+                bar.update(task, completed=documents, status=status)
+                if on_progress is not None:
+                    on_progress(TokenizeProgress(documents, source.total, run.tokens, rate, shards))
+
+            work = _Work(out, routing, engine, cfg.shard_tokens, run, report)
+            for unit, first, texts in _units(source, cfg.unit_documents, without_text):
+                clock.setdefault("first unit", time.perf_counter())
+                work.add(unit, first, texts)
+            records = work.finish()
+            clock["done"] = time.perf_counter()
         run.tokenize_seconds = clock["done"] - clock.get("first unit", clock["done"])
     run.engine_seconds += time.perf_counter() - clock["done"]  # stopping the local cluster
     end = work.end
