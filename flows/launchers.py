@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flows.render import kubernetes_objects, render_kubernetes, render_slurm, standalone_command
+from flows.render import (
+    kubernetes_objects,
+    render_kubernetes,
+    render_slurm,
+    render_slurm_tokenize,
+    standalone_command,
+)
 from moe_core.config import ConfigError, RunConfig
 from moe_core.errors import RunFailedError
 
@@ -296,10 +302,12 @@ class SlurmLauncher(ClusterLauncher):
     def script_path(self) -> Path:
         return self.train_dir / "slurm.sbatch"
 
+    def render(self) -> str:
+        return render_slurm(self.run, str(self.train_dir), str(self.config_path))
+
     def submit(self) -> str:
         """Write the rendered script and ``sbatch`` it; returns the job id."""
-        script = render_slurm(self.run, str(self.train_dir), str(self.config_path))
-        self.script_path.write_text(script)
+        self.script_path.write_text(self.render())
         done = subprocess.run(
             ["sbatch", "--parsable", str(self.script_path)],
             env=_environment(),  # sbatch hands the job this environment (--export=ALL)
@@ -371,6 +379,27 @@ class SlurmLauncher(ClusterLauncher):
                 "resubmitted: run the pipeline again to resume from the newest checkpoint."
             )
         return super().outcome(number, job_id, script, state)
+
+
+class SlurmTokenizeLauncher(SlurmLauncher):
+    """The tokenize stage on Slurm: ``tokenize/tokenize.sbatch`` (``render_slurm_tokenize``: a
+    Dask scheduler and workers on the allocation, ``moe tokenize --config`` the driver),
+    submitted and followed like training. ``train_dir`` is the stage's folder here."""
+
+    @property
+    def script_path(self) -> Path:
+        return self.train_dir / "tokenize.sbatch"
+
+    def render(self) -> str:
+        return render_slurm_tokenize(self.run, str(self.train_dir), str(self.config_path))
+
+    def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
+        if state == "CANCELLED":
+            raise RunFailedError(
+                f"slurm job {job_id} was cancelled outside the pipeline (scancel): run the "
+                "pipeline again to resume tokenizing from the units already written."
+            )
+        return ClusterLauncher.outcome(self, number, job_id, script, state)
 
 
 # ---- kubernetes: an Indexed Job and a headless Service through the client -------------------

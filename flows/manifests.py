@@ -59,6 +59,11 @@ ADDED_SINCE: dict[str, Any] = {
 }
 
 
+# Data options the token shards do not depend on (where they go; where and in what pieces the
+# work runs): no tokenize key hashes them, so moving a run onto a cluster redoes no stage.
+NOT_IN_TOKENIZE_KEY = ("dir", "scheduler", "unit_documents")
+
+
 def keyed(section: str, value: dict[str, Any]) -> dict[str, Any]:
     """``value`` (``to_dict`` of config section ``section``) without the options of
     ``ADDED_SINCE`` that hold their as-before value: what a stage key hashes of that section."""

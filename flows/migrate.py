@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.manifests import digest, keyed
+from flows.manifests import NOT_IN_TOKENIZE_KEY, digest, keyed
 from moe_core.config import RunConfig
 from moe_core.config_dict import MOVED_TO_PRECISION, to_dict
 
@@ -34,7 +34,8 @@ def old_layout(run: RunConfig) -> dict[str, Any]:
 
 def old_stage_keys(run: RunConfig, eval_batches: int) -> dict[str, str]:
     """Each stage's key as version 1 computed it (``eval_batches``: the evaluate stage's)."""
-    data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
+    data = keyed("data", to_dict(run.data))
+    data = {k: v for k, v in data.items() if k not in NOT_IN_TOKENIZE_KEY}
     keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
     keys["init"] = digest({"model": keyed("model", to_dict(run.model)), "seed": run.train.seed})
     sections = old_layout(run)

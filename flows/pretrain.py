@@ -34,7 +34,7 @@ from flows import manifests
 from flows.launch import check_launchable, launch_attempts
 from flows.launchers import Attempt, launcher_class
 from flows.layout import RunLayout
-from flows.manifests import digest, keyed
+from flows.manifests import NOT_IN_TOKENIZE_KEY, digest, keyed
 from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
@@ -217,7 +217,8 @@ def stage_task(stage: Stage, ctx: Context):
 
 
 def _tokenize_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
-    data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
+    data = keyed("data", to_dict(run.data))
+    data = {k: v for k, v in data.items() if k not in NOT_IN_TOKENIZE_KEY}
     return {"data": data, "vocab": run.model.vocab_size}
 
 
@@ -227,14 +228,17 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
     out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
-    with StageProgress("tokenize") as progress:
-        tokenize_corpus(
-            ctx.run.data,
-            out,
-            model_vocab_size=ctx.run.model.vocab_size,
-            show_progress=False,
-            on_progress=lambda p: progress.update(p.text(), p.documents, p.total),
-        )
+    if ctx.run.cluster.kind == "slurm":
+        _tokenize_on_slurm(ctx)
+    else:
+        with StageProgress("tokenize") as progress:
+            tokenize_corpus(
+                ctx.run.data,
+                out,
+                model_vocab_size=ctx.run.model.vocab_size,
+                show_progress=False,
+                on_progress=lambda p: progress.update(p.text(), p.documents, p.total),
+            )
     content = read_manifest(out).content
     summary = {k: content[k] for k in ("total_tokens", "dtype") if k in content}
     summary["tokenizer"] = content.get("tokenizer", {}).get("name")
@@ -246,6 +250,26 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
         ctx.tracker.artifacts(run_id, f, "tokenizer")
     ctx.tracker.artifacts(run_id, ctx.layout.data_manifest, "data")
     return summary, [ctx.layout.data_manifest]
+
+
+def _tokenize_on_slurm(ctx: Context) -> None:
+    """Tokenize on a Slurm allocation of ``cluster.nodes`` nodes (a Dask scheduler and workers,
+    ``flows.render.render_slurm_tokenize``), its driver reading ``tokenize/config.json``; the
+    job's log is streamed. A failed job fails the stage; rerunning it resumes from the units
+    and shards already written."""
+    from flows.launchers import SlurmTokenizeLauncher
+
+    folder = ctx.layout.root / "tokenize"
+    folder.mkdir(exist_ok=True)
+    data = dataclasses.replace(ctx.run.data, dir=str(ctx.layout.data))
+    resolved = dataclasses.replace(ctx.run, data=data)
+    (folder / "config.json").write_text(json.dumps(to_dict(resolved), indent=1))
+    attempt = SlurmTokenizeLauncher(resolved, folder, get_run_logger().info).attempt(1)
+    if not attempt.ok:
+        raise RunFailedError(
+            f"tokenizing on the cluster failed: {attempt.detail} (its log is beside "
+            f"{attempt.script})."
+        )
 
 
 def _tokenize_intact(ctx: Context) -> str | None:

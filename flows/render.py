@@ -99,20 +99,21 @@ def _shell(args: list[str]) -> str:
     return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
 
 
-def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
-    """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
-    c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
+def _slurm_head(run: RunConfig, run_dir: str, config_path: str, *, gpus: bool) -> list[str]:
+    """The checks, ``#SBATCH`` directives and first lines every batch script of a run has:
+    the job named after the run, its log ``run_dir/slurm-<job id>.out``, and ``MOE_HOST``,
+    the allocation's first node (where the batch script itself runs)."""
     c = run.cluster
     if c.kind != "slurm":
         raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
     check_cluster(run)
     run_dir = check_path("run_dir", run_dir)
-    config_path = check_path("config_path", config_path)
+    check_path("config_path", config_path)
     directives = [
         f"--job-name={run_id(run)}",
         f"--nodes={c.nodes}",
         "--ntasks-per-node=1",
-        *([f"--gpus-per-node={c.gpus_per_node}"] if c.gpus_per_node else []),
+        *([f"--gpus-per-node={c.gpus_per_node}"] if gpus and c.gpus_per_node else []),
         *([f"--partition={c.partition}"] if c.partition else []),
         *([f"--account={c.account}"] if c.account else []),
         f"--time={c.time_limit}",
@@ -120,27 +121,77 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
         f"--chdir={run_dir}",
         "--exclusive",
     ]
+    return [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -euo pipefail",
+        'MOE_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    ]
+
+
+# Every node's srun task, one per node, using all its cores.
+_SRUN = 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none'
+
+
+def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
+    c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
+    c = run.cluster
+    head = _slurm_head(run, run_dir, config_path, gpus=True)
     cmd = torchrun_command(
-        run,
-        config_path,
-        c.nodes,
-        None,
-        f"${{MOE_RDZV_HOST}}:{c.rdzv_port}",
-        rdzv_id="${SLURM_JOB_ID}",
+        run, config_path, c.nodes, None, f"${{MOE_HOST}}:{c.rdzv_port}", rdzv_id="${SLURM_JOB_ID}"
     )
     layout = run.parallel
     lines = [
-        "#!/bin/bash",
+        head[0],
         f"# moe_core: model {run.model.name}, pp {layout.pp} x dp {layout.dp} x ep {layout.ep} "
         f"on {c.nodes} nodes x {c.procs_per_node} processes (rendered by flows/launch.py).",
-        *(f"#SBATCH {d}" for d in directives),
-        "set -euo pipefail",
+        *head[1:],
         "# The first node of the allocation hosts the c10d rendezvous.",
-        'MOE_RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_RDZV_HOST"',
-        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none '
-        "--kill-on-bad-exit=1 \\",
+        'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_HOST"',
+        f"{_SRUN} --kill-on-bad-exit=1 \\",
         "  " + _shell(cmd),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# A worker whose scheduler is gone (the job's first node lost) exits after a minute.
+_WORKER_OPTIONS = ["--no-dashboard", "--death-timeout=60"]
+
+
+def render_slurm_tokenize(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """An ``sbatch`` script that tokenizes on the allocation: a Dask scheduler on the first
+    node, Dask workers on every node (``data.workers`` processes each, or one per core), and
+    ``moe tokenize --config config_path`` as the driver, connected to them; the scheduler and
+    its workers are stopped when the driver ends, however it ends. Every node must see
+    ``data.dir`` (shared storage), as it must see the run directory for training."""
+    c = run.cluster
+    head = _slurm_head(run, run_dir, config_path, gpus=False)
+    address = f"tcp://${{MOE_HOST}}:{c.dask_port}"
+    per_node = str(run.data.workers) if run.data.workers else "${SLURM_CPUS_ON_NODE}"
+    scheduler = ["python", "-m", "distributed.cli.dask_scheduler", "--host", "${MOE_HOST}"]
+    worker = ["python", "-m", "distributed.cli.dask_worker", "${MOE_DASK}"]
+    driver = ["python", "-m", "moe_core.cli", "tokenize", "--config", config_path]
+    lines = [
+        head[0],
+        f"# moe_core: tokenize {run.data.dir} on {c.nodes} nodes, a Dask cluster "
+        "(rendered by flows/launchers.py).",
+        *head[1:],
+        f'MOE_DASK="{address}"',
+        'echo "moe_core: job $SLURM_JOB_ID, Dask scheduler at $MOE_DASK"',
+        "# When the driver ends: the scheduler closes its workers, then both are stopped.",
+        "moe_stop() {",
+        '  python -m moe_core.data.engine stop "$MOE_DASK" || true',
+        "  kill ${MOE_PIDS:-} 2>/dev/null || true",
+        "}",
+        "trap moe_stop EXIT",
+        _shell([*scheduler, "--port", str(c.dask_port), "--no-dashboard"]) + " &",
+        "MOE_PIDS=$!",
+        f"{_SRUN} \\",
+        "  " + _shell([*worker, f"--nworkers={per_node}", "--nthreads=1", *_WORKER_OPTIONS]) + " &",
+        'MOE_PIDS="$MOE_PIDS $!"',
+        _shell([*driver, "--scheduler", "${MOE_DASK}"]),
         "",
     ]
     return "\n".join(lines)

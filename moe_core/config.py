@@ -1104,6 +1104,7 @@ class ClusterConfig:
     gpu_type: str = "none"  # for the plan's memory check, e.g. "H200"
     gpu_memory_gib: float = 0.0
     rdzv_port: int = 29500  # c10d rendezvous on the first node
+    dask_port: int = 8786  # the tokenize job's Dask scheduler on the first node
     partition: str | None = None  # slurm
     account: str | None = None  # slurm
     time_limit: str = "48:00:00"  # slurm
@@ -1119,7 +1120,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         p = "cluster."
         _finite(self, p)
-        for name in ("nodes", "procs_per_node", "rdzv_port"):
+        for name in ("nodes", "procs_per_node", "rdzv_port", "dask_port"):
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
         _non_negative(p + "launch_retries", self.launch_retries)
@@ -1127,8 +1128,9 @@ class ClusterConfig:
         _non_negative(p + "start_timeout_s", self.start_timeout_s)
         _non_negative(p + "train_timeout_s", self.train_timeout_s)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
-        if self.rdzv_port > 65535:
-            fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")
+        for name in ("rdzv_port", "dask_port"):
+            if getattr(self, name) > 65535:
+                fail(p + name, getattr(self, name), "a TCP port from 1 to 65535")
         for name in ("image", "namespace", "volume_claim", "time_limit"):
             if not getattr(self, name):
                 fail(p + name, getattr(self, name), "a non-empty string")

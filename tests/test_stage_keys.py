@@ -62,16 +62,20 @@ def test_options_added_since_key_version_2_leave_existing_keys_alone(tmp_path):
 
 def test_data_options_added_since_key_version_2_leave_the_tokenize_key_alone(tmp_path):
     """``data.format`` and ``data.token_dtype`` (corpora of other tools, read in place) and
-    ``data.sources`` (mixtures; empty: the one folder) hash only when set: a run folder
-    tokenized before them keeps its tokenize key."""
+    ``data.sources`` (mixtures; empty: the one folder) hash only when set, and where the work
+    runs (``data.scheduler``, ``data.unit_documents``) never, since the shards do not depend on
+    it: a run folder tokenized before them keeps its tokenize key."""
     from moe_core.config_dict import to_dict
 
     run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
-    new = {"dir", "format", "token_dtype", "sources"}
+    new = {"dir", "format", "token_dtype", "sources", "scheduler", "unit_documents"}
     data = {k: v for k, v in to_dict(run.data).items() if k not in new}
     assert stage_keys(run)["tokenize"] == manifests.digest(
         {"data": data, "vocab": run.model.vocab_size}
     )
+    here = replace(run.data, workers=0)
+    elsewhere = replace(here, scheduler="tcp://10.0.0.1:8786", unit_documents=7)
+    assert stage_keys(replace(run, data=elsewhere)) == stage_keys(replace(run, data=here))
 
 
 def test_the_pipeline_refuses_a_corpus_of_another_format_before_anything_runs(tmp_path):

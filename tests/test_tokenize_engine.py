@@ -1,5 +1,6 @@
 """``moe tokenize`` on its engine: a real local Dask cluster on 127.0.0.1 (2 worker processes),
-a running cluster by its address, a worker killed mid-run, bad engine options."""
+a running cluster by its address, a worker killed mid-run, bad engine options, and a Slurm job
+(the stand-in commands of ``slurm_standin``) that starts a scheduler and workers on its nodes."""
 
 from __future__ import annotations
 
@@ -8,13 +9,20 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
+import slurm_standin
+from test_multinode import free_port
 
+from flows.launchers import SlurmTokenizeLauncher
+from flows.render import render_slurm_tokenize
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, DataConfig
+from moe_core.config import ConfigError, DataConfig, RunConfig
+from moe_core.config_dict import to_dict
 from moe_core.data import engine
 from moe_core.data.errors import DataError
 from moe_core.data.manifest import verify_data_dir
@@ -169,3 +177,68 @@ def test_a_scheduler_that_does_not_answer_is_named_before_anything_is_written(
         tokenize_corpus(cfg, tmp_path / "data", show_progress=False)
     assert f"data.scheduler='tcp://127.0.0.1:{port}' did not answer" in str(err.value)
     assert not list((tmp_path / "data").glob("*.npy"))
+
+
+# --------------------------------------------------------------------------------------------
+# on Slurm: the rendered batch script starts the scheduler and the workers across the nodes
+
+
+def slurm_run(tmp_path: Path, port: int) -> RunConfig:
+    run = compose_run(
+        [
+            "cluster=slurm",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=1",
+            "cluster.gpus_per_node=0",
+            "cluster.partition=standin",
+            f"cluster.dask_port={port}",
+            "cluster.poll_s=0.2",
+            "model.vocab_size=50304",
+        ],
+        config_name="pretrain-tiny",
+    )
+    data = DataConfig(**{**SMALL, "dir": str(tmp_path / "run" / "data")})
+    return dataclasses.replace(run, data=data)
+
+
+def test_the_slurm_tokenize_script_starts_a_scheduler_and_workers_on_every_node(tmp_path):
+    run = slurm_run(tmp_path, 8786)
+    script = render_slurm_tokenize(run, str(tmp_path / "run"), str(tmp_path / "c.json"))
+    path = tmp_path / "tokenize.sbatch"
+    path.write_text(script)
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    assert "#SBATCH --nodes=2" in script and "--gpus-per-node" not in script
+    assert 'MOE_DASK="tcp://${MOE_HOST}:8786"' in script
+    assert "distributed.cli.dask_scheduler" in script and "trap moe_stop EXIT" in script
+    worker = next(line for line in script.splitlines() if "dask_worker" in line)
+    assert '"${MOE_DASK}" --nworkers=1 --nthreads=1' in worker  # data.workers per node
+    last = script.strip().splitlines()[-1]
+    assert last == (
+        f"python -m moe_core.cli tokenize --config {tmp_path / 'c.json'} --scheduler "
+        '"${MOE_DASK}"'
+    )
+    every_core = dataclasses.replace(run, data=dataclasses.replace(run.data, workers=0))
+    rendered = render_slurm_tokenize(every_core, str(tmp_path), str(tmp_path / "c.json"))
+    assert '"--nworkers=${SLURM_CPUS_ON_NODE}"' in rendered  # one per core of each node
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_slurm_job_tokenizes_on_its_nodes_to_the_bytes_of_one_worker(
+    one_worker, tmp_path, monkeypatch
+):
+    slurm_standin.install(tmp_path / "bin", tmp_path / "state")
+    path = [str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    run = slurm_run(tmp_path, free_port())
+    folder = tmp_path / "run" / "tokenize"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(to_dict(run)))
+    logged: list[str] = []
+    attempt = SlurmTokenizeLauncher(run, folder, logged.append).attempt(1)
+    assert attempt.ok, "\n".join(logged)
+    assert every_file(tmp_path / "run" / "data") == one_worker
+    log = (folder / f"slurm-{attempt.job_id}.out").read_text()
+    assert log.count("Start worker at") == 2, log  # one worker process on each "node"
+    assert not cluster_workers()

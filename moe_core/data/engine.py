@@ -113,3 +113,23 @@ def _connected(address: str) -> Iterator[Any]:
         yield client
     finally:
         client.close()
+
+
+def stop_cluster(address: str) -> None:
+    """Stop the scheduler at ``address`` and its workers (a cluster job's last step); one that
+    is gone already is fine."""
+    from distributed import Client
+
+    try:
+        with Client(address, timeout=10) as client:
+            client.shutdown()
+    except (OSError, TimeoutError):
+        pass
+
+
+if __name__ == "__main__":  # python -m moe_core.data.engine stop tcp://HOST:PORT
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "stop":
+        sys.exit(f"usage: python -m moe_core.data.engine stop tcp://HOST:PORT, not {sys.argv[1:]}")
+    stop_cluster(sys.argv[2])
