@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 from flows.render import (
     kubernetes_objects,
+    kubernetes_tokenize_objects,
     render_kubernetes,
     render_slurm,
     render_slurm_tokenize,
@@ -414,6 +415,7 @@ class KubernetesLauncher(ClusterLauncher):
 
     kind = "kubernetes"
     noun = "kubernetes job"
+    make = staticmethod(kubernetes_objects)  # the Service and Job of one attempt
     queued = frozenset({"PENDING"})
     ended = frozenset({"COMPLETED", "FAILED"})
 
@@ -470,14 +472,11 @@ class KubernetesLauncher(ClusterLauncher):
 
         c = self.run.cluster
         core, batch = self.apis
-        service, job = kubernetes_objects(
-            self.run, str(self.train_dir), str(self.config_path), number
-        )
+        args = (self.run, str(self.train_dir), str(self.config_path), number)
+        service, job = self.make(*args)
         name = job.metadata.name
         manifest = self.train_dir / f"kubernetes-{number}.yaml"
-        manifest.write_text(
-            render_kubernetes(self.run, str(self.train_dir), str(self.config_path), number)
-        )
+        manifest.write_text(render_kubernetes(*args, make=self.make))
         try:
             core.create_namespaced_service(c.namespace, service)
         except ApiException as err:
@@ -532,6 +531,16 @@ def _load_kube_config() -> None:
 
 
 # ---- choosing one --------------------------------------------------------------------------
+
+
+class KubernetesTokenizeLauncher(KubernetesLauncher):
+    """The tokenize stage on Kubernetes: the Service and Indexed Job of
+    ``kubernetes_tokenize_objects`` (a Dask scheduler, workers and the driver on
+    ``cluster.nodes`` pods), created and followed like training; ``train_dir`` is the stage's
+    folder here."""
+
+    make = staticmethod(kubernetes_tokenize_objects)
+
 
 LAUNCHERS: dict[str, type[Launcher]] = {
     "local": LocalLauncher,

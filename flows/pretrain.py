@@ -228,8 +228,8 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
 
     out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
-    if ctx.run.cluster.kind == "slurm":
-        _tokenize_on_slurm(ctx)
+    if ctx.run.cluster.kind != "local":
+        _tokenize_on_cluster(ctx)
     else:
         with StageProgress("tokenize") as progress:
             tokenize_corpus(
@@ -252,19 +252,21 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
     return summary, [ctx.layout.data_manifest]
 
 
-def _tokenize_on_slurm(ctx: Context) -> None:
-    """Tokenize on a Slurm allocation of ``cluster.nodes`` nodes (a Dask scheduler and workers,
-    ``flows.render.render_slurm_tokenize``), its driver reading ``tokenize/config.json``; the
-    job's log is streamed. A failed job fails the stage; rerunning it resumes from the units
-    and shards already written."""
-    from flows.launchers import SlurmTokenizeLauncher
+def _tokenize_on_cluster(ctx: Context) -> None:
+    """Tokenize on ``cluster.nodes`` nodes of the cluster (a Dask scheduler, workers and the
+    driver, ``moe tokenize --config tokenize/config.json``: ``flows.render``'s
+    ``render_slurm_tokenize`` or ``kubernetes_tokenize_objects``); the job's log is streamed.
+    A failed job fails the stage; rerunning it resumes from the units and shards written."""
+    from flows.launchers import KubernetesTokenizeLauncher, SlurmTokenizeLauncher
 
+    launcher = {"slurm": SlurmTokenizeLauncher, "kubernetes": KubernetesTokenizeLauncher}
     folder = ctx.layout.root / "tokenize"
     folder.mkdir(exist_ok=True)
     data = dataclasses.replace(ctx.run.data, dir=str(ctx.layout.data))
     resolved = dataclasses.replace(ctx.run, data=data)
     (folder / "config.json").write_text(json.dumps(to_dict(resolved), indent=1))
-    attempt = SlurmTokenizeLauncher(resolved, folder, get_run_logger().info).attempt(1)
+    kind = launcher[ctx.run.cluster.kind]
+    attempt = kind(resolved, folder, get_run_logger().info).attempt(1)
     if not attempt.ok:
         raise RunFailedError(
             f"tokenizing on the cluster failed: {attempt.detail} (its log is beside "
