@@ -95,6 +95,7 @@ class TokenizeStats:
     tokenizer_seconds: float = 0.0  # building (for bpe: training) the tokenizer
     engine_seconds: float = 0.0  # starting (and stopping) the local cluster, or connecting
     tokenize_seconds: float = 0.0  # from the first unit read to the last shard written
+    driver_cpu_seconds: float = 0.0  # this process's CPU time in that phase (all of it, alone)
 
 
 def tokenize_corpus(
@@ -161,11 +162,13 @@ def tokenize_corpus(
 
             work = _Work(out, routing, engine, cfg.shard_tokens, run, report)
             for unit, first, texts in _units(source, cfg.unit_documents, without_text):
-                clock.setdefault("first unit", time.perf_counter())
+                if "first unit" not in clock:
+                    clock["first unit"], clock["cpu"] = time.perf_counter(), time.process_time()
                 work.add(unit, first, texts)
             records = work.finish()
             clock["done"] = time.perf_counter()
         run.tokenize_seconds = clock["done"] - clock.get("first unit", clock["done"])
+        run.driver_cpu_seconds = time.process_time() - clock.get("cpu", time.process_time())
     run.engine_seconds += time.perf_counter() - clock["done"]  # stopping the local cluster
     end = work.end
     total_tokens = sum(r.tokens for split in records.values() for r in split)
