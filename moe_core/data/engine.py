@@ -34,10 +34,11 @@ def local_workers(cfg: DataConfig) -> int:
 class Engine:
     """Runs functions as tasks: on a Dask client's cluster, or here when ``client`` is None."""
 
-    def __init__(self, client: Any = None) -> None:
+    def __init__(self, client: Any = None, where: str = "this process") -> None:
         self.client = client
         threads = sum(client.nthreads().values()) if client is not None else 1
         self.slots = IN_FLIGHT_PER_WORKER * max(threads, 1)
+        self.where = where  # for the summary, e.g. "a local Dask cluster of 2 workers"
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A future of ``fn(*args)`` (its ``result()`` re-raises what the task raised)."""
@@ -61,7 +62,8 @@ def open_engine(cfg: DataConfig) -> Iterator[Engine]:
     """The engine ``cfg`` asks for, torn down (a local cluster stopped) when the block ends."""
     if cfg.scheduler is not None:
         with _connected(cfg.scheduler) as client:
-            yield Engine(client)
+            workers = len(client.scheduler_info()["workers"])
+            yield Engine(client, f"the Dask cluster at {cfg.scheduler} ({workers} workers)")
         return
     workers = local_workers(cfg)
     if workers == 1:
@@ -85,7 +87,7 @@ def open_engine(cfg: DataConfig) -> Iterator[Engine]:
             ) as cluster,
             Client(cluster) as client,
         ):
-            yield Engine(client)
+            yield Engine(client, f"a local Dask cluster of {workers} workers")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -96,6 +96,7 @@ class TokenizeStats:
     engine_seconds: float = 0.0  # starting (and stopping) the local cluster, or connecting
     tokenize_seconds: float = 0.0  # from the first unit read to the last shard written
     driver_cpu_seconds: float = 0.0  # this process's CPU time in that phase (all of it, alone)
+    engine: str = ""  # where the units ran
 
 
 def tokenize_corpus(
@@ -131,6 +132,7 @@ def tokenize_corpus(
     clock = {"open": time.perf_counter()}
     with open_engine(cfg) as engine:
         run.engine_seconds = time.perf_counter() - clock["open"]
+        run.engine = engine.where
         phase = validation_phase(cfg.seed)
         tick = time.perf_counter()
         built = _tokenizer(cfg, out, job, source, phase)
@@ -457,6 +459,7 @@ class _Work:
             self._take()
         for cutter in self.cutters.values():
             self._submit(cutter.finish())
+        self.report(self.end, sum(len(s) for s in self.shards.values()))
         written = {s: [f.result() for f in futures] for s, futures in self.shards.items()}
         self.run.shards_reused = sum(reused for s in written.values() for _, reused in s)
         return {s: [record for record, _ in w] for s, w in written.items()}
@@ -511,7 +514,8 @@ def _summary(
         f"(train {splits['train']['tokens']:,} in {splits['train']['documents']:,} documents, "
         f"validation {splits['validation']['tokens']:,} in "
         f"{splits['validation']['documents']:,}), {shards} shards of {manifest['dtype']}, "
-        f"{size / 1e6:,.1f} MB, in {seconds:.1f} s ({rate:,.0f} tokens/s tokenizing"
+        f"{size / 1e6:,.1f} MB, in {seconds:.1f} s ({rate:,.0f} tokens/s tokenizing on "
+        f"{run.engine}"
         f"{ready}){reused}: {out}",
         highlight=False,
         soft_wrap=True,
