@@ -33,7 +33,7 @@ def fail(name: str, value: Any, allowed: str) -> None:
 # shapes, so none of them can end a line, close a quote or reach the shell.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 NAME_ALLOWED = "letters, digits and . _ - (starting with a letter or digit, at most 100)"
-# A Dask scheduler's address (data.scheduler); it is also written into Slurm batch scripts.
+# A Dask scheduler's address (data.scheduler): no character a command line could misread.
 SCHEDULER_ADDRESS = re.compile(
     r"(tcp|tls)://[A-Za-z0-9.-]+:\d{1,5}|(tcp|tls)://\[[0-9a-fA-F:]+\]:\d{1,5}"
 )
