@@ -22,7 +22,7 @@ the N-worker phase says what reading and handing out the documents costs. Runs o
 machine with the package installed:
 
     python benchmarks/tokenize_throughput.py [--workers N] [--copies C] [--repeats 3] \\
-        [--unit-documents 64] [--commit SHA] [--out results/tokenize_throughput_cpu.json]
+        [--unit-documents 256] [--commit SHA] [--out results/tokenize_throughput_cpu.json]
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--copies", type=int, default=0, help="KJV copies; 0: 2 x workers")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--unit-documents", type=int, default=64)
+    # the stage's default: smaller units cost more per token (more, smaller encode calls)
+    p.add_argument("--unit-documents", type=int, default=DataConfig.unit_documents)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--machine", default=platform.processor() or platform.machine())
     p.add_argument("--out", default="")
