@@ -1,10 +1,12 @@
 """Corpus -> token shards + ``manifest.json``: the data stage behind ``moe tokenize``.
 
-Documents are read in a fixed order, tokenized in worker processes, followed each by EOS, split
-between ``train`` and ``validation`` by index, and cut into shards of exactly
-``data.shard_tokens`` tokens (the last of a split holds the rest). The output is a pure function
-of the settings: ``job.json`` (written before any shard) pins them, a rerun skips the verified
-shards already on disk and continues where they end, and the manifest comes last.
+Documents are read in a fixed order and handed out in units of ``data.unit_documents`` to the
+workers of a Dask cluster (``engine``), which tokenize them (each followed by EOS), split them
+between ``train`` and ``validation`` by index and write them (``units``); the units' tokens are
+then cut into shards of exactly ``data.shard_tokens`` tokens (the last of a split holds the
+rest), by the workers too. The output is a pure function of the settings, whatever the workers:
+``job.json`` (written before any shard) pins them, a rerun keeps the finished units and shards
+and does the rest, and the manifest comes last.
 """
 
 from __future__ import annotations
