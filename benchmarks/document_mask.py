@@ -37,7 +37,7 @@ from timing import cuda_times_ms  # noqa: E402
 from trainer_step import run_shape, trainer_run  # noqa: E402
 
 from moe_core.data.manifest import MANIFEST, build_manifest  # noqa: E402
-from moe_core.data.shards import SPLITS, SplitWriter  # noqa: E402
+from moe_core.data.shards import SPLITS, write_split  # noqa: E402
 from moe_core.data.tokenizer import TOKENIZER_JSON  # noqa: E402
 from moe_core.files import atomic_write, json_bytes, sha256_hex  # noqa: E402
 from moe_core.model.documents import documents_of  # noqa: E402
@@ -66,9 +66,7 @@ def write_folder(path: Path, train: np.ndarray, validation: np.ndarray) -> None:
     records = {}
     for split in SPLITS:
         tokens = train if split == "train" else validation
-        writer = SplitWriter(path, split, "uint32", 1 << 22)
-        writer.add(np.array([0]), np.array([len(tokens)]), tokens.astype(np.int64))
-        records[split] = (writer.documents, writer.finish())
+        records[split] = write_split(path, split, tokens, "uint32", 1 << 22)
     spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
     info = {"sha256": sha256_hex(tokenizer), "vocab_size": VOCAB, "eos_id": EOS, "dtype": "uint32"}
     atomic_write(path / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)

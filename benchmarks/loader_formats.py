@@ -30,7 +30,7 @@ from moe_core.data.dataset import TokenDataset
 from moe_core.data.formats import DolmaDataset, MegatronDataset
 from moe_core.data.loader import TokenLoader
 from moe_core.data.manifest import MANIFEST, build_manifest
-from moe_core.data.shards import SplitWriter
+from moe_core.data.shards import write_split
 from moe_core.data.tokenizer import TOKENIZER_JSON
 from moe_core.files import atomic_write, json_bytes, sha256_hex
 
@@ -64,10 +64,7 @@ def write_ours(folder: Path, tokens: np.ndarray, files: int) -> Path:
     atomic_write(folder / TOKENIZER_JSON, stand_in, sync=False)
     records = {}
     for split, part in (("train", tokens), ("validation", tokens[:0])):
-        writer = SplitWriter(folder, split, "uint16", -(-len(tokens) // files))
-        if len(part):
-            writer.add(np.array([0]), np.array([len(part)]), part)
-        records[split] = (writer.documents, writer.finish())
+        records[split] = write_split(folder, split, part, "uint16", -(-len(tokens) // files))
     spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
     info = {"sha256": sha256_hex(stand_in), "vocab_size": VOCAB, "eos_id": EOS, "dtype": "uint16"}
     manifest = build_manifest(spec, info, 1, records)

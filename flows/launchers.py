@@ -25,7 +25,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flows.render import kubernetes_objects, render_kubernetes, render_slurm, standalone_command
+from flows.render import (
+    kubernetes_objects,
+    kubernetes_tokenize_objects,
+    render_kubernetes,
+    render_slurm,
+    render_slurm_tokenize,
+    standalone_command,
+)
 from moe_core.config import ConfigError, RunConfig
 from moe_core.errors import RunFailedError
 
@@ -302,10 +309,12 @@ class SlurmLauncher(ClusterLauncher):
     def script_path(self) -> Path:
         return self.train_dir / "slurm.sbatch"
 
+    def render(self) -> str:
+        return render_slurm(self.run, str(self.train_dir), str(self.config_path))
+
     def submit(self) -> str:
         """Write the rendered script and ``sbatch`` it; returns the job id."""
-        script = render_slurm(self.run, str(self.train_dir), str(self.config_path))
-        self.script_path.write_text(script)
+        self.script_path.write_text(self.render())
         done = subprocess.run(
             ["sbatch", "--parsable", str(self.script_path)],
             env=_environment(),  # sbatch hands the job this environment (--export=ALL)
@@ -379,6 +388,27 @@ class SlurmLauncher(ClusterLauncher):
         return super().outcome(number, job_id, script, state)
 
 
+class SlurmTokenizeLauncher(SlurmLauncher):
+    """The tokenize stage on Slurm: ``tokenize/tokenize.sbatch`` (``render_slurm_tokenize``: a
+    Dask scheduler and workers on the allocation, ``moe tokenize --config`` the driver),
+    submitted and followed like training. ``train_dir`` is the stage's folder here."""
+
+    @property
+    def script_path(self) -> Path:
+        return self.train_dir / "tokenize.sbatch"
+
+    def render(self) -> str:
+        return render_slurm_tokenize(self.run, str(self.train_dir), str(self.config_path))
+
+    def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
+        if state == "CANCELLED":
+            raise RunFailedError(
+                f"slurm job {job_id} was cancelled outside the pipeline (scancel): run the "
+                "pipeline again to resume tokenizing from the units already written."
+            )
+        return ClusterLauncher.outcome(self, number, job_id, script, state)
+
+
 # ---- kubernetes: an Indexed Job and a headless Service through the client -------------------
 
 
@@ -391,6 +421,7 @@ class KubernetesLauncher(ClusterLauncher):
 
     kind = "kubernetes"
     noun = "kubernetes job"
+    make = staticmethod(kubernetes_objects)  # the Service and Job of one attempt
     queued = frozenset({"PENDING"})
     ended = frozenset({"COMPLETED", "FAILED"})
 
@@ -447,14 +478,11 @@ class KubernetesLauncher(ClusterLauncher):
 
         c = self.run.cluster
         core, batch = self.apis
-        service, job = kubernetes_objects(
-            self.run, str(self.train_dir), str(self.config_path), number
-        )
+        args = (self.run, str(self.train_dir), str(self.config_path), number)
+        service, job = self.make(*args)
         name = job.metadata.name
         manifest = self.train_dir / f"kubernetes-{number}.yaml"
-        manifest.write_text(
-            render_kubernetes(self.run, str(self.train_dir), str(self.config_path), number)
-        )
+        manifest.write_text(render_kubernetes(*args, make=self.make))
         try:
             core.create_namespaced_service(c.namespace, service)
         except ApiException as err:
@@ -509,6 +537,16 @@ def _load_kube_config() -> None:
 
 
 # ---- choosing one --------------------------------------------------------------------------
+
+
+class KubernetesTokenizeLauncher(KubernetesLauncher):
+    """The tokenize stage on Kubernetes: the Service and Indexed Job of
+    ``kubernetes_tokenize_objects`` (a Dask scheduler, workers and the driver on
+    ``cluster.nodes`` pods), created and followed like training; ``train_dir`` is the stage's
+    folder here."""
+
+    make = staticmethod(kubernetes_tokenize_objects)
+
 
 LAUNCHERS: dict[str, type[Launcher]] = {
     "local": LocalLauncher,

@@ -56,7 +56,24 @@ ADDED_SINCE: dict[str, Any] = {
     "data.sources": [],
     "data.format": "moe",
     "data.token_dtype": None,
+    "train.document_mask": False,
+    "parallel.cp": 1,
+    "parallel.backend": "auto",
 }
+
+# Train options that do not change what training computes (the hang watchdog's limits): no key
+# hashes them, so changing one redoes no stage.
+NOT_IN_TRAIN_KEY = ("hang_factor", "hang_min_s", "hang_first_s")
+
+
+def train_section(value: dict[str, Any]) -> dict[str, Any]:
+    """``to_dict`` of the train section as the train stage's key hashes it."""
+    return {k: v for k, v in keyed("train", value).items() if k not in NOT_IN_TRAIN_KEY}
+
+
+# Data options the token shards do not depend on (where they go; where and in what pieces the
+# work runs): no tokenize key hashes them, so moving a run onto a cluster redoes no stage.
+NOT_IN_TOKENIZE_KEY = ("dir", "scheduler", "unit_documents")
 
 
 def keyed(section: str, value: dict[str, Any]) -> dict[str, Any]:

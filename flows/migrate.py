@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.manifests import digest, keyed
+from flows.manifests import NOT_IN_TOKENIZE_KEY, digest, keyed, train_section
 from moe_core.config import RunConfig
 from moe_core.config_dict import MOVED_TO_PRECISION, to_dict
 
@@ -29,12 +29,15 @@ def old_layout(run: RunConfig) -> dict[str, Any]:
         section, key = added.split(".")
         if out[section][key] == as_before:
             del out[section][key]
+    out["train"] = train_section(out["train"])  # options added since version 2 as it hashes them
+    out["parallel"] = keyed("parallel", out["parallel"])
     return out
 
 
 def old_stage_keys(run: RunConfig, eval_batches: int) -> dict[str, str]:
     """Each stage's key as version 1 computed it (``eval_batches``: the evaluate stage's)."""
-    data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
+    data = keyed("data", to_dict(run.data))
+    data = {k: v for k, v in data.items() if k not in NOT_IN_TOKENIZE_KEY}
     keys = {"tokenize": digest({"data": data, "vocab": run.model.vocab_size})}
     keys["init"] = digest({"model": keyed("model", to_dict(run.model)), "seed": run.train.seed})
     sections = old_layout(run)

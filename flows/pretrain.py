@@ -34,7 +34,7 @@ from flows import manifests
 from flows.launch import launch_attempts, preflight
 from flows.launchers import Attempt, launcher_class
 from flows.layout import RunLayout, resolve, run_root
-from flows.manifests import digest, keyed
+from flows.manifests import NOT_IN_TOKENIZE_KEY, digest, keyed, train_section
 from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
@@ -192,7 +192,8 @@ def stage_task(stage: Stage, ctx: Context):
 def _tokenize_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
     if run.data.sources:
         return _sources_key(run)
-    data = {k: v for k, v in keyed("data", to_dict(run.data)).items() if k != "dir"}
+    data = keyed("data", to_dict(run.data))
+    data = {k: v for k, v in data.items() if k not in NOT_IN_TOKENIZE_KEY}
     return {"data": data, "vocab": run.model.vocab_size}
 
 
@@ -204,14 +205,17 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
         return _verify_sources(ctx, run_id)
     out = ctx.layout.data
     _supersede(ctx, "tokenize", out)
-    with stage_progress("tokenize") as progress:
-        tokenize_corpus(
-            ctx.run.data,
-            out,
-            model_vocab_size=ctx.run.model.vocab_size,
-            show_progress=False,
-            on_progress=lambda p: progress.update(p.text(), p.documents, p.total),
-        )
+    if ctx.run.cluster.kind != "local":
+        _tokenize_on_cluster(ctx)
+    else:
+        with stage_progress("tokenize") as progress:
+            tokenize_corpus(
+                ctx.run.data,
+                out,
+                model_vocab_size=ctx.run.model.vocab_size,
+                show_progress=False,
+                on_progress=lambda p: progress.update(p.text(), p.documents, p.total),
+            )
     content = read_manifest(out).content
     summary = {k: content[k] for k in ("total_tokens", "dtype") if k in content}
     summary["tokenizer"] = content.get("tokenizer", {}).get("name")
@@ -223,6 +227,28 @@ def _tokenize(ctx: Context, run_id: str | None) -> tuple[dict, list[Path]]:
         ctx.tracker.artifacts(run_id, f, "tokenizer")
     ctx.tracker.artifacts(run_id, ctx.layout.data_manifest, "data")
     return summary, [ctx.layout.data_manifest]
+
+
+def _tokenize_on_cluster(ctx: Context) -> None:
+    """Tokenize on ``cluster.nodes`` nodes of the cluster (a Dask scheduler, workers and the
+    driver, ``moe tokenize --config tokenize/config.json``: ``flows.render``'s
+    ``render_slurm_tokenize`` or ``kubernetes_tokenize_objects``); the job's log is streamed.
+    A failed job fails the stage; rerunning it resumes from the units and shards written."""
+    from flows.launchers import KubernetesTokenizeLauncher, SlurmTokenizeLauncher
+
+    launcher = {"slurm": SlurmTokenizeLauncher, "kubernetes": KubernetesTokenizeLauncher}
+    folder = ctx.layout.root / "tokenize"
+    folder.mkdir(exist_ok=True)
+    data = dataclasses.replace(ctx.run.data, dir=str(ctx.layout.data))
+    resolved = dataclasses.replace(ctx.run, data=data)
+    (folder / "config.json").write_text(json.dumps(to_dict(resolved), indent=1))
+    kind = launcher[ctx.run.cluster.kind]
+    attempt = kind(resolved, folder, get_run_logger().info).attempt(1)
+    if not attempt.ok:
+        raise RunFailedError(
+            f"tokenizing on the cluster failed: {attempt.detail} (its log is beside "
+            f"{attempt.script})."
+        )
 
 
 def _tokenize_intact(ctx: Context) -> str | None:
@@ -387,8 +413,8 @@ def _init_intact(ctx: Context) -> str | None:
 def _train_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
     train = {
         "model": keyed("model", to_dict(run.model)),
-        "train": to_dict(run.train),
-        "parallel": to_dict(run.parallel),
+        "train": train_section(to_dict(run.train)),
+        "parallel": keyed("parallel", to_dict(run.parallel)),
         "precision": to_dict(run.precision),
         "tokenize": keys["tokenize"],
         "init": keys["init"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -99,20 +100,21 @@ def _shell(args: list[str]) -> str:
     return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
 
 
-def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
-    """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
-    c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
+def _slurm_head(run: RunConfig, run_dir: str, config_path: str, *, gpus: bool) -> list[str]:
+    """The checks, ``#SBATCH`` directives and first lines every batch script of a run has:
+    the job named after the run, its log ``run_dir/slurm-<job id>.out``, and ``MOE_HOST``,
+    the allocation's first node (where the batch script itself runs)."""
     c = run.cluster
     if c.kind != "slurm":
         raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
     check_cluster(run)
     run_dir = check_path("run_dir", run_dir)
-    config_path = check_path("config_path", config_path)
+    check_path("config_path", config_path)
     directives = [
         f"--job-name={run_id(run)}",
         f"--nodes={c.nodes}",
         "--ntasks-per-node=1",
-        *([f"--gpus-per-node={c.gpus_per_node}"] if c.gpus_per_node else []),
+        *([f"--gpus-per-node={c.gpus_per_node}"] if gpus and c.gpus_per_node else []),
         *([f"--partition={c.partition}"] if c.partition else []),
         *([f"--account={c.account}"] if c.account else []),
         f"--time={c.time_limit}",
@@ -120,27 +122,87 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
         f"--chdir={run_dir}",
         "--exclusive",
     ]
+    return [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -euo pipefail",
+        'MOE_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    ]
+
+
+# Every node's srun task, one per node, using all its cores.
+_SRUN = 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none'
+
+
+def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
+    c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
+    c = run.cluster
+    head = _slurm_head(run, run_dir, config_path, gpus=True)
     cmd = torchrun_command(
-        run,
-        config_path,
-        c.nodes,
-        None,
-        f"${{MOE_RDZV_HOST}}:{c.rdzv_port}",
-        rdzv_id="${SLURM_JOB_ID}",
+        run, config_path, c.nodes, None, f"${{MOE_HOST}}:{c.rdzv_port}", rdzv_id="${SLURM_JOB_ID}"
     )
     layout = run.parallel
     lines = [
-        "#!/bin/bash",
+        head[0],
         f"# moe_core: model {run.model.name}, pp {layout.pp} x dp {layout.dp} x ep {layout.ep} "
         f"on {c.nodes} nodes x {c.procs_per_node} processes (rendered by flows/launch.py).",
-        *(f"#SBATCH {d}" for d in directives),
-        "set -euo pipefail",
+        *head[1:],
         "# The first node of the allocation hosts the c10d rendezvous.",
-        'MOE_RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_RDZV_HOST"',
-        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none '
-        "--kill-on-bad-exit=1 \\",
+        'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_HOST"',
+        f"{_SRUN} --kill-on-bad-exit=1 \\",
         "  " + _shell(cmd),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# A worker whose scheduler is gone (the job's first node lost) exits after a minute.
+_WORKER_OPTIONS = ["--no-dashboard", "--death-timeout=60"]
+
+
+# When the driver ends, however it ends: the scheduler closes its workers, then both are stopped.
+_STOP_AT_EXIT = [
+    "moe_stop() {",
+    '  python -m moe_core.data.engine stop "$MOE_DASK" || true',
+    "  kill ${MOE_PIDS:-} 2>/dev/null || true",
+    "}",
+    "trap moe_stop EXIT",
+]
+
+
+def render_slurm_tokenize(run: RunConfig, run_dir: str, config_path: str) -> str:
+    """An ``sbatch`` script that tokenizes on the allocation: a Dask scheduler on the first
+    node, Dask workers on every node (``data.workers`` processes each, or one per core), and
+    ``moe tokenize --config config_path`` as the driver, connected to them; the scheduler and
+    its workers are stopped when the driver ends, however it ends. Every node must see
+    ``data.dir`` (shared storage), as it must see the run directory for training."""
+    c = run.cluster
+    head = _slurm_head(run, run_dir, config_path, gpus=False)
+    address = f"tcp://${{MOE_HOST}}:{c.dask_port}"
+    per_node = str(run.data.workers) if run.data.workers else "${SLURM_CPUS_ON_NODE}"
+    scheduler = ["python", "-m", "distributed.cli.dask_scheduler", "--host", "${MOE_HOST}"]
+    worker = ["python", "-m", "distributed.cli.dask_worker", "${MOE_DASK}"]
+    driver = ["python", "-m", "moe_core.cli", "tokenize", "--config", config_path]
+    lines = [
+        head[0],
+        f"# moe_core: tokenize {run.data.dir} on {c.nodes} nodes, a Dask cluster "
+        "(rendered by flows/launchers.py).",
+        *head[1:],
+        f'MOE_DASK="{address}"',
+        'echo "moe_core: job $SLURM_JOB_ID, Dask scheduler at $MOE_DASK"',
+        "# When the driver ends: the scheduler closes its workers, then both are stopped.",
+        "moe_stop() {",
+        '  python -m moe_core.data.engine stop "$MOE_DASK" || true',
+        "  kill ${MOE_PIDS:-} 2>/dev/null || true",
+        "}",
+        "trap moe_stop EXIT",
+        _shell([*scheduler, "--port", str(c.dask_port), "--no-dashboard"]) + " &",
+        "MOE_PIDS=$!",
+        f"{_SRUN} \\",
+        "  " + _shell([*worker, f"--nworkers={per_node}", "--nthreads=1", *_WORKER_OPTIONS]) + " &",
+        'MOE_PIDS="$MOE_PIDS $!"',
+        _shell([*driver, "--scheduler", "${MOE_DASK}"]),
         "",
     ]
     return "\n".join(lines)
@@ -167,6 +229,58 @@ def kubernetes_objects(
     must lie below it. ``attempt`` N names the Job ``<run id>-N`` (a Job cannot be rerun, so
     each launch of the pipeline is a Job of its own); None names it ``<run id>``."""
     c = run.cluster
+    service, job = _kubernetes_names(run, run_dir, config_path, attempt, "")
+    cmd = torchrun_command(run, config_path, c.nodes, None, f"{job}-0.{service}:{c.rdzv_port}")
+    return _kubernetes_job(run, run_dir, service, job, "trainer", cmd, "rdzv", c.rdzv_port, True)
+
+
+def kubernetes_tokenize_objects(
+    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+) -> tuple[Any, Any]:
+    """The tokenize stage's Service and Indexed Job (``<run id>-tok[-N]``): pod 0 runs a Dask
+    scheduler, a worker and ``moe tokenize --config config_path`` as the driver; every other
+    pod runs Dask workers that join pod 0's scheduler through the Service (``data.workers``
+    processes each, or one per core). No GPUs. The driver stops the scheduler and its workers
+    when it ends; a worker pod ends successfully then (the Job's outcome is pod 0's)."""
+    c = run.cluster
+    service, job = _kubernetes_names(run, run_dir, config_path, attempt, "-tok")
+    address = f"tcp://{job}-0.{service}:{c.dask_port}"
+    per_node = str(run.data.workers) if run.data.workers else "$(nproc)"
+    worker = " ".join(
+        [
+            "python -m distributed.cli.dask_worker",
+            '"$MOE_DASK"',
+            f"--nworkers={per_node}",
+            "--nthreads=1",
+            *_WORKER_OPTIONS,
+        ]
+    )
+    driver = ["python", "-m", "moe_core.cli", "tokenize", "--config", config_path]
+    script = "\n".join(
+        [
+            "set -euo pipefail",
+            f"MOE_DASK={shlex.quote(address)}",
+            'if [ "$JOB_COMPLETION_INDEX" = 0 ]; then',
+            *(f"  {line}" for line in _STOP_AT_EXIT),
+            f"  python -m distributed.cli.dask_scheduler --port {c.dask_port} --no-dashboard &",
+            "  MOE_PIDS=$!",
+            f"  {worker} &",
+            '  MOE_PIDS="$MOE_PIDS $!"',
+            "  " + " ".join(shlex.quote(a) for a in driver) + ' --scheduler "$MOE_DASK"',
+            "else",
+            f"  {worker} || true  # stopped by the driver, or its scheduler gone",
+            "fi",
+        ]
+    )
+    cmd = ["bash", "-c", script]
+    return _kubernetes_job(run, run_dir, service, job, "tokenize", cmd, "dask", c.dask_port, False)
+
+
+def _kubernetes_names(
+    run: RunConfig, run_dir: str, config_path: str, attempt: int | None, suffix: str
+) -> tuple[str, str]:
+    """The Service's and the Job's names, once the cluster and the paths are checked."""
+    c = run.cluster
     if c.kind != "kubernetes":
         raise ConfigError(
             f"cluster.kind={c.kind!r} is not allowed here: 'kubernetes' (cluster=kubernetes)."
@@ -181,30 +295,45 @@ def kubernetes_objects(
                 f"{key}={path!r} is not allowed: it must lie below cluster.volume_path "
                 f"({c.volume_path}), where the pods mount cluster.volume_claim."
             )
+    service = run_id(run) + suffix
+    return service, service if attempt is None else f"{service}-{attempt}"
+
+
+def _kubernetes_job(
+    run: RunConfig,
+    run_dir: str,
+    service_name: str,
+    job_name: str,
+    container_name: str,
+    cmd: list[str],
+    port_name: str,
+    port: int,
+    gpus: bool,
+) -> tuple[Any, Any]:
+    """A headless Service over the Job's pods (pod 0 reachable as ``<job>-0.<service>``) and
+    the Indexed Job of ``cluster.nodes`` pods running ``cmd`` in ``run_dir``, the runs volume
+    mounted."""
+    c = run.cluster
     k8s = _kubernetes_client()
-    service_name = run_id(run)
-    job_name = service_name if attempt is None else f"{service_name}-{attempt}"
     labels = {"app.kubernetes.io/name": "moe-core", "moe-core/run": service_name}
 
     def meta(name: str) -> Any:
         return k8s.V1ObjectMeta(name=name, namespace=c.namespace, labels=dict(labels))
 
-    rdzv_host = f"{job_name}-0.{service_name}"  # pod 0 of the Indexed Job, through the Service
-    cmd = torchrun_command(run, config_path, c.nodes, None, f"{rdzv_host}:{c.rdzv_port}")
     container = k8s.V1Container(
-        name="trainer",
+        name=container_name,
         image=c.image,
         working_dir=run_dir,
         command=cmd,
         env=[k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")],
-        ports=[k8s.V1ContainerPort(name="rdzv", container_port=c.rdzv_port)],
+        ports=[k8s.V1ContainerPort(name=port_name, container_port=port)],
         volume_mounts=[
             k8s.V1VolumeMount(name="runs", mount_path=c.volume_path),
             k8s.V1VolumeMount(name="shm", mount_path="/dev/shm"),
         ],
         resources=(
             k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": str(c.gpus_per_node)})
-            if c.gpus_per_node
+            if gpus and c.gpus_per_node
             else None
         ),
     )
@@ -216,7 +345,7 @@ def kubernetes_objects(
             cluster_ip="None",
             publish_not_ready_addresses=True,
             selector={"moe-core/run": service_name},
-            ports=[k8s.V1ServicePort(name="rdzv", port=c.rdzv_port, target_port=c.rdzv_port)],
+            ports=[k8s.V1ServicePort(name=port_name, port=port, target_port=port)],
         ),
     )
     pod = k8s.V1PodSpec(
@@ -251,10 +380,15 @@ def kubernetes_objects(
 
 
 def render_kubernetes(
-    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+    run: RunConfig,
+    run_dir: str,
+    config_path: str,
+    attempt: int | None = None,
+    make: Callable[..., tuple[Any, Any]] = kubernetes_objects,
 ) -> str:
-    """The manifests of ``kubernetes_objects`` as YAML, for ``kubectl apply -f``."""
-    objects = kubernetes_objects(run, run_dir, config_path, attempt)
+    """The manifests of ``make`` (``kubernetes_objects``, or ``kubernetes_tokenize_objects``)
+    as YAML, for ``kubectl apply -f``."""
+    objects = make(run, run_dir, config_path, attempt)
     api = _kubernetes_client().ApiClient()
     header = (
         f"# moe_core: model {run.model.name} on {run.cluster.nodes} pods x "

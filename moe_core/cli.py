@@ -10,6 +10,7 @@ config instead (what a pipeline writes and a multi-node launcher hands every nod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -135,12 +136,23 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> None:
-    from moe_core.compose import compose_run
+    if args.config is not None:
+        run = _resolved_config(args, "tokenize")
+        if args.scheduler is not None:
+            data = dataclasses.replace(run.data, scheduler=args.scheduler, workers=0)
+            run = dataclasses.replace(run, data=data)
+    else:
+        if args.scheduler is not None:
+            raise ConfigError(
+                f"--scheduler {args.scheduler} is not allowed without --config: set "
+                "data.scheduler=... as an override instead."
+            )
+        from moe_core.compose import compose_run
 
-    overrides = list(args.overrides)
-    if not any(o.lstrip("+").startswith("data=") for o in overrides):
-        overrides.insert(0, "data=kjv")
-    run = compose_run(overrides, args.config_dir, args.config_name)
+        overrides = list(args.overrides)
+        if not any(o.lstrip("+").startswith("data=") for o in overrides):
+            overrides.insert(0, "data=kjv")
+        run = compose_run(overrides, args.config_dir, args.config_name)
     if run.data.kind != "tokens":
         raise ConfigError(
             f"data.kind={run.data.kind!r} is not allowed for moe tokenize: choose a data option "
@@ -258,19 +270,24 @@ def load_run_config(path: str) -> RunConfig:
     return from_dict(RunConfig, data)
 
 
+def _resolved_config(args: argparse.Namespace, command: str) -> RunConfig:
+    """``--config``'s run config; Hydra options beside it are refused in one sentence."""
+    given = [*args.overrides]
+    if args.config_name != DEFAULT_CONFIG_NAME:
+        given.append(f"--config-name {args.config_name}")
+    if args.config_dir is not None:
+        given.append(f"--config-dir {args.config_dir}")
+    if given:
+        raise ConfigError(
+            f"moe {command} --config {args.config} takes no Hydra options, but {given} were "
+            "given: put every setting in the resolved config, or drop --config."
+        )
+    return load_run_config(args.config)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     if args.config is not None:
-        given = [*args.overrides]
-        if args.config_name != DEFAULT_CONFIG_NAME:
-            given.append(f"--config-name {args.config_name}")
-        if args.config_dir is not None:
-            given.append(f"--config-dir {args.config_dir}")
-        if given:
-            raise ConfigError(
-                f"moe train --config {args.config} takes no Hydra options, but {given} were "
-                "given: put every setting in the resolved config, or drop --config."
-            )
-        run = load_run_config(args.config)
+        run = _resolved_config(args, "train")
     else:
         from moe_core.compose import compose_run
 
@@ -492,12 +509,20 @@ def build_parser() -> argparse.ArgumentParser:
                 default=64,
                 help="how many of the first tokens to show, decoded where a tokenizer is known",
             )
-        if name == "train":
+        if name in ("train", "tokenize"):
             p.add_argument(
                 "--config",
                 default=None,
                 metavar="PATH",
                 help="a resolved run config (JSON) instead of Hydra composition",
+            )
+        if name == "tokenize":
+            p.add_argument(
+                "--scheduler",
+                default=None,
+                metavar="tcp://HOST:PORT",
+                help="with --config: tokenize on this running Dask cluster (data.scheduler, "
+                "data.workers=0; what a cluster job's first node runs)",
             )
         p.set_defaults(fn=fn)
     p = sub.add_parser(

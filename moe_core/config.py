@@ -52,6 +52,10 @@ def did_you_mean(word: str, options: Iterable[str], show: Callable[[str], str] =
 # shapes, so none of them can end a line, close a quote or reach the shell.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 NAME_ALLOWED = "letters, digits and . _ - (starting with a letter or digit, at most 100)"
+# A Dask scheduler's address (data.scheduler): no character a command line could misread.
+SCHEDULER_ADDRESS = re.compile(
+    r"(tcp|tls)://[A-Za-z0-9.-]+:\d{1,5}|(tcp|tls)://\[[0-9a-fA-F:]+\]:\d{1,5}"
+)
 SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
 SAFE_PATH_ALLOWED = (
     "letters, digits and . _ / + = @ : , - only (no spaces, quotes, newlines or shell "
@@ -737,7 +741,15 @@ class DataConfig:
     # share of documents held out, spread evenly by seed (another format: its last tokens)
     validation_fraction: float = 0.01
     seed: int = 0
-    workers: int = 0  # tokenizing processes; 0: one per CPU core
+    # Tokenizing processes of the local Dask cluster moe tokenize starts (and stops); 0: one per
+    # CPU core; 1: in the calling process, no cluster. Leave it 0 with ``scheduler``.
+    workers: int = 0
+    # A running Dask cluster's scheduler (``tcp://host:port``) that tokenizes instead of a local
+    # one: its workers, on any machines that see ``dir``, encode and write the shards.
+    scheduler: str | None = None
+    # Documents per unit of work (a task): units are fixed ranges of documents, so the shards do
+    # not depend on it nor on the number of workers; a rerun redoes only unfinished units.
+    unit_documents: int = 256
     dir: str | None = None  # the token shards; None: <out_dir>/data
     # Training start hashes every shard against the manifest (read once, streamed; the time is
     # reported). false skips only that hash: sizes and .npy headers are still checked and every
@@ -773,6 +785,16 @@ class DataConfig:
             fail(p + "validation_fraction", self.validation_fraction, "a number from 0 to 0.5")
         for name in ("seed", "workers"):
             _non_negative(p + name, getattr(self, name))
+        _positive(p + "unit_documents", self.unit_documents)
+        if self.scheduler is not None:
+            if not SCHEDULER_ADDRESS.fullmatch(self.scheduler):
+                fail(p + "scheduler", self.scheduler, "a Dask scheduler address, tcp://host:port")
+            if self.workers != 0:
+                fail(
+                    p + "workers",
+                    self.workers,
+                    "0 with data.scheduler (the running cluster's workers tokenize)",
+                )
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         if self.format != "moe" and self.kind != "tokens":
             fail(
@@ -1172,6 +1194,7 @@ class ClusterConfig:
     gpu_type: str = "none"  # for the plan's memory check, e.g. "H200"
     gpu_memory_gib: float = 0.0
     rdzv_port: int = 29500  # c10d rendezvous on the first node
+    dask_port: int = 8786  # the tokenize job's Dask scheduler on the first node
     partition: str | None = None  # slurm
     account: str | None = None  # slurm
     time_limit: str = "48:00:00"  # slurm
@@ -1190,7 +1213,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         p = "cluster."
         _finite(self, p)
-        for name in ("nodes", "procs_per_node", "rdzv_port"):
+        for name in ("nodes", "procs_per_node", "rdzv_port", "dask_port"):
             _positive(p + name, getattr(self, name))
         _non_negative(p + "gpus_per_node", self.gpus_per_node)
         _non_negative(p + "launch_retries", self.launch_retries)
@@ -1199,8 +1222,9 @@ class ClusterConfig:
         _non_negative(p + "train_timeout_s", self.train_timeout_s)
         _positive(p + "storage_write_gbps", self.storage_write_gbps)
         _non_negative(p + "gpu_memory_gib", self.gpu_memory_gib)
-        if self.rdzv_port > 65535:
-            fail(p + "rdzv_port", self.rdzv_port, "a TCP port from 1 to 65535")
+        for name in ("rdzv_port", "dask_port"):
+            if getattr(self, name) > 65535:
+                fail(p + name, getattr(self, name), "a TCP port from 1 to 65535")
         for name in ("image", "namespace", "volume_claim", "time_limit"):
             if not getattr(self, name):
                 fail(p + name, getattr(self, name), "a non-empty string")

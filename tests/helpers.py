@@ -150,7 +150,7 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
     import numpy as np
 
     from moe_core.data.manifest import MANIFEST, build_manifest
-    from moe_core.data.shards import SPLITS, SplitWriter
+    from moe_core.data.shards import SPLITS, write_split
     from moe_core.data.tokenizer import TOKENIZER_JSON
     from moe_core.files import atomic_write, json_bytes, sha256_hex
 
@@ -160,12 +160,8 @@ def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 
     atomic_write(out / TOKENIZER_JSON, tokenizer, sync=False)
     records = {}
     for split in SPLITS:
-        writer = SplitWriter(out, split, dtype, shard_tokens)
         tokens = np.asarray(splits.get(split, []), dtype=np.int64)
-        if len(tokens):
-            writer.add(np.array([0]), np.array([len(tokens)]), tokens)
-        shards = writer.finish()
-        records[split] = (writer.documents, shards)
+        records[split] = write_split(out, split, tokens, dtype, shard_tokens)
     spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
     info = {"sha256": sha256_hex(tokenizer), "vocab_size": vocab_size, "eos_id": 0, "dtype": dtype}
     atomic_write(out / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)

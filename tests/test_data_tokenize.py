@@ -24,7 +24,12 @@ from moe_core.data.errors import DataError
 from moe_core.data.loader import TokenLoader
 from moe_core.data.manifest import verify_data_dir
 from moe_core.data.sources import kjv_chapters
-from moe_core.data.tokenize import is_validation, tokenize_corpus, validation_phase
+from moe_core.data.tokenize import (
+    TokenizeStats,
+    is_validation,
+    tokenize_corpus,
+    validation_phase,
+)
 from moe_core.data.tokenizer import load_tokenizer
 from moe_core.train.trainer import Trainer
 
@@ -212,7 +217,8 @@ def test_killed_tokenize_reruns_to_byte_identical_shards_and_manifest(tmp_path):
         "data.max_documents=500",
         "data.bpe_vocab_size=1024",
         "data.shard_tokens=2048",
-        "data.workers=2",
+        "data.workers=2",  # a local Dask cluster: its worker processes die with the process group
+        "data.unit_documents=50",
         f"out_dir={tmp_path}",
     ]
     killed = tmp_path / "killed"
@@ -234,11 +240,14 @@ def test_killed_tokenize_reruns_to_byte_identical_shards_and_manifest(tmp_path):
     shards = [p.with_suffix(".npy") for p in sorted(killed.glob("train-*.json"))]
     survivors = {p.name: p.stat().st_mtime_ns for p in shards}
 
+    assert list(killed.glob("units/*.json")), "no finished unit to keep"
     cfg = compose_run(overrides).data
-    tokenize_corpus(cfg, killed, show_progress=False)
+    resumed = TokenizeStats()
+    tokenize_corpus(cfg, killed, show_progress=False, stats=resumed)
     one_worker = dataclasses.replace(cfg, workers=1)  # the output does not depend on it
     whole = tokenize_corpus(one_worker, tmp_path / "whole", show_progress=False)
     assert len(survivors) < len(verify_data_dir(whole).shards("train"))
+    assert 0 < resumed.tokens < verify_data_dir(whole).total_tokens, "finished units redone"
     assert snapshot(killed) == snapshot(whole)
     kept = {name: (killed / name).stat().st_mtime_ns for name in survivors}
     assert kept == survivors, "verified shards were rewritten instead of skipped"

@@ -3,12 +3,18 @@ snapshot per look: what it creates, the log it streams, when it deletes the Job,
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from flows.launchers import KubernetesLauncher, LaunchTimeoutError
-from flows.render import kubernetes_objects, render_kubernetes, run_id
+from flows.launchers import KubernetesLauncher, KubernetesTokenizeLauncher, LaunchTimeoutError
+from flows.render import (
+    kubernetes_objects,
+    kubernetes_tokenize_objects,
+    render_kubernetes,
+    run_id,
+)
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, RunConfig
 from moe_core.config_dict import from_dict, to_dict
@@ -294,3 +300,35 @@ def test_the_launchers_role_grants_every_call_it_makes():
         for verb in rule["verbs"]
     }
     assert {PERMISSIONS[c] for c in calls} == granted, "the Role grants what is used, no more"
+
+
+def test_the_tokenize_job_runs_a_dask_scheduler_and_driver_on_pod_0_and_workers_elsewhere(
+    run, tmp_path
+):
+    fake = FakeKube(STARTS_AND_FINISHES)
+    folder = tmp_path / "tokenize"
+    folder.mkdir()
+    config = str(folder / "config.json")
+    attempt = KubernetesTokenizeLauncher(run, folder, [].append, apis=(fake, fake)).attempt(1)
+    assert attempt.ok and attempt.job_id == f"{run_id(run)}-tok-1"
+    service, job = kubernetes_tokenize_objects(run, str(folder), config, 1)
+    assert fake.services == [service] and fake.jobs == [job]
+    assert (folder / "kubernetes-1.yaml").read_text() == render_kubernetes(
+        run, str(folder), config, 1, make=kubernetes_tokenize_objects
+    )
+    (train_service, _) = kubernetes_objects(run, str(folder), config, 1)
+    assert service.metadata.name != train_service.metadata.name  # selects no training pod
+    assert job.spec.completions == 2 and service.spec.ports[0].port == run.cluster.dask_port
+    (container,) = job.spec.template.spec.containers
+    assert container.resources is None, "tokenizing asks for no GPU"
+    bash, flag, script = container.command
+    assert (bash, flag) == ("bash", "-c")
+    syntax = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    address = f"tcp://{run_id(run)}-tok-1-0.{run_id(run)}-tok:{run.cluster.dask_port}"
+    assert f"MOE_DASK={address}" in script
+    pod0, others = script.split("\nelse\n")
+    assert "dask_scheduler" in pod0 and "dask_worker" in pod0 and "trap moe_stop EXIT" in pod0
+    assert f"moe_core.cli tokenize --config {config} --scheduler" in pod0
+    assert "dask_worker" in others and "dask_scheduler" not in others
+    assert "--nworkers=$(nproc)" in others  # data.workers=0: one per core

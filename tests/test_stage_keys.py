@@ -63,16 +63,47 @@ def test_options_added_since_key_version_2_leave_existing_keys_alone(tmp_path):
 
 def test_data_options_added_since_key_version_2_leave_the_tokenize_key_alone(tmp_path):
     """``data.format`` and ``data.token_dtype`` (corpora of other tools, read in place) and
-    ``data.sources`` (mixtures; empty: the one folder) hash only when set: a run folder
-    tokenized before them keeps its tokenize key."""
+    ``data.sources`` (mixtures; empty: the one folder) hash only when set, and where the work
+    runs (``data.scheduler``, ``data.unit_documents``) never, since the shards do not depend on
+    it: a run folder tokenized before them keeps its tokenize key."""
     from moe_core.config_dict import to_dict
 
     run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
-    new = {"dir", "format", "token_dtype", "sources"}
+    new = {"dir", "format", "token_dtype", "sources", "scheduler", "unit_documents"}
     data = {k: v for k, v in to_dict(run.data).items() if k not in new}
     assert stage_keys(run)["tokenize"] == manifests.digest(
         {"data": data, "vocab": run.model.vocab_size}
     )
+    here = replace(run.data, workers=0)
+    elsewhere = replace(here, scheduler="tcp://10.0.0.1:8786", unit_documents=7)
+    assert stage_keys(replace(run, data=elsewhere)) == stage_keys(replace(run, data=here))
+
+
+def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_path):
+    """``train.document_mask``, ``parallel.cp`` and ``parallel.backend`` hash only when set
+    otherwise than before (they change what or how training computes), the hang watchdog's
+    limits never: a run folder trained before them keeps its train key."""
+    from moe_core.config_dict import to_dict
+
+    run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
+    added = {"document_mask", "hang_factor", "hang_min_s", "hang_first_s", "cp", "backend"}
+    train = {k: v for k, v in to_dict(run.train).items() if k not in added}
+    parallel = {k: v for k, v in to_dict(run.parallel).items() if k not in added}
+    keys = stage_keys(run)
+    assert keys["train"] == manifests.digest(
+        {
+            "model": manifests.keyed("model", to_dict(run.model)),
+            "train": train,
+            "parallel": parallel,
+            "precision": to_dict(run.precision),
+            "tokenize": keys["tokenize"],
+            "init": keys["init"],
+        }
+    )
+    patient = replace(run, train=replace(run.train, hang_factor=20.0, hang_min_s=900.0))
+    assert stage_keys(patient) == keys
+    masked = replace(run, train=replace(run.train, document_mask=True))
+    assert stage_keys(masked)["train"] != keys["train"]
 
 
 def test_the_pipeline_refuses_a_corpus_of_another_format_before_anything_runs(tmp_path):

@@ -1,25 +1,30 @@
 """Token shard files: flat ``.npy`` arrays written atomically, each with a small JSON record.
 
+``Cutter`` lays a split's tokens end to end (as ranges of files already written, the tokenize
+stage's units) and cuts shards of exactly ``shard_tokens`` from them; ``write_shard`` copies one
+shard's ranges into its file (any worker can, given the ranges).
+
 A shard ``{split}-{k:05d}.npy`` counts only once its record ``{split}-{k:05d}.json`` exists and
 its bytes match the record's size and sha256: files are written under a temporary name and
 renamed into place, the shard before its record, so a crash leaves either a complete shard or
 one that a rerun rewrites. The record also says where the next shard starts (document index and
-tokens of that document already written), which is what lets a rerun resume without retokenizing
-what is already on disk. Shards are not fsync'ed one by one: a rerun re-hashes every shard it
-keeps, so one that a power cut left incomplete is rewritten, not trusted.
+tokens of that document already written) and how many documents end in the shards so far.
+Shards are not fsync'ed one by one: a rerun re-hashes every shard it keeps, so one that a power
+cut left incomplete is rewritten, not trusted.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moe_core.files import atomic_write, file_sha256, inside, json_bytes, sha256_hex
+from moe_core.files import TMP_MARK, atomic_write, file_sha256, inside, json_bytes, sha256_hex
 
 SPLITS = ("train", "validation")
 
@@ -101,106 +106,123 @@ def shard_problem(data_dir: Path, file: str, tokens: int, sha256: str, dtype: st
     return None
 
 
-def scan_split(data_dir: Path, split: str, dtype: str) -> tuple[list[ShardRecord], set[int]]:
-    """The longest run of verified shards from the first, and verified shards beyond it."""
-    prefix: list[ShardRecord] = []
-    later: set[int] = set()
-    by_index = {
-        int(p.stem.rsplit("-", 1)[1]): p
-        for p in data_dir.glob(f"{split}-*.json")
-        if p.stem.rsplit("-", 1)[1].isdigit()
-    }
-    for index in sorted(by_index):
-        try:
-            record = ShardRecord(**json.loads(by_index[index].read_text()))
-        except (ValueError, TypeError):
-            continue
-        if record.file != shard_name(split, index):
-            continue
-        if shard_problem(data_dir, record.file, record.tokens, record.sha256, dtype) is not None:
-            continue
-        if index == len(prefix):
-            prefix.append(record)
-        else:
-            later.add(index)
-    return prefix, later
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard to write: its token ranges in unit files, and its record's bookkeeping."""
+
+    split: str
+    index: int
+    pieces: list[tuple[str, int, int]]  # (unit file, first token, end token)
+    next_doc: int
+    next_offset: int
+    documents: int
 
 
-class SplitWriter:
-    """Cuts one split's token stream into shards of exactly ``shard_tokens`` (the last: the rest).
+class Cutter:
+    """Cuts one split's token stream, the units' tokens in order, into shards of exactly
+    ``shard_tokens`` (the last: the rest), as ``ShardJob`` s: it sees only lengths, no tokens."""
 
-    Created from the verified shards already on disk; the caller feeds it the documents that
-    follow (``resume`` says from where) and it writes only shards that are not already there.
-    """
-
-    def __init__(self, data_dir: Path, split: str, dtype: str, shard_tokens: int) -> None:
-        self.data_dir, self.split, self.dtype = data_dir, split, np.dtype(dtype)
-        self.shard_tokens = shard_tokens
-        self.records, self._reusable = scan_split(data_dir, split, dtype)
-        self.reused = len(self.records)
-        last = self.records[-1] if self.records else None
-        self.resume = (last.next_doc, last.next_offset) if last else (0, 0)
-        self.documents = last.documents if last else 0
-        self._tokens: list[np.ndarray] = []
+    def __init__(self, split: str, shard_tokens: int) -> None:
+        self.split, self.shard_tokens = split, shard_tokens
+        self.index = 0
+        self.documents = 0  # documents that end in the shards cut so far
+        self._pieces: list[tuple[str, int, int]] = []
         self._docs: list[np.ndarray] = []
         self._ends: list[np.ndarray] = []
         self._pending = 0
-        self._head_offset = self.resume[1]
+        self._head = 0  # tokens of the first pending document already in an earlier shard
 
-    def add(self, docs: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> None:
-        """Append whole documents (or, for the resumed one, its unwritten tail) in order."""
-        if len(tokens) == 0:
-            return
-        self._tokens.append(tokens.astype(self.dtype, copy=False))
+    def add(self, file: str, start: int, docs: np.ndarray, lengths: np.ndarray) -> list[ShardJob]:
+        """Append the documents ``docs`` whose tokens lie in ``file`` from ``start``."""
+        keep = lengths > 0
+        docs, lengths = docs[keep], lengths[keep]
+        tokens = int(lengths.sum())
+        if tokens == 0:
+            return []
+        self._pieces.append((file, start, start + tokens))
         self._docs.append(docs)
         self._ends.append(self._pending + np.cumsum(lengths))
-        self._pending += len(tokens)
+        self._pending += tokens
+        jobs = []
         while self._pending >= self.shard_tokens:
-            self._cut(self.shard_tokens)
+            jobs.append(self._cut(self.shard_tokens))
+        return jobs
 
-    def finish(self) -> list[ShardRecord]:
-        if self._pending:
-            self._cut(self._pending)
-        return self.records
+    def finish(self) -> list[ShardJob]:
+        return [self._cut(self._pending)] if self._pending else []
 
-    @property
-    def tokens(self) -> int:
-        return sum(r.tokens for r in self.records)
-
-    def _cut(self, n: int) -> None:
-        tokens = np.concatenate(self._tokens)
-        docs = np.concatenate(self._docs)
-        ends = np.concatenate(self._ends)
+    def _cut(self, n: int) -> ShardJob:
+        docs, ends = np.concatenate(self._docs), np.concatenate(self._ends)
         k = int(np.searchsorted(ends, n, side="left"))
         if ends[k] == n:
             finished, next_doc, next_offset = k + 1, int(docs[k]) + 1, 0
         else:
             start = int(ends[k - 1]) if k > 0 else 0
-            head = self._head_offset if k == 0 else 0
+            head = self._head if k == 0 else 0
             finished, next_doc, next_offset = k, int(docs[k]), head + n - start
         self.documents += finished
-        self._write(tokens[:n], next_doc, next_offset)
-        self._tokens, self._docs = [tokens[n:]], [docs[finished:]]
-        self._ends = [ends[finished:] - n]
+        taken: list[tuple[str, int, int]] = []
+        left = n
+        while left:
+            file, a, b = self._pieces[0]
+            use = min(left, b - a)
+            taken.append((file, a, a + use))
+            left -= use
+            if a + use == b:
+                self._pieces.pop(0)
+            else:
+                self._pieces[0] = (file, a + use, b)
+        self._docs, self._ends = [docs[finished:]], [ends[finished:] - n]
         self._pending -= n
-        self._head_offset = next_offset
+        self._head = next_offset
+        job = ShardJob(self.split, self.index, taken, next_doc, next_offset, self.documents)
+        self.index += 1
+        return job
 
-    def _write(self, tokens: np.ndarray, next_doc: int, next_offset: int) -> None:
-        index = len(self.records)
-        data = npy_bytes(tokens)
-        record = ShardRecord(
-            shard_name(self.split, index),
-            len(tokens),
-            sha256_hex(data),
-            next_doc,
-            next_offset,
-            self.documents,
-        )
-        path = self.data_dir / record.file
-        on_disk = self.data_dir / record_name(self.split, index)
-        if index in self._reusable and json.loads(on_disk.read_text()) == asdict(record):
-            self.reused += 1
-        else:
-            atomic_write(path, data, sync=False)
-            atomic_write(on_disk, json_bytes(asdict(record)), sync=False)
-        self.records.append(record)
+
+def write_shard(data_dir: str, job: ShardJob, dtype: str) -> tuple[ShardRecord, bool]:
+    """Write ``job``'s shard and then its record; ``(record, True)`` when the very same shard
+    and record were already on disk and are left as they are."""
+    d = Path(data_dir)
+    parts = [np.load(d / file, mmap_mode="r")[a:b] for file, a, b in job.pieces]
+    data = npy_bytes(np.concatenate(parts).astype(dtype, copy=False))
+    record = ShardRecord(
+        shard_name(job.split, job.index),
+        sum(b - a for _, a, b in job.pieces),
+        sha256_hex(data),
+        job.next_doc,
+        job.next_offset,
+        job.documents,
+    )
+    on_disk = d / record_name(job.split, job.index)
+    if _reads(on_disk) == asdict(record) and (
+        shard_problem(d, record.file, record.tokens, record.sha256, dtype) is None
+    ):
+        return record, True
+    atomic_write(d / record.file, data, sync=False)
+    atomic_write(on_disk, json_bytes(asdict(record)), sync=False)
+    return record, False
+
+
+def _reads(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_split(
+    data_dir: Path, split: str, tokens: np.ndarray, dtype: str, shard_tokens: int
+) -> tuple[int, list[ShardRecord]]:
+    """``tokens`` (one document) as ``split``'s shards of ``shard_tokens``: ``(documents,
+    records)`` for ``manifest.build_manifest``. Tests and benchmarks make folders with it."""
+    cutter = Cutter(split, shard_tokens)
+    source = data_dir / f".{split}-tokens{TMP_MARK}{os.getpid()}"  # what the shards copy from
+    with open(source, "wb") as f:
+        np.save(f, np.asarray(tokens, dtype=dtype), allow_pickle=False)
+    try:
+        jobs = cutter.add(source.name, 0, np.array([0]), np.array([len(tokens)]))
+        records = [write_shard(str(data_dir), job, dtype)[0] for job in jobs + cutter.finish()]
+    finally:
+        source.unlink()
+    return cutter.documents, records

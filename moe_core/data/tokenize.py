@@ -1,22 +1,22 @@
 """Corpus -> token shards + ``manifest.json``: the data stage behind ``moe tokenize``.
 
-Documents are read in a fixed order, tokenized in worker processes, followed each by EOS, split
-between ``train`` and ``validation`` by index, and cut into shards of exactly
-``data.shard_tokens`` tokens (the last of a split holds the rest). The output is a pure function
-of the settings: ``job.json`` (written before any shard) pins them, a rerun skips the verified
-shards already on disk and continues where they end, and the manifest comes last.
+Documents are read in a fixed order and handed out in units of ``data.unit_documents`` to the
+workers of a Dask cluster (``engine``), which tokenize them (each followed by EOS), split them
+between ``train`` and ``validation`` by index and write them (``units``); the units' tokens are
+then cut into shards of exactly ``data.shard_tokens`` tokens (the last of a split holds the
+rest), by the workers too. The output is a pure function of the settings, whatever the workers:
+``job.json`` (written before any shard) pins them, a rerun keeps the finished units and shards
+and does the rest, and the manifest comes last.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import re
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moe_core.config import ConfigError, DataConfig, check_tokenizer_fits
-from moe_core.data.encode import Encoder, encode_in_worker, init_worker
+from moe_core.data.engine import Engine, done, open_engine
 from moe_core.data.errors import DataError
 from moe_core.data.manifest import FORMAT, MANIFEST, build_manifest, verify_data_dir
-from moe_core.data.shards import SPLITS, SplitWriter
+from moe_core.data.shards import SPLITS, Cutter, ShardJob, ShardRecord, write_shard
 from moe_core.data.sources import Source, WithoutText, open_source
 from moe_core.data.tokenizer import TOKENIZER_JSON, BuiltTokenizer, build_tokenizer
+from moe_core.data.units import UNITS, Routing, UnitRecord, encode_unit, finished_units
 from moe_core.files import TMP_MARK, atomic_write, file_sha256, json_bytes, remove_temporaries
 
 JOB = "job.json"
@@ -40,8 +41,6 @@ JOB = "job.json"
 # slows down with the square of a word's length; the shards keep every text as it is.
 MAX_TRAINING_RUN = 1000
 _LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_RUN + 1},}}")
-TASK_CHARS = 1 << 18  # text per worker task: small enough to keep every worker busy
-TASK_DOCS = 512
 
 
 def job_spec(cfg: DataConfig, source: Source) -> dict[str, Any]:
@@ -70,10 +69,6 @@ def is_validation(index: int, fraction: float, phase: float) -> bool:
     return math.floor((index + 1) * fraction + phase) > math.floor(index * fraction + phase)
 
 
-def validation_mask(indices: np.ndarray, fraction: float, phase: float) -> np.ndarray:
-    return np.floor((indices + 1) * fraction + phase) > np.floor(indices * fraction + phase)
-
-
 @dataclass(frozen=True)
 class TokenizeProgress:
     """Where a tokenize call stands: documents read (of ``total`` when the source knows it),
@@ -94,13 +89,16 @@ class TokenizeProgress:
 
 
 @dataclass
-class _Run:
-    """Counters of one tokenize call, for the progress bar and the summary."""
+class TokenizeStats:
+    """Counters of one tokenize call, for the progress bar, the summary and benchmarks."""
 
-    tokens: int = 0
+    tokens: int = 0  # encoded by this call (not those of units already on disk)
     shards_reused: int = 0
     tokenizer_seconds: float = 0.0  # building (for bpe: training) the tokenizer
-    tokenize_seconds: float = 0.0
+    engine_seconds: float = 0.0  # starting (and stopping) the local cluster, or connecting
+    tokenize_seconds: float = 0.0  # from the first unit read to the last shard written
+    driver_cpu_seconds: float = 0.0  # this process's CPU time in that phase (all of it, alone)
+    engine: str = ""  # where the units ran
 
 
 def tokenize_corpus(
@@ -111,13 +109,14 @@ def tokenize_corpus(
     show_progress: bool = True,
     console: Console | None = None,
     on_progress: Callable[[TokenizeProgress], None] | None = None,
+    stats: TokenizeStats | None = None,
 ) -> Path:
     """Tokenize the configured corpus into ``out_dir``; return it once ``manifest.json`` is there.
 
     ``model_vocab_size`` refuses a tokenizer with more ids than the model can embed. Nothing that
     is already in ``out_dir`` is deleted: a directory made with other settings is refused.
     ``on_progress`` is called after each encoded batch (a pipeline logs it; the terminal has
-    the bar of ``show_progress``).
+    the bar of ``show_progress``). ``stats``, when given, is filled in as the call goes.
     """
     start = time.perf_counter()
     console = console or Console(stderr=True)
@@ -130,55 +129,58 @@ def tokenize_corpus(
     if job is not None and _complete(out, console if show_progress else None):
         return out
 
-    run = _Run()
-    phase = validation_phase(cfg.seed)
-    tick = time.perf_counter()
-    built = _tokenizer(cfg, out, job, source, phase)
-    run.tokenizer_seconds = time.perf_counter() - tick if job is None else 0.0
-    if model_vocab_size is not None:
-        check_tokenizer_fits(cfg, built.vocab_size, model_vocab_size)
-    created = not out.exists()
-    if job is None:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / JOB, json_bytes({"spec": spec, "tokenizer": built.info()}))
-    for name, data in built.files.items():
-        if not (out / name).is_file() or (out / name).read_bytes() != data:
-            atomic_write(out / name, data)
-    remove_temporaries(out)
+    run = stats if stats is not None else TokenizeStats()
+    # The engine first: a cluster that cannot be reached is named before anything is written.
+    clock = {"open": time.perf_counter()}
+    with open_engine(cfg) as engine:
+        run.engine_seconds = time.perf_counter() - clock["open"]
+        run.engine = engine.where
+        phase = validation_phase(cfg.seed)
+        tick = time.perf_counter()
+        built = _tokenizer(cfg, out, job, source, phase)
+        run.tokenizer_seconds = time.perf_counter() - tick if job is None else 0.0
+        if model_vocab_size is not None:
+            check_tokenizer_fits(cfg, built.vocab_size, model_vocab_size)
+        created = not out.exists()
+        if job is None:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write(out / JOB, json_bytes({"spec": spec, "tokenizer": built.info()}))
+        for name, data in built.files.items():
+            if not (out / name).is_file() or (out / name).read_bytes() != data:
+                atomic_write(out / name, data)
+        remove_temporaries(out)
 
-    writers = {s: SplitWriter(out, s, built.dtype, cfg.shard_tokens) for s in SPLITS}
-    resume = {s: w.resume for s, w in writers.items()}
-    first = min(r[0] for r in resume.values())
+        units = out / UNITS
+        units.mkdir(exist_ok=True)
+        remove_temporaries(units)
+        routing = Routing(built.sha256, built.eos_id, built.dtype, cfg.validation_fraction, phase)
+        without_text = WithoutText()
+        # The bar on a terminal only: elsewhere rich shows just its last frame (a caller's
+        # on_progress gives such a reader lines as it goes).
+        show_bar = show_progress and console.is_terminal
+        with _Progress(show_bar, console, source.total) as (bar, task):
 
-    def needed(index: int) -> bool:
-        split = "validation" if is_validation(index, cfg.validation_fraction, phase) else "train"
-        return index >= resume[split][0]
+            def report(documents: int, shards: int) -> None:
+                rate = run.tokens / max(time.perf_counter() - clock["first unit"], 1e-9)
+                status = f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards"
+                bar.update(task, completed=documents, status=status)
+                if on_progress is not None:
+                    on_progress(TokenizeProgress(documents, source.total, run.tokens, rate, shards))
 
-    tick = time.perf_counter()
-    end = first
-    without_text = WithoutText()
-    tasks = _tasks(source, first, needed, without_text)
-    # The bar on a terminal only: elsewhere rich shows just its last frame (a caller's
-    # on_progress gives such a reader lines as it goes).
-    with _Progress(show_progress and console.is_terminal, console, source.total) as (bar, task):
-        for first_index, lengths, flat in _encoded(tasks, built, cfg):
-            end = first_index + len(lengths)
-            _route(first_index, lengths, flat, writers, resume, cfg.validation_fraction, phase)
-            run.tokens += len(flat)
-            rate = run.tokens / max(time.perf_counter() - tick, 1e-9)
-            shards = sum(len(w.records) for w in writers.values())
-            bar.update(
-                task,
-                completed=end,
-                status=f"{run.tokens:,} tokens  {rate:,.0f} tok/s  {shards} shards",
-            )
-            if on_progress is not None:
-                on_progress(TokenizeProgress(end, source.total, run.tokens, rate, shards))
-    records = {s: w.finish() for s, w in writers.items()}
-    run.tokenize_seconds = time.perf_counter() - tick
-    run.shards_reused = sum(w.reused for w in writers.values())
-    total_tokens = sum(w.tokens for w in writers.values())
+            work = _Work(out, routing, engine, cfg.shard_tokens, run, report)
+            for unit, first, texts in _units(source, cfg.unit_documents, without_text):
+                if "first unit" not in clock:
+                    clock["first unit"], clock["cpu"] = time.perf_counter(), time.process_time()
+                work.add(unit, first, texts)
+            records = work.finish()
+            clock["done"] = time.perf_counter()
+        run.tokenize_seconds = clock["done"] - clock.get("first unit", clock["done"])
+        run.driver_cpu_seconds = time.process_time() - clock.get("cpu", time.process_time())
+    run.engine_seconds += time.perf_counter() - clock["done"]  # stopping the local cluster
+    end = work.end
+    total_tokens = sum(r.tokens for split in records.values() for r in split)
     if total_tokens == 0:
+        shutil.rmtree(units)
         if job is None:  # nothing but what this call wrote: leave no half-made directory
             for name in (JOB, *built.files):
                 (out / name).unlink()
@@ -188,7 +190,7 @@ def tokenize_corpus(
             f"the corpus ({_describe_source(spec)}) holds no text in data.text_field="
             f"{cfg.text_field!r}: give a corpus whose documents have text."
         )
-    splits = {s: (writers[s].documents, records[s]) for s in SPLITS}
+    splits = {s: (work.cutters[s].documents, records[s]) for s in SPLITS}
     manifest = build_manifest(spec, built.info(), end, splits)
     if without_text.count:
         manifest["documents_without_text"] = {
@@ -201,6 +203,7 @@ def tokenize_corpus(
             soft_wrap=True,
         )
     atomic_write(out / MANIFEST, json_bytes(manifest))
+    shutil.rmtree(units)  # the shards hold every token now
     if show_progress:
         _summary(console, out, manifest, run, time.perf_counter() - start)
     return out
@@ -385,74 +388,86 @@ def without_text_sentence(manifest: dict[str, Any], text_field: str) -> str:
     )
 
 
-def _tasks(
-    source: Source, start: int, needed: Callable[[int], bool], without_text: WithoutText
-) -> Iterator[tuple[int, list[str]]]:
-    """Consecutive documents from ``start`` in batches; those already on disk go as ''."""
+def _units(
+    source: Source, size: int, without_text: WithoutText
+) -> Iterator[tuple[int, int, list[str]]]:
+    """``(unit, first document, texts)``: the corpus in consecutive ranges of ``size``."""
     texts: list[str] = []
-    chars, first = 0, start
-    for index, text in source.documents(start, without_text):
-        if not texts:
-            first = index
-        text = text if needed(index) else ""
+    first = 0
+    for index, text in source.documents(0, without_text):
         texts.append(text)
-        chars += len(text)
-        if chars >= TASK_CHARS or len(texts) >= TASK_DOCS:
-            yield first, texts
-            texts, chars = [], 0
+        if len(texts) == size:
+            yield first // size, first, texts
+            texts, first = [], index + 1
     if texts:
-        yield first, texts
+        yield first // size, first, texts
 
 
-def _encoded(
-    tasks: Iterator[tuple[int, list[str]]], built: BuiltTokenizer, cfg: DataConfig
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Tokenized tasks in order, computed by ``data.workers`` processes (in-process for one)."""
-    workers = cfg.workers or len(os.sched_getaffinity(0))
-    args = (built.files[TOKENIZER_JSON].decode(), built.eos_id, built.dtype)
-    if workers == 1:
-        encoder = Encoder(*args)
-        for first, texts in tasks:
-            yield first, *encoder(texts)
-        return
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker, initargs=args)
-    window: deque[tuple[int, Future]] = deque()
-    try:
-        for first, texts in tasks:
-            window.append((first, pool.submit(encode_in_worker, texts)))
-            if len(window) >= 2 * workers:
-                index, future = window.popleft()
-                yield index, *future.result()
-        while window:
-            index, future = window.popleft()
-            yield index, *future.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+class _Work:
+    """The driver's side of a run: units submitted in order (a few ahead per worker, a unit
+    already on disk not again), their records fed in order to each split's ``Cutter``, and each
+    shard submitted as soon as the units it takes from are done."""
 
+    def __init__(
+        self,
+        out: Path,
+        routing: Routing,
+        engine: Engine,
+        shard_tokens: int,
+        run: TokenizeStats,
+        report: Callable[[int, int], None],
+    ) -> None:
+        self.out, self.routing, self.engine, self.run, self.report = (
+            out,
+            routing,
+            engine,
+            run,
+            report,
+        )
+        self.finished = finished_units(out, routing.dtype)
+        self.cutters = {s: Cutter(s, shard_tokens) for s in SPLITS}
+        self.shards: dict[str, list[Any]] = {s: [] for s in SPLITS}
+        self.window: deque[tuple[Any, bool]] = deque()
+        self.end = 0  # documents whose unit is done
 
-def _route(
-    first: int,
-    lengths: np.ndarray,
-    flat: np.ndarray,
-    writers: dict[str, SplitWriter],
-    resume: dict[str, tuple[int, int]],
-    fraction: float,
-    phase: float,
-) -> None:
-    """Hand each split its documents, minus what the shards on disk already hold."""
-    index = first + np.arange(len(lengths))
-    held_out = validation_mask(index, fraction, phase)
-    starts = np.cumsum(lengths) - lengths
-    position = np.arange(len(flat)) - np.repeat(starts, lengths)
-    for split, mine in (("train", ~held_out), ("validation", held_out)):
-        doc, offset = resume[split]
-        keep = mine & (index >= doc) & (lengths > 0)
-        if not keep.any():
-            continue
-        drop = np.where(index == doc, offset, 0)
-        take = np.repeat(keep, lengths) & (position >= np.repeat(drop, lengths))
-        writers[split].add(index[keep], (lengths - drop)[keep], flat[take])
+    def add(self, unit: int, first: int, texts: list[str]) -> None:
+        old = self.finished.get(unit)
+        if old is not None and old.first == first and len(old.lengths) == len(texts):
+            self.window.append((done(lambda: old), False))
+        else:
+            args = (str(self.out), self.routing, unit, first, texts)
+            self.window.append((self.engine.submit(encode_unit, *args), True))
+        while self.window and (len(self.window) > self.engine.slots or self.window[0][0].done()):
+            self._take()
+
+    def _take(self) -> None:
+        future, fresh = self.window.popleft()
+        record: UnitRecord = future.result()
+        if fresh:
+            self.run.tokens += record.tokens
+        lengths = np.array(record.lengths, dtype=np.int64)
+        docs = record.first + np.arange(len(lengths))
+        held = self.routing.held_out(record.first, len(lengths))
+        for split, mine, start in (("train", ~held, 0), ("validation", held, record.train_tokens)):
+            self._submit(self.cutters[split].add(record.file, start, docs[mine], lengths[mine]))
+        self.end = record.first + len(lengths)
+        self.report(self.end, sum(len(s) for s in self.shards.values()))
+
+    def _submit(self, jobs: list[ShardJob]) -> None:
+        for job in jobs:
+            args = (str(self.out), job, self.routing.dtype)
+            self.shards[job.split].append(self.engine.submit(write_shard, *args))
+
+    def finish(self) -> dict[str, list[ShardRecord]]:
+        """Every shard's record, per split in order, once all are written."""
+        while self.window:
+            self._take()
+        for cutter in self.cutters.values():
+            self._submit(cutter.finish())
+        self.report(self.end, sum(len(s) for s in self.shards.values()))
+        written = {s: [f.result() for f in futures] for s, futures in self.shards.items()}
+        self.run.shards_reused = sum(reused for s in written.values() for _, reused in s)
+        return {s: [record for record, _ in w] for s, w in written.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,7 +506,7 @@ class _Progress:
 
 
 def _summary(
-    console: Console, out: Path, manifest: dict[str, Any], run: _Run, seconds: float
+    console: Console, out: Path, manifest: dict[str, Any], run: TokenizeStats, seconds: float
 ) -> None:
     splits = manifest["splits"]
     shards = sum(len(s["shards"]) for s in splits.values())
@@ -504,7 +519,8 @@ def _summary(
         f"(train {splits['train']['tokens']:,} in {splits['train']['documents']:,} documents, "
         f"validation {splits['validation']['tokens']:,} in "
         f"{splits['validation']['documents']:,}), {shards} shards of {manifest['dtype']}, "
-        f"{size / 1e6:,.1f} MB, in {seconds:.1f} s ({rate:,.0f} tokens/s tokenizing"
+        f"{size / 1e6:,.1f} MB, in {seconds:.1f} s ({rate:,.0f} tokens/s tokenizing on "
+        f"{run.engine}"
         f"{ready}){reused}: {out}",
         highlight=False,
         soft_wrap=True,
