@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import seeded_run
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -104,45 +104,6 @@ def get_json(url: str, body: dict | None = None) -> dict | list:
         return json.load(response)
 
 
-@pytest.mark.slow
-def test_mlflow_server_records_a_run(services: Services, tmp_path: Path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    port, store = free_port(), tmp_path / "mlflow"
-    started = services.run("start-mlflow.sh", str(port), str(store))
-    assert started.returncode == 0, started.stderr + started.stdout
-    pid = services.pid("mlflow")
-    url = f"http://127.0.0.1:{port}"
-    assert f"started mlflow server: {url} (pid {pid}," in started.stdout
-
-    client = MlflowClient(tracking_uri=url)
-    experiment = client.create_experiment("infra-test")
-    run = client.create_run(experiment, run_name="smoke")
-    client.log_param(run.info.run_id, "layout", "pp1-dp1-ep2")
-    for step, loss in enumerate([3.0, 2.5, 2.25]):
-        client.log_metric(run.info.run_id, "loss", loss, step=step)
-    client.log_text(run.info.run_id, "hello from the test", "notes/hello.txt")
-    client.set_terminated(run.info.run_id)
-
-    found = get_json(f"{url}/api/2.0/mlflow/experiments/search?max_results=100")
-    by_name = {e["name"]: e["experiment_id"] for e in found["experiments"]}
-    assert by_name["infra-test"] == experiment
-    runs = get_json(f"{url}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment]})
-    (record,) = runs["runs"]
-    assert record["info"]["run_name"] == "smoke" and record["info"]["status"] == "FINISHED"
-    assert {"key": "layout", "value": "pp1-dp1-ep2"} in record["data"]["params"]
-    assert [m["value"] for m in record["data"]["metrics"] if m["key"] == "loss"] == [2.25]
-    # Artifacts go through the server into the folder given to the script.
-    (artifact,) = (store / "artifacts").rglob("hello.txt")
-    assert artifact.read_text() == "hello from the test"
-    assert (store / "mlflow.db").is_file()
-
-    stopped = services.run("stop.sh", "mlflow")
-    assert stopped.returncode == 0 and f"stopped mlflow (pid {pid})" in stopped.stdout
-    assert not group_alive(pid)
-
-
 @pytest.mark.parametrize("script", ["start-mlflow.sh", "start-prefect-server.sh"])
 def test_servers_refuse_a_busy_port(services: Services, script: str):
     with socket.socket() as busy:
@@ -225,140 +186,35 @@ def test_committed_prefect_yaml_is_what_deployments_renders():
     }
 
 
-@pytest.mark.slow
-def test_deployments_from_prefect_yaml_run_through_a_worker(
-    services: Services, tiny_run: tuple[Path, dict], tmp_path: Path
-):
-    """The committed infra/prefect.yaml, deployed to a real server while an MLflow server runs:
-    `prefect deployment run pretrain/tiny --watch` completes through a process worker, shows
-    its summary and progress, publishes the stages' artifacts and logs to that MLflow server
-    (the Prefect variable deploy.sh set); `pretrain/1t` refuses with the plan and one sentence;
-    the Kubernetes twins deploy into a pool made from infra/kubernetes-pool.json."""
-    from mlflow.tracking import MlflowClient
-
-    from moe_core.compose import compose_dict
-
-    port, mlflow_port = free_port(), free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-    started = services.run("start-prefect-server.sh", str(port))
-    assert started.returncode == 0, started.stderr + started.stdout
-    server_pid = services.pid("prefect-server")
-    assert f"started prefect server: {api} (pid {server_pid}," in started.stdout
-    assert get_json(f"{api}/health") is True
-    worker = services.run("start-worker.sh", "local", api)
-    assert worker.returncode == 0, worker.stderr + worker.stdout
-    worker_pid = services.pid("worker-local")
-    assert f"started prefect worker: pool local on {api} (pid {worker_pid}," in worker.stdout
-    assert get_json(f"{api}/work_pools/local")["type"] == "process"
-    assert len(get_json(f"{api}/work_pools/local/workers/filter", {})) == 1
-    # pretrain/1t's pool is `slurm` (a login node's worker); here a machine without sbatch.
-    assert services.run("start-worker.sh", "slurm", api).returncode == 0
-    # The Kubernetes pool as infra/README.md makes it (its worker runs in the cluster).
-    pool = ["work-pool", "create", "kubernetes", "--type", "kubernetes"]
-    pool += ["--base-job-template", str(INFRA / "kubernetes-pool.json")]
-    made = subprocess.run(["prefect", *pool], env={**services.env, "PREFECT_API_URL": api},
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert made.returncode == 0, made.stderr + made.stdout
-    assert services.run("start-mlflow.sh", str(mlflow_port), str(tmp_path / "ml")).returncode == 0
-    services.env["MLFLOW_TRACKING_URI"] = mlflow_url  # what deploy.sh checks; workers lack it
-    deployed = services.run("deploy.sh", str(INFRA / "prefect.yaml"), api)
-    del services.env["MLFLOW_TRACKING_URI"]
-    assert deployed.returncode == 0, deployed.stderr + deployed.stdout
-    assert f"flow runs log to MLflow at {mlflow_url}" in deployed.stdout
-    assert get_json(f"{api}/variables/name/mlflow_tracking_uri")["value"] == mlflow_url
-    deployments = {d["name"]: d for d in get_json(f"{api}/deployments/filter", {})}
-    assert set(deployments) == {
-        "tiny", "olmoe-1b-7b", "47b", "47b-kubernetes", "1t", "1t-kubernetes"
-    }  # fmt: skip
-    k8s = deployments["1t-kubernetes"]
-    assert k8s["work_pool_name"] == "kubernetes"
-    assert k8s["job_variables"]["volume_path"] == "/runs"
-
-    small = [
-        "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
-        "data.max_documents=400", "data.validation_fraction=0.05", "data.workers=1",
-    ]  # fmt: skip
-    params = {
-        "config": compose_dict(small, config_name="pretrain-tiny"),
-        # The session's tiny run tokenized and initialized this config already: the flow run
-        # skips those two stages and trains, converts and evaluates through the worker.
-        "run_dir": str(seeded_run(tiny_run[0], tmp_path / "tiny")),
-    }
-    env = {**services.env, "PREFECT_API_URL": api}
-
-    watched: dict[str, str] = {}
-
-    def run(name: str, parameters: dict | None = None) -> dict:
-        cmd = [
-            "prefect",
-            "deployment",
-            "run",
-            f"pretrain/{name}",
-            "--watch",
-            "--watch-interval",
-            "1",
-        ]
-        if parameters is not None:
-            cmd += ["--params", json.dumps(parameters)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        watched[name] = " ".join((done.stdout + done.stderr).split())  # rich wraps at 80
-        runs = get_json(f"{api}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 1})
-        return runs[0]
-
-    tiny = run("tiny", params)
-    assert tiny["state"]["type"] == "COMPLETED", tiny["state"]
-    assert (tmp_path / "tiny" / "hf" / "config.json").is_file()
-    perplexity = json.loads((tmp_path / "tiny" / "eval" / "result.json").read_text())["perplexity"]
-    assert perplexity > 1
-    summary = tiny["state"]["message"]
-    assert summary.startswith(f"done: Hugging Face checkpoint: {tmp_path / 'tiny' / 'hf'}; ")
-    assert f"held-out perplexity: {perplexity:.3f}" in summary
-    assert f"MLflow run: {mlflow_url}/#/experiments/" in summary
-    shown = "Finished in state Completed('done: Hugging Face checkpoint:"
-    assert shown in watched["tiny"], watched["tiny"][-3000:]  # --watch streams the log
-    # (tokenize and init were done by the session's run; evaluate's progress streams)
-    assert "evaluate: 4 of 4 held-out micro-batches scored" in watched["tiny"]
-    of_run = {"artifacts": {"flow_run_id": {"any_": [tiny["id"]]}}}
-    keys = {a["key"] for a in get_json(f"{api}/artifacts/filter", of_run)}
-    assert keys == {f"tiny-{n}" for n in (*STAGE_NAMES, "pretrain")}
-    client = MlflowClient(mlflow_url)
-    runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
-    # tokenize and init were skipped (verified outputs of the session's run): no runs of theirs
-    assert sorted(r.info.run_name for r in runs) == sorted(["tiny", "train", "convert", "evaluate"])
-    assert not (tmp_path / "tiny" / "mlflow.db").exists(), "the server, not the run folder"
-
-    big = run(
-        "1t",
-        {"config": compose_dict([], config_name="pretrain-1t"), "run_dir": str(tmp_path / "1t")},
-    )
-    assert big["state"]["type"] == "FAILED"
-    assert big["state"]["message"].startswith("cluster.kind='slurm' is not allowed on this machine")
-    logs = get_json(
-        f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [big["id"]]}}, "limit": 200}
-    )
-    text = "\n".join(entry["message"] for entry in logs)
-    assert "cluster.kind='slurm' is not allowed on this machine" in text, text[-2000:]
-    assert "plan for 1t" in text and "per GPU" in text
-    assert "Traceback" not in text, "an expected refusal is one sentence"
-    assert "cluster.kind='slurm' is not allowed on this machine" in watched["1t"]
-    assert not (tmp_path / "1t" / "data").exists(), "nothing may start"
-
-    services.stop_all()  # infra/stop.sh ends each service with its children
-    assert not group_alive(worker_pid) and not group_alive(server_pid)
+SMALL_TINY = [
+    "train.steps=2", "train.checkpoint_every=2", "data.max_documents=200",
+    "data.validation_fraction=0.1", "data.workers=1",
+]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_the_local_stack_steps_of_infra_readme_run_as_written(tmp_path: Path):
     """infra/README.md's "A local stack, step by step", run line by line in a fresh clone (its
-    ports made free ones): a server, a worker, MLflow, the deploy (which takes what the running
-    pools can and names what it left out), `prefect deployment run 'pretrain/tiny' --watch` to
-    a completed run that logged to that MLflow server, and the services stopped."""
+    ports made free ones, the tiny run made small: ``SMALL_TINY``): a server, a worker, MLflow,
+    the deploy (which takes what the running pools can and names what it left out),
+    `prefect deployment run 'pretrain/tiny' --watch` to a completed run that published its
+    stages' artifacts and logged to that MLflow server, and the last step stopping every
+    service."""
+    from mlflow.tracking import MlflowClient
+
+    from moe_core.compose import compose_dict
+
     text = (INFRA / "README.md").read_text()
     steps = re.search(r"## A local stack, step by step\n\n```bash\n(.*?)```", text, re.S)
     assert steps is not None, "infra/README.md lost its local stack steps"
     prefect_port, mlflow_port = free_port(), free_port()
     script = steps.group(1).replace("4200", str(prefect_port)).replace("5000", str(mlflow_port))
+    *lines, stop = [x for x in script.splitlines() if x.strip() and not x.startswith("#")]
+    assert stop.startswith("infra/stop.sh "), "the steps end by stopping the services"
+    tiny = "prefect deployment run 'pretrain/tiny' --watch"
+    small = json.dumps({"config": compose_dict(SMALL_TINY, config_name="pretrain-tiny")})
+    lines = [x.replace(tiny, f"{tiny} --params {shlex.quote(small)}") for x in lines]
+    assert sum(tiny in x for x in lines) == 1, "the steps run pretrain/tiny"
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=300)
     # `. .venv/bin/activate`, the README's first step: this test's environment.
@@ -366,33 +222,49 @@ def test_the_local_stack_steps_of_infra_readme_run_as_written(tmp_path: Path):
     (clone / ".venv" / "bin" / "activate").write_text(
         f'export PATH="{Path(sys.executable).parent}:$PATH"\n'
     )
-    state = tmp_path / "state"
-    services = Services(state)
+    services = Services(tmp_path / "state")
     env = {**services.env, "MLFLOW_PORT": str(mlflow_port)}  # deploy.sh's default MLflow port
     env.pop("PYTHONPATH", None)  # the clone's code, as a fresh user runs it
     env.pop("PREFECT_HOME", None)  # the scripts' own, under MOE_INFRA_DIR
-    try:
+    api, mlflow_url = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
+
+    def bash(commands: str, timeout: int = 1200) -> tuple[subprocess.CompletedProcess, str]:
         done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", script],
+            ["bash", "-euo", "pipefail", "-c", commands],
             cwd=clone,
             env=env,
             capture_output=True,
             text=True,
-            timeout=1200,
+            timeout=timeout,
         )
-        shown = " ".join((done.stdout + done.stderr).split())  # rich wraps at 80 columns
+        return done, " ".join((done.stdout + done.stderr).split())  # rich wraps at 80 columns
+
+    try:
+        done, shown = bash("\n".join(lines))
         assert done.returncode == 0, shown[-4000:]
         assert "deployed olmoe-1b-7b, tiny to " in shown
         assert "left out 1t, 47b: the server has no work pool 'slurm' yet" in shown
         assert "left out 1t-kubernetes, 47b-kubernetes: the server has no work pool" in shown
-        assert f"flow runs log to MLflow at http://127.0.0.1:{mlflow_port}" in shown
+        assert f"flow runs log to MLflow at {mlflow_url}" in shown
         assert "Finished in state Completed('done: Hugging Face checkpoint: " in shown
+        assert f"MLflow run: {mlflow_url}/#/experiments/" in shown
         (run,) = (clone / "runs" / "tiny").iterdir()  # the flow run's own folder
         assert (run / "hf" / "config.json").is_file()
         assert not (run / "mlflow.db").exists(), "the MLflow server, not the run folder"
-        # The last step stopped each service it started (server, worker, MLflow).
+        flow_run = get_json(f"{api}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC"})[0]
+        of_run = {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}
+        keys = {a["key"] for a in get_json(f"{api}/artifacts/filter", of_run)}
+        assert keys == {f"{run.name}-{n}" for n in (*STAGE_NAMES, "pretrain")}
+        client = MlflowClient(mlflow_url)
+        runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
+        assert sorted(r.info.run_name for r in runs) == sorted([run.name, *STAGE_NAMES])
+
+        # The last step stops each service the steps started (server, worker, MLflow).
         pids = [int(p) for p in re.findall(r"^started [^\n]*\(pid (\d+),", done.stdout, re.M)]
-        assert len(pids) == 3 and not any(group_alive(pid) for pid in pids)
-        assert not list(state.glob("*.pid"))
+        assert len(pids) == 3
+        stopped, said = bash(stop)
+        assert stopped.returncode == 0, said[-2000:]
+        assert not any(group_alive(pid) for pid in pids)
+        assert not list(services.state.glob("*.pid"))
     finally:
         services.stop_all()  # what a failed step left running

@@ -103,7 +103,7 @@ def test_a_stalled_rank_is_named_and_the_relaunch_trains_the_same_model(
     marker = tmp_path / "stalled-once"
     monkeypatch.setenv("MOE_TEST_STALL", f"1:3:120:{marker}")
     out = tmp_path / "run"
-    watch = ["train.hang_factor=10", "train.hang_min_s=8", "train.checkpoint_every=2"]
+    watch = ["train.hang_factor=10", "train.hang_min_s=5", "train.checkpoint_every=2"]
     args = ["-m", "moe_core.cli", "train", *BASE, "parallel.ep=2", *watch, f"out_dir={out}"]
     hung = torchrun(2, args, timeout=400)
     assert hung.returncode != 0 and marker.is_file()  # the stall happened, the job ended
