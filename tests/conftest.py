@@ -54,13 +54,28 @@ def prefect_home(tmp_path_factory):
         yield home
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the long end-to-end tests marked extended (the default run skips them)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    skips = {}
+    if not config.getoption("--extended"):
+        skips["extended"] = pytest.mark.skip(
+            reason="a long end-to-end run whose parts faster tests cover (run `pytest --extended`)"
+        )
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(
+            reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)"
+        )
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips.items():
+            if keyword in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

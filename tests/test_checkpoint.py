@@ -65,7 +65,11 @@ def run_and_kill(cmd: list[str], out: Path, after_steps: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["parallel.ep=2"])], ids=["1proc", "ep2"])
+@pytest.mark.parametrize(
+    "nproc, extra",
+    [pytest.param(1, [], marks=pytest.mark.extended), (2, ["parallel.ep=2"])],  # ep2 holds 1's
+    ids=["1proc", "ep2"],
+)
 def test_sigkill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"

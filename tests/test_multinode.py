@@ -28,6 +28,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the launch commands' tests cover the rendezvous; this runs two agents
 def test_two_nodes_match_one_node(tmp_path, dp2_ep2_run):
     one = dp2_ep2_run  # one node, 4 processes: the same BASE + LAYOUT
     two = tmp_path / "two-nodes"

@@ -68,6 +68,7 @@ GROUPED = ["model.top_k=3", "model.n_expert_groups=4", "model.top_k_groups=2"]
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # tests/test_placement.py holds the bounds; this is their 4-rank run
 def test_group_limited_routing_at_ep4_matches_single_process(tmp_path):
     """Group-limited routing over 4 expert-parallel ranks (gloo) trains what one process
     trains, and the rows per token it logs (the all-to-all's split sizes) stay within the
