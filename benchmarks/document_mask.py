@@ -36,10 +36,7 @@ from report import save, stamp  # noqa: E402
 from timing import cuda_times_ms  # noqa: E402
 from trainer_step import run_shape, trainer_run  # noqa: E402
 
-from moe_core.data.manifest import MANIFEST, build_manifest  # noqa: E402
-from moe_core.data.shards import SPLITS, write_split  # noqa: E402
-from moe_core.data.tokenizer import TOKENIZER_JSON  # noqa: E402
-from moe_core.files import atomic_write, json_bytes, sha256_hex  # noqa: E402
+from moe_core.data.manifest import write_token_folder  # noqa: E402
 from moe_core.model.documents import documents_of  # noqa: E402
 
 SEQ, HEADS, HEAD_DIM, MBS = 4096, 16, 128, 4
@@ -60,16 +57,15 @@ def document_tokens(n_tokens: int, median: float, sigma: float, seed: int) -> np
 def write_folder(path: Path, train: np.ndarray, validation: np.ndarray) -> None:
     """A token folder of ``moe tokenize``'s format holding the given splits (a stand-in
     tokenizer file; the manifest records OLMoE's vocabulary and EOS)."""
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = b'{"stand-in": "benchmark documents"}'
-    atomic_write(path / TOKENIZER_JSON, tokenizer, sync=False)
-    records = {}
-    for split in SPLITS:
-        tokens = train if split == "train" else validation
-        records[split] = write_split(path, split, tokens, "uint32", 1 << 22)
-    spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
-    info = {"sha256": sha256_hex(tokenizer), "vocab_size": VOCAB, "eos_id": EOS, "dtype": "uint32"}
-    atomic_write(path / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
+    write_token_folder(
+        path,
+        {"train": train, "validation": validation},
+        dtype="uint32",
+        shard_tokens=1 << 22,
+        vocab_size=VOCAB,
+        eos_id=EOS,
+        tokenizer=b'{"stand-in": "benchmark documents"}',
+    )
 
 
 def attention_core(tokens: np.ndarray, iters: int) -> dict:

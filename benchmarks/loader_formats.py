@@ -29,10 +29,7 @@ from report import save, stamp
 from moe_core.data.dataset import TokenDataset
 from moe_core.data.formats import DolmaDataset, MegatronDataset
 from moe_core.data.loader import TokenLoader
-from moe_core.data.manifest import MANIFEST, build_manifest
-from moe_core.data.shards import write_split
-from moe_core.data.tokenizer import TOKENIZER_JSON
-from moe_core.files import atomic_write, json_bytes, sha256_hex
+from moe_core.data.manifest import write_token_folder
 
 VOCAB, EOS = 50_257, 50_256
 MEGATRON_HEAD = "<9sQBQQ"
@@ -60,16 +57,15 @@ def at_document_ends(tokens: np.ndarray, files: int) -> list[np.ndarray]:
 def write_ours(folder: Path, tokens: np.ndarray, files: int) -> Path:
     """Our shards and manifest (a stand-in tokenizer file: nothing here decodes)."""
     folder.mkdir(parents=True)
-    stand_in = b'{"stand-in": "tokenizer"}'
-    atomic_write(folder / TOKENIZER_JSON, stand_in, sync=False)
-    records = {}
-    for split, part in (("train", tokens), ("validation", tokens[:0])):
-        records[split] = write_split(folder, split, part, "uint16", -(-len(tokens) // files))
-    spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
-    info = {"sha256": sha256_hex(stand_in), "vocab_size": VOCAB, "eos_id": EOS, "dtype": "uint16"}
-    manifest = build_manifest(spec, info, 1, records)
-    atomic_write(folder / MANIFEST, json_bytes(manifest), sync=False)
-    return folder
+    return write_token_folder(
+        folder,
+        {"train": tokens},
+        dtype="uint16",
+        shard_tokens=-(-len(tokens) // files),
+        vocab_size=VOCAB,
+        eos_id=EOS,
+        tokenizer=b'{"stand-in": "tokenizer"}',
+    )
 
 
 def write_dolma(folder: Path, tokens: np.ndarray, files: int) -> Path:

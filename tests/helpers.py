@@ -139,33 +139,21 @@ def assert_trains_like(reference: Path, out: Path, steps: int, keys: tuple = ("l
 
 
 def write_token_dir(path, splits, shard_tokens, dtype="uint32", vocab_size=1 << 20, tokenizer=None):
-    """A data directory holding exactly the given token arrays (through the real shard writer).
-
-    ``splits`` maps "train"/"validation" to 1-D integer arrays; each array is one document;
-    ``vocab_size`` is the stand-in tokenizer's size the manifest records; ``tokenizer`` (the
-    bytes of a ``tokenizer.json``) replaces the stand-in.
-    """
+    """A data directory holding exactly the given token arrays (``manifest.write_token_folder``
+    with a stand-in tokenizer file and EOS 0 unless ``tokenizer`` gives a real one)."""
     from pathlib import Path
 
-    import numpy as np
+    from moe_core.data.manifest import write_token_folder
 
-    from moe_core.data.manifest import MANIFEST, build_manifest
-    from moe_core.data.shards import SPLITS, write_split
-    from moe_core.data.tokenizer import TOKENIZER_JSON
-    from moe_core.files import atomic_write, json_bytes, sha256_hex
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer or b'{"stand-in": "tokenizer"}'
-    atomic_write(out / TOKENIZER_JSON, tokenizer, sync=False)
-    records = {}
-    for split in SPLITS:
-        tokens = np.asarray(splits.get(split, []), dtype=np.int64)
-        records[split] = write_split(out, split, tokens, dtype, shard_tokens)
-    spec = {"format": "moe_core.tokens/1", "tokenizer": {"name": "stand-in"}}
-    info = {"sha256": sha256_hex(tokenizer), "vocab_size": vocab_size, "eos_id": 0, "dtype": dtype}
-    atomic_write(out / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
-    return out
+    return write_token_folder(
+        Path(path),
+        splits,
+        dtype=dtype,
+        shard_tokens=shard_tokens,
+        vocab_size=vocab_size,
+        eos_id=0,
+        tokenizer=tokenizer or b'{"stand-in": "tokenizer"}',
+    )
 
 
 @contextlib.contextmanager

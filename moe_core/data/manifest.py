@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from moe_core.data.errors import DataError
-from moe_core.data.shards import SPLITS, ShardRecord, shard_problem
+from moe_core.data.shards import SPLITS, ShardRecord, shard_problem, write_split
 from moe_core.data.tokenizer import TOKEN_DTYPES, TOKENIZER_JSON
-from moe_core.files import file_sha256, inside, sha256_hex
+from moe_core.files import atomic_write, file_sha256, inside, json_bytes, sha256_hex
 
 FORMAT = "moe_core.tokens/1"
 MANIFEST = "manifest.json"
@@ -43,6 +45,38 @@ def build_manifest(
         }
     out["total_tokens"] = sum(s["tokens"] for s in out["splits"].values())
     return out
+
+
+def write_token_folder(
+    path: Path,
+    splits: dict[str, np.ndarray],
+    *,
+    dtype: str,
+    shard_tokens: int,
+    vocab_size: int,
+    eos_id: int,
+    tokenizer: bytes,
+) -> Path:
+    """A data folder of ``moe tokenize``'s format holding token arrays one already has (tests,
+    benchmarks): each split's array is written as one document through the stage's own shard
+    writer, ``tokenizer`` (a ``tokenizer.json``'s bytes) beside it, the manifest last."""
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write(path / TOKENIZER_JSON, tokenizer, sync=False)
+    records = {
+        split: write_split(
+            path, split, np.asarray(splits.get(split, []), dtype=np.int64), dtype, shard_tokens
+        )
+        for split in SPLITS
+    }
+    spec = {"format": FORMAT, "tokenizer": {"name": "given"}}
+    info = {
+        "sha256": sha256_hex(tokenizer),
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "dtype": dtype,
+    }
+    atomic_write(path / MANIFEST, json_bytes(build_manifest(spec, info, 1, records)), sync=False)
+    return path
 
 
 @dataclass
