@@ -294,6 +294,22 @@ def test_latent_attention_at_cp4_within_documents_trains_the_single_process_mode
     assert abs(evals[0] - evals[1]) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # its parts run every time: CP=2 x EP=2 above, documents at CP=4 above
+def test_grouped_query_attention_within_documents_at_cp2_and_cp2_ep2(tmp_path):
+    """Grouped-query attention within packed documents that the chunks cut unevenly, at CP=2
+    and CP=2 x EP=2: losses, gradient norms, weights and every tensor's update reproduce one
+    process over 5 steps."""
+    splits = {"train": _documents(12_000, 4096, 2), "validation": _documents(2_000, 4096, 3)}
+    data = write_token_dir(tmp_path / "data", splits, 4096, vocab_size=4096)
+    run = [*BASE, *GQA, "data.kind=tokens", f"data.dir={data}", "train.document_mask=true"]
+    reference = tmp_path / "one"
+    Trainer(compose_run([*run, f"out_dir={reference}"])).fit(show_progress=False)
+    for name, nproc, layout in (("cp2", 2, []), ("cp2-ep2", 4, ["parallel.ep=2"])):
+        _train(nproc, [*run, "parallel.cp=2", *layout], tmp_path / name)
+        assert_trains_like(reference, tmp_path / name, steps=5, keys=("loss", "grad_norm"))
+
+
 def _stage(overrides: list[str]):
     return plan(compose_run([*BASE, *overrides]))
 
