@@ -172,6 +172,17 @@ RULES: tuple[Rule, ...] = (
         when="interleaved",
     ),
     Rule(
+        "parallel",
+        "parallel.cp",
+        "equals",
+        "parallel.pp",
+        1,
+        when="context",
+        sentence="parallel.cp={parallel.cp} with parallel.pp={parallel.pp} is not built yet: "
+        "context parallelism runs on layouts without pipeline stages; set parallel.pp=1 or "
+        "parallel.cp=1.",
+    ),
+    Rule(
         "run",
         "train.seq_len",
         "at_most",
@@ -224,6 +235,27 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "run",
+        "train.seq_len",
+        "multiple_of",
+        "train.seq_len",
+        "context_chunks",
+        "a multiple of 2 x parallel.cp ({context_chunks}) with parallel.cp={parallel.cp}: each "
+        "sequence is cut into 2 x cp equal chunks",
+        when="context",
+    ),
+    Rule(
+        "run",
+        "model.mtp_depth",
+        "equals",
+        "model.mtp_depth",
+        0,
+        when="context",
+        sentence="model.mtp_depth={model.mtp_depth} with parallel.cp={parallel.cp} is not built "
+        "yet: the multi-token-prediction modules shift whole sequences, which context "
+        "parallelism splits; set model.mtp_depth=0 or parallel.cp=1.",
+    ),
+    Rule(
+        "run",
         "precision.fp8_parts",
         "at_least",
         "parallel.ep",
@@ -259,6 +291,8 @@ def rule_quantities(**sections: Any) -> dict[str, Any]:
         q["interleaved"] = par.pp_schedule == "interleaved_1f1b"
         q["chunks"] = par.pp * par.virtual_stages
         q["data_parallel"] = par.dp * par.ep
+        q["context"] = par.cp > 1
+        q["context_chunks"] = 2 * par.cp
     if par is not None and t is not None:
         q["per_step"] = t.micro_batch_size * q["data_parallel"]
         q["micro_batches"] = t.global_batch_size // q["per_step"]
@@ -994,12 +1028,6 @@ class ParallelConfig:
         _finite(self, p)
         for name in ("pp", "dp", "ep", "cp", "virtual_stages", "bucket_mb"):
             _positive(p + name, getattr(self, name))
-        if self.cp > 1 and self.pp > 1:
-            raise OptionNotImplementedError(
-                f"parallel.cp={self.cp} with parallel.pp={self.pp} is not built yet: context "
-                "parallelism runs on layouts without pipeline stages; set parallel.pp=1 or "
-                "parallel.cp=1."
-            )
         if self.pp_schedule == "1f1b" and self.virtual_stages != 1:
             fail(p + "virtual_stages", self.virtual_stages, "1 with parallel.pp_schedule=1f1b")
         if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
@@ -1486,21 +1514,10 @@ class RunConfig:
             )
 
     def _check_context_parallel(self) -> None:
-        """What ``parallel.cp > 1`` needs of the rest of the run (``moe_core.model.context``)."""
-        cp, t = self.parallel.cp, self.train
-        if t.seq_len % (2 * cp):
-            fail(
-                "train.seq_len",
-                t.seq_len,
-                f"a multiple of 2 x parallel.cp ({2 * cp}) with parallel.cp={cp}: each sequence "
-                "is cut into 2 x cp equal chunks",
-            )
-        if self.model.mtp_depth:
-            raise OptionNotImplementedError(
-                f"model.mtp_depth={self.model.mtp_depth} with parallel.cp={cp} is not built yet: "
-                "the multi-token-prediction modules shift whole sequences, which context "
-                "parallelism splits; set model.mtp_depth=0 or parallel.cp=1."
-            )
+        """What ``parallel.cp > 1`` needs of the rest of the run (``moe_core.model.context``)
+        beyond the layout rules (``RULES``: chunks that divide the sequence, no pipeline
+        stages, no MTP)."""
+        cp = self.parallel.cp
         if self.eval.every:
             raise OptionNotImplementedError(
                 f"eval.every={self.eval.every} with parallel.cp={cp} is not built yet: "

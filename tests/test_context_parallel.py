@@ -11,12 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import BASE, assert_trains_like, explain, torchrun, write_token_dir
 
 from moe_core.compose import compose_run
 from moe_core.config import ConfigError, OptionNotImplementedError
+from moe_core.model import attention
 from moe_core.model.attention import causal_attention, context_attention
-from moe_core.model.context import ContextShard, local_positions, pairs_per_rank
+from moe_core.model.context import (
+    ContextShard,
+    context_varlen,
+    local_positions,
+    pairs_per_rank,
+    with_layout,
+)
 from moe_core.model.documents import documents_of
 from moe_core.model.kernel_choice import Kernels
 from moe_core.plan import plan
@@ -84,6 +92,105 @@ def test_a_ranks_document_mask_is_the_whole_masks_rows_of_its_queries():
         rows = local_positions(32, 2, rank)
         assert torch.equal(mine.mask()[:, 0], whole_BSS[:, rows])
         assert torch.equal(mine.positions_BS, docs.positions_BS[:, rows])  # RoPE positions
+
+
+def _documents_crossing_chunks(B: int, S: int, seed: int) -> torch.Tensor:
+    """Inputs whose documents cross the chunks' edges unevenly; the first row is one document
+    (a rank's head and tail chunk both reach its keys)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(1, 50, (B, S), generator=gen)
+    inputs[inputs < 8] = EOS
+    inputs[0] = 1
+    return inputs
+
+
+def _layout_mask(layout, B: int, S: int, K: int) -> torch.Tensor:
+    """[B, 1, S, K] boolean: which key each query sees under ``layout``, read as a varlen
+    kernel with causal attention aligned at the bottom right reads it (per segment, query i
+    of Lq sees its keys 0 .. i + Lk - Lq)."""
+    seen = torch.zeros(B * S, B * K, dtype=torch.bool)
+    cu_q, cu_k = layout.cu_seqlens_q.tolist(), layout.cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False):
+        keys = layout.key_index[k0:k1]
+        for i in range(q1 - q0):
+            seen[q0 + i, keys[: i + 1 + (k1 - k0) - (q1 - q0)]] = True
+    rows = seen.view(B, S, B, K).transpose(1, 2)  # [query row, key row, S, K]
+    assert not rows[~torch.eye(B, dtype=torch.bool)].any()  # no query reaches another row
+    return torch.stack([rows[b, b] for b in range(B)])[:, None]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_varlen_layout_of_a_ranks_segments_is_its_document_mask(cp):
+    """``context_varlen`` (host arithmetic): segments within one document and one chunk,
+    int32 boundaries ending at the totals, longest lengths as host ints; read as bottom-right
+    causal attention, exactly the mask of the rank's queries within their documents."""
+    B, S = 3, 48
+    docs = documents_of(_documents_crossing_chunks(B, S, cp), EOS)
+    for rank in range(cp):
+        layout = context_varlen(docs.positions_BS, cp, rank)
+        len_q, len_k = (torch.diff(c.long()) for c in (layout.cu_seqlens_q, layout.cu_seqlens_k))
+        assert layout.cu_seqlens_q.dtype == layout.cu_seqlens_k.dtype == torch.int32
+        assert int(layout.cu_seqlens_q[-1]) == B * S // cp
+        assert int(layout.cu_seqlens_k[-1]) == len(layout.key_index)
+        assert (len_q >= 1).all() and (len_k >= len_q).all()
+        assert (layout.max_len_q, layout.max_len_k) == (int(len_q.max()), int(len_k.max()))
+        expected = ContextShard(cp, rank, S).documents(docs).mask()
+        assert torch.equal(_layout_mask(layout, B, S // cp, S), expected)
+    # the one-document row: a rank's tail chunk reaches keys its head chunk reaches too
+    assert len(context_varlen(docs.positions_BS[:1], cp, 0).key_index) > S
+
+
+def _sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+    """A reference for ``flash_attn_varlen_func``: SDPA per (query segment, key segment) pair
+    under causal attention aligned at the bottom right (FlashAttention's convention where a
+    segment has fewer queries than keys), heads [T, H, d]."""
+    assert kw["causal"] and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q == int(torch.diff(cu_seqlens_q).max())
+    assert max_seqlen_k == int(torch.diff(cu_seqlens_k).max())
+    outs = []
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False):
+        Lq, Lk = q1 - q0, k1 - k0
+        mask = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)
+        qs, ks, vs = (x.transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=kw["softmax_scale"], enable_gqa=True
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_varlen_call_under_cp_gives_the_masked_paths_outputs_and_gradients(cp, monkeypatch):
+    """The FlashAttention 4 path of ``context_attention`` with documents (its key picking,
+    layouts, one varlen call), the kernel replaced by the SDPA reference per segment: outputs
+    and the gradients of queries and the gathered keys and values equal the masked SDPA path's
+    (grouped-query heads; the real kernel: tests/test_context_parallel_gpu.py)."""
+    monkeypatch.setattr(
+        attention,
+        "_varlen",
+        lambda q, k, v, cu, lens, scale: _sdpa_varlen(
+            q, k, v, *cu, *lens, causal=True, softmax_scale=scale
+        ),
+    )
+    B, H, Hkv, S, d = 2, 4, 2, 32, 8
+    docs = documents_of(_documents_crossing_chunks(B, S, 10 + cp), EOS)
+    gen = torch.Generator().manual_seed(cp)
+    for rank in range(cp):
+        shard = ContextShard(cp, rank, S)
+        q = torch.randn(B, H, S // cp, d, generator=gen, requires_grad=True)
+        k, v = (torch.randn(B, Hkv, S, d, generator=gen, requires_grad=True) for _ in "kv")
+        dy = torch.randn(B, S // cp, H * d, generator=gen)
+        results = []
+        for run in ("masked", "varlen"):
+            if run == "masked":
+                y = context_attention(q, k, v, Kernels(), shard, 0.3, docs)
+            else:
+                layout = shard.documents(with_layout(docs, cp, rank)).context
+                y = attention._flash4_context_varlen(q, k, v, layout, 0.3)
+            results.append((y, *torch.autograd.grad(y, [q, k, v], dy)))
+        for got, ref in zip(*results, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -185,6 +292,22 @@ def test_latent_attention_at_cp4_within_documents_trains_the_single_process_mode
         for x in ("one", "cp4")
     ]
     assert abs(evals[0] - evals[1]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # its parts run every time: CP=2 x EP=2 above, documents at CP=4 above
+def test_grouped_query_attention_within_documents_at_cp2_and_cp2_ep2(tmp_path):
+    """Grouped-query attention within packed documents that the chunks cut unevenly, at CP=2
+    and CP=2 x EP=2: losses, gradient norms, weights and every tensor's update reproduce one
+    process over 5 steps."""
+    splits = {"train": _documents(12_000, 4096, 2), "validation": _documents(2_000, 4096, 3)}
+    data = write_token_dir(tmp_path / "data", splits, 4096, vocab_size=4096)
+    run = [*BASE, *GQA, "data.kind=tokens", f"data.dir={data}", "train.document_mask=true"]
+    reference = tmp_path / "one"
+    Trainer(compose_run([*run, f"out_dir={reference}"])).fit(show_progress=False)
+    for name, nproc, layout in (("cp2", 2, []), ("cp2-ep2", 4, ["parallel.ep=2"])):
+        _train(nproc, [*run, "parallel.cp=2", *layout], tmp_path / name)
+        assert_trains_like(reference, tmp_path / name, steps=5, keys=("loss", "grad_norm"))
 
 
 def _stage(overrides: list[str]):

@@ -182,6 +182,13 @@ def test_memory_check_takes_the_machines_memory_as_a_value():
     with pytest.raises(InsufficientResourcesError, match=rf"needs {on_gpu:,} bytes .* per GPU"):
         check_memory(run, host_bytes=10**15, gpu_bytes=1000)
     check_memory(run, host_bytes=1000, gpu_bytes=on_gpu)  # a GPU run holds its model there
+    # every process of this host counts: at CP=2 two ranks each hold the whole model
+    cp2 = compose_run(["model=tiny", "parallel.cp=2", "cluster.procs_per_node=2"])
+    need = 2 * sum(s.total for s in plan(cp2).stages)
+    check_memory(cp2, host_bytes=need, gpu_bytes=None)
+    layout = rf"pp 1 x dp 1 x cp 2 x ep 1 needs {need:,}"
+    with pytest.raises(InsufficientResourcesError, match=layout):
+        check_memory(cp2, host_bytes=need - 1, gpu_bytes=None)
 
 
 def test_train_refuses_a_model_larger_than_this_machine_before_building_it(

@@ -85,6 +85,7 @@ def layout(**kw) -> dict:
         pp=1,
         dp=1,
         ep=1,
+        cp=1,
         virtual_stages=1,
         recompute="none",
         dispatcher="all_to_all",
@@ -121,6 +122,17 @@ LAYOUTS = [
     layout(precision="pure-bf16", micro_batch_size=2, global_batch_size=2, seq_len=128),
     layout(precision="pure-bf16", micro_batch_size=4, global_batch_size=4, seq_len=1024),
     layout(nodes=2, gpus_per_node=1, pp=2, precision="bf16", global_batch_size=1),
+    # context parallelism: with EP and DP over two nodes, alone with selective recompute (latent
+    # attention keeps nothing gathered), with block recompute; refused with pipeline stages, at
+    # a sequence 2 x cp does not divide, on a cluster sized without it
+    layout(nodes=2, gpus_per_node=8, dp=2, cp=2, ep=4, precision="bf16", global_batch_size=16,
+           seq_len=1024),
+    layout(gpus_per_node=4, cp=4, recompute="selective", precision="pure-bf16", seq_len=2048),
+    layout(gpus_per_node=8, cp=2, ep=4, recompute="block", precision="bf16", seq_len=4096,
+           micro_batch_size=2, global_batch_size=8),
+    layout(gpus_per_node=4, pp=2, cp=2, precision="bf16"),
+    layout(nodes=3, gpus_per_node=1, cp=3),
+    layout(gpus_per_node=8, dp=2, cp=2, global_batch_size=4),
 ]  # fmt: skip
 
 
@@ -144,6 +156,9 @@ def test_page_numbers_are_the_planners_on_a_grid(page: str):
     # the grid holds both: layouts the planner sizes, and layouts the config refuses
     numbers, refusals = sum(sized), len(sized) - sum(sized)
     assert numbers >= 60 and refusals >= 60, (numbers, refusals)
+    # context-parallel layouts among the sized ones (their K/V exchange and gathered keys)
+    with_cp = sum(ok for lay, ok in zip(grid, sized, strict=True) if lay["cp"] > 1)
+    assert with_cp >= 10, with_cp
 
 
 def same_plan(mine: dict, ref: dict, lay: dict) -> bool:
@@ -798,10 +813,17 @@ def test_config_and_page_refuse_a_grid_of_layouts_with_the_same_rule_table(page:
                 "dispatcher": "nvshmem_rowwise",
             },
             {"ep": 2, "gpus_per_node": 2, "dispatcher": "nvshmem_rowwise", "precision": "bf16"},
+            {"pp": 2, "cp": 2, "nodes": 4},
+            {"cp": 3, "nodes": 3},
+            {"cp": 2, "nodes": 2, "seq_len": 1024},
         )
     ]
+    mtp = {**data["models"]["small-64e"]["config"], "mtp_depth": 1}  # no conf/model has MTP
+    data["models"]["mtp"] = {"config": mtp}
+    grid += [{**layout(), "model": "mtp", "cp": cp, "nodes": cp} for cp in (1, 2)]
     js = page_engine(page)
     js.eval(f"DATA.precisions['fp8 dispatch'] = {json.dumps(dispatch)};")
+    js.eval(f"DATA.models.mtp = {{config: {json.dumps(mtp)}}};")
     script = (
         f"JSON.stringify({json.dumps(grid)}.map((L) => configRefusal("
         "DATA.models[L.model].config, L, DATA.precisions[L.precision], DATA.rules, "

@@ -7,6 +7,7 @@ Skipped where Playwright or a Chromium binary is not installed (CI installs neit
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -122,5 +123,23 @@ def test_page_in_chromium_offline(tmp_path: Path):
         set_value(page, "model", "olmoe-1b-7b")
         assert page.locator("#custom").is_hidden()
         assert page.locator("#mem-total").inner_text() == gib(one.memory.total)
+
+        # Context parallelism: each sequence over two GPUs, its K/V exchange a row of its own;
+        # with pipeline stages the config's sentence.
+        set_value(page, "gpus_per_node", "2")
+        set_value(page, "cp", "2")
+        gpus = ["cluster.procs_per_node=2", "cluster.gpus_per_node=2"]
+        cp2 = plan(compose_run([*TOUR[0][3], *gpus, "parallel.cp=2"]))
+        assert page.locator("#mem-total").inner_text() == gib(cp2.memory.total)
+        assert "pp 1 x dp 1 x cp 2 x ep 1 = 2 GPUs" in page.locator("#world").inner_text()
+        row = page.locator("#comm-table tr", has_text="CP key/value").inner_text()
+        per_layer, step = re.search(r"\(([\d.]+) GiB per layer.*?\)\t([\d.]+)\t", row).groups()
+        assert abs(float(per_layer) - cp2.comm.context_per_layer / GIB) <= 0.0051  # 2 decimals
+        assert abs(float(step) - cp2.comm.context / GIB) <= 0.0051 and "NVLink" in row
+        set_value(page, "pp", "2")
+        assert page.locator("#refusal").inner_text() == (
+            "Refused: parallel.cp=2 with parallel.pp=2 is not built yet: context parallelism "
+            "runs on layouts without pipeline stages; set parallel.pp=1 or parallel.cp=1."
+        )
         browser.close()
     assert blocked == [] and errors == []

@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_core.config import ModelConfig
 from moe_core.model.context import ContextShard, chunk_ids
-from moe_core.model.documents import Documents
+from moe_core.model.documents import ContextVarlen, Documents
 from moe_core.model.eager import eager
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.norm import RMSNorm
@@ -163,6 +163,30 @@ def _flash4(
     return out[0] if isinstance(out, tuple) else out
 
 
+def _varlen(
+    q_THd: torch.Tensor,
+    k_THd: torch.Tensor,
+    v_THe: torch.Tensor,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+    max_lens: tuple[int, int],
+    scale: float | None,
+) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q_THd,
+        k_THd,
+        v_THe,
+        cu_seqlens_q=cu_seqlens[0],
+        cu_seqlens_k=cu_seqlens[1],
+        max_seqlen_q=max_lens[0],
+        max_seqlen_k=max_lens[1],
+        softmax_scale=scale,
+        causal=True,
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
 @eager
 def _flash4_varlen(
     q_THd: torch.Tensor,
@@ -174,20 +198,30 @@ def _flash4_varlen(
     """FlashAttention 4 over the documents of a flattened batch (T = B * S tokens). ``docs``
     is read here, outside any compiled region, so its document count and longest document
     never become part of a compiled graph."""
-    from flash_attn.cute import flash_attn_varlen_func
+    cu, longest = docs.cu_seqlens_N, docs.max_len
+    return _varlen(q_THd, k_THd, v_THe, (cu, cu), (longest, longest), scale)
 
-    out = flash_attn_varlen_func(
-        q_THd,
-        k_THd,
-        v_THe,
-        cu_seqlens_q=docs.cu_seqlens_N,
-        cu_seqlens_k=docs.cu_seqlens_N,
-        max_seqlen_q=docs.max_len,
-        max_seqlen_k=docs.max_len,
-        softmax_scale=scale,
-        causal=True,
+
+@eager
+def _flash4_context_varlen(
+    q_BHSd: torch.Tensor,
+    k_BHKd: torch.Tensor,
+    v_BHKe: torch.Tensor,
+    layout: ContextVarlen,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlashAttention 4 over a context-parallel rank's document segments (``ContextVarlen``):
+    [B, S, H * e] out. Eager for the reason ``_flash4_varlen`` is; the picked keys (a key in a
+    document that both of the rank's chunks reach is picked twice) have their gradients summed
+    back by ``index_select``'s backward."""
+    B, H, S, _ = q_BHSd.shape
+    q_THd = q_BHSd.transpose(1, 2).reshape(B * S, H, -1)
+    k_THd, v_THe = (
+        x.transpose(1, 2).flatten(0, 1).index_select(0, layout.key_index) for x in (k_BHKd, v_BHKe)
     )
-    return out[0] if isinstance(out, tuple) else out
+    cu = (layout.cu_seqlens_q, layout.cu_seqlens_k)
+    out = _varlen(q_THd, k_THd, v_THe, cu, (layout.max_len_q, layout.max_len_k), scale)
+    return out.reshape(B, S, -1)
 
 
 def causal_attention(
@@ -235,18 +269,22 @@ def context_attention(
     x S, in sequence order, ``ContextShard.gather``). Each chunk attends the keys up to its own
     end, causally aligned at the bottom right (its last query sees every one of them):
     FlashAttention 4's causal kernel where ``kernels`` picks it and it runs, else SDPA under
-    that mask. With ``docs``: one SDPA under the documents' mask between this rank's queries
-    and every key (no varlen kernel here yet)."""
+    that mask. With ``docs``: FlashAttention 4's varlen kernel over the rank's document
+    segments (``context.context_varlen``) where it runs and the layout came with ``docs``, else
+    one SDPA under the documents' mask between this rank's queries and every key."""
     B, H, S, _ = q_BHSd.shape
     gqa = k_BHKd.shape[1] != H
+    flash = kernels.attention == "flash4" and q_BHSd.is_cuda and q_BHSd.dtype in HALF
     if docs is not None:
-        mask = shard.documents(docs).mask()
+        mine = shard.documents(docs)
+        if flash and mine.context is not None:
+            return _flash4_context_varlen(q_BHSd, k_BHKd, v_BHKe, mine.context, scale)
+        mask = mine.mask()
         o_BHSe = F.scaled_dot_product_attention(
             q_BHSd, k_BHKd, v_BHKe, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         return o_BHSe.transpose(1, 2).reshape(B, S, -1)
     c = shard.chunk
-    flash = kernels.attention == "flash4" and q_BHSd.is_cuda and q_BHSd.dtype in HALF
     outs = []
     for i, chunk in enumerate(chunk_ids(shard.cp, shard.rank)):
         end = (chunk + 1) * c

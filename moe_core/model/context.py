@@ -15,16 +15,24 @@ sliced.
 The gather (``ContextShard.gather``): forward all-gathers the slices over the group and puts the
 keys in sequence order; backward reduce-scatters their gradients, so each rank gets the sum of
 every rank's gradient for its own keys. Both are plain collectives, which gloo and NCCL run.
+
+Documents under context parallelism on FlashAttention 4 (``context_varlen``): a rank's queries
+in one document and one chunk attend that document's keys up to their own position, which is
+causal attention aligned at the bottom right between the segment's queries and the document's
+keys up to the segment's end. Cut at document starts and chunk edges, the queries become
+segments whose keys, picked from the gathered ones, lie segment after segment: one varlen call
+with separate query and key ``cu_seqlens``. The layout is computed on the host beside the
+documents (the kernel needs the segment counts and longest lengths as host values).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from moe_core.model.documents import Documents
+from moe_core.model.documents import ContextVarlen, Documents
 from moe_core.model.eager import eager
 
 # Flat-tensor collectives under their current names (torch 2.13 renamed them; 2.11 has the old).
@@ -47,6 +55,47 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 def pairs_per_rank(seq_len: int, cp: int) -> list[int]:
     """Causal query-key pairs each rank's queries attend (what the balance equalizes)."""
     return [int((local_positions(seq_len, cp, r) + 1).sum()) for r in range(cp)]
+
+
+def context_varlen(positions_BS: torch.Tensor, cp: int, rank: int) -> ContextVarlen:
+    """Rank ``rank``'s varlen layout (``ContextVarlen``) from the whole micro-batch's positions
+    within documents (``Documents.positions_BS``, host tensor [B, S]): pure host arithmetic."""
+    B, S = positions_BS.shape
+    c = S // (2 * cp)
+    doc_pos_BQ = positions_BS.index_select(1, local_positions(S, cp, rank)).long()
+    # a segment starts at each document start and at each chunk's first query
+    starts_BQ = doc_pos_BQ == 0
+    starts_BQ[:, ::c] = True
+    first_N = starts_BQ.reshape(-1).nonzero().squeeze(1)
+    len_q_N = torch.diff(first_N, append=torch.tensor([B * 2 * c]))
+    # its keys also hold the document's keys before its first query (in an earlier chunk)
+    len_k_N = len_q_N + doc_pos_BQ.reshape(-1)[first_N]
+    # a (row, chunk) piece's keys: from the start of the document its first query is in to the
+    # chunk's end; the segments' keys tile them in order
+    lead_P = doc_pos_BQ[:, ::c].reshape(-1)
+    chunk_end_P = torch.tensor([(i + 1) * c for i in chunk_ids(cp, rank)]).repeat(B)
+    row_P = torch.arange(B).repeat_interleave(2)
+    first_key_P = row_P * S + chunk_end_P - c - lead_P
+    len_P = c + lead_P
+    piece_T = torch.arange(2 * B).repeat_interleave(len_P)
+    offset_P = torch.cumsum(len_P, 0) - len_P
+    key_index_T = first_key_P[piece_T] + torch.arange(int(len_P.sum())) - offset_P[piece_T]
+
+    def cumulative(len_N: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(len_N, 0)]).int()
+
+    return ContextVarlen(
+        cumulative(len_q_N),
+        cumulative(len_k_N),
+        int(len_q_N.max()),
+        int(len_k_N.max()),
+        key_index_T,
+    )
+
+
+def with_layout(docs: Documents, cp: int, rank: int) -> Documents:
+    """``docs`` (host) with rank ``rank``'s varlen layout (``context_varlen``)."""
+    return replace(docs, context=context_varlen(docs.positions_BS, cp, rank))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -138,4 +187,5 @@ class ContextShard:
             docs.max_len,
             key_positions_BS=docs.positions_BS,
             query_index_S=self.positions(docs.positions_BS.device),
+            context=docs.context,
         )

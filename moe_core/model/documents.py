@@ -16,6 +16,33 @@ import torch
 
 
 @dataclass
+class ContextVarlen:
+    """One context-parallel rank's queries laid out for a varlen attention kernel
+    (``context.context_varlen``): its queries cut into segments (each inside one document and
+    one chunk, flattened row after row, head chunk then tail chunk), and for each segment the
+    keys of its document up to the segment's end, picked from the gathered keys (flattened
+    [B * S]) by ``key_index`` and laid out segment after segment. A segment's last query sees
+    all its keys, the others causally before it: causal attention aligned at the bottom right.
+    ``cu_seqlens_q``/``cu_seqlens_k``: where each segment starts, then the totals (int32);
+    ``max_len_q``/``max_len_k``: the longest segments (host ints, so no sync)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_len_q: int
+    max_len_k: int
+    key_index: torch.Tensor
+
+    def _map(self, f) -> ContextVarlen:
+        return ContextVarlen(
+            f(self.cu_seqlens_q),
+            f(self.cu_seqlens_k),
+            self.max_len_q,
+            self.max_len_k,
+            f(self.key_index),
+        )
+
+
+@dataclass
 class Documents:
     """``positions_BS``: each input's position within its document; ``cu_seqlens_N``: where
     each document starts in the batch flattened row after row, then ``B * S`` (int32, the
@@ -23,13 +50,15 @@ class Documents:
 
     Under context parallelism (``ContextShard.documents``) a rank holds some of each row's
     tokens: ``positions_BS`` are its tokens', ``query_index_S`` their places in the whole
-    sequence, and ``key_positions_BS`` the whole sequence's positions (the gathered keys')."""
+    sequence, and ``key_positions_BS`` the whole sequence's positions (the gathered keys').
+    ``context``: that rank's varlen layout, computed on the host (``context.with_layout``)."""
 
     positions_BS: torch.Tensor
     cu_seqlens_N: torch.Tensor
     max_len: int
     key_positions_BS: torch.Tensor | None = None
     query_index_S: torch.Tensor | None = None
+    context: ContextVarlen | None = None
 
     def _map(self, f) -> Documents:
         optional = (self.key_positions_BS, self.query_index_S)
@@ -38,6 +67,7 @@ class Documents:
             f(self.cu_seqlens_N),
             self.max_len,
             *(None if t is None else f(t) for t in optional),
+            context=None if self.context is None else self.context._map(f),
         )
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Documents:

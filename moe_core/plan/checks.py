@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from moe_core.config import ConfigError, RunConfig
+from moe_core.config import ConfigError, ParallelConfig, RunConfig
 from moe_core.plan.memory import GIB
 from moe_core.plan.planner import Plan, plan
 
@@ -17,13 +17,18 @@ class InsufficientResourcesError(ConfigError):
     """The run needs more GPUs (or GPU memory) than the machine offers; one sentence."""
 
 
+def layout_text(par: ParallelConfig) -> str:
+    """``pp 1 x dp 2 x ep 4``, with ``x cp 2`` before ep where context parallelism is on."""
+    return f"pp {par.pp} x dp {par.dp}{f' x cp {par.cp}' if par.cp > 1 else ''} x ep {par.ep}"
+
+
 def fit_refusal(p: Plan) -> str | None:
     """One sentence when the busiest rank does not fit ``cluster.gpu_memory_gib``, else None."""
     if p.fits():
         return None
     par, c = p.parallel, p.cluster
     return (
-        f"{p.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep} needs "
+        f"{p.name} with layout {layout_text(par)} needs "
         f"{p.per_gpu_gib:.1f} GiB per GPU but a {c.gpu_type} has {c.gpu_memory_gib:g} GiB: "
         "raise parallel.ep or parallel.pp, lower train.micro_batch_size or turn on "
         "parallel.recompute."
@@ -35,15 +40,17 @@ def check_cluster(run: RunConfig) -> None:
     c, par = run.cluster, run.parallel
     if c.world_size == par.world_size:
         return
+    axes = ("pp", "dp", "cp", "ep") if par.cp > 1 else ("pp", "dp", "ep")
     hint = (
         f"set cluster.nodes={par.world_size // c.procs_per_node}"
         if par.world_size % c.procs_per_node == 0
-        else "change cluster.nodes/procs_per_node or parallel.pp/dp/ep"
+        else f"change cluster.nodes/procs_per_node or parallel.{'/'.join(axes)}"
     )
     raise ConfigError(
         f"cluster {c.name!r} starts cluster.nodes x cluster.procs_per_node = {c.nodes} x "
-        f"{c.procs_per_node} = {c.world_size} processes but the layout parallel.pp x dp x ep = "
-        f"{par.pp} x {par.dp} x {par.ep} needs {par.world_size}: {hint}."
+        f"{c.procs_per_node} = {c.world_size} processes but the layout parallel."
+        f"{' x '.join(axes)} = {' x '.join(str(getattr(par, a)) for a in axes)} needs "
+        f"{par.world_size}: {hint}."
     )
 
 
@@ -59,7 +66,7 @@ def check_resources(
     needed = par.world_size
     if needed > available_gpus:
         raise InsufficientResourcesError(
-            f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep} needs "
+            f"model {run.model.name} with layout {layout_text(par)} needs "
             f"{needed} GPUs but this machine has {available_gpus}: launch it on a cluster "
             "(cluster=slurm or cluster=kubernetes) or choose a smaller layout."
         )
@@ -68,7 +75,7 @@ def check_resources(
     p = plan(run)
     if p.memory.total > available_gpu_memory_gib * GIB:
         raise InsufficientResourcesError(
-            f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep} needs "
+            f"model {run.model.name} with layout {layout_text(par)} needs "
             f"{p.per_gpu_gib:.1f} GiB per GPU but this machine's GPUs have "
             f"{available_gpu_memory_gib:.1f} GiB: raise parallel.ep or parallel.pp, lower "
             "train.micro_batch_size or turn on parallel.recompute."
@@ -102,7 +109,7 @@ def check_memory(run: RunConfig, host_bytes: int, gpu_bytes: int | None) -> None
         run = dataclasses.replace(run, cluster=gpus)
     p = plan(run)
     par = run.parallel
-    layout = f"model {run.model.name} with layout pp {par.pp} x dp {par.dp} x ep {par.ep}"
+    layout = f"model {run.model.name} with layout {layout_text(par)}"
     hint = (
         "choose a smaller model (model=tiny), raise parallel.ep or parallel.pp on more devices, "
         "lower train.micro_batch_size or turn on parallel.recompute"
@@ -115,7 +122,7 @@ def check_memory(run: RunConfig, host_bytes: int, gpu_bytes: int | None) -> None
             )
         return
     # Every rank of a stage holds the same; this host runs its share of the ranks.
-    needed = sum(s.total for s in p.stages) * par.data_parallel // run.cluster.nodes
+    needed = sum(s.total for s in p.stages) * (par.world_size // par.pp) // run.cluster.nodes
     if needed > host_bytes:
         raise InsufficientResourcesError(
             f"{layout} needs {_gib(needed)} of memory on this machine (the plan's peak of its "

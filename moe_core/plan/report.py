@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moe_core.parallel.ddp import reduce_groups
+from moe_core.plan.checks import layout_text
 from moe_core.plan.memory import GIB
 
 if TYPE_CHECKING:
@@ -54,8 +55,7 @@ def _layout_rows(p: Plan) -> Rows:
         ("parameters", f"{_count(p.total_params)} total, {_count(p.active_params)} active"),
         (
             "layout",
-            f"pp {par.pp} x dp {par.dp}{f' x cp {par.cp}' if par.cp > 1 else ''} x ep {par.ep} "
-            f"= {p.gpus} {unit} "
+            f"{layout_text(par)} = {p.gpus} {unit} "
             f"({par.pp_schedule}, recompute {par.recompute}, {p.param_dtype} weights, "
             f"{p.compute_dtype} compute)",
         ),

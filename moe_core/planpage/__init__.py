@@ -226,6 +226,7 @@ def layout_of(run: RunConfig, model_key: str, precisions: dict[str, Precision]) 
         "pp": par.pp,
         "dp": par.dp,
         "ep": par.ep,
+        "cp": par.cp,
         "virtual_stages": par.virtual_stages,
         "recompute": par.recompute,
         "dispatcher": par.dispatcher,
@@ -252,6 +253,7 @@ def run_of(layout: Layout, data: dict[str, Any]) -> RunConfig:
         pp=layout["pp"],
         dp=dp,
         ep=ep,
+        cp=layout["cp"],
         virtual_stages=v,
         pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
         recompute=layout["recompute"],
@@ -289,7 +291,10 @@ def evaluate(layout: Layout, data: dict[str, Any]) -> dict[str, Any]:
         "stages": [s.total for s in p.stages],
         "comm": {
             name: getattr(p.comm, name)
-            for name in ("all_to_all", "reduce_scatter", "all_gather", "pipeline")
+            for name in (
+                *("all_to_all", "reduce_scatter", "all_gather", "pipeline"),
+                *("context_per_layer", "context"),
+            )
         },
         "reach": dataclasses.asdict(p.comm.reach),
         "plain": dataclasses.asdict(p.comm.plain),

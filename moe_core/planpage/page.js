@@ -5,8 +5,8 @@
 
 const DATA = JSON.parse(document.getElementById("plan-data").textContent);
 const $ = (id) => document.getElementById(id);
-const INTS = ["nodes", "gpus_per_node", "pp", "dp", "ep", "virtual_stages", "micro_batch_size",
-  "global_batch_size", "seq_len"];
+const INTS = ["nodes", "gpus_per_node", "pp", "dp", "ep", "cp", "virtual_stages",
+  "micro_batch_size", "global_batch_size", "seq_len"];
 const TEXTS = ["model", "gpu", "recompute", "dispatcher", "precision"];
 const CUSTOM = DATA.custom_model; // the model select's entry for sizes typed into the page
 let seededFrom = null; // the model whose config the custom sizes started from
@@ -147,10 +147,10 @@ function update() {
   const own = custom ? withCustom() : { data: DATA };
   const data = own.data;
   const r = data ? planLayout(data, L) : { refusal: own.refusal };
-  const world = L.pp * L.dp * L.ep;
+  const world = L.pp * L.dp * L.cp * L.ep;
   const m = data ? data.models[L.model] : null;
   $("world").textContent = (m ? `${L.model}: ${count(m.total_params)} parameters, ` +
-    `${count(m.active_params)} active. ` : "") + `Layout pp ${L.pp} x dp ${L.dp} x ep ${L.ep} = ` +
+    `${count(m.active_params)} active. ` : "") + `Layout ${layoutText(L)} = ` +
     `${world} GPUs; cluster ${L.nodes} x ${L.gpus_per_node} = ${L.nodes * L.gpus_per_node}.`;
   $("refusal").hidden = !r.refusal;
   $("refusal").textContent = r.refusal ? `Refused: ${r.refusal}` : "";
@@ -202,11 +202,14 @@ function update() {
   const a2aLink = L.ep <= L.gpus_per_node
     ? "NVLink"
     : L.gpus_per_node > 1 ? "NVLink + network" : "network";
+  const reduced = L.dp * L.cp * L.ep; // the dense weights' group (dp x cp x ep)
   const comm = [
     ["EP dispatch + combine (all-to-all)", r.comm.all_to_all, L.ep > 1 ? a2aLink : "-", t.all_to_all],
-    ["DP gradient reduce-scatter", r.comm.reduce_scatter, linkOf(L.dp * L.ep, L), t.reduce_scatter],
-    ["DP weight all-gather", r.comm.all_gather, linkOf(L.dp * L.ep, L), t.all_gather],
+    ["DP gradient reduce-scatter", r.comm.reduce_scatter, linkOf(reduced, L), t.reduce_scatter],
+    ["DP weight all-gather", r.comm.all_gather, linkOf(reduced, L), t.all_gather],
     ["PP activation and gradient sends", r.comm.pipeline, linkOf(world, L), t.pipeline],
+    [`CP key/value all-gather + gradient reduce-scatter (${gib(r.comm.context_per_layer)} GiB ` +
+      "per layer and micro-batch)", r.comm.context, linkOf(L.cp * L.ep, L), t.context],
   ];
   fill(document.querySelector("#comm-table tbody"), comm.map(([name, bytes, link, s]) => [[
     cell(name), cell(gib(bytes), "num"), cell(bytes ? link : "-"), cell(fixed(s * 1e3, 1), "num"),
@@ -285,7 +288,8 @@ function calibration() {
       Object.entries(DATA.gpus).map(([k, g]) =>
         `${k} ${g.memory_gib} GiB, NVLink ${g.nvlink_gb_s} GB/s, network ${g.network_gb_s} GB/s`)
         .join("; ") + ". No multi-GPU rate has been measured for these layouts yet."),
-    li("Nothing overlaps: compute, all-to-all and pipeline sends add up and the bubble " +
+    li("Nothing overlaps: compute, all-to-all, pipeline sends and the CP key/value exchange " +
+      "add up and the bubble " +
       "stretches them; reduce-scatter and all-gather follow. Routing is uniform (group-limited: " +
       "its groups uniformly, then its experts among theirs); block " +
       `recompute costs ${fixed(DATA.constants.block_recompute_flops, 2)}x the FLOPs; ` +

@@ -48,13 +48,14 @@ const RULE_CHECKS = {
 // moe_core.config.rule_quantities of the run config planpage.run_of builds from layout L.
 function ruleQuantities(m, L, prec) {
   const q = { interleaved: L.virtual_stages > 1, chunks: L.pp * L.virtual_stages,
-    data_parallel: L.dp * L.ep, fp8_dispatch: prec.fp8_parts.includes("dispatch") };
+    data_parallel: L.dp * L.ep, fp8_dispatch: prec.fp8_parts.includes("dispatch"),
+    context: L.cp > 1, context_chunks: 2 * L.cp };
   for (const [name, v] of Object.entries(m)) q[`model.${name}`] = v;
   for (const [name, v] of Object.entries(prec)) q[`precision.${name}`] = v;
   for (const name of ["seq_len", "micro_batch_size", "global_batch_size"])
     q[`train.${name}`] = L[name];
   q["train.eval_batches"] = Math.max(q.data_parallel, 1); // as run_of sets it
-  for (const name of ["pp", "dp", "ep", "virtual_stages", "dispatcher"])
+  for (const name of ["pp", "dp", "ep", "cp", "virtual_stages", "dispatcher"])
     q[`parallel.${name}`] = L[name];
   q.per_step = L.micro_batch_size * q.data_parallel;
   q.micro_batches = Math.floor(L.global_batch_size / q.per_step);
@@ -146,24 +147,55 @@ function configRefusal(m, L, prec, rules, constants) {
     ["train.global_batch_size", "global_batch_size"]]) || ruleRefusal(rules, "train", q);
   if (train) return train;
   const par = positive([["parallel.pp", "pp"], ["parallel.dp", "dp"], ["parallel.ep", "ep"],
-    ["parallel.virtual_stages", "virtual_stages"]]) || ruleRefusal(rules, "parallel", q);
+    ["parallel.cp", "cp"], ["parallel.virtual_stages", "virtual_stages"]]) ||
+    ruleRefusal(rules, "parallel", q);
   if (par) return par;
   const cluster = positive([["cluster.nodes", "nodes"],
     ["cluster.procs_per_node", "gpus_per_node"]]);
   if (cluster) return cluster;
   const run = ruleRefusal(rules, "run", q) || runRefusal(m, L, prec, constants.fp8_gemm_align);
   if (run) return run;
-  const world = L.pp * dpep;
+  const world = L.pp * dpep * L.cp;
   const procs = L.nodes * L.gpus_per_node;
   if (procs !== world) {
+    const axes = L.cp > 1 ? ["pp", "dp", "cp", "ep"] : ["pp", "dp", "ep"];
     const hint = world % L.gpus_per_node === 0
       ? `set cluster.nodes=${world / L.gpus_per_node}`
-      : "change cluster.nodes/procs_per_node or parallel.pp/dp/ep";
+      : `change cluster.nodes/procs_per_node or parallel.${axes.join("/")}`;
     return `cluster 'page' starts cluster.nodes x cluster.procs_per_node = ${L.nodes} x ` +
-      `${L.gpus_per_node} = ${procs} processes but the layout parallel.pp x dp x ep = ` +
-      `${L.pp} x ${L.dp} x ${L.ep} needs ${world}: ${hint}.`;
+      `${L.gpus_per_node} = ${procs} processes but the layout parallel.${axes.join(" x ")} = ` +
+      `${axes.map((a) => L[a]).join(" x ")} needs ${world}: ${hint}.`;
   }
   return null;
+}
+
+// plan.checks.layout_text: "pp 1 x dp 2 x ep 4", with "x cp 2" before ep under context
+// parallelism.
+function layoutText(L) {
+  return `pp ${L.pp} x dp ${L.dp}${L.cp > 1 ? ` x cp ${L.cp}` : ""} x ep ${L.ep}`;
+}
+
+// Context parallelism (layout L's cp > 1), per attention layer and micro-batch of T tokens a
+// rank holds, bc bytes per compute element: what plan.memory.context_activation_bytes keeps
+// (the gathered keys and values; latent attention: its gathered compressed key-value and the
+// other ranks' expansions, none under selective recompute) and what
+// plan.communication.context_bytes_per_layer sends (all-gather + gradient reduce-scatter, the
+// forward again where it is recomputed).
+function contextBytes(m, L, T, bc) {
+  if (L.cp === 1) return { kept: 0, sent: 0 };
+  const latent = m.kv_lora_rank !== null;
+  const kv = m.n_kv_heads === null ? m.n_heads : m.n_kv_heads;
+  const hd = latent ? m.qk_nope_head_dim + m.qk_rope_head_dim
+    : m.head_dim === null ? Math.floor(m.d_model / m.n_heads) : m.head_dim;
+  let kept = (L.cp - 1) * T * 2 * kv * hd * bc;
+  if (latent) {
+    const expanded = m.n_heads * hd + m.n_heads * (m.qk_nope_head_dim + m.v_head_dim);
+    kept = L.recompute === "selective" ? 0
+      : T * bc * ((L.cp - 1) * expanded + L.cp * m.kv_lora_rank);
+  }
+  const width = latent ? m.kv_lora_rank + m.qk_rope_head_dim : 2 * kv * hd;
+  const again = L.recompute === "block" || (L.recompute === "selective" && latent);
+  return { kept, sent: (L.cp - 1) * T * width * bc * (again ? 3 : 2) };
 }
 
 // Memory per stage, communication, time per step and the refusal of layout L (see
@@ -181,21 +213,26 @@ function planLayout(data, L) {
   const bo = C.dtype_bytes[prec.optimizer];
   const sh = model.shapes;
   const d = m.d_model, k = m.top_k, E = m.n_experts, h = m.expert_hidden;
-  const T = L.micro_batch_size * L.seq_len;
+  const T = Math.floor((L.micro_batch_size * L.seq_len) / L.cp); // a rank's share (cp)
   const dpep = L.dp * L.ep;
+  // parallel.ddp.reduce_groups: dense weights over dp x cp x ep ranks, experts over dp x cp
+  const denseGroup = dpep * L.cp, expertGroup = L.dp * L.cp;
+  const context = contextBytes(m, L, T, C.dtype_bytes[prec.compute]);
+  const gathered = context.kept; // every block's attention, each layer
   const nMb = L.global_batch_size / (L.micro_batch_size * dpep);
   const v = L.virtual_stages;
   const nChunks = L.pp * v;
   const perChunk = m.n_layers / nChunks;
   const block = L.recompute === "block";
-  const autogradGrads = dpep === 1 && (nMb === 1 || bp === bo);
+  const autogradGrads = denseGroup === 1 && (nMb === 1 || bp === bo);
   const acts = model.activation[L.precision];
   const aLayer = acts[block ? "none" : L.recompute];
   const aFull = acts.none;
   // a leading dense block's, per token and micro-batch (plan.memory.activation_bytes)
   const denseActs = model.dense_activation[L.precision];
-  const denseFull = m.n_dense_layers ? T * denseActs.none : 0;
-  const denseLayer = m.n_dense_layers ? T * denseActs[block ? "none" : L.recompute] : 0;
+  const denseFull = m.n_dense_layers ? T * denseActs.none + gathered : 0;
+  const denseLayer = m.n_dense_layers
+    ? T * denseActs[block ? "none" : L.recompute] + gathered : 0;
   // plan.memory.chunk_blocks: [dense, MoE] blocks of a chunk (the leading layers are dense)
   const chunkBlocks = (c) => {
     const dense = Math.max(0, Math.min((c + 1) * perChunk, m.n_dense_layers) - c * perChunk);
@@ -247,20 +284,20 @@ function planLayout(data, L) {
       }
     }
     const experts = Math.floor((moeLayers * sh.layer_expert) / L.ep);
-    const denseShard = dpep > 1 ? dense / dpep : 0;
-    const expertShard = L.dp > 1 ? experts / L.dp : 0;
+    const denseShard = denseGroup > 1 ? dense / denseGroup : 0;
+    const expertShard = expertGroup > 1 ? experts / expertGroup : 0;
     let grads = bo * (dense + experts) + bo * (denseShard + expertShard);
     let transient = largest * bp;
     const stateBytes = 2 * bo + (bp < bo ? 4 : 0);
-    const optimizer = stateBytes * (dense / dpep + experts / L.dp);
+    const optimizer = stateBytes * (dense / denseGroup + experts / expertGroup);
     const flight = inFlight(L.pp, v, s, nMb);
     // block recompute: the inputs, and one block rematerialized (the largest kind held);
     // else in-flight forwards of the rank's largest chunk
     let activations = block
-      ? flight * perChunk * T * d * bp + Math.max(moeLayers ? T * aFull + extraFull : 0,
-        denseBlocks ? denseFull : 0)
+      ? flight * perChunk * T * d * bp + Math.max(moeLayers ? T * aFull + extraFull + gathered
+        : 0, denseBlocks ? denseFull : 0)
       : flight * Math.max(...blocks.map(([nDense, nMoe]) =>
-        nMoe * (T * aLayer + extraLayer) + nDense * denseLayer));
+        nMoe * (T * aLayer + extraLayer + gathered) + nDense * denseLayer));
     if (last) activations += headAct + mtpActs;
     if (autogradGrads) {
       grads = bp * (dense + experts);
@@ -283,7 +320,8 @@ function planLayout(data, L) {
       reserve,
     };
     const total = Object.values(parts).reduce((a, b) => a + b, 0);
-    stages.push({ stage: s, dense, experts, moeLayers, parts, total });
+    const layers = denseBlocks + moeLayers;
+    stages.push({ stage: s, dense, experts, layers, moeLayers, parts, total });
   }
   const busiest = stages.reduce((a, b) => (b.total > a.total ? b : a));
   const heaviest = stages.reduce((a, b) => (b.dense + b.experts > a.dense + a.experts ? b : a));
@@ -302,14 +340,18 @@ function planLayout(data, L) {
   const moeLayers = Math.max(...stages.map((st) => st.moeLayers)); // only MoE layers dispatch
   const comm = {
     all_to_all: pyRound(perLayer * moeLayers * nMb),
-    reduce_scatter: pyRound(ring(bo * heaviest.dense, dpep) + ring(bo * heaviest.experts, L.dp)),
-    all_gather: pyRound(ring(bp * heaviest.dense, dpep) + ring(bp * heaviest.experts, L.dp)),
+    reduce_scatter: pyRound(ring(bo * heaviest.dense, denseGroup) +
+      ring(bo * heaviest.experts, expertGroup)),
+    all_gather: pyRound(ring(bp * heaviest.dense, denseGroup) +
+      ring(bp * heaviest.experts, expertGroup)),
     pipeline: L.pp > 1 ? Math.max(...sent) : 0,
+    context_per_layer: pyRound(context.sent),
+    context: pyRound(context.sent * Math.max(...stages.map((st) => st.layers)) * nMb),
   };
 
   // step_time
   const perNode = Math.max(L.gpus_per_node, 1);
-  const world = L.pp * dpep;
+  const world = L.pp * denseGroup;
   const nv = gpu.nvlink_gb_s * 1e9, net = gpu.network_gb_s * 1e9;
   const ringSeconds = (bytes, span) => bytes / (span <= perNode ? nv : net);
   let a2a = 0;
@@ -326,14 +368,15 @@ function planLayout(data, L) {
   const time = {
     compute,
     all_to_all: a2a,
-    reduce_scatter: ringSeconds(comm.reduce_scatter, dpep),
-    all_gather: ringSeconds(comm.all_gather, dpep),
+    reduce_scatter: ringSeconds(comm.reduce_scatter, denseGroup),
+    all_gather: ringSeconds(comm.all_gather, denseGroup),
     pipeline: ringSeconds(comm.pipeline, world),
-    context: 0, // no context parallelism on the page yet: its layouts are all cp 1
+    // a context-parallel group spans its cp x ep consecutive ranks (mesh order)
+    context: L.cp > 1 ? ringSeconds(comm.context, L.cp * L.ep) : 0,
   };
   const idle = (L.pp - 1) / v;
   time.bubble = idle / (nMb + idle);
-  time.step = (compute + a2a + time.pipeline) / (1 - time.bubble) +
+  time.step = (compute + a2a + time.pipeline + time.context) / (1 - time.bubble) +
     time.reduce_scatter + time.all_gather;
   time.tokens_per_s_per_gpu = tokens / L.pp / time.step;
   time.mfu = (time.tokens_per_s_per_gpu * model.flops_per_token[L.seq_len]) /
@@ -341,7 +384,7 @@ function planLayout(data, L) {
 
   let fit = null;
   if (busiest.total > gpu.memory_gib * C.gib) {
-    fit = `model ${m.name} with layout pp ${L.pp} x dp ${L.dp} x ep ${L.ep} needs ` +
+    fit = `model ${m.name} with layout ${layoutText(L)} needs ` +
       `${(busiest.total / C.gib).toFixed(1)} GiB per GPU but a ${L.gpu} has ` +
       `${gpu.memory_gib} GiB: raise parallel.ep or parallel.pp, lower ` +
       "train.micro_batch_size or turn on parallel.recompute.";

@@ -37,6 +37,7 @@ from moe_core.data.mixture import MixtureLoader
 from moe_core.data.prefetch import Prefetcher, pinned
 from moe_core.data.shards import SPLITS
 from moe_core.data.synthetic import SyntheticTokens
+from moe_core.model.context import with_layout
 from moe_core.model.documents import Documents, documents_of
 from moe_core.parallel.mesh import Mesh
 
@@ -169,10 +170,13 @@ class Batches:
 
     def documents_of(self, batches: list[torch.Tensor]) -> list[Documents] | None:
         """The packed documents of host ``batches`` (pinned where a GPU is the destination),
-        or None without ``train.document_mask``."""
+        or None without ``train.document_mask``; under context parallelism with this rank's
+        varlen layout (``context.context_varlen``), computed here on the host."""
         if self.eos_id is None:
             return None
         docs = [documents_of(b[:, :-1], self.eos_id) for b in batches]
+        if self.mesh.cfg.cp > 1:
+            docs = [with_layout(d, self.mesh.cfg.cp, self.mesh.cp_rank) for d in docs]
         return [d.pin_memory() for d in docs] if self.device.type == "cuda" else docs
 
     def dataset(self, split: str, source: SourceConfig | None = None) -> Any:
