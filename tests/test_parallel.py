@@ -62,7 +62,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path, request, mon
         out = request.getfixturevalue("dp2_ep2_run")
     else:
         if layout in SLOWED:
-            monkeypatch.setenv("MOE_TEST_SLOW", "1:0.8")
+            monkeypatch.setenv("MOE_TEST_SLOW", "1:0.5")
             overrides = [*overrides, *SLOWED[layout]]
         command = ["-m", "moe_core.cli", "train", *BASE, *overrides, f"out_dir={out}"]
         result = torchrun(nproc, command)
@@ -84,7 +84,7 @@ def assert_names_the_slowed_rank(out: Path, stdout: str) -> None:
     reports = [json.loads(x).get("ranks") for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert reports[0] is None and all(r["slowest"] == 1 for r in reports[1:]), reports
     assert [r["stragglers"] for r in reports[1:]] == [0, 0, 1, 1], reports
-    assert reports[-1]["straggler_ranks"] == [1] and reports[-1]["work_s_max"] > 0.8
+    assert reports[-1]["straggler_ranks"] == [1] and reports[-1]["work_s_max"] > 0.5
 
 
 # tiny's 8 experts in 4 groups of 2, a token's top-3 among its best 2 groups: at EP=4 each rank
