@@ -604,8 +604,8 @@ class TrainConfig:
     hang_min_s: float = 300.0
     hang_first_s: float = 1800.0
     # Stragglers (train.stragglers): every log_every steps the ranks' step, own-work and data
-    # times go to metrics.jsonl; a rank whose own work exceeds the median by more than
-    # straggler_share in straggler_windows reports in a row is named (0: never named)
+    # times go to metrics.jsonl; a rank whose own work exceeds the ranks' median by more than
+    # straggler_share of the step in straggler_windows reports in a row is named (0: none is)
     straggler_share: float = 0.2
     straggler_windows: int = 3
 
