@@ -144,6 +144,9 @@ def metric_rows(line: dict[str, Any]) -> dict[str, float]:
         for k in ROUTER_SCALARS:
             if k in health:
                 out[f"router.{layer}.{k}"] = float(health[k])
+    for k, v in (line.get("ranks") or {}).items():  # the ranks' time spread, the stragglers
+        if isinstance(v, int | float):
+            out[f"ranks.{k}"] = float(v)
     for kind in ("data_tokens", "data_epochs"):  # a mixture's sources
         for source, v in (line.get(kind) or {}).items():
             out[f"{kind}.{source}"] = float(v)

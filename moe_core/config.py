@@ -637,6 +637,11 @@ class TrainConfig:
     hang_factor: float = 10.0
     hang_min_s: float = 300.0
     hang_first_s: float = 1800.0
+    # Stragglers (train.stragglers): every log_every steps the ranks' step, own-work and data
+    # times go to metrics.jsonl; a rank whose own work exceeds the ranks' median by more than
+    # straggler_share of the step in straggler_windows reports in a row is named (0: none is)
+    straggler_share: float = 0.2
+    straggler_windows: int = 3
 
     def __post_init__(self) -> None:
         p = "train."
@@ -657,8 +662,9 @@ class TrainConfig:
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
         for name in ("checkpoint_every", "keep_last", "keep_every"):
             _non_negative(p + name, getattr(self, name))
-        for name in ("hang_min_s", "hang_first_s"):
+        for name in ("hang_min_s", "hang_first_s", "straggler_windows"):
             _positive(p + name, getattr(self, name))
+        _non_negative(p + "straggler_share", self.straggler_share)
         if self.hang_factor != 0 and self.hang_factor <= 1:
             fail(p + "hang_factor", self.hang_factor, "0 (no watchdog) or more than 1")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

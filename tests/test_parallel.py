@@ -48,18 +48,43 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+# dp2 runs with rank 1 slowed by a sleep on its way to each step's first collective: it still
+# trains the same model, and rank 0 names it as a straggler (moe_core.train.stragglers), once
+SLOWED = {"dp2": ["train.log_every=1", "train.straggler_share=0.1"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, reference, tmp_path, request):
+def test_layout_matches_single_process(layout, reference, tmp_path, request, monkeypatch):
     nproc, overrides = LAYOUTS[layout]
     out = tmp_path / layout
     if layout == "dp2-ep2":  # the session's run of this layout (also the two-node reference)
         out = request.getfixturevalue("dp2_ep2_run")
     else:
+        if layout in SLOWED:
+            monkeypatch.setenv("MOE_TEST_SLOW", "1:0.5")
+            overrides = [*overrides, *SLOWED[layout]]
         command = ["-m", "moe_core.cli", "train", *BASE, *overrides, f"out_dir={out}"]
         result = torchrun(nproc, command)
         assert result.returncode == 0, explain(result)
+        if layout in SLOWED:
+            assert_names_the_slowed_rank(out, result.stdout)
     assert_trains_like(reference, out, steps=5)
+
+
+def assert_names_the_slowed_rank(out: Path, stdout: str) -> None:
+    """Rank 1, the slowed one, is named in one warning line and in metrics.jsonl (reports from
+    step 1 on, each over the step before it; named at the third report in a row); rank 0 never
+    is."""
+    said = [x for x in stdout.splitlines() if "straggler" in x]
+    assert len(said) == 1 and said[0].startswith("warning: rank 1 is a straggler: its own work "), (
+        stdout[-3000:]
+    )
+    assert "data-bound" not in said[0] and "rank 0" not in said[0]
+    reports = [json.loads(x).get("ranks") for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert reports[0] is None and all(r["slowest"] == 1 for r in reports[1:]), reports
+    assert [r["stragglers"] for r in reports[1:]] == [0, 0, 1, 1], reports
+    assert reports[-1]["straggler_ranks"] == [1] and reports[-1]["work_s_max"] > 0.5
 
 
 # tiny's 8 experts in 4 groups of 2, a token's top-3 among its best 2 groups: at EP=4 each rank

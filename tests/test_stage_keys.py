@@ -82,11 +82,13 @@ def test_data_options_added_since_key_version_2_leave_the_tokenize_key_alone(tmp
 def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_path):
     """``train.document_mask``, ``parallel.cp`` and ``parallel.backend`` hash only when set
     otherwise than before (they change what or how training computes), the hang watchdog's
-    limits never: a run folder trained before them keeps its train key."""
+    limits and the straggler report's never: a run folder trained before them keeps its train
+    key."""
     from moe_core.config_dict import to_dict
 
     run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
     added = {"document_mask", "hang_factor", "hang_min_s", "hang_first_s", "cp", "backend"}
+    added |= {"straggler_share", "straggler_windows"}
     train = {k: v for k, v in to_dict(run.train).items() if k not in added}
     parallel = {k: v for k, v in to_dict(run.parallel).items() if k not in added}
     keys = stage_keys(run)
@@ -102,6 +104,8 @@ def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_p
     )
     patient = replace(run, train=replace(run.train, hang_factor=20.0, hang_min_s=900.0))
     assert stage_keys(patient) == keys
+    tolerant = replace(run, train=replace(run.train, straggler_share=0.5, straggler_windows=9))
+    assert stage_keys(tolerant) == keys
     masked = replace(run, train=replace(run.train, document_mask=True))
     assert stage_keys(masked)["train"] != keys["train"]
 

@@ -1,5 +1,6 @@
 """The step's values cross ranks as one typed structure: every field packed, reduced as it says
-(sum, maximum, or kept as is) and read back by name, none dropped or shifted."""
+(sum, maximum, every rank's row, or kept as is) and read back by name, none dropped or
+shifted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from moe_core.train.step_metrics import LOCAL, MAX, SUM, StepValues
+from moe_core.train.step_metrics import LOCAL, MAX, PER_RANK, SUM, StepValues
 
 LAYERS, EXPERTS = 3, 4
 
@@ -41,6 +42,7 @@ def values(rank: int) -> StepValues:
         grad_norm=distinct(),
         router_table=distinct(LAYERS, EXPERTS + 1, dtype=torch.float64),
         expert_bias=distinct(2, 2 * EXPERTS),
+        rank_times=distinct(3, dtype=torch.float64),
     )
 
 
@@ -60,6 +62,7 @@ def test_every_field_says_how_ranks_combine_it():
         "expert_bias": LOCAL,
         "ep_rows": SUM,
         "ep_tokens": SUM,
+        "rank_times": PER_RANK,
     }
 
 
@@ -70,10 +73,12 @@ def test_read_round_trips_every_field_by_name():
         sent, got = getattr(step, f.name), getattr(host, f.name)
         assert got.dtype == torch.float64 and got.device.type == "cpu", f.name
         assert torch.equal(got, sent.double()), f.name
-    # one rank: the reduction is the identity
+    # one rank: the reduction is the identity (a per-rank field gains its one row)
     alone = step.all_reduce(rank=0, world=1).read()
     for f in fields(StepValues):
-        assert torch.equal(getattr(alone, f.name), getattr(host, f.name)), f.name
+        want = getattr(host, f.name)
+        want = want[None] if f.metadata["reduce"] == PER_RANK else want
+        assert torch.equal(getattr(alone, f.name), want), f.name
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -84,7 +89,8 @@ def test_one_summed_vector_sums_maximizes_and_keeps_each_field(world):
     out = ranks[1].unpack(summed, world).read()
     for f in fields(StepValues):
         each = torch.stack([getattr(v, f.name).double() for v in ranks])
-        want = {SUM: each.sum(0), MAX: each.amax(0), LOCAL: each[1]}[f.metadata["reduce"]]
+        reduce = f.metadata["reduce"]
+        want = {SUM: each.sum(0), MAX: each.amax(0), LOCAL: each[1], PER_RANK: each}[reduce]
         assert torch.equal(getattr(out, f.name), want), f.name
 
 

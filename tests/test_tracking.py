@@ -79,6 +79,7 @@ def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
         "ep_rows_per_token": 3.25,
         "router": {"layer_0": {"load_imbalance": 1.5, "load_share": [0.5, 0.5]}},
         "downstream": {"piqa_rc_0shot": {"acc": 0.75, "acc_raw": 0.5}},
+        "ranks": {"work_s_max": 0.61, "slowest": 3, "stragglers": 1, "straggler_ranks": [3]},
     }
     assert metric_rows(line) == {
         "loss": 2.5,
@@ -86,6 +87,9 @@ def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
         "router.layer_0.load_imbalance": 1.5,
         "downstream.piqa_rc_0shot.acc": 0.75,
         "downstream.piqa_rc_0shot.acc_raw": 0.5,
+        "ranks.work_s_max": 0.61,  # the straggler report (moe_core.train.stragglers)
+        "ranks.slowest": 3.0,
+        "ranks.stragglers": 1.0,
     }
 
 

@@ -237,5 +237,6 @@ class GradBuckets:
                     "every parameter must take part in every micro-batch"
                 )
             if b.work is not None:
-                b.work.wait()
+                with TRACE.blocked():
+                    b.work.wait()
                 b.work = None

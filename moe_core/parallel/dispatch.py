@@ -93,7 +93,8 @@ class _AllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with TRACE.blocked():
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
@@ -101,7 +102,8 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         TRACE.enter(DISPATCH_BACK, group="ep", nbytes=g.nbytes)
         dx = g.new_empty(sum(in_splits), *g.shape[1:])
-        dist.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        with TRACE.blocked():
+            dist.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
         return dx, None, None, None
 
 
@@ -110,7 +112,8 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     if x.requires_grad:
         return _AllToAll.apply(x, out_splits, in_splits, group)
     out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    with TRACE.blocked():
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -182,9 +185,10 @@ class AllToAllDispatcher:
         # Exchange sizes (rows, and routed assignments, per rank pair); one host read.
         sizes_P2 = torch.stack([send.counts_E, routing.counts_E.view(P, El).sum(1)], dim=1)
         recv_sizes_P2 = torch.empty_like(sizes_P2)
-        dist.all_to_all_single(recv_sizes_P2, sizes_P2, group=self.group)
-        host = torch.cat([send.counts_E, recv_sizes_P2[:, 0], recv_sizes_P2[:, 1].sum(0, True)])
-        host_list = host.cpu().tolist()
+        with TRACE.blocked():  # the host waits here for the slowest rank's sizes
+            dist.all_to_all_single(recv_sizes_P2, sizes_P2, group=self.group)
+            sizes = [send.counts_E, recv_sizes_P2[:, 0], recv_sizes_P2[:, 1].sum(0, True)]
+            host_list = torch.cat(sizes).cpu().tolist()
         send_splits, recv_splits = host_list[:P], host_list[P : 2 * P]
         n_send, n_assigned = sum(send_splits), host_list[-1]
         if router_stats_recording():

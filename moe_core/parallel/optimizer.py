@@ -93,7 +93,8 @@ class ShardedAdamW:
         sq = sum_of_squares(shards, acc).to(self.mesh.device).float()
         if self.mesh.distributed:
             TRACE.enter("all_reduce (gradient norm)", group="world", nbytes=sq.nbytes)
-            dist.all_reduce(sq)
+            with TRACE.blocked():
+                dist.all_reduce(sq)
         return sq.sqrt()
 
     def update(
@@ -152,7 +153,8 @@ class ShardedAdamW:
                 TRACE.enter(
                     "all_gather (updated weights)", group=b.kind, nbytes=b.param_flat.nbytes
                 )
-                all_gather_flat(b.param_flat, shard, group=b.group)
+                with TRACE.blocked():
+                    all_gather_flat(b.param_flat, shard, group=b.group)
 
     def shards(self, index: int, allocate: bool = False) -> dict[str, torch.Tensor]:
         """Bucket ``index``'s fp32 master shard and moments (zeros before the first step, or

@@ -181,8 +181,9 @@ class PipelineRunner:
             message.append(torch.empty(1, dtype=torch.float32, device=device))
             pair = f"pp {src_stage}->{self.mesh.pp_rank}"
             TRACE.enter(f"recv ({nxt[0]})", group=pair, nbytes=sum(t.nbytes for t in message))
-            for t in message:
-                dist.recv(t, src=src, group=group)
+            with TRACE.blocked():
+                for t in message:
+                    dist.recv(t, src=src, group=group)
             message[-1] = message[-1].reshape(())
             self._inbox[nxt] = message
         return self._inbox.pop(key)
@@ -255,8 +256,9 @@ class PipelineRunner:
                     x_in, e_in, aux_in = inputs
                     sent = [x_in.grad, *([e_in.grad] if self.n_acts == 2 else []), aux_in.grad]
                     self._send(self._outgoing(a), sent)
-        for work, _ in self._pending:
-            work.wait()
+        with TRACE.blocked():
+            for work, _ in self._pending:
+                work.wait()
         self._pending = []
         assert not saved and not self._inbox, "pipeline schedule left work behind"
         return sums

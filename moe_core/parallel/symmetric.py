@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.config import ConfigError
+from moe_core.parallel.trace import TRACE
 from moe_kernels.rowwise import PeerRows
 
 
@@ -131,7 +132,8 @@ class SharedMemoryHeap:
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            with TRACE.blocked():
+                dist.barrier(group=self.group)
 
 
 class CudaSymmetricHeap:

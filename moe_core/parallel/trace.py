@@ -13,13 +13,21 @@ rank). ``MOE_TEST_STALL`` is a test hook, not an option: ``rank:step:seconds:mar
 rank sleep on its way to its first token dispatch of that step, once (the marker file records
 that it did), so tests can hang a rank where real hangs happen: the others wait in the dispatch,
 it has not reached it.
+
+``blocked()`` times the host's waits at places where ranks meet (a collective that blocks the
+host, the wait for an asynchronous one, the step's host read): their sum, ``blocked_s``, is what
+the straggler report (``train.stragglers``) takes off a rank's step time, leaving the time the
+rank spent on its own work (the rank others wait for waits least). ``MOE_TEST_SLOW``, the other
+test hook, ``rank:seconds``, makes that rank sleep on its way to the first collective of every
+step (inside the step's timed span): a straggler the others wait for.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,13 +61,23 @@ class Trace:
     """The step, micro-batch and last entry of this process (set by the trainer and the
     collectives' callers)."""
 
-    def __init__(self, hook: Callable[[Entry], None] | None = None) -> None:
+    def __init__(self, hook: Callable[[Entry], None] | None = None, slow_s: float = 0.0) -> None:
         self.step, self.micro_batch, self.seq = -1, None, 0
         self.last: Entry | None = None
-        self._hook = hook
+        self.blocked_s = 0.0  # host seconds spent waiting where ranks meet, ever (``blocked``)
+        self._hook, self._slow_s = hook, slow_s
 
     def begin_step(self, step: int) -> None:
         self.step, self.micro_batch, self.seq = step, None, 0
+
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        """The block waits for other ranks (or the device): its time counts in ``blocked_s``."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked_s += time.perf_counter() - began
 
     def enter(self, what: str, where: str = "", group: str = "", nbytes: int = 0) -> None:
         """Record the collective about to start (call it right before)."""
@@ -68,6 +86,8 @@ class Trace:
         )
         if self._hook is not None:  # the test hook stalls on the way, before the collective
             self._hook(entry)
+        if self._slow_s and entry.seq == 1:  # MOE_TEST_SLOW: this rank's own work takes longer
+            time.sleep(self._slow_s)
         self.seq, self.last = entry.seq, entry
 
 
@@ -87,4 +107,13 @@ def _test_stall() -> Callable[[Entry], None] | None:
     return stall
 
 
-TRACE = Trace(_test_stall())
+def _test_slow() -> float:
+    """The ``MOE_TEST_SLOW`` hook (module doc): this rank's sleep per step, 0 when not set."""
+    spec = os.environ.get("MOE_TEST_SLOW")
+    if not spec:
+        return 0.0
+    rank, seconds = spec.split(":", 1)
+    return float(seconds) if os.environ.get("RANK", "0") == rank else 0.0
+
+
+TRACE = Trace(_test_stall(), _test_slow())

@@ -24,6 +24,7 @@ from moe_core.parallel.dispatch import (
     RowwiseDispatcher,
 )
 from moe_core.parallel.mesh import Mesh
+from moe_core.parallel.trace import TRACE
 from moe_core.train.metrics import router_health
 
 
@@ -166,6 +167,7 @@ class RouterStats:
         if self.cfg.parallel.pp > 1:
             parts: list = [None] * dist.get_world_size()
             mine = health if (self.mesh.dp_rank, self.mesh.ep_rank) == (0, 0) else None
-            dist.all_gather_object(parts, mine)
+            with TRACE.blocked():
+                dist.all_gather_object(parts, mine)
             health = {k: v for p in parts if p for k, v in p.items()}
         return dict(sorted(health.items(), key=lambda kv: int(kv[0].split("_")[1])))

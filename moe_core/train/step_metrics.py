@@ -1,10 +1,11 @@
 """What one training step reports, and how its values cross ranks and reach the host.
 
 ``StepValues`` names every value a step reads back (summed losses, router statistics, dropped
-rows, the stop flag, peak memory, the gradient norm, the all-to-all's rows and tokens); each
-field says how ranks combine it.
+rows, the stop flag, peak memory, the gradient norm, the all-to-all's rows and tokens, every
+rank's times of the previous step); each field says how ranks combine it.
 ``all_reduce`` packs them into one float64 vector and reduces it in one collective (a sum over
-all ranks: a maximum travels as one slot per rank, taken after the sum); ``read`` brings the
+all ranks: a maximum travels as one slot per rank, taken after the sum; a per-rank field too,
+kept as every rank's row); ``read`` brings the
 result to the host in one transfer (the step's only host read), as the same structure on the
 CPU, so the trainer reads each value by name; ``start_read`` starts that transfer without
 waiting for it, so the trainer queues the optimizer before it waits. ``StepMetrics`` is the
@@ -22,8 +23,9 @@ import torch.distributed as dist
 
 from moe_core.parallel.trace import TRACE
 
-SUM, MAX, LOCAL = "sum", "max", "local"  # how a field combines over ranks (LOCAL: it does not)
-SUMMED, MAXIMUM, AS_IS = ({"reduce": r} for r in (SUM, MAX, LOCAL))  # field metadata
+# how a field combines over ranks (LOCAL: it does not; PER_RANK: every rank's value, by rank)
+SUM, MAX, LOCAL, PER_RANK = "sum", "max", "local", "per_rank"
+SUMMED, MAXIMUM, AS_IS, BY_RANK = ({"reduce": r} for r in (SUM, MAX, LOCAL, PER_RANK))
 
 
 @dataclass
@@ -50,15 +52,19 @@ class StepValues:
     # the all-to-all dispatchers' rows sent to other ranks and tokens dispatched (host counts)
     ep_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(()), metadata=SUMMED)
     ep_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(()), metadata=SUMMED)
+    # [3] this rank's previous step: wall, own work and data-wait seconds (``stragglers``);
+    # [world, 3] after ``all_reduce``, every rank's row
+    rank_times: torch.Tensor = field(default_factory=lambda: torch.zeros(3), metadata=BY_RANK)
 
     def _names(self, reduce: str) -> list[str]:
         return [f.name for f in fields(self) if f.metadata["reduce"] == reduce]
 
     def pack(self, rank: int, world: int) -> torch.Tensor:
-        """The communicated fields as one float64 vector: sums as they are, each maximum as
-        ``world`` slots holding this rank's value in slot ``rank`` (zeros elsewhere)."""
+        """The communicated fields as one float64 vector: sums as they are, each maximum (and
+        per-rank field) as ``world`` slots holding this rank's value in slot ``rank`` (zeros
+        elsewhere)."""
         parts = [getattr(self, n).double().flatten() for n in self._names(SUM)]
-        for n in self._names(MAX):
+        for n in self._names(MAX) + self._names(PER_RANK):
             v = getattr(self, n).double().flatten()
             slots = v.new_zeros(world, v.numel())
             slots[rank] = v
@@ -80,6 +86,10 @@ class StepValues:
             slots = flat[at : at + world * like.numel()].view(world, *like.shape)
             out[n] = slots.amax(dim=0)
             at += world * like.numel()
+        for n in self._names(PER_RANK):
+            like = getattr(self, n)
+            out[n] = flat[at : at + world * like.numel()].view(world, *like.shape)
+            at += world * like.numel()
         if at != flat.numel():
             raise ValueError(f"a packed step holds {flat.numel()} values, its fields {at}")
         return replace(self, **out)
@@ -90,7 +100,8 @@ class StepValues:
         flat = self.pack(rank, world)
         if world > 1:
             TRACE.enter("all_reduce (step values)", group="world", nbytes=flat.nbytes)
-            dist.all_reduce(flat)
+            with TRACE.blocked():
+                dist.all_reduce(flat)
         return self.unpack(flat, world)
 
     def read(self) -> StepValues:
@@ -117,7 +128,8 @@ class StepValues:
 
         def finish() -> StepValues:
             if done is not None:
-                done.synchronize()
+                with TRACE.blocked():  # the device's all-reduce waits for the slowest rank
+                    done.synchronize()
             out, at = {}, 0
             for n, v in zip(names, values, strict=True):
                 out[n] = host[at : at + v.numel()].view(v.shape)
@@ -157,6 +169,9 @@ class StepMetrics:
     # (train.seq_len per instance) and epochs read (above 1: the source repeats)
     data_tokens: dict[str, int] | None = None
     data_epochs: dict[str, float] | None = None
+    # every train.log_every steps with more than one rank: the ranks' times over the steps
+    # since the last report and the stragglers (``stragglers.Stragglers.close``)
+    ranks: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}

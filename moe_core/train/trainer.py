@@ -17,14 +17,18 @@ the GPU runs this one (``data.prefetch``); the step reads the host once (loss, n
 statistics and memory in one transfer), started before the optimizer is queued, so the host
 waits only for the transfer and logs the metrics while the GPU runs the optimizer. A step's
 time is wall time from the previous step's host read to its own (data, optimizer and logging
-included), so TFLOP/s over steps is the run's real rate.
+included), so TFLOP/s over steps is the run's real rate. Each rank also times its own work (the
+step less its waits for other ranks) and its data wait; every rank's previous step rides in the
+step's one all-reduce, and every ``train.log_every`` steps rank 0 logs their spread and names a
+persistent straggler (``stragglers``): no collective or host read is added for it.
 
 This module is the loop; its parts live beside it: ``stack`` (the model and optimizer it
 builds), ``batches`` (its data), ``evaluation`` (held-out loss, downstream tasks),
 ``step_metrics`` (the step's
 values, reduced in one collective and read in one transfer, and the logged ``StepMetrics``),
-``router_stats`` (router statistics, expert-bias update, health, dropped rows) and
-``checkpoint_policy`` (resume or start fresh, when to save, what is never saved, halting).
+``router_stats`` (router statistics, expert-bias update, health, dropped rows),
+``stragglers`` (the ranks' time spread) and ``checkpoint_policy`` (resume or start fresh,
+when to save, what is never saved, halting).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from moe_core.train.schedule import lr_multiplier, mtp_weight
 from moe_core.train.stack import build_stack
 from moe_core.train.step_graph import StepGraphs
 from moe_core.train.step_metrics import StepMetrics, StepValues
+from moe_core.train.stragglers import Stragglers
 from moe_core.train.watchdog import Watchdog
 
 COUNTS_WAIT_S = 5.0  # the hang report waits this long for a device to give its router counts
@@ -150,6 +155,14 @@ class Trainer:
             eos_id = read_manifest(cfg.data.tokenizer_dir).tokenizer.get("eos_id")
             self.downstream_set = Downstream(cfg, eos_id)
         self._clock: float | None = None  # when the last step's host read returned
+        self._blocked_at = 0.0  # TRACE.blocked_s at that moment
+        self._data_s = 0.0  # this step's wait for its micro-batches
+        self._times = [0.0, 0.0, 0.0]  # the last step's wall, own work and data seconds
+        self.stragglers: Stragglers | None = None  # rank 0's, with more than one rank
+        if self.is_main and self.mesh.distributed:
+            tc = cfg.train
+            world = dist.get_world_size()
+            self.stragglers = Stragglers(world, tc.straggler_share, tc.straggler_windows)
         self.flops_per_token = count(cfg.model, cfg.train.seq_len).flops_per_token
         self.peak = peak_tflops(self.device)
         self._build_policy()
@@ -307,13 +320,15 @@ class Trainer:
         update (``_queue_read``, ``_queue_update``)."""
         tc = self.cfg.train
         if self._clock is None:
-            self._clock = time.perf_counter()
+            self._clock, self._blocked_at = time.perf_counter(), TRACE.blocked_s
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = tc.lr * lr_multiplier(self.step, tc)
         self.optimizer.set_lr(lr)
         self.mtp_weight.fill_(mtp_weight(self.step, self.cfg.model, tc))
+        began = time.perf_counter()
         batches = self.micro_batches()
+        self._data_s = time.perf_counter() - began
         if self.graphs is None:
             ce_sum, aux_sum, mtp_sum, grad_norm = self._compute(batches, self.batches.documents)
         else:  # never with documents (ParallelConfig.cuda_graph_on)
@@ -333,6 +348,7 @@ class Trainer:
         # Host values join the device's through pinned memory: an asynchronous copy, no sync.
         rows, tokens = routers.ep_rows()
         values = [len(routers.routers), self.stop_requested, self._peak_mem_gib(), rows, tokens]
+        values += self._times  # this rank's previous step, for the straggler report
         known = torch.tensor(values, dtype=torch.float64)  # exact integers past 2**24
         known = pinned(known, self.device).to(self.device, non_blocking=True)
         local = StepValues(
@@ -346,6 +362,7 @@ class Trainer:
             grad_norm=grad_norm,
             ep_rows=known[3],
             ep_tokens=known[4],
+            rank_times=known[5:8],
             **routers.sums(),
         )
         world = dist.get_world_size() if self.mesh.distributed else 1
@@ -376,6 +393,8 @@ class Trainer:
         host = q.read()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
+        blocked, self._blocked_at = TRACE.blocked_s - self._blocked_at, TRACE.blocked_s
+        self._times = [elapsed, elapsed - blocked, self._data_s]
         routers.check_dropped(host.dropped.item(), f"step {self.step}")
         n_micro = q.n_batches * pc.loss_ranks  # every rank's loss is a mean of its tokens
         loss, norm = host.ce.item() / n_micro, host.grad_norm.item()
@@ -417,7 +436,22 @@ class Trainer:
             ep_rows_per_token=host.ep_rows.item() / ep_tokens if ep_tokens else None,
             data_tokens=None if seen is None else seen[0],
             data_epochs=None if seen is None else seen[1],
+            ranks=self._rank_report(host.rank_times),
         )
+
+    def _rank_report(self, rank_times: torch.Tensor) -> dict[str, Any] | None:
+        """Rank 0 adds every rank's previous step to the straggler window; every
+        ``train.log_every`` steps the window's report, and the one warning line when the set of
+        stragglers changed (``stragglers``)."""
+        if self.stragglers is None:
+            return None
+        self.stragglers.add(rank_times.tolist())
+        if (self.step - 1) % self.cfg.train.log_every:
+            return None
+        record, said = self.stragglers.close()
+        if said is not None:
+            self.console.print(f"[yellow]warning:[/] {said}", highlight=False, soft_wrap=True)
+        return record
 
     def _mtp_sums(self, mtp_D: torch.Tensor) -> torch.Tensor:
         """Each MTP depth's summed loss, zeros on stages without the MTP modules (so every
