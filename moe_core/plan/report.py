@@ -121,8 +121,8 @@ def _cluster_rows(p: Plan) -> Rows:
         )
     )
     if p.shrinks_to:
-        ways = ", ".join(f"{n} (dp {dp}, accumulation {acc})" for n, dp, acc in p.shrinks_to)
-        rows.append(("shrinks to", f"{ways} nodes when nodes are lost (cluster.on_node_loss)"))
+        ways = ", ".join(f"{n} nodes (dp {dp}, accumulation {acc})" for n, dp, acc in p.shrinks_to)
+        rows.append(("shrinks to", f"{ways} when nodes are lost (cluster.on_node_loss=shrink)"))
     return rows
 
 
