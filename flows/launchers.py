@@ -529,10 +529,17 @@ class KubernetesLauncher(ClusterLauncher):
         """The pods of the next Job: ``cluster.nodes``, or with ``cluster.on_node_loss=shrink``
         the most that the ready nodes hold and the layout allows (``cluster.nodes`` when fewer
         than ``min_nodes`` are ready: the Job waits for them)."""
+        from kubernetes.client.exceptions import ApiException
+
         c = self.run.cluster
         if len(self.run.node_counts) == 1:
             return c.nodes
-        ready = self.ready_nodes()
+        try:
+            ready = self.ready_nodes()
+        except ApiException as err:  # e.g. a service account that may not list nodes
+            why = f"{err.status} {err.reason}"
+            self.log(f"cannot list the cluster's nodes ({why}): asking for all {c.nodes}")
+            return c.nodes
         nodes = nodes_within(self.run, ready)
         if nodes is None:
             self.log(f"{ready} of {c.nodes} nodes are ready, fewer than any layout allows: waiting")

@@ -318,7 +318,7 @@ def _on_nodes(run: RunConfig, nodes: int) -> RunConfig:
 
     from moe_core.config import shrink_sentence
 
-    smaller = run.on_nodes(nodes)
+    smaller = run.on_nodes(nodes, "--nodes")
     if smaller is not run and os.environ.get("RANK", "0") == "0":
         console.print(shrink_sentence(run, nodes), highlight=False)
     return smaller

@@ -1619,14 +1619,15 @@ class RunConfig:
             counts[n] = smaller.dp
         return counts
 
-    def on_nodes(self, nodes: int) -> RunConfig:
+    def on_nodes(self, nodes: int, name: str = "nodes") -> RunConfig:
         """This run on ``nodes`` of its ``cluster.nodes`` (``node_counts``): ``parallel.dp`` and
-        ``cluster.nodes`` made smaller, everything else (the global batch) kept."""
+        ``cluster.nodes`` made smaller, everything else (the global batch) kept. ``name``: what
+        a refusal calls ``nodes``."""
         counts = self.node_counts
         if nodes not in counts:
             allowed = ", ".join(str(n) for n in sorted(counts))
             fail(
-                "nodes",
+                name,
                 nodes,
                 f"one of {allowed} (cluster.nodes={self.cluster.nodes}, "
                 f"cluster.on_node_loss={self.cluster.on_node_loss!r}, "

@@ -201,12 +201,31 @@ def test_with_shrink_a_job_is_sized_to_the_ready_nodes(run, tmp_path):
     )
 
     fake.nodes[1] = node("True", 4)  # back
+    logged.clear()
     second = k8s.attempt(2)
     assert second.ok and (second.nodes, second.dp) == (2, 2)
     assert (
         fake.jobs[1].spec.completions == 2
         and "--nodes" not in fake.jobs[1].spec.template.spec.containers[0].command
     )
+
+
+def test_with_shrink_a_cluster_that_hides_its_nodes_gets_a_full_size_job(run, tmp_path):
+    """A service account without permission to list nodes: the Job asks for all of them."""
+    shrink = compose_run(
+        [*(f"{k}={v}" for k, v in _overrides(run).items()), "cluster.on_node_loss=shrink"],
+        config_name="pretrain-47b",
+    )
+
+    def forbidden():
+        raise ApiException(status=403, reason="Forbidden")
+
+    fake = FakeKube(STARTS_AND_FINISHES)
+    fake.list_node = forbidden
+    k8s, logged = launcher(shrink, tmp_path, fake)
+    attempt = k8s.attempt(1)
+    assert attempt.ok and attempt.nodes == 2 and fake.jobs[0].spec.completions == 2
+    assert "cannot list the cluster's nodes (403 Forbidden): asking for all 2" in logged
 
 
 def _overrides(run: RunConfig) -> dict[str, object]:

@@ -313,6 +313,18 @@ def test_train_config_refusals(tmp_path: Path, capsys):
     path.write_text(json.dumps(data))
     assert main(["train", "--config", str(path)]) == 2
     assert "train.stepz is not a known option" in capsys.readouterr().out
+    del data["train"]["stepz"]
+    path.write_text(json.dumps(data))
+    assert main(["train", "--config", str(path), "--nodes", "2"]) == 2  # waits for all
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(
+        "error: --nodes=2 is not allowed: one of 1 (cluster.nodes=1, "
+    ) and one_sentence(out)
+    assert main(["train", "--nodes", "1", "train.steps=5"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error: --nodes 1 is not allowed without --config: ") and one_sentence(
+        out
+    )
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
@@ -556,6 +568,10 @@ def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeyp
         "scancel, and none of them is on PATH (run the pipeline on a Slurm login node, "
         "infra/README.md)."
     )
+    shrink = compose_run(["cluster.on_node_loss=shrink"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError) as err:  # growing back asks sinfo for idle nodes
+        SlurmLauncher.check(shrink)
+    assert "follows with squeue, sacct, scancel and sinfo, and none of them" in str(err.value)
 
 
 # ---- cluster.on_node_loss=shrink -------------------------------------------------------------
