@@ -22,6 +22,7 @@ from moe_core.plan import (
     check_cluster,
     check_memory,
     check_resources,
+    check_shrink_fits,
     host_memory_bytes,
     plan,
     plan_text,
@@ -49,6 +50,7 @@ def check_launchable(run: RunConfig, launcher: type[Launcher], logger: Logger) -
     else:  # the nodes the cluster config describes
         gpus, memory = c.nodes * c.gpus_per_node, c.gpu_memory_gib or None
     check_resources(run, gpus, memory)
+    check_shrink_fits(run)
     if c.kind == "local" and not c.gpus_per_node:  # CPU processes: this machine's memory
         check_memory(run, host_memory_bytes(), None)
     launcher.check(run)
@@ -104,25 +106,40 @@ def newest_checkpoint(train_dir: Path) -> str:
     return found.name if found is not None else "no checkpoint"
 
 
+# A run stopped to grow back onto all its nodes is relaunched without spending a retry; this
+# many such relaunches at most (nodes that come and go must not relaunch it forever).
+MAX_GROW_BACKS = 10
+
+
 def launch_attempts(
     launcher: Launcher, tracker: Tracker, run_id: str | None, logger: Logger
 ) -> list[Attempt]:
-    """Launch training until an attempt finishes, at most ``1 + cluster.launch_retries`` times;
-    every attempt resumes from the newest valid checkpoint. Each attempt (job id, submitted
-    script, state) is added to ``train/launches.json`` and the stage's MLflow params."""
+    """Launch training until an attempt finishes, at most ``1 + cluster.launch_retries`` times
+    (an attempt stopped to grow back onto all ``cluster.nodes`` does not count); every attempt
+    resumes from the newest valid checkpoint. Each attempt (job id, submitted script, state,
+    the nodes, dp and accumulation it trained at) is added to ``train/launches.json`` and the
+    stage's MLflow params."""
     run, train_dir = launcher.run, launcher.train_dir
     record = train_dir / "launches.json"
     history = json.loads(record.read_text()) if record.is_file() else []
     before = len(history)  # attempts of earlier flow runs keep their numbers
     tries = 1 + run.cluster.launch_retries
     attempts: list[Attempt] = []
-    for i in range(tries):
-        number = before + i + 1
-        if i:
+    failed = grown = 0
+    while failed < tries:
+        number = before + len(attempts) + 1
+        if attempts and attempts[-1].grow:
+            logger.warning(
+                "%s; launching again on all %d nodes, resuming from %s",
+                attempts[-1].detail,
+                run.cluster.nodes,
+                newest_checkpoint(train_dir),
+            )
+        elif attempts:
             logger.warning(
                 "%s; launching again (%d of %d), resuming from %s",
                 attempts[-1].detail,
-                i + 1,
+                failed + 1,
                 tries,
                 newest_checkpoint(train_dir),
             )
@@ -140,9 +157,18 @@ def launch_attempts(
             params["script"] = attempt.script
         if hang is not None:
             params["hang"] = hang
+        if attempt.nodes is not None:
+            params |= {"nodes": attempt.nodes, "dp": attempt.dp}
+            params["accumulation"] = attempt.accumulation
+        if attempt.grow:
+            params["grow"] = True
         tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
         if attempt.ok:
             return attempts
+        if attempt.grow and grown < MAX_GROW_BACKS:
+            grown += 1
+        else:
+            failed += 1
     raise RunFailedError(
         f"{attempts[-1].detail} (see the log above) on attempt {tries} of {tries} "
         f"(cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "

@@ -21,7 +21,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,7 +33,7 @@ from flows.render import (
     render_slurm_tokenize,
     standalone_command,
 )
-from moe_core.config import ConfigError, RunConfig
+from moe_core.config import ConfigError, RunConfig, nodes_within, shrink_sentence
 from moe_core.errors import RunFailedError
 
 Log = Callable[[str], None]
@@ -69,9 +69,20 @@ class Attempt:
     state: str
     ok: bool
     detail: str  # one clause for the log and the stage's error, e.g. "slurm job 7 ended FAILED"
+    nodes: int | None = None  # the nodes it trained on (None: not known, it never ran)
+    dp: int | None = None  # parallel.dp at that node count
+    accumulation: int | None = None  # micro-batches per data rank and step there
+    grow: bool = False  # stopped at a checkpoint to relaunch on all cluster.nodes
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
+
+    def layout(self, run: RunConfig, nodes: int | None) -> Attempt:
+        """This attempt with the layout it ran at on ``nodes`` (``RunConfig.on_nodes``)."""
+        if nodes is None:
+            return self
+        at = run.on_nodes(nodes)
+        return replace(self, nodes=nodes, dp=at.parallel.dp, accumulation=at.micro_batches)
 
 
 class LaunchTimeoutError(RunFailedError):
@@ -169,7 +180,7 @@ class LocalLauncher(Launcher):
             f"exit {code}",
             code == 0,
             f"training exited with code {code}",
-        )
+        ).layout(self.run, self.run.cluster.nodes)
 
 
 # ---- a cluster's job: submitted, then polled until it ends ---------------------------------
@@ -204,6 +215,19 @@ class ClusterLauncher(Launcher):
     def not_started(self, job_id: str, state: str | None) -> str:
         """The sentence of a job that did not start within ``cluster.start_timeout_s``."""
 
+    def nodes(self, job_id: str) -> int | None:
+        """The nodes the running job trains on (None: not known yet)."""
+        return self.run.cluster.nodes
+
+    def all_nodes_free(self, job_id: str, nodes: int) -> bool:
+        """Whether all ``cluster.nodes`` could run now, the ``nodes`` this job holds counted
+        (asked between polls of a job that runs on fewer, to grow back)."""
+        return False
+
+    def stop_at_checkpoint(self, job_id: str) -> None:
+        """Ask the job's ranks to stop after their step with a checkpoint (SIGTERM)."""
+        raise NotImplementedError
+
     def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
         """The attempt of a job that ended in ``state`` (None: lost)."""
         final = state or "LOST"
@@ -216,6 +240,8 @@ class ClusterLauncher(Launcher):
         submitted = time.monotonic()
         started, unknown, ended = False, 0, False
         state: str | None = None
+        nodes: int | None = None
+        grow = False
         try:
             while True:
                 previous, state = state, self.state(job_id)
@@ -228,6 +254,15 @@ class ClusterLauncher(Launcher):
                     break
                 if state is not None and state not in self.queued:
                     started = True
+                    if nodes is None:
+                        nodes = self._running_on(job_id)
+                    elif nodes < c.nodes and not grow and self.all_nodes_free(job_id, nodes):
+                        self.log(
+                            f"all {c.nodes} nodes are free again: stopping {self.noun} {job_id} "
+                            "at a checkpoint to relaunch on them"
+                        )
+                        self.stop_at_checkpoint(job_id)
+                        grow = True
                 waited = time.monotonic() - submitted
                 if not started and c.start_timeout_s and waited > c.start_timeout_s:
                     raise LaunchTimeoutError(self.not_started(job_id, state))
@@ -236,7 +271,21 @@ class ClusterLauncher(Launcher):
             if not ended:
                 self.cancel(job_id)
         self.stream(job_id, final=True)
-        return self.outcome(number, job_id, script, state if ended else None)
+        if nodes is None and ended and started:
+            nodes = self.nodes(job_id)
+        done = self.outcome(number, job_id, script, state if ended else None)
+        done = done.layout(self.run, nodes)
+        if grow:  # stopped on purpose: not a success, not a failure either
+            detail = f"{done.detail} (stopped at a checkpoint to grow back to {c.nodes} nodes)"
+            done = replace(done, ok=False, grow=True, detail=detail)
+        return done
+
+    def _running_on(self, job_id: str) -> int | None:
+        """The nodes the job that just started trains on; said when fewer than planned."""
+        nodes = self.nodes(job_id)
+        if nodes is not None and nodes < self.run.cluster.nodes:
+            self.log(f"{self.noun} {job_id}: " + shrink_sentence(self.run, nodes))
+        return nodes
 
 
 # ---- slurm: sbatch, squeue/sacct, scancel --------------------------------------------------
@@ -290,7 +339,9 @@ class SlurmLauncher(ClusterLauncher):
 
     @classmethod
     def check(cls, run: RunConfig) -> None:
-        commands = ("sbatch", "squeue", "sacct", "scancel")
+        commands: tuple[str, ...] = ("sbatch", "squeue", "sacct", "scancel")
+        if len(run.node_counts) > 1:  # growing back asks sinfo for idle nodes
+            commands += ("sinfo",)
         missing = [t for t in commands if not shutil.which(t)]
         if missing:
             named = " and ".join(filter(None, [", ".join(missing[:-1]), missing[-1]]))
@@ -301,8 +352,8 @@ class SlurmLauncher(ClusterLauncher):
             )
             raise ConfigError(
                 f"cluster.kind='slurm' is not allowed on this machine: it submits with sbatch and "
-                f"follows with squeue, sacct and scancel, and {gone} on PATH (run the pipeline "
-                "on a Slurm login node, infra/README.md)."
+                f"follows with {', '.join(commands[1:-1])} and {commands[-1]}, and {gone} on "
+                "PATH (run the pipeline on a Slurm login node, infra/README.md)."
             )
 
     @property
@@ -362,6 +413,31 @@ class SlurmLauncher(ClusterLauncher):
         words = acct.stdout.split() if acct.returncode == 0 else []
         return words[0] if words else None  # "CANCELLED by 0" -> CANCELLED
 
+    def nodes(self, job_id: str) -> int | None:
+        """The nodes the job trains on: with ``cluster.on_node_loss=shrink`` the most of its
+        allocation (squeue's %D) that the layout allows, as its batch script chooses."""
+        if len(self.run.node_counts) == 1:
+            return self.run.cluster.nodes
+        queue = _slurm(["squeue", "--noheader", "--jobs", job_id, "--format=%D"])
+        got = queue.stdout.split() if queue.returncode == 0 else []
+        return nodes_within(self.run, int(got[0])) if got and got[0].isdigit() else None
+
+    def all_nodes_free(self, job_id: str, nodes: int) -> bool:
+        """Idle nodes of the partition (sinfo) and the job's own make ``cluster.nodes``."""
+        c = self.run.cluster
+        part = [f"--partition={c.partition}"] if c.partition else []
+        idle = _slurm(["sinfo", "--noheader", *part, "--states=idle", "--format=%D"])
+        words = idle.stdout.split() if idle.returncode == 0 else []
+        return sum(int(w) for w in words if w.isdigit()) + nodes >= c.nodes
+
+    def stop_at_checkpoint(self, job_id: str) -> None:
+        """``scancel --signal=TERM``: the job's steps (torchrun, which passes it to its ranks)
+        get SIGTERM, and the trainer stops after its step with a checkpoint."""
+        done = _slurm(["scancel", "--signal=TERM", job_id])
+        if done.returncode != 0:
+            why = (done.stderr or done.stdout).strip()
+            self.log(f"scancel --signal=TERM {job_id} failed: {why}")
+
     def cancel(self, job_id: str) -> None:
         self.log(f"slurm job {job_id}: cancelling (scancel {job_id})")
         done = _slurm(["scancel", job_id])
@@ -400,6 +476,9 @@ class SlurmTokenizeLauncher(SlurmLauncher):
     def render(self) -> str:
         return render_slurm_tokenize(self.run, str(self.train_dir), str(self.config_path))
 
+    def nodes(self, job_id: str) -> int | None:
+        return None  # Dask workers on cluster.nodes, no training layout
+
     def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
         if state == "CANCELLED":
             raise RunFailedError(
@@ -430,6 +509,44 @@ class KubernetesLauncher(ClusterLauncher):
         self._apis = apis
         self._pod0: Any = None  # pod 0 of the Job as the last state read saw it
         self._printed = 0  # lines of its log logged so far
+        self._nodes = run.cluster.nodes  # pods of the current Job
+
+    def ready_nodes(self) -> int:
+        """Nodes that can take a pod now: Ready, schedulable, and with GPU jobs holding
+        ``cluster.gpus_per_node`` allocatable GPUs (the cluster's other work is not
+        subtracted: a pod that does not fit stays pending, as without shrinking)."""
+        core, _ = self.apis
+        want = self.run.cluster.gpus_per_node
+        ready = 0
+        for node in core.list_node().items:
+            conditions = {c.type: c.status for c in (node.status.conditions or [])}
+            gpus = int((node.status.allocatable or {}).get("nvidia.com/gpu", 0))
+            usable = conditions.get("Ready") == "True" and not node.spec.unschedulable
+            ready += usable and (not want or gpus >= want)
+        return ready
+
+    def job_nodes(self) -> int:
+        """The pods of the next Job: ``cluster.nodes``, or with ``cluster.on_node_loss=shrink``
+        the most that the ready nodes hold and the layout allows (``cluster.nodes`` when fewer
+        than ``min_nodes`` are ready: the Job waits for them)."""
+        from kubernetes.client.exceptions import ApiException
+
+        c = self.run.cluster
+        if len(self.run.node_counts) == 1:
+            return c.nodes
+        try:
+            ready = self.ready_nodes()
+        except ApiException as err:  # e.g. a service account that may not list nodes
+            why = f"{err.status} {err.reason}"
+            self.log(f"cannot list the cluster's nodes ({why}): asking for all {c.nodes}")
+            return c.nodes
+        nodes = nodes_within(self.run, ready)
+        if nodes is None:
+            self.log(f"{ready} of {c.nodes} nodes are ready, fewer than any layout allows: waiting")
+        return nodes or c.nodes
+
+    def nodes(self, job_id: str) -> int | None:
+        return self._nodes
 
     @classmethod
     def check(cls, run: RunConfig) -> None:
@@ -454,10 +571,7 @@ class KubernetesLauncher(ClusterLauncher):
         conditions = {c.type: c.status for c in (status.conditions or [])}
         pods = core.list_namespaced_pod(ns, label_selector=f"job-name={name}").items
         self._pod0 = next((p for p in pods if _completion_index(p) == "0"), None)
-        if (
-            conditions.get("Complete") == "True"
-            or (status.succeeded or 0) >= self.run.cluster.nodes
-        ):
+        if conditions.get("Complete") == "True" or (status.succeeded or 0) >= self._nodes:
             return "COMPLETED"
         if conditions.get("Failed") == "True" or (status.failed or 0) > 0:
             return "FAILED"
@@ -478,11 +592,13 @@ class KubernetesLauncher(ClusterLauncher):
 
         c = self.run.cluster
         core, batch = self.apis
+        self._nodes = self.job_nodes() if self.make is kubernetes_objects else c.nodes
         args = (self.run, str(self.train_dir), str(self.config_path), number)
-        service, job = self.make(*args)
+        shrunk = (self._nodes,) if self._nodes != c.nodes else ()
+        service, job = self.make(*args, *shrunk)
         name = job.metadata.name
         manifest = self.train_dir / f"kubernetes-{number}.yaml"
-        manifest.write_text(render_kubernetes(*args, make=self.make))
+        manifest.write_text(render_kubernetes(*args, make=self.make, nodes=(shrunk or (None,))[0]))
         try:
             core.create_namespaced_service(c.namespace, service)
         except ApiException as err:
@@ -546,6 +662,9 @@ class KubernetesTokenizeLauncher(KubernetesLauncher):
     folder here."""
 
     make = staticmethod(kubernetes_tokenize_objects)
+
+    def nodes(self, job_id: str) -> int | None:
+        return None  # Dask workers, no training layout
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {

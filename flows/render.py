@@ -34,10 +34,14 @@ def run_id(run: RunConfig) -> str:
     return f"moe-{model}-{digest}"
 
 
+# The batch script's variable holding the nodes a shrinking job trains on (``render_slurm``).
+NODES_VAR = "${MOE_NODES}"
+
+
 def torchrun_command(
     run: RunConfig,
     config_path: str,
-    nnodes: int,
+    nnodes: int | str,
     node_rank: int | None,
     rdzv_endpoint: str,
     *,
@@ -53,17 +57,28 @@ def torchrun_command(
     so ``node_rank`` is only checked and passed along; None leaves it out (Slurm, Kubernetes).
     ``python`` runs torchrun through that interpreter (``python -m torch.distributed.run``)
     instead of the ``torchrun`` on PATH.
+
+    ``nnodes`` fewer than ``cluster.nodes`` (one of ``RunConfig.node_counts``, with
+    ``cluster.on_node_loss=shrink``), or ``NODES_VAR`` (the count a Slurm job chose), is passed
+    to ``moe train --nodes`` as well, which trains at that count's smaller dp.
     """
     check_cluster(run)
     procs = run.cluster.procs_per_node
     world = run.parallel.world_size
-    if nnodes < 1 or nnodes * procs != world:
+    counts = run.node_counts
+    if nnodes != NODES_VAR and (not isinstance(nnodes, int) or nnodes not in counts):
+        if len(counts) == 1:
+            raise ConfigError(
+                f"nnodes={nnodes} is not allowed: with cluster.procs_per_node={procs} the "
+                f"layout's {world} processes need nnodes={world // procs}."
+            )
         raise ConfigError(
-            f"nnodes={nnodes} is not allowed: with cluster.procs_per_node={procs} the layout's "
-            f"{world} processes need nnodes={world // procs}."
+            f"nnodes={nnodes} is not allowed: one of the node counts the layout shrinks to "
+            f"({', '.join(map(str, sorted(counts)))})."
         )
-    if node_rank is not None and not 0 <= node_rank < nnodes:
-        raise ConfigError(f"node_rank={node_rank} is not allowed: from 0 to {nnodes - 1}.")
+    if node_rank is not None and not (isinstance(nnodes, int) and 0 <= node_rank < nnodes):
+        last = nnodes - 1 if isinstance(nnodes, int) else "nnodes - 1"
+        raise ConfigError(f"node_rank={node_rank} is not allowed: from 0 to {last}.")
     if not re.fullmatch(r"[^\s:]+:\d+", rdzv_endpoint):
         raise ConfigError(
             f"rdzv_endpoint={rdzv_endpoint!r} is not allowed: host:port of the first node."
@@ -79,7 +94,8 @@ def torchrun_command(
         f"--rdzv-id={rdzv_id or run_id(run)}",
         f"--max-restarts={max_restarts}",
     ]
-    return _torchrun(python, options, config_path)
+    shrunk = [] if nnodes == run.cluster.nodes else ["--nodes", str(nnodes)]
+    return _torchrun(python, options, config_path) + shrunk
 
 
 def standalone_command(config_path: str, nproc: int, python: str) -> list[str]:
@@ -100,10 +116,13 @@ def _shell(args: list[str]) -> str:
     return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
 
 
-def _slurm_head(run: RunConfig, run_dir: str, config_path: str, *, gpus: bool) -> list[str]:
+def _slurm_head(
+    run: RunConfig, run_dir: str, config_path: str, *, gpus: bool, nodes: str | None = None
+) -> list[str]:
     """The checks, ``#SBATCH`` directives and first lines every batch script of a run has:
-    the job named after the run, its log ``run_dir/slurm-<job id>.out``, and ``MOE_HOST``,
-    the allocation's first node (where the batch script itself runs)."""
+    the job named after the run on ``nodes`` (default ``cluster.nodes``), its log
+    ``run_dir/slurm-<job id>.out``, and ``MOE_HOST``, the allocation's first node (where the
+    batch script itself runs)."""
     c = run.cluster
     if c.kind != "slurm":
         raise ConfigError(f"cluster.kind={c.kind!r} is not allowed here: 'slurm' (cluster=slurm).")
@@ -112,7 +131,7 @@ def _slurm_head(run: RunConfig, run_dir: str, config_path: str, *, gpus: bool) -
     check_path("config_path", config_path)
     directives = [
         f"--job-name={run_id(run)}",
-        f"--nodes={c.nodes}",
+        f"--nodes={nodes or c.nodes}",
         "--ntasks-per-node=1",
         *([f"--gpus-per-node={c.gpus_per_node}"] if gpus and c.gpus_per_node else []),
         *([f"--partition={c.partition}"] if c.partition else []),
@@ -130,6 +149,13 @@ def _slurm_head(run: RunConfig, run_dir: str, config_path: str, *, gpus: bool) -
     ]
 
 
+def _node_range(run: RunConfig) -> str:
+    """``sbatch --nodes``: ``cluster.nodes``, or with ``cluster.on_node_loss=shrink`` the range
+    ``MIN-MAX`` of ``RunConfig.node_counts`` (Slurm starts the job on what it can get)."""
+    counts = run.node_counts
+    return f"{min(counts)}-{max(counts)}" if len(counts) > 1 else str(max(counts))
+
+
 # Every node's srun task, one per node, using all its cores.
 _SRUN = 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none'
 
@@ -138,19 +164,42 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
     """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
     c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
     c = run.cluster
-    head = _slurm_head(run, run_dir, config_path, gpus=True)
+    head = _slurm_head(run, run_dir, config_path, gpus=True, nodes=_node_range(run))
+    counts = run.node_counts
+    shrink = len(counts) > 1
     cmd = torchrun_command(
-        run, config_path, c.nodes, None, f"${{MOE_HOST}}:{c.rdzv_port}", rdzv_id="${SLURM_JOB_ID}"
+        run,
+        config_path,
+        NODES_VAR if shrink else c.nodes,
+        None,
+        f"${{MOE_HOST}}:{c.rdzv_port}",
+        rdzv_id="${SLURM_JOB_ID}",
     )
     layout = run.parallel
+    srun = _SRUN
+    choose = []
+    if shrink:  # the largest node count the layout allows within what Slurm gave
+        srun = _SRUN.replace("srun ", 'srun --nodes="$MOE_NODES" --ntasks="$MOE_NODES" ', 1)
+        choose = [
+            "# cluster.on_node_loss=shrink: train on the most nodes of the allocation that the",
+            "# layout allows (RunConfig.node_counts), at a smaller dp when fewer than planned.",
+            'MOE_GOT="${SLURM_JOB_NUM_NODES:-$SLURM_NNODES}"',
+            "MOE_NODES=0",
+            f"for n in {' '.join(map(str, counts))}; do",
+            '  if [ "$n" -le "$MOE_GOT" ]; then MOE_NODES=$n; break; fi',
+            "done",
+            'echo "moe_core: training on $MOE_NODES of the $MOE_GOT nodes allocated '
+            f'(cluster.nodes={c.nodes})"',
+        ]
     lines = [
         head[0],
         f"# moe_core: model {run.model.name}, pp {layout.pp} x dp {layout.dp} x ep {layout.ep} "
         f"on {c.nodes} nodes x {c.procs_per_node} processes (rendered by flows/launch.py).",
         *head[1:],
+        *choose,
         "# The first node of the allocation hosts the c10d rendezvous.",
         'echo "moe_core: job $SLURM_JOB_ID, rendezvous on $MOE_HOST"',
-        f"{_SRUN} --kill-on-bad-exit=1 \\",
+        f"{srun} --kill-on-bad-exit=1 \\",
         "  " + _shell(cmd),
         "",
     ]
@@ -220,18 +269,27 @@ def _kubernetes_client() -> Any:
 
 
 def kubernetes_objects(
-    run: RunConfig, run_dir: str, config_path: str, attempt: int | None = None
+    run: RunConfig,
+    run_dir: str,
+    config_path: str,
+    attempt: int | None = None,
+    nodes: int | None = None,
 ) -> tuple[Any, Any]:
     """A headless Service (stable DNS for the rendezvous host, pod 0) and an Indexed Job of
     ``cluster.nodes`` pods, each a torchrun on ``gpus_per_node`` GPUs, as the ``kubernetes``
     client's typed models. The PersistentVolumeClaim ``cluster.volume_claim`` is mounted at
     ``cluster.volume_path`` in every pod, as on the machine that wrote the run directory, which
     must lie below it. ``attempt`` N names the Job ``<run id>-N`` (a Job cannot be rerun, so
-    each launch of the pipeline is a Job of its own); None names it ``<run id>``."""
+    each launch of the pipeline is a Job of its own); None names it ``<run id>``. ``nodes``
+    fewer than ``cluster.nodes`` (``cluster.on_node_loss=shrink``) makes that many pods, which
+    train at its smaller dp (``moe train --nodes``)."""
     c = run.cluster
+    nodes = nodes or c.nodes
     service, job = _kubernetes_names(run, run_dir, config_path, attempt, "")
-    cmd = torchrun_command(run, config_path, c.nodes, None, f"{job}-0.{service}:{c.rdzv_port}")
-    return _kubernetes_job(run, run_dir, service, job, "trainer", cmd, "rdzv", c.rdzv_port, True)
+    cmd = torchrun_command(run, config_path, nodes, None, f"{job}-0.{service}:{c.rdzv_port}")
+    return _kubernetes_job(
+        run, run_dir, service, job, "trainer", cmd, "rdzv", c.rdzv_port, True, nodes
+    )
 
 
 def kubernetes_tokenize_objects(
@@ -309,11 +367,13 @@ def _kubernetes_job(
     port_name: str,
     port: int,
     gpus: bool,
+    nodes: int | None = None,
 ) -> tuple[Any, Any]:
     """A headless Service over the Job's pods (pod 0 reachable as ``<job>-0.<service>``) and
-    the Indexed Job of ``cluster.nodes`` pods running ``cmd`` in ``run_dir``, the runs volume
-    mounted."""
+    the Indexed Job of ``nodes`` (default ``cluster.nodes``) pods running ``cmd`` in
+    ``run_dir``, the runs volume mounted."""
     c = run.cluster
+    nodes = nodes or c.nodes
     k8s = _kubernetes_client()
     labels = {"app.kubernetes.io/name": "moe-core", "moe-core/run": service_name}
 
@@ -368,8 +428,8 @@ def _kubernetes_job(
         metadata=meta(job_name),
         spec=k8s.V1JobSpec(
             completion_mode="Indexed",
-            completions=c.nodes,
-            parallelism=c.nodes,
+            completions=nodes,
+            parallelism=nodes,
             backoff_limit=0,  # a failed pod fails the Job; the pipeline launches a new one
             template=k8s.V1PodTemplateSpec(
                 metadata=k8s.V1ObjectMeta(labels=dict(labels)), spec=pod
@@ -385,13 +445,14 @@ def render_kubernetes(
     config_path: str,
     attempt: int | None = None,
     make: Callable[..., tuple[Any, Any]] = kubernetes_objects,
+    nodes: int | None = None,
 ) -> str:
     """The manifests of ``make`` (``kubernetes_objects``, or ``kubernetes_tokenize_objects``)
-    as YAML, for ``kubectl apply -f``."""
-    objects = make(run, run_dir, config_path, attempt)
+    as YAML, for ``kubectl apply -f``; ``nodes``: ``kubernetes_objects``'s."""
+    objects = make(run, run_dir, config_path, attempt, *([nodes] if nodes else []))
     api = _kubernetes_client().ApiClient()
     header = (
-        f"# moe_core: model {run.model.name} on {run.cluster.nodes} pods x "
+        f"# moe_core: model {run.model.name} on {nodes or run.cluster.nodes} pods x "
         f"{run.cluster.procs_per_node} processes (rendered by flows/launch.py); kubectl apply -f "
         "this file.\n"
     )

@@ -291,7 +291,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         from moe_core.compose import compose_run
 
+        if args.nodes is not None:
+            raise ConfigError(
+                f"--nodes {args.nodes} is not allowed without --config: it says how many of the "
+                "resolved config's cluster.nodes a cluster job got."
+            )
         run = compose_run(args.overrides, args.config_dir, args.config_name)
+    if args.nodes is not None:
+        run = _on_nodes(run, args.nodes)
     _check_machine(run)
     import torch.distributed as dist
 
@@ -302,6 +309,19 @@ def cmd_train(args: argparse.Namespace) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _on_nodes(run: RunConfig, nodes: int) -> RunConfig:
+    """``run`` on the ``nodes`` its job got (``RunConfig.on_nodes``: fewer than planned only
+    with ``cluster.on_node_loss=shrink``), said on rank 0 when that is fewer."""
+    import os
+
+    from moe_core.config import shrink_sentence
+
+    smaller = run.on_nodes(nodes, "--nodes")
+    if smaller is not run and os.environ.get("RANK", "0") == "0":
+        console.print(shrink_sentence(run, nodes), highlight=False)
+    return smaller
 
 
 def _check_machine(run: RunConfig) -> None:
@@ -330,7 +350,8 @@ def _train(run) -> None:
         console.print(
             f"training [bold]{run.model.name}[/] for {run.train.steps} steps on "
             f"{par.world_size} x {trainer.device.type} "
-            f"(pp {par.pp}, dp {par.dp}, cp {par.cp}, ep {par.ep})"
+            f"(pp {par.pp}, dp {par.dp}, cp {par.cp}, ep {par.ep}; accumulation "
+            f"{run.micro_batches})"
         )
     history = trainer.fit()
     if trainer.is_main and not history:
@@ -515,6 +536,15 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 metavar="PATH",
                 help="a resolved run config (JSON) instead of Hydra composition",
+            )
+        if name == "train":
+            p.add_argument(
+                "--nodes",
+                type=int,
+                default=None,
+                metavar="N",
+                help="with --config: the nodes this job got, N of cluster.nodes (fewer only "
+                "with cluster.on_node_loss=shrink: a smaller parallel.dp, the global batch kept)",
             )
         if name == "tokenize":
             p.add_argument(

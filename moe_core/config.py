@@ -1243,6 +1243,11 @@ class ClusterConfig:
     # GB/s one node writes to the run folder's filesystem: moe plan's time to write a checkpoint
     # (a parallel filesystem gives a node some GB/s; measure yours and set it)
     storage_write_gbps: float = 5.0
+    # When a (re)launch gets fewer nodes than cluster.nodes (slurm, kubernetes): "wait" for all
+    # of them, or "shrink": train on the nodes there are at a smaller parallel.dp (the global
+    # batch kept by more accumulation, RunConfig.node_counts), growing back when they return.
+    on_node_loss: Literal["wait", "shrink"] = "wait"
+    min_nodes: int | None = None  # shrink: the fewest nodes to train on (None: as few as fit)
 
     def __post_init__(self) -> None:
         p = "cluster."
@@ -1290,6 +1295,22 @@ class ClusterConfig:
         if not self.volume_path.startswith("/"):
             fail(p + "volume_path", self.volume_path, "an absolute path")
         _matches(p + "volume_path", self.volume_path, SAFE_PATH, SAFE_PATH_ALLOWED)
+        if self.min_nodes is not None:
+            if self.on_node_loss != "shrink":
+                fail(
+                    p + "min_nodes",
+                    self.min_nodes,
+                    "null with cluster.on_node_loss='wait' (set cluster.on_node_loss=shrink to "
+                    "train on fewer nodes)",
+                )
+            if not 1 <= self.min_nodes <= self.nodes:
+                fail(p + "min_nodes", self.min_nodes, f"from 1 to cluster.nodes ({self.nodes})")
+        if self.on_node_loss == "shrink" and self.kind == "local":
+            fail(
+                p + "on_node_loss",
+                self.on_node_loss,
+                "'wait' with cluster.kind='local' (one machine has no nodes to lose)",
+            )
         if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
             fail(
                 p + "procs_per_node",
@@ -1512,11 +1533,39 @@ class RunConfig:
             )
         if par.cp > 1:
             self._check_context_parallel()
+        if self.cluster.on_node_loss == "shrink":
+            self._check_shrink()
         if self.eval.every and par.pp > 1:
             raise OptionNotImplementedError(
                 f"eval.every={self.eval.every} with parallel.pp={par.pp} is not built yet: "
                 "in-training downstream evaluation runs on layouts without pipeline stages "
                 "(the evaluate stage scores every task on the final checkpoint)."
+            )
+
+    def _check_shrink(self) -> None:
+        """``cluster.on_node_loss=shrink`` needs a smaller node count to shrink to, and
+        ``cluster.min_nodes`` must be one (``node_counts``)."""
+        c, par = self.cluster, self.parallel
+        counts = self.node_counts
+        group = f"pp x cp x ep = {par.pp * par.cp * par.ep}"
+        if c.min_nodes is not None and c.min_nodes not in counts:
+            smaller = [n for n in sorted(self._node_counts(1)) if n < c.nodes]
+            fail(
+                "cluster.min_nodes",
+                c.min_nodes,
+                f"a node count whose {c.procs_per_node} processes per node make whole groups of "
+                f"{group} ranks and whose dp divides train.global_batch_size "
+                f"({self.train.global_batch_size}) into micro-batches of "
+                f"train.micro_batch_size ({self.train.micro_batch_size}): "
+                + (", ".join(map(str, smaller)) if smaller else f"none below {c.nodes}"),
+            )
+        if len(counts) == 1:
+            fail(
+                "cluster.on_node_loss",
+                c.on_node_loss,
+                f"'wait' for this layout: no node count below cluster.nodes ({c.nodes}) holds "
+                f"whole groups of {group} ranks with a dp that divides "
+                f"train.global_batch_size ({self.train.global_batch_size}) into micro-batches",
             )
 
     def _check_context_parallel(self) -> None:
@@ -1561,6 +1610,78 @@ class RunConfig:
         """Micro-batches each data-parallel rank runs per optimizer step."""
         t, par = self.train, self.parallel
         return t.global_batch_size // (t.micro_batch_size * par.data_parallel)
+
+    @property
+    def node_counts(self) -> dict[int, int]:
+        """The node counts this run may train on, largest first, each with its ``parallel.dp``:
+        ``cluster.nodes`` itself, and with ``cluster.on_node_loss=shrink`` every count from
+        ``cluster.min_nodes`` (or 1) up whose processes hold whole ``pp x cp x ep`` groups and
+        whose dp passes the layout rules (the global batch divides into micro-batches of every
+        data rank, so it is kept and accumulation grows). The one rule for shrinking: the config
+        check, the job scripts, the launchers and ``moe plan`` all read it."""
+        c = self.cluster
+        if c.on_node_loss != "shrink":
+            return {c.nodes: self.parallel.dp}
+        return self._node_counts(c.min_nodes or 1)
+
+    def _node_counts(self, lowest: int) -> dict[int, int]:
+        """``node_counts`` from ``lowest`` nodes up."""
+        c, par = self.cluster, self.parallel
+        counts = {c.nodes: par.dp}
+        group = par.pp * par.cp * par.ep
+        sections = {s: getattr(self, s) for s in ("model", "train", "precision")}
+        for n in range(c.nodes - 1, lowest - 1, -1):
+            procs = n * c.procs_per_node
+            if procs % group:
+                continue
+            smaller = dataclasses.replace(par, dp=procs // group)
+            try:
+                _check_rules("run", rule_quantities(parallel=smaller, **sections))
+            except ConfigError:
+                continue
+            counts[n] = smaller.dp
+        return counts
+
+    def on_nodes(self, nodes: int, name: str = "nodes") -> RunConfig:
+        """This run on ``nodes`` of its ``cluster.nodes`` (``node_counts``): ``parallel.dp`` and
+        ``cluster.nodes`` made smaller, everything else (the global batch) kept. ``name``: what
+        a refusal calls ``nodes``."""
+        counts = self.node_counts
+        if nodes not in counts:
+            allowed = ", ".join(str(n) for n in sorted(counts))
+            fail(
+                name,
+                nodes,
+                f"one of {allowed} (cluster.nodes={self.cluster.nodes}, "
+                f"cluster.on_node_loss={self.cluster.on_node_loss!r}, "
+                f"cluster.min_nodes={self.cluster.min_nodes})",
+            )
+        if nodes == self.cluster.nodes:
+            return self
+        return dataclasses.replace(
+            self,
+            # it runs at this count now: nothing below it to shrink to
+            cluster=dataclasses.replace(
+                self.cluster, nodes=nodes, min_nodes=None, on_node_loss="wait"
+            ),
+            parallel=dataclasses.replace(self.parallel, dp=counts[nodes]),
+        )
+
+
+def shrink_sentence(run: RunConfig, nodes: int) -> str:
+    """The line of ``run`` continuing on ``nodes`` of its ``cluster.nodes``
+    (``RunConfig.on_nodes``)."""
+    smaller = run.on_nodes(nodes)
+    return (
+        f"continuing on {nodes} of {run.cluster.nodes} nodes: dp {run.parallel.dp} -> "
+        f"{smaller.parallel.dp}, accumulation {run.micro_batches} -> {smaller.micro_batches}"
+    )
+
+
+def nodes_within(run: RunConfig, got: int) -> int | None:
+    """The most nodes of ``got`` that ``run`` trains on (``RunConfig.node_counts``; the Slurm
+    job script picks the same); None when ``got`` is fewer than any."""
+    return max((n for n in run.node_counts if n <= got), default=None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -91,12 +91,14 @@ def tiny_run(prefect_home, tmp_path_factory) -> tuple[Path, dict]:
 @pytest.fixture(scope="session")
 def dp2_ep2_run(tmp_path_factory) -> Path:
     """``moe train`` on 4 gloo processes, ``parallel.dp=2 parallel.ep=2`` (``helpers.BASE``),
-    run once for the session: the layout parity test and the two-node test compare against it
-    (each torchrun of 4 processes costs ~20 s on 2 cores)."""
+    run once for the session: the layout parity test, the two-node test and the shrink test
+    (which resumes its step-2 checkpoint on half the ranks) compare against it (each torchrun
+    of 4 processes costs ~20 s on 2 cores)."""
     from helpers import BASE, explain, torchrun
 
     out = tmp_path_factory.mktemp("dp2-ep2") / "run"
-    overrides = [*BASE, "parallel.dp=2", "parallel.ep=2", f"out_dir={out}"]
+    layout = ["parallel.dp=2", "parallel.ep=2", "train.checkpoint_every=2"]
+    overrides = [*BASE, *layout, f"out_dir={out}"]
     result = torchrun(4, ["-m", "moe_core.cli", "train", *overrides])
     assert result.returncode == 0, explain(result)
     return out

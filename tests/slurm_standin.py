@@ -4,7 +4,10 @@ process of ``srun`` here, and job states live in JSON files of a state folder.
 
 ``install(bin_dir, state_dir)`` writes the commands into ``bin_dir`` (put it first on PATH). A
 file ``hold`` in the state folder keeps new jobs pending; ``calls.log`` lists every sbatch and
-scancel call; ``job-<id>.json`` holds a job's state, its nodes' pids and exit code.
+scancel call; ``job-<id>.json`` holds a job's state, its nodes' pids and exit code. A file
+``nodes_up`` holding a number makes the cluster that many nodes (else as many as asked for): a
+job asking for a range ``--nodes=MIN-MAX`` gets as many of the idle ones as it can (``sinfo``
+counts those that no running job holds).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ FIRST_ID = 1001
 def install(bin_dir: Path, state_dir: Path) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     state_dir.mkdir(parents=True, exist_ok=True)
-    for tool in ("sbatch", "squeue", "sacct", "scancel", "scontrol", "srun"):
+    for tool in ("sbatch", "squeue", "sacct", "scancel", "scontrol", "srun", "sinfo"):
         path = bin_dir / tool
         path.write_text(
             f"#!/bin/sh\nSTANDIN_SLURM_DIR='{state_dir}' exec '{sys.executable}' "
@@ -104,18 +107,20 @@ def sbatch(args: list[str]) -> int:
     counter = STATE / "next_id"
     job_id = str(int(counter.read_text()) if counter.is_file() else FIRST_ID)
     counter.write_text(str(int(job_id) + 1))
+    low, _, high = directives["--nodes"].partition("-")
+    nodes = min(int(high or low), idle_nodes())
     job = {
         "id": job_id,
         "state": "PENDING",
         "script": str(script),
-        "nodes": int(directives["--nodes"]),
+        "nodes": max(nodes, int(low)),
         "output": directives["--output"].replace("%j", job_id),
         "chdir": directives["--chdir"],
         "node_pids": [],
         "runner": None,
     }
     save(job)
-    if not (STATE / "hold").exists():
+    if not (STATE / "hold").exists() and nodes >= int(low):  # else it waits for nodes
         runner = subprocess.Popen(
             [sys.executable, __file__, "_run", job_id],
             start_new_session=True,
@@ -141,6 +146,7 @@ def _run(args: list[str]) -> int:
         "SLURM_JOB_ID": job["id"],
         "SLURM_JOB_NODELIST": f"standin[0-{job['nodes'] - 1}]",
         "SLURM_NNODES": str(job["nodes"]),
+        "SLURM_JOB_NUM_NODES": str(job["nodes"]),
         "SLURM_CPUS_ON_NODE": "1",
     }
     with open(job["output"], "ab") as out:
@@ -155,10 +161,30 @@ def _run(args: list[str]) -> int:
     return 0
 
 
+def idle_nodes() -> int:
+    """Nodes up (``nodes_up``, else plenty) that no running job holds."""
+    up = STATE / "nodes_up"
+    if not up.is_file():
+        return 1 << 20
+    held = sum(
+        job["nodes"]
+        for job in (json.loads(p.read_text()) for p in STATE.glob("job-*.json"))
+        if job["state"] == "RUNNING"
+    )
+    return max(int(up.read_text()) - held, 0)
+
+
 def squeue(args: list[str]) -> int:
     job_id = args[args.index("--jobs") + 1]
     if job_path(job_id).is_file() and load(job_id)["state"] not in ENDED:
-        print(load(job_id)["state"])  # jobs that ended have left the queue
+        job = load(job_id)  # jobs that ended have left the queue
+        print(job["nodes"] if "--format=%D" in args else job["state"])
+    return 0
+
+
+def sinfo(args: list[str]) -> int:
+    assert "--states=idle" in args and "--format=%D" in args, args
+    print(idle_nodes())
     return 0
 
 
@@ -172,6 +198,12 @@ def sacct(args: list[str]) -> int:
 
 def scancel(args: list[str]) -> int:
     _call(["scancel", *args])
+    if args[0] == "--signal=TERM":  # to the steps' processes (torchrun passes it on)
+        for pid in load(args[1])["node_pids"]:
+            for p in descendants(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGTERM)
+        return 0
     if not job_path(args[0]).is_file():
         print(f"scancel: error: Kill job error on job id {args[0]}: Invalid job id specified")
         return 1
@@ -199,9 +231,10 @@ def srun(args: list[str]) -> int:
     n = next(i for i, a in enumerate(args) if not a.startswith("--"))
     options, cmd = args[:n], args[n:]
     job = load(os.environ["SLURM_JOB_ID"])
+    count = next((int(o.split("=")[1]) for o in options if o.startswith("--nodes=")), job["nodes"])
     nodes = [
         subprocess.Popen(cmd, env={**os.environ, "SLURM_NODEID": str(i)}, start_new_session=True)
-        for i in range(job["nodes"])
+        for i in range(count)
     ]
     job["node_pids"] = [n.pid for n in nodes]
     save(job)

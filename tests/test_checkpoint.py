@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BASE, TESTS, explain, losses, torchrun
+from helpers import BASE, TESTS, assert_trains_like, explain, losses, torchrun
 from rich.console import Console
 
 from moe_core.compose import compose_run
+from moe_core.config_dict import to_dict
 from moe_core.convert.native import load_model_dir
 from moe_core.train.checkpoint import MANIFEST, step_dir_name, verify
 from moe_core.train.trainer import Trainer
@@ -158,6 +160,34 @@ def test_checkpoint_from_ep2_reshards_into_one_process_and_pp2(tmp_path):
     got = json.loads((tmp_path / "pp2.json").read_text())
     assert got["step"] == 3
     assert abs(got["eval_loss"] - eval_ep2) < 1e-5 * abs(eval_ep2)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_half_its_nodes_trains_like_the_uninterrupted_run(tmp_path, dp2_ep2_run):
+    """cluster.on_node_loss=shrink: the session's 4-rank run (dp 2 x ep 2 on 2 nodes of 2: 4
+    data ranks, 1 micro-batch each) resumed from its step-2 checkpoint on 1 node (``moe train
+    --nodes 1``: dp 1 x ep 2, 2 data ranks, 2 micro-batches each) keeps the global batch and
+    the sample sequence: its loss curve and weights are the uninterrupted run's within the
+    layout-parity tolerance (``helpers.assert_trains_like``)."""
+    shrunk = tmp_path / "shrunk"
+    (shrunk / "checkpoints").mkdir(parents=True)
+    step2 = step_dir_name(2)
+    shutil.copytree(dp2_ep2_run / "checkpoints" / step2, shrunk / "checkpoints" / step2)
+    rows = (dp2_ep2_run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (shrunk / "metrics.jsonl").write_text("".join(rows[:2]))  # what the run had logged
+    layout = ["parallel.dp=2", "parallel.ep=2", "train.checkpoint_every=2"]
+    cluster = ["cluster=slurm", "cluster.nodes=2", "cluster.procs_per_node=2"]
+    shrink = ["cluster.gpus_per_node=0", "cluster.on_node_loss=shrink"]
+    run = compose_run([*BASE, *layout, *cluster, *shrink, f"out_dir={shrunk}"])
+    assert run.node_counts == {2: 2, 1: 1}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(to_dict(run)))
+    result = torchrun(2, ["-m", "moe_core.cli", "train", "--config", str(config), "--nodes", "1"])
+    assert result.returncode == 0, explain(result)
+    assert "continuing on 1 of 2 nodes: dp 2 -> 1, accumulation 1 -> 2" in result.stdout
+    assert "(pp 1, dp 1, cp 1, ep 2; accumulation 2)" in result.stdout
+    assert f"resumed from {shrunk / 'checkpoints' / step2}" in result.stdout.replace("\n", "")
+    assert_trains_like(dp2_ep2_run, shrunk, steps=5)
 
 
 @pytest.mark.slow

@@ -165,6 +165,87 @@ def test_a_failed_pod_fails_the_attempt_and_the_next_one_is_a_new_job(run, tmp_p
     assert fake.deleted == [], "a Job that ended needs no delete"
 
 
+def test_with_shrink_a_job_is_sized_to_the_ready_nodes(run, tmp_path):
+    """cluster.on_node_loss=shrink, dp 2 x ep 4 on 2 nodes of 4 GPUs: with one node ready
+    (the other NotReady, a third without GPUs) the Job is 1 pod training at dp 1 (moe train
+    --nodes 1); with both ready, 2 pods as planned. The attempts record it."""
+    shrink = compose_run(
+        [*(f"{k}={v}" for k, v in _overrides(run).items()), "cluster.on_node_loss=shrink"],
+        config_name="pretrain-47b",
+    )
+    assert shrink.node_counts == {2: 2, 1: 1}
+
+    def node(ready: str, gpus: int, unschedulable: bool = False):
+        return client.V1Node(
+            spec=client.V1NodeSpec(unschedulable=unschedulable),
+            status=client.V1NodeStatus(
+                conditions=[client.V1NodeCondition(type="Ready", status=ready)],
+                allocatable={"nvidia.com/gpu": str(gpus)},
+            ),
+        )
+
+    fake = FakeKube(LOSES_A_POD, STARTS_AND_FINISHES)
+    fake.nodes = [node("True", 4), node("False", 4), node("True", 0), node("True", 4, True)]
+    fake.list_node = lambda: client.V1NodeList(items=fake.nodes)
+    k8s, logged = launcher(shrink, tmp_path, fake)
+    first = k8s.attempt(1)
+    assert (first.nodes, first.dp, first.accumulation) == (1, 1, shrink.micro_batches * 2)
+    spec = fake.jobs[0].spec
+    assert spec.completions == spec.parallelism == 1
+    (container,) = spec.template.spec.containers
+    assert "--nnodes=1" in container.command and container.command[-2:] == ["--nodes", "1"]
+    sentence = f"continuing on 1 of 2 nodes: dp 2 -> 1, accumulation {shrink.micro_batches}"
+    assert any(x.startswith(f"kubernetes job {first.job_id}: {sentence}") for x in logged)
+    assert (
+        "# moe_core: model 47b on 1 pods" in (tmp_path / "train" / "kubernetes-1.yaml").read_text()
+    )
+
+    fake.nodes[1] = node("True", 4)  # back
+    logged.clear()
+    second = k8s.attempt(2)
+    assert second.ok and (second.nodes, second.dp) == (2, 2)
+    assert (
+        fake.jobs[1].spec.completions == 2
+        and "--nodes" not in fake.jobs[1].spec.template.spec.containers[0].command
+    )
+
+
+def test_with_shrink_a_cluster_that_hides_its_nodes_gets_a_full_size_job(run, tmp_path):
+    """A service account without permission to list nodes: the Job asks for all of them."""
+    shrink = compose_run(
+        [*(f"{k}={v}" for k, v in _overrides(run).items()), "cluster.on_node_loss=shrink"],
+        config_name="pretrain-47b",
+    )
+
+    def forbidden():
+        raise ApiException(status=403, reason="Forbidden")
+
+    fake = FakeKube(STARTS_AND_FINISHES)
+    fake.list_node = forbidden
+    k8s, logged = launcher(shrink, tmp_path, fake)
+    attempt = k8s.attempt(1)
+    assert attempt.ok and attempt.nodes == 2 and fake.jobs[0].spec.completions == 2
+    assert "cannot list the cluster's nodes (403 Forbidden): asking for all 2" in logged
+
+
+def _overrides(run: RunConfig) -> dict[str, object]:
+    """The fixture's cluster and layout as overrides, with dp 2 x ep 4 instead of ep 8."""
+    c = run.cluster
+    return {
+        "cluster": "kubernetes",
+        "cluster.nodes": 2,
+        "cluster.procs_per_node": 4,
+        "cluster.gpus_per_node": 4,
+        "cluster.volume_path": c.volume_path,
+        "cluster.namespace": "ml",
+        "cluster.poll_s": 0.001,
+        "parallel": "ep8",
+        "parallel.ep": 4,
+        "parallel.dp": 2,
+        "out_dir": run.out_dir,
+    }
+
+
 def test_cancelling_deletes_the_job(run, tmp_path):
     fake = FakeKube(STARTS_AND_FINISHES, interrupt_at=3)
     k8s, logged = launcher(run, tmp_path, fake)

@@ -313,6 +313,18 @@ def test_train_config_refusals(tmp_path: Path, capsys):
     path.write_text(json.dumps(data))
     assert main(["train", "--config", str(path)]) == 2
     assert "train.stepz is not a known option" in capsys.readouterr().out
+    del data["train"]["stepz"]
+    path.write_text(json.dumps(data))
+    assert main(["train", "--config", str(path), "--nodes", "2"]) == 2  # waits for all
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(
+        "error: --nodes=2 is not allowed: one of 1 (cluster.nodes=1, "
+    ) and one_sentence(out)
+    assert main(["train", "--nodes", "1", "train.steps=5"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error: --nodes 1 is not allowed without --config: ") and one_sentence(
+        out
+    )
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
@@ -556,3 +568,214 @@ def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeyp
         "scancel, and none of them is on PATH (run the pipeline on a Slurm login node, "
         "infra/README.md)."
     )
+    shrink = compose_run(["cluster.on_node_loss=shrink"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError) as err:  # growing back asks sinfo for idle nodes
+        SlurmLauncher.check(shrink)
+    assert "follows with squeue, sacct, scancel and sinfo, and none of them" in str(err.value)
+
+
+# ---- cluster.on_node_loss=shrink -------------------------------------------------------------
+
+# pretrain-47b's pp 2 x dp 4 x ep 8 on 8 nodes of 8 GPUs, a global batch of 1024 sequences of one
+SHRINK = ["cluster.on_node_loss=shrink"]
+
+
+def test_node_counts_and_their_refusals():
+    assert compose_run(SHRINK, config_name="pretrain-47b").node_counts == {8: 4, 4: 2, 2: 1}
+    wait = compose_run([], config_name="pretrain-47b")
+    assert wait.node_counts == {8: 4}  # waits for all of them
+    smaller = compose_run([*SHRINK, "cluster.min_nodes=4"], config_name="pretrain-47b")
+    assert smaller.node_counts == {8: 4, 4: 2}
+    at4 = smaller.on_nodes(4)
+    assert (at4.cluster.nodes, at4.parallel.dp, at4.micro_batches) == (4, 2, 64)
+    assert smaller.micro_batches == 32 and at4.train.global_batch_size == 1024
+    refusals = {
+        "cluster.min_nodes=3": "cluster.min_nodes=3 is not allowed: a node count whose 8 "
+        "processes per node make whole groups of pp x cp x ep = 16 ranks and whose dp divides "
+        "train.global_batch_size (1024) into micro-batches of train.micro_batch_size (1): 2, 4.",
+        "cluster.min_nodes=9": "cluster.min_nodes=9 is not allowed: from 1 to cluster.nodes (8).",
+        "parallel.dp=1": "cluster.on_node_loss='shrink' is not allowed: 'wait' for this "
+        "layout: no node count below cluster.nodes (2) holds whole groups of pp x cp x ep = 16 "
+        "ranks with a dp that divides train.global_batch_size (1024) into micro-batches.",
+    }
+    for override, message in refusals.items():
+        on_two = ["cluster.nodes=2"] if override == "parallel.dp=1" else []
+        with pytest.raises(ConfigError) as err:
+            compose_run([*SHRINK, override, *on_two], config_name="pretrain-47b")
+        assert str(err.value) == message and one_sentence(message)
+    with pytest.raises(ConfigError, match=r"^cluster\.min_nodes=4 is not allowed: null with "):
+        compose_run(["cluster.min_nodes=4"], config_name="pretrain-47b")
+    with pytest.raises(ConfigError, match=r"^cluster\.on_node_loss='shrink' is not allowed: "):
+        compose_run(SHRINK)  # the local cluster: one machine
+    with pytest.raises(ConfigError, match=r"^nodes=3 is not allowed: one of 2, 4, 8 "):
+        compose_run(SHRINK, config_name="pretrain-47b").on_nodes(3)
+
+
+def test_a_shrinking_slurm_script_trains_on_the_most_nodes_it_got_that_the_layout_allows(
+    tmp_path: Path,
+):
+    """sbatch --nodes=2-8; given 7 of them the script trains on 4 (dp 2): srun on 4 nodes,
+    torchrun --nnodes=4, moe train --nodes 4. With on_node_loss=wait it asks for all 8."""
+    run = compose_run(SHRINK, config_name="pretrain-47b")
+    script = render_slurm(run, str(tmp_path), str(tmp_path / "config.json"))
+    assert sbatch_directives(script)["--nodes"] == "2-8"
+    wait = compose_run([], config_name="pretrain-47b")
+    waiting = render_slurm(wait, str(tmp_path), str(tmp_path / "config.json"))
+    assert sbatch_directives(waiting)["--nodes"] == "8" and "MOE_NODES" not in waiting
+    (tmp_path / "job.sbatch").write_text(script)
+    record = tmp_path / "srun.json"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "scontrol": "#!/bin/sh\nprintf 'gpu-node-01\\n'\n",
+        "srun": f"#!{sys.executable}\nimport json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n",
+    }
+    for tool, body in stubs.items():
+        (bin_dir / tool).write_text(body)
+        (bin_dir / tool).chmod(stat.S_IRWXU)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu-node-[01-07]",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NUM_NODES": "7",
+        "SLURM_CPUS_ON_NODE": "96",
+    }
+    done = subprocess.run(
+        ["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "training on 4 of the 7 nodes allocated (cluster.nodes=8)" in done.stdout
+    argv = json.loads(record.read_text())
+    torchrun = argv.index("torchrun")
+    assert argv[:3] == ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1"]
+    assert argv[torchrun:] == torchrun_command(
+        run, str(tmp_path / "config.json"), 4, None, "gpu-node-01:29500", rdzv_id="77"
+    )
+    assert argv[-2:] == ["--nodes", "4"]
+
+
+class ScriptedCluster:
+    """A cluster for ``ClusterLauncher``'s loop: each job plays a list of (state, nodes) polls,
+    staying on the last; ``free`` says when all nodes are free again (from which poll)."""
+
+    def __init__(self, jobs: list[list[tuple[str, int]]], free_from: int | None = None):
+        self.jobs, self.free_from = jobs, free_from
+        self.polls, self.stopped, self.asked = 0, [], 0
+
+
+def scripted_launcher(run, tmp_path: Path, cluster: ScriptedCluster, logged: list[str]):
+    from flows.launchers import SLURM_ENDED, SLURM_QUEUED, ClusterLauncher
+
+    class Scripted(ClusterLauncher):
+        kind, noun, queued, ended = "slurm", "job", SLURM_QUEUED, SLURM_ENDED
+
+        @classmethod
+        def check(cls, run) -> None:
+            pass
+
+        def start(self, number):
+            self.playing, self.at = cluster.jobs.pop(0), -1
+            return str(number), tmp_path / "job.sbatch"
+
+        def state(self, job_id):
+            if job_id in cluster.stopped:  # the ranks checkpoint and end
+                return "COMPLETED"
+            self.at = min(self.at + 1, len(self.playing) - 1)
+            return self.playing[self.at][0]
+
+        def nodes(self, job_id):
+            return self.playing[self.at][1]
+
+        def all_nodes_free(self, job_id, nodes):
+            cluster.asked += 1
+            return cluster.free_from is not None and cluster.asked >= cluster.free_from
+
+        def stop_at_checkpoint(self, job_id):
+            cluster.stopped.append(job_id)
+
+        def stream(self, job_id, final=False):
+            pass
+
+        def cancel(self, job_id):
+            pass
+
+        def not_started(self, job_id, state):
+            return "never"
+
+    return Scripted(run, tmp_path, logged.append)
+
+
+class NoTracker:
+    def params(self, run_id, values) -> None:
+        self.last = values
+
+    def send_metrics_file(self, run_id, path) -> None:
+        pass
+
+
+def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_path: Path):
+    """Job 1 fails on 8 nodes; job 2 runs on 4 (the cluster's count) until all 8 are free
+    again (the third look), is stopped at a checkpoint and job 3 finishes on 8; one retry
+    was enough (cluster.launch_retries=1): growing back spends none."""
+    import logging
+
+    from flows.launch import launch_attempts
+
+    run = compose_run(
+        [*SHRINK, "cluster.launch_retries=1", "cluster.poll_s=0.001"], config_name="pretrain-47b"
+    )
+    jobs = [
+        [("RUNNING", 8), ("FAILED", 8)],
+        [("PENDING", 4), *[("RUNNING", 4)] * 10],
+        [("RUNNING", 8), ("COMPLETED", 8)],
+    ]
+    cluster, logged, warned = ScriptedCluster(jobs, free_from=3), [], []
+    logger = logging.getLogger("test-grow")
+    logger.warning = lambda msg, *a: warned.append(msg % a)  # type: ignore[method-assign]
+    tracker = NoTracker()
+    attempts = launch_attempts(
+        scripted_launcher(run, tmp_path, cluster, logged), tracker, None, logger
+    )
+    failed, shrunk, grown = attempts
+    assert (failed.ok, failed.nodes, failed.dp, failed.accumulation) == (False, 8, 4, 32)
+    assert (shrunk.nodes, shrunk.dp, shrunk.accumulation, shrunk.grow) == (4, 2, 64, True)
+    assert (
+        shrunk.detail == "job 2 ended COMPLETED (stopped at a checkpoint to grow back to 8 nodes)"
+    )
+    assert (grown.ok, grown.nodes, grown.dp, grown.grow) == (True, 8, 4, False)
+    assert cluster.stopped == ["2"] and cluster.asked == 3
+    assert "job 2: continuing on 4 of 8 nodes: dp 4 -> 2, accumulation 32 -> 64" in logged
+    assert (
+        "all 8 nodes are free again: stopping job 2 at a checkpoint to relaunch on them" in logged
+    )
+    assert warned[1].startswith(shrunk.detail + "; launching again on all 8 nodes, resuming from ")
+    assert tracker.last == {
+        "launch": {
+            "attempt_3": {
+                "kind": "slurm",
+                "job_id": "3",
+                "state": "COMPLETED",
+                "script": str(tmp_path / "job.sbatch"),
+                "nodes": 8,
+                "dp": 4,
+                "accumulation": 32,
+            }
+        }
+    }
+    records = json.loads((tmp_path / "launches.json").read_text())
+    assert [(r["nodes"], r["dp"], r["grow"]) for r in records] == [
+        (8, 4, False),
+        (4, 2, True),
+        (8, 4, False),
+    ]
+
+    # on_node_loss=wait: a job on all its nodes never asks whether they are free
+    wait = compose_run(["cluster.poll_s=0.001"], config_name="pretrain-47b")
+    cluster = ScriptedCluster([[("RUNNING", 8), ("COMPLETED", 8)]], free_from=1)
+    (tmp_path / "w").mkdir()
+    (done,) = launch_attempts(
+        scripted_launcher(wait, tmp_path / "w", cluster, []), NoTracker(), None, logger
+    )
+    assert done.ok and cluster.asked == 0 and done.nodes == 8

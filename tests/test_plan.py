@@ -34,6 +34,7 @@ from moe_core.plan import (
     InsufficientResourcesError,
     check_cluster,
     check_resources,
+    check_shrink_fits,
     layer_activation_bytes,
     max_in_flight,
     plan,
@@ -496,6 +497,31 @@ def test_moe_plan_prints_the_plan(monkeypatch, capsys):
     assert f"{expected.memory.total / GIB:,.2f} GiB" in out
     assert "fits" in out and "does not fit" not in out
     assert f"{expected.comm.all_to_all_per_layer / GIB:,.3f} GiB per MoE layer" in out
+
+
+def test_the_plan_lists_the_node_counts_a_run_shrinks_to_and_the_fewest_must_fit():
+    """cluster.on_node_loss=shrink: moe plan's row of smaller node counts; on fewer nodes each
+    GPU holds more optimizer state (dp smaller), so the fewest must fit the GPUs too."""
+    run = compose_run(["cluster.on_node_loss=shrink"], config_name="pretrain-47b")
+    assert "shrinks to: 4 nodes (dp 2, accumulation 64), 2 nodes (dp 1, accumulation 128) " in (
+        plan_text(plan(run))
+    )
+    assert "shrinks to" not in plan_text(plan(compose_run([], config_name="pretrain-47b")))
+    check_shrink_fits(run)
+    at2, at4 = plan(run.on_nodes(2)).per_gpu_gib, plan(run.on_nodes(4)).per_gpu_gib
+    assert plan(run).per_gpu_gib < at4 < at2
+    small = compose_run(
+        ["cluster.on_node_loss=shrink", f"cluster.gpu_memory_gib={(at2 + at4) / 2:.1f}"],
+        config_name="pretrain-47b",
+    )
+    with pytest.raises(InsufficientResourcesError) as err:
+        check_shrink_fits(small)
+    message = str(err.value)
+    assert message.startswith(
+        f"cluster.min_nodes=None is not allowed: on 2 nodes (dp 1) each GPU needs {at2:.1f} GiB"
+    )
+    assert message.endswith("so set cluster.min_nodes=4, the fewest nodes that fit.")
+    assert one_sentence(message)
 
 
 def test_moe_plan_refuses_a_bad_override(monkeypatch, capsys):

@@ -3,6 +3,8 @@ with jobs that never run: no training, so these take a second or two."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import slurm_standin
+from helpers import BASE
 
 from flows.launchers import SlurmLauncher, _slurm
 from moe_core.compose import compose_run
+from moe_core.config_dict import to_dict
 
 
 @pytest.fixture
@@ -98,3 +102,101 @@ def test_a_hanging_slurm_command_reads_as_a_failed_call():
     done = _slurm([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
     assert done.returncode == 124 and "no answer within 0.5 s" in done.stderr
     assert time.monotonic() - start < 10
+
+
+class NoTracker:
+    """``launch_attempts``' tracker where no MLflow run is open (every call a no-op)."""
+
+    def params(self, run_id, values) -> None:
+        pass
+
+    def send_metrics_file(self, run_id, path) -> None:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # three jobs (~45 s): test_launch's shrink tests and the resume one cover it
+def test_a_lost_node_shrinks_the_relaunch_and_returning_nodes_grow_it_back(tmp_path, monkeypatch):
+    """cluster.on_node_loss=shrink on the stand-in: the first job (2 nodes, dp 2) loses node 1
+    and the cluster is down to 1 node; the relaunch (sbatch --nodes=1-2) gets 1 and trains at
+    dp 1, accumulation 4 (2 before); when the node is back (sinfo) that job is stopped at a
+    checkpoint and the third trains on both to the end, every step logged once."""
+    from test_multinode import free_port
+
+    from flows.launch import launch_attempts
+
+    state = tmp_path / "state"
+    slurm_standin.install(tmp_path / "bin", state)
+    path = [str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    train = tmp_path / "train"
+    train.mkdir()
+    run = compose_run(
+        [
+            *BASE,
+            "train.steps=12",
+            "train.checkpoint_every=1",
+            "parallel.dp=2",
+            "cluster=slurm",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=1",
+            "cluster.gpus_per_node=0",
+            "cluster.partition=standin",
+            f"cluster.rdzv_port={free_port()}",
+            "cluster.poll_s=0.2",
+            "cluster.on_node_loss=shrink",
+            f"out_dir={train}",
+        ]
+    )
+    (train / "config.json").write_text(json.dumps(to_dict(run)))
+    metrics, first = train / "metrics.jsonl", slurm_standin.FIRST_ID
+    events: list[str] = []
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    def nodes_come_and_go() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline and steps() < 3:
+            time.sleep(0.05)
+        (state / "nodes_up").write_text("1")  # node 1 is lost: the cluster has 1 node left
+        slurm_standin.kill_tree(slurm_standin.job(state, str(first))["node_pids"][1])
+        events.append("lost")
+        while time.time() < deadline:  # the relaunch resumes and logs a step of its own
+            rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+            if (state / f"job-{first + 1}.json").is_file() and len(rows) > 3:
+                break
+            time.sleep(0.05)
+        (state / "nodes_up").write_text("2")  # and it is back
+        events.append("back")
+
+    watcher = threading.Thread(target=nodes_come_and_go, daemon=True)
+    watcher.start()
+    logged: list[str] = []
+    logger = logging.getLogger("test-shrink")
+    monkeypatch.setattr(logger, "warning", lambda msg, *a: logged.append(msg % a))
+    attempts = launch_attempts(SlurmLauncher(run, train, logged.append), NoTracker(), None, logger)
+    watcher.join()
+    assert events == ["lost", "back"]
+
+    lost, shrunk, grown = attempts
+    assert (lost.state, lost.nodes, lost.dp, lost.grow) == ("FAILED", 2, 2, False)
+    assert (shrunk.nodes, shrunk.dp, shrunk.accumulation, shrunk.grow) == (1, 1, 4, True)
+    assert (grown.state, grown.ok, grown.nodes, grown.dp, grown.accumulation) == (
+        "COMPLETED",
+        True,
+        2,
+        2,
+        2,
+    )
+    sentence = "continuing on 1 of 2 nodes: dp 2 -> 1, accumulation 2 -> 4"
+    assert f"slurm job {first + 1}: {sentence}" in logged  # the launcher's
+    assert sentence in logged  # the trainer's, streamed from the job's log
+    assert "stopped at step" in (train / f"slurm-{first + 1}.out").read_text()
+    assert ["scancel", "--signal=TERM", str(first + 1)] in slurm_standin.calls(state)
+    assert any(
+        x.endswith("launching again on all 2 nodes, resuming from " + x.split()[-1]) for x in logged
+    )
+    assert json.loads((train / "launches.json").read_text()) == [a.record() for a in attempts]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(12))
+    assert "--nodes=1-2" in (train / "slurm.sbatch").read_text()

@@ -175,6 +175,9 @@ def test_the_flow_finishes_with_the_submitted_scripts_and_job_ids_recorded(slurm
         assert params[f"launch.attempt_{n}.script"] == str(script)
         assert params[f"launch.attempt_{n}.kind"] == "slurm"
     assert params["launch.attempt_1.state"] == "FAILED"
+    # the layout each attempt trained at: all 2 nodes (on_node_loss=wait), pretrain-tiny's ep 2
+    assert [(a["nodes"], a["dp"], a["accumulation"]) for a in launches] == [(2, 1, 1)] * 2
+    assert (params["launch.attempt_2.nodes"], params["launch.attempt_2.dp"]) == ("2", "1")
     history = client.get_metric_history(train.info.run_id, "loss")
     assert sorted({m.step for m in history}) == list(range(8))
 

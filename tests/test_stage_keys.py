@@ -108,6 +108,17 @@ def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_p
     assert stage_keys(tolerant) == keys
     masked = replace(run, train=replace(run.train, document_mask=True))
     assert stage_keys(masked)["train"] != keys["train"]
+    # Whether a relaunch on fewer nodes waits or shrinks is the cluster's (no key hashes it):
+    # the run it trains is the same.
+    four = replace(
+        run,
+        train=replace(run.train, micro_batch_size=4),
+        parallel=replace(run.parallel, dp=2),
+        cluster=replace(run.cluster, kind="slurm", nodes=2, procs_per_node=2),
+    )
+    shrinking = replace(four, cluster=replace(four.cluster, on_node_loss="shrink", min_nodes=1))
+    assert shrinking.node_counts == {2: 2, 1: 1}
+    assert stage_keys(shrinking) == stage_keys(four)
 
 
 def test_the_pipeline_refuses_a_corpus_of_another_format_before_anything_runs(tmp_path):

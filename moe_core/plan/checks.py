@@ -82,6 +82,26 @@ def check_resources(
         )
 
 
+def check_shrink_fits(run: RunConfig) -> None:
+    """With ``cluster.on_node_loss=shrink``, the fewest nodes the run may shrink to must hold
+    it too (a smaller dp shards the optimizer over fewer ranks, so each holds more)."""
+    counts = run.node_counts
+    fewest = min(counts)
+    if fewest == run.cluster.nodes:
+        return
+    p = plan(run.on_nodes(fewest))
+    if p.fits():
+        return
+    fitting = [n for n in sorted(counts) if plan(run.on_nodes(n)).fits()]
+    c = run.cluster
+    raise InsufficientResourcesError(
+        f"cluster.min_nodes={c.min_nodes} is not allowed: on {fewest} nodes (dp "
+        f"{p.parallel.dp}) each GPU needs {p.per_gpu_gib:.1f} GiB but a {c.gpu_type} has "
+        f"{c.gpu_memory_gib:g} GiB, so set cluster.min_nodes={fitting[0]}, the fewest nodes "
+        "that fit."
+    )
+
+
 def host_memory_bytes() -> int:
     """This machine's physical memory (what a CPU run and a conversion can hold at most)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -40,6 +40,9 @@ class Plan:
     comm: Communication
     flops_per_token: int  # model FLOPs, forward + backward, at train.seq_len
     checkpoint: CheckpointPlan
+    # cluster.on_node_loss=shrink: the smaller node counts the run may continue on, each as
+    # (nodes, dp, micro-batches per rank and step), from RunConfig.node_counts
+    shrinks_to: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -84,6 +87,11 @@ def plan(run: RunConfig) -> Plan:
         comm=communication(run, stages),
         flops_per_token=counts.flops_per_token,
         checkpoint=checkpoint_plan(run, stages),
+        shrinks_to=tuple(
+            (n, dp, run.on_nodes(n).micro_batches)
+            for n, dp in run.node_counts.items()
+            if n < run.cluster.nodes
+        ),
     )
 
 

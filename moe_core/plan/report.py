@@ -120,6 +120,9 @@ def _cluster_rows(p: Plan) -> Rows:
             f"processes, {match} the layout",
         )
     )
+    if p.shrinks_to:
+        ways = ", ".join(f"{n} nodes (dp {dp}, accumulation {acc})" for n, dp, acc in p.shrinks_to)
+        rows.append(("shrinks to", f"{ways} when nodes are lost (cluster.on_node_loss=shrink)"))
     return rows
 
 
