@@ -256,7 +256,14 @@ class ClusterLauncher(Launcher):
                     started = True
                     if nodes is None:
                         nodes = self._running_on(job_id)
-                    elif nodes < c.nodes and not grow and self.all_nodes_free(job_id, nodes):
+                    elif (
+                        nodes < c.nodes
+                        and not grow
+                        # the stop must end in a checkpoint, or the steps since the last one
+                        # would be lost: without train.checkpoint_at_end the run stays smaller
+                        and self.run.train.checkpoint_at_end
+                        and self.all_nodes_free(job_id, nodes)
+                    ):
                         self.log(
                             f"all {c.nodes} nodes are free again: stopping {self.noun} {job_id} "
                             "at a checkpoint to relaunch on them"

@@ -779,3 +779,16 @@ def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_pa
         scripted_launcher(wait, tmp_path / "w", cluster, []), NoTracker(), None, logger
     )
     assert done.ok and cluster.asked == 0 and done.nodes == 8
+
+    # without train.checkpoint_at_end a stop would lose the steps since the last checkpoint:
+    # a shrunk job runs on, never stopped to grow back
+    keep = compose_run(
+        [*SHRINK, "cluster.poll_s=0.001", "train.checkpoint_at_end=false"],
+        config_name="pretrain-47b",
+    )
+    cluster = ScriptedCluster([[*[("RUNNING", 4)] * 5, ("COMPLETED", 4)]], free_from=1)
+    (tmp_path / "k").mkdir()
+    (done,) = launch_attempts(
+        scripted_launcher(keep, tmp_path / "k", cluster, []), NoTracker(), None, logger
+    )
+    assert done.ok and not done.grow and cluster.stopped == [] and cluster.asked == 0
