@@ -35,6 +35,13 @@ from flows.render import (
 )
 from moe_core.config import ConfigError, RunConfig
 from moe_core.errors import RunFailedError
+from moe_core.train.torchrun import (
+    REPORT,
+    failure_context,
+    failure_detail,
+    read_failure,
+    split_rank,
+)
 
 Log = Callable[[str], None]
 
@@ -69,6 +76,8 @@ class Attempt:
     state: str
     ok: bool
     detail: str  # one clause for the log and the stage's error, e.g. "slurm job 7 ended FAILED"
+    # what the log and the stage's error add to it (a failed rank's last lines, where its log is)
+    context: str = ""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,8 +152,13 @@ class LocalLauncher(Launcher):
             )
 
     def attempt(self, number: int) -> Attempt:
+        logs = self.train_dir / "logs" / f"attempt-{number}"
+        if logs.exists():  # a run folder's earlier pipeline got this far: its logs stay
+            shutil.rmtree(logs.with_name(f"{logs.name}.old"), ignore_errors=True)
+            logs.rename(logs.with_name(f"{logs.name}.old"))
+        logs.mkdir(parents=True)
         cmd = standalone_command(
-            str(self.config_path), self.run.cluster.procs_per_node, sys.executable
+            str(self.config_path), self.run.cluster.procs_per_node, sys.executable, str(logs)
         )
         self.log("launching: " + " ".join(cmd))
         proc = subprocess.Popen(
@@ -157,19 +171,17 @@ class LocalLauncher(Launcher):
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                self.forward([raw])
+                rank, line = split_rank(raw)
+                self.forward([line if not rank else f"rank {rank}: {line}"])
             proc.wait()
         finally:
             _stop_child(proc)
         code = proc.returncode
-        return Attempt(
-            number,
-            str(proc.pid),
-            None,
-            f"exit {code}",
-            code == 0,
-            f"training exited with code {code}",
-        )
+        detail, context = f"training exited with code {code}", ""
+        failed = read_failure(logs / "failure.json") if code else None
+        if failed is not None:  # a rank failed: torchrun's summary condensed to one sentence
+            detail, context = failure_detail(failed), failure_context(failed, logs / REPORT)
+        return Attempt(number, str(proc.pid), None, f"exit {code}", code == 0, detail, context)
 
 
 # ---- a cluster's job: submitted, then polled until it ends ---------------------------------

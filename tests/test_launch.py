@@ -531,6 +531,34 @@ def test_each_cluster_kind_has_its_launcher(tmp_path: Path):
     assert one_sentence(str(err.value))
 
 
+def test_a_failed_rank_is_one_sentence_not_torchruns_summary(tmp_path: Path):
+    """What the local launcher says of a rank that failed (``moe_core.train.torchrun``'s
+    record; the kill -9 pipeline test sees it end to end): the rank, how it ended, its own
+    last lines, where its log and torchrun's full report are."""
+    from flows.render import standalone_command
+    from moe_core.train.torchrun import FailedRank, failure_context, failure_detail, split_rank
+
+    cmd = standalone_command("/r/train/config.json", 2, "py", "/r/train/logs/attempt-3")
+    assert cmd[:5] == ["py", "-m", "moe_core.train.torchrun", "--failure", f"{cmd[6]}/failure.json"]
+    assert cmd[-5:] == ["-m", "moe_core.cli", "train", "--config", "/r/train/config.json"]
+    assert split_rank("[rank12]:step 3\n") == (12, "step 3\n")
+    assert split_rank("W1205 torchrun's own") == (None, "W1205 torchrun's own")
+
+    rank_dir = tmp_path / "run_x" / "attempt_0" / "1"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "stdout.log").write_text("step 0\nstep 1\n")
+    (rank_dir / "stderr.log").write_text("Traceback\n  x\nValueError: bad\n")
+    os.utime(rank_dir / "stdout.log", (1, 1))  # stderr was written last
+    failed = FailedRank(1, 1, 7, 1, None, None, str(rank_dir))
+    assert failure_detail(failed) == "rank 1 exited with code 1"
+    assert failure_context(failed, tmp_path / "torchrun.log") == (
+        f"its last lines: Traceback | x | ValueError: bad (its log: {rank_dir}); "
+        f"torchrun's report: {tmp_path / 'torchrun.log'}"
+    )
+    killed = FailedRank(0, 0, 7, -9, "SIGKILL", None, None)
+    assert failure_detail(killed) == "rank 0 was killed by SIGKILL (exit code -9)"
+
+
 def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
     from flows.launchers import SlurmLauncher
 

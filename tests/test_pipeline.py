@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -303,7 +304,8 @@ def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(
 
 
 def kill_training_after(run_dir: Path, steps: int) -> None:
-    """SIGKILL the training's processes once ``steps`` metrics lines are written."""
+    """SIGKILL the training's ranks (as the OOM killer would; torchrun lives on and reports it)
+    once ``steps`` metrics lines are written."""
     metrics = run_dir / "train" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
@@ -313,7 +315,8 @@ def kill_training_after(run_dir: Path, steps: int) -> None:
     marker = str(run_dir / "train" / "config.json").encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if marker in cmdline and b"moe_core.train.torchrun" not in cmdline:  # a rank
                 os.kill(int(pid), signal.SIGKILL)
         except (OSError, ProcessLookupError):
             pass
@@ -330,8 +333,16 @@ def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_p
     with pytest.raises(RunFailedError) as err:  # the training's processes killed mid-run
         run_pipeline(run_dir, ["cluster.launch_retries=0"])
     killer.join()
-    assert "training exited with code" in str(err.value), "the first attempt must fail"
-    assert "a rerun resumes from" in str(err.value)
+    # torchrun's "Root Cause" summary is one sentence: the rank, its signal, its last lines,
+    # where the whole report and the rank's log are kept.
+    said = str(err.value)
+    killed = r"^rank [01] was killed by SIGKILL \(exit code -9\) on attempt 1 of 1 "
+    assert re.search(killed + r".*; a rerun resumes from step_\d+; its last lines: .", said)
+    logs = run_dir / "train" / "logs" / "attempt-1"
+    assert said.endswith(f"; torchrun's report: {logs / 'torchrun.log'}.")
+    assert "Root Cause (first observed failure)" in (logs / "torchrun.log").read_text()
+    log = run_logs(flow_runs(run_dir)[0].id)
+    assert "Root Cause" not in log and "ChildFailedError" not in log
     before = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
     before |= {p: p.stat().st_mtime_ns for p in (run_dir / "init").rglob("*") if p.is_file()}
 
