@@ -272,7 +272,7 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path)
 
 @pytest.mark.slow
 def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(
-    finished, tmp_path, capsys
+    finished, tmp_path, capsys, monkeypatch
 ):
     from mlflow.tracking import MlflowClient
 
@@ -301,6 +301,25 @@ def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(
     after = client.get_run(parent_id)
     assert after.info.end_time == before.info.end_time
     assert "every stage's outputs verified, none redone" in after.data.tags["mlflow.note.content"]
+
+    # With no Prefect API to talk to (a user's plain `moe pipeline`), such a rerun starts no
+    # temporary server and no flow run, and says and records the same.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import flows.pretrain
+
+    def no_flow(**kwargs):
+        raise AssertionError("a rerun with nothing to run must not start the flow")
+
+    monkeypatch.setattr(flows.pretrain, "pretrain", no_flow)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["pipeline", *SMALL, f"run_dir={run_dir}"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-7:] == last
+    assert f"{run_dir}: every stage's outputs verified, nothing to run (no Prefect" in err
+    note = client.get_run(parent_id).data.tags["mlflow.note.content"]
+    assert note.count("rerun; every stage's outputs verified, none redone.") == 2
+    assert client.get_run(parent_id).info.end_time == before.info.end_time
 
 
 def kill_training_after(run_dir: Path, steps: int) -> None:
