@@ -48,7 +48,7 @@ from flows.report import (
     stage_progress,
     summary_line,
 )
-from flows.tracking import LOCAL_UI, Tracker
+from flows.tracking import LOCAL_UI, Tracker, ui_command
 from moe_core.config import (
     ClusterConfig,
     RunConfig,
@@ -832,7 +832,7 @@ def _finish(ctx: Context, outcome: dict[str, Any], published: bool) -> dict[str,
     outcome["mlflow_run"] = outcome["mlflow_ui"] = None
     if tracker.online and page is not None:
         outcome["mlflow_run"] = link or f"{LOCAL_UI}/{page}"  # the parent run's page
-        outcome["mlflow_ui"] = None if link else f"mlflow ui --backend-store-uri {tracker.uri}"
+        outcome["mlflow_ui"] = None if link else ui_command(tracker.uri)
         where = mlflow_where("parent", link, page, tracker.uri)
     if published:
         markdown = run_markdown(outcome, where)

@@ -60,8 +60,8 @@ def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finish
         f"http://127.0.0.1:5000/#/experiments/1/runs/{parent}?workflowType=machine_learning"
     )
     assert message.endswith(
-        f"; MLflow run: {outcome['mlflow_run']} (once `mlflow ui --backend-store-uri "
-        f"sqlite:///{run_dir}/mlflow.db` serves it)"
+        f"; MLflow run: {outcome['mlflow_run']} (once `MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "
+        f"mlflow ui --workers 1 --backend-store-uri sqlite:///{run_dir}/mlflow.db` serves it)"
     )
     found = artifacts(first.id)
     assert set(found) == {f"tiny-{name}" for name in (*STAGES, "pretrain")}
@@ -99,7 +99,10 @@ def test_tiny_pipeline_end_to_end(finished):
     result = json.loads((run_dir / "eval" / "result.json").read_text())
     assert result["relative_difference"] < 1e-4 and result["tokens"] > 0
     assert outcome["perplexity"] == pytest.approx(result["perplexity"])
-    assert outcome["mlflow_ui"].startswith("mlflow ui --backend-store-uri sqlite:")
+    assert outcome["mlflow_ui"] == (
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri "
+        f"sqlite:///{run_dir}/mlflow.db"
+    )
 
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
@@ -148,14 +151,19 @@ def test_tiny_pipeline_end_to_end(finished):
 
 @contextlib.contextmanager
 def mlflow_ui(command: str) -> Iterator[str]:
-    """``command`` (the ``mlflow ui --backend-store-uri ...`` a run prints) on a free loopback
-    port, in a session of its own; yields its address, stops it and its workers after."""
+    """``command`` (the ``VAR=value mlflow ui ...`` a run prints, as a shell runs it) on a free
+    loopback port, in a session of its own; yields its address. After, SIGTERM to the command
+    alone (what Ctrl-C or a kill of the printed command does) must end every process it
+    started."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    words = command.split()
+    at = words.index("mlflow")  # before it: the command's environment assignments
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_SERVER_")}
+    env |= dict(w.split("=", 1) for w in words[:at])
     mlflow = str(Path(sys.executable).parent / "mlflow")
-    args = [mlflow, *command.split()[1:], "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    args = [mlflow, *words[at + 1 :], "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -171,13 +179,38 @@ def mlflow_ui(command: str) -> Iterator[str]:
                 assert time.time() < deadline, f"{command} did not answer within 180 s"
                 time.sleep(0.5)
         yield url
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 120  # generous: a loaded machine
+        while _session(proc.pid) and time.time() < deadline:
+            time.sleep(0.5)
+        assert _session(proc.pid) == [], f"{command} left processes after SIGTERM"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (zombies not counted)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
+                found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_the_printed_mlflow_ui_command_serves_the_run_and_ends_on_sigterm(finished):
+    """The `mlflow ui` command `moe pipeline` prints, run as printed: it answers with the run
+    folder's experiment, and SIGTERM to it (as Ctrl-C) ends every process it started
+    (``mlflow_ui`` checks that after the block)."""
+    run_dir, outcome = finished
+    parent = json.loads((run_dir / "mlflow.json").read_text())["parent"]
+    with mlflow_ui(outcome["mlflow_ui"]) as url:
+        found = urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={parent}", timeout=60)
+        assert json.loads(found.read())["run"]["info"]["run_name"] == "tiny"
 
 
 @pytest.mark.slow
