@@ -35,8 +35,6 @@ from helpers import (
 from flows.pretrain import NAMES as STAGES
 from moe_core.compose import compose_dict
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def finished(prefect_home, tiny_run) -> tuple[Path, dict]:
@@ -249,7 +247,8 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
             ).to_have_text(name)
 
         # The parent run's page, at the address `moe pipeline` prints last (served here on
-        # another port): the headline metrics; its screenshot goes to docs/.
+        # another port): the headline metrics (docs/mlflow_screenshot.py takes the README's
+        # picture of the quickstart's run the same way).
         page.goto(outcome["mlflow_run"].replace(LOCAL_UI, url))
         expect(page.get_by_text("tiny", exact=True).first).to_be_visible()
         for metric in ("final_loss", "final_eval_loss", "perplexity", "tokens_per_s_per_gpu"):
@@ -260,7 +259,6 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
         close = page.get_by_role("button", name="Close")  # the assistant's side panel
         if close.count():
             close.first.click()
-        page.screenshot(path=str(ROOT / "docs" / "mlflow-run-page.png"))
 
         # The train run's charts: the loss over the 8 steps (charts draw once in view).
         train = ids["stages"]["train"]
