@@ -5,7 +5,8 @@ It is torch's own launcher (``torch.distributed.run``) with one difference: when
 torchrun's error summary (a traceback of the launcher and the "Root Cause" table, ~30 lines on
 the console) goes to ``torchrun.log`` beside ``FILE`` together with the launcher's own log, and
 ``FILE`` receives the first failure as JSON (``FailedRank``), which the launcher turns into one
-sentence (``failure_sentence``). The exit status is torchrun's: 0, or 1 when a rank failed.
+sentence (``failure_detail``, ``failure_context``). Each line a rank prints is prefixed with its
+rank (``split_rank``). The exit status is torchrun's: 0, or 1 when a rank failed.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _rank_log_dir(log_dir: str | None, local_rank: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """torchrun with ``argv`` (after ``--failure FILE``); returns its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "--failure":
         raise SystemExit("usage: python -m moe_core.train.torchrun --failure FILE <torchrun args>")
