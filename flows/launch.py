@@ -111,6 +111,11 @@ def newest_checkpoint(train_dir: Path) -> str:
 MAX_GROW_BACKS = 10
 
 
+def _context(attempt: Attempt) -> str:
+    """What the log and the stage's error add after the relaunch (see ``Attempt.context``)."""
+    return f"; {attempt.context}" if attempt.context else ""
+
+
 def launch_attempts(
     launcher: Launcher, tracker: Tracker, run_id: str | None, logger: Logger
 ) -> list[Attempt]:
@@ -137,11 +142,12 @@ def launch_attempts(
             )
         elif attempts:
             logger.warning(
-                "%s; launching again (%d of %d), resuming from %s",
+                "%s; launching again (%d of %d), resuming from %s%s",
                 attempts[-1].detail,
                 failed + 1,
                 tries,
                 newest_checkpoint(train_dir),
+                _context(attempts[-1]),
             )
         began = time.time()
         with MetricsSender(tracker, run_id, train_dir / "metrics.jsonl"):
@@ -169,8 +175,9 @@ def launch_attempts(
             grown += 1
         else:
             failed += 1
+    last = attempts[-1]
     raise RunFailedError(
-        f"{attempts[-1].detail} (see the log above) on attempt {tries} of {tries} "
-        f"(cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "
-        f"{newest_checkpoint(train_dir)}."
+        f"{last.detail}{'' if last.context else ' (see the log above)'} on attempt {tries} of "
+        f"{tries} (cluster.launch_retries={run.cluster.launch_retries}); a rerun resumes from "
+        f"{newest_checkpoint(train_dir)}{_context(last)}."
     )

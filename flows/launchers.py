@@ -35,6 +35,13 @@ from flows.render import (
 )
 from moe_core.config import ConfigError, RunConfig, nodes_within, shrink_sentence
 from moe_core.errors import RunFailedError
+from moe_core.train.torchrun import (
+    REPORT,
+    failure_context,
+    failure_detail,
+    read_failure,
+    split_rank,
+)
 
 Log = Callable[[str], None]
 
@@ -73,6 +80,8 @@ class Attempt:
     dp: int | None = None  # parallel.dp at that node count
     accumulation: int | None = None  # micro-batches per data rank and step there
     grow: bool = False  # stopped at a checkpoint to relaunch on all cluster.nodes
+    # what the log and the stage's error add to it (a failed rank's last lines, where its log is)
+    context: str = ""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,8 +163,13 @@ class LocalLauncher(Launcher):
             )
 
     def attempt(self, number: int) -> Attempt:
+        logs = self.train_dir / "logs" / f"attempt-{number}"
+        if logs.exists():  # a run folder's earlier pipeline got this far: its logs stay
+            shutil.rmtree(logs.with_name(f"{logs.name}.old"), ignore_errors=True)
+            logs.rename(logs.with_name(f"{logs.name}.old"))
+        logs.mkdir(parents=True)
         cmd = standalone_command(
-            str(self.config_path), self.run.cluster.procs_per_node, sys.executable
+            str(self.config_path), self.run.cluster.procs_per_node, sys.executable, str(logs)
         )
         self.log("launching: " + " ".join(cmd))
         proc = subprocess.Popen(
@@ -168,18 +182,18 @@ class LocalLauncher(Launcher):
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                self.forward([raw])
+                rank, line = split_rank(raw)
+                self.forward([line if not rank else f"rank {rank}: {line}"])
             proc.wait()
         finally:
             _stop_child(proc)
         code = proc.returncode
+        detail, context = f"training exited with code {code}", ""
+        failed = read_failure(logs / "failure.json") if code else None
+        if failed is not None:  # a rank failed: torchrun's summary condensed to one sentence
+            detail, context = failure_detail(failed), failure_context(failed, logs / REPORT)
         return Attempt(
-            number,
-            str(proc.pid),
-            None,
-            f"exit {code}",
-            code == 0,
-            f"training exited with code {code}",
+            number, str(proc.pid), None, f"exit {code}", code == 0, detail, context=context
         ).layout(self.run, self.run.cluster.nodes)
 
 

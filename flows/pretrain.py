@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -47,7 +48,7 @@ from flows.report import (
     stage_progress,
     summary_line,
 )
-from flows.tracking import LOCAL_UI, Tracker
+from flows.tracking import LOCAL_UI, Tracker, ui_command
 from moe_core.config import (
     ClusterConfig,
     RunConfig,
@@ -58,6 +59,7 @@ from moe_core.data.shards import SPLITS
 from moe_core.errors import RunFailedError, refusals
 from moe_core.rundir import RunLock, set_aside
 
+Logger = logging.Logger | logging.LoggerAdapter
 EVAL_BATCHES = 4  # held-out micro-batches the evaluate stage scores with both models
 
 
@@ -130,10 +132,11 @@ class Stage:
     timeout_s: Callable[[RunConfig], float | None] = lambda run: None
 
 
-def _stage(stage: Stage, ctx: Context):
-    """Skip when the manifest (and ``stage.intact``) verify; else run the stage, record it. A
-    manifest accepted under its old key (``flows.migrate``) is rewritten with the current one."""
-    logger, name = get_run_logger(), stage.name
+def _verified(stage: Stage, ctx: Context, logger: Logger) -> tuple[dict | None, str]:
+    """(its manifest, "") when the stage's manifest (and ``stage.intact``) verify, else (None,
+    why it runs). A manifest accepted under its old key (``flows.migrate``) is rewritten with
+    the current one."""
+    name = stage.name
     key, old_key = ctx.keys[name], ctx.old_keys[name]
     record, why = manifests.verify(ctx.run_dir, name, key, old_key)
     if record is not None and stage.intact is not None:
@@ -149,6 +152,15 @@ def _stage(stage: Stage, ctx: Context):
                 "%s: manifest from before key version %d rekeyed", name, record["key_version"]
             )
         logger.info("%s: outputs verified, skipped", name)
+    return record, why
+
+
+def _stage(stage: Stage, ctx: Context):
+    """Skip when the stage's outputs verify (``_verified``); else run it, record it."""
+    logger, name = get_run_logger(), stage.name
+    key = ctx.keys[name]
+    record, why = _verified(stage, ctx, logger)
+    if record is not None:
         _publish(ctx, stage, "Skipped", record["summary"], ctx.tracker.state["stages"].get(name))
         return Completed(name="Skipped", message="outputs verified", data=record["summary"])
     if why in (manifests.NO_MANIFEST, manifests.KEY_CHANGED) and _interrupted(ctx, name):
@@ -740,19 +752,7 @@ def _pipeline(config: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
 
 def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     """Every stage in order, tracked; the flow's outcome."""
-    layout = RunLayout(root)
-    layout.config.write_text(json.dumps(to_dict(run), indent=1))
-    tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
-    from moe_core.planpage import write_run_page  # the run's build-a-run page (moe plan --html)
-
-    tokens = None
-    if run.data.sources:  # the page shows each source's epochs by its size
-        from moe_core.data.formats import source_tokens
-
-        tokens = source_tokens(run.data, run.train.seq_len, run.model.vocab_size)
-    page = write_run_page(run, root, tokens)
-    tracker.begin(to_dict(run), [layout.config, *([page] if page is not None else [])])
-    ctx = Context(run, layout, tracker, stage_keys(run), old_stage_keys(run, EVAL_BATCHES))
+    ctx = _begin(run, root)
     outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}
     try:
         for stage in STAGES:
@@ -763,8 +763,38 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
             if isinstance(summary, dict):
                 outcome[stage.name] = summary
     except BaseException as err:
-        tracker.finish(tracker.current, _status(err))
+        ctx.tracker.finish(ctx.tracker.current, _status(err))
         raise
+    return _finish(ctx, outcome, published=True)
+
+
+def _begin(run: RunConfig, root: Path, keep_page: bool = False) -> Context:
+    """What every pipeline writes before its stages: the resolved config, the run's page, the
+    tracker (its parent run made when a stage runs). ``keep_page``: a page already there for
+    this very config stays (building it composes every preset: seconds)."""
+    layout = RunLayout(root)
+    text = json.dumps(to_dict(run), indent=1)
+    same = layout.config.is_file() and layout.config.read_text() == text
+    layout.config.write_text(text)
+    tracker = Tracker(root, run.tracking.uri, run.tracking.experiment, root.name)
+    from moe_core.planpage import RUN_PAGE, write_run_page  # moe plan --html, for this run
+
+    page: Path | None = root / RUN_PAGE
+    if not (keep_page and same and page.is_file()):
+        tokens = None
+        if run.data.sources:  # the page shows each source's epochs by its size
+            from moe_core.data.formats import source_tokens
+
+            tokens = source_tokens(run.data, run.train.seq_len, run.model.vocab_size)
+        page = write_run_page(run, root, tokens)
+    tracker.begin(to_dict(run), [layout.config, *([page] if page is not None else [])])
+    return Context(run, layout, tracker, stage_keys(run), old_stage_keys(run, EVAL_BATCHES))
+
+
+def _finish(ctx: Context, outcome: dict[str, Any], published: bool) -> dict[str, Any]:
+    """The parent run's record of this invocation (a note only, when every stage was skipped)
+    and the outcome's links; ``published``: also the run's markdown artifact in Prefect."""
+    tracker, layout, root = ctx.tracker, ctx.layout, ctx.run_dir
     evaluation = outcome.get("evaluate", {})
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     if all(state == "Skipped" for state in outcome["stages"].values()):
@@ -802,7 +832,41 @@ def _stages(run: RunConfig, root: Path) -> dict[str, Any]:
     outcome["mlflow_run"] = outcome["mlflow_ui"] = None
     if tracker.online and page is not None:
         outcome["mlflow_run"] = link or f"{LOCAL_UI}/{page}"  # the parent run's page
-        outcome["mlflow_ui"] = None if link else f"mlflow ui --backend-store-uri {tracker.uri}"
+        outcome["mlflow_ui"] = None if link else ui_command(tracker.uri)
         where = mlflow_where("parent", link, page, tracker.uri)
-    publish(artifact_key(root, "pretrain"), run_markdown(outcome, where), f"pretrain run {root}")
+    if published:
+        markdown = run_markdown(outcome, where)
+        publish(artifact_key(root, "pretrain"), markdown, f"pretrain run {root}")
     return outcome
+
+
+def verified_rerun(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
+    """A rerun in which every stage's outputs verify, done without Prefect (``moe pipeline``
+    calls it first, where a flow run would have to start a temporary Prefect server: most of
+    such a rerun's time): the same outcome and MLflow record as the flow's, no flow run and no
+    Prefect artifacts. None, having changed nothing, when some stage would run: the flow runs.
+    The keys are compared first, so a changed config costs no checksums here."""
+    root = run_root(run_dir)
+    run = resolve(config, root)
+    keys, old_keys = stage_keys(run), old_stage_keys(run, EVAL_BATCHES)
+    for name in NAMES:
+        record = manifests.read(root, name)
+        if not isinstance(record, dict) or record.get("key") not in (keys[name], old_keys[name]):
+            return None
+    logger = logging.getLogger(__name__)
+    lock = RunLock(root, "pretrain pipeline")
+    if lock.previous is not None:
+        logger.warning("took over the lock of %s: it no longer runs", lock.previous)
+    try:
+        ctx = _begin(run, root, keep_page=True)
+        outcome: dict[str, Any] = {"run_dir": str(root), "stages": {}}
+        for stage in STAGES:
+            record, why = _verified(stage, ctx, logger)
+            if record is None:
+                logger.info("%s: runs (%s): the flow runs it", stage.name, why)
+                return None
+            outcome["stages"][stage.name] = "Skipped"
+            outcome[stage.name] = record["summary"]
+        return _finish(ctx, outcome, published=False)
+    finally:
+        lock.release()

@@ -98,10 +98,20 @@ def torchrun_command(
     return _torchrun(python, options, config_path) + shrunk
 
 
-def standalone_command(config_path: str, nproc: int, python: str) -> list[str]:
+def standalone_command(
+    config_path: str, nproc: int, python: str, log_dir: str | None = None
+) -> list[str]:
     """One node on its own (``cluster.kind='local'``): ``torchrun --standalone`` of ``nproc``
-    ranks through ``python``, each running ``moe train --config config_path``."""
-    return _torchrun(python, ["--standalone", f"--nproc-per-node={nproc}"], config_path)
+    ranks through ``python``, each running ``moe train --config config_path``. With
+    ``log_dir``, through ``moe_core.train.torchrun``: every rank's output is kept there (and
+    still printed, each line prefixed with its rank) and a failed rank is recorded in
+    ``log_dir/failure.json`` instead of torchrun's summary on the console."""
+    options = ["--standalone", f"--nproc-per-node={nproc}"]
+    if log_dir is None:
+        return _torchrun(python, options, config_path)
+    logs = ["--log-dir", log_dir, "--redirects", "3", "--tee", "3"]
+    wrapper = [python, "-m", "moe_core.train.torchrun", "--failure", f"{log_dir}/failure.json"]
+    return [*wrapper, *logs, *_torchrun(python, options, config_path)[3:]]
 
 
 def _torchrun(python: str | None, options: list[str], config_path: str) -> list[str]:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from flows.tracking import LOCAL_UI
+from flows.tracking import LOCAL_UI, ui_command
 from moe_core.progress import LineProgress
 
 LABELS = {
@@ -120,7 +120,7 @@ def mlflow_where(name: str, link: str | None, page: str | None, uri: str) -> str
     if link is not None:
         return f"[{name} run]({link})"
     if page is not None:
-        return f"`mlflow ui --backend-store-uri {uri}`, then `{LOCAL_UI}/{page}`"
+        return f"`{ui_command(uri)}`, then `{LOCAL_UI}/{page}`"
     return None
 
 

@@ -60,6 +60,18 @@ RUN_DIR_TAG = "moe.run_dir"  # groups the attempts of one run folder
 # Where ``mlflow ui`` serves a local store unless told otherwise (its default host and port).
 LOCAL_UI = "http://127.0.0.1:5000"
 
+
+def ui_command(uri: str) -> str:
+    """The command a user runs to browse a local store. As MLflow 3.17 ships it, ``mlflow ui``
+    also starts a pool of server-side job runners (GenAI features tracking does not use): ~15
+    processes, 40+ s before it answers on a loaded machine, and runners that outlive Ctrl-C.
+    Without them and with one worker it is two processes, answering in seconds, both gone on
+    Ctrl-C or SIGTERM."""
+    return (
+        f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri {uri}"
+    )
+
+
 # The Prefect variable infra/deploy.sh sets to its MLflow server's URI (when one answers).
 PREFECT_VARIABLE = "mlflow_tracking_uri"
 RUN_FOLDER = "the run folder's sqlite store"

@@ -288,9 +288,19 @@ def _resolved(tmp_path: Path, *overrides: str) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
-def test_train_from_a_resolved_config(tmp_path: Path):
+def test_train_from_a_resolved_config_in_a_process_without_triton(tmp_path: Path):
+    """``moe train`` on the CPU needs no triton (a CPU install leaves out the ``gpu`` extra):
+    in a process where importing it fails, training runs on the kernels' PyTorch references."""
     path, _ = _resolved(tmp_path)
-    assert main(["train", "--config", str(path)]) == 0
+    code = (
+        "import sys; sys.modules['triton'] = None; from moe_core.cli import main; "
+        "sys.exit(main(['train', '--config', sys.argv[1]]))"
+    )
+    paths = [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    cmd = [sys.executable, "-c", code, str(path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1]
 
@@ -541,6 +551,34 @@ def test_each_cluster_kind_has_its_launcher(tmp_path: Path):
         LocalLauncher.check(two)
     assert str(err.value).startswith("cluster.nodes=2 is not allowed with cluster.kind='local'")
     assert one_sentence(str(err.value))
+
+
+def test_a_failed_rank_is_one_sentence_not_torchruns_summary(tmp_path: Path):
+    """What the local launcher says of a rank that failed (``moe_core.train.torchrun``'s
+    record; the kill -9 pipeline test sees it end to end): the rank, how it ended, its own
+    last lines, where its log and torchrun's full report are."""
+    from flows.render import standalone_command
+    from moe_core.train.torchrun import FailedRank, failure_context, failure_detail, split_rank
+
+    cmd = standalone_command("/r/train/config.json", 2, "py", "/r/train/logs/attempt-3")
+    assert cmd[:5] == ["py", "-m", "moe_core.train.torchrun", "--failure", f"{cmd[6]}/failure.json"]
+    assert cmd[-5:] == ["-m", "moe_core.cli", "train", "--config", "/r/train/config.json"]
+    assert split_rank("[rank12]:step 3\n") == (12, "step 3\n")
+    assert split_rank("W1205 torchrun's own") == (None, "W1205 torchrun's own")
+
+    rank_dir = tmp_path / "run_x" / "attempt_0" / "1"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "stdout.log").write_text("step 0\nstep 1\n")
+    (rank_dir / "stderr.log").write_text("Traceback\n  x\nValueError: bad\n")
+    os.utime(rank_dir / "stdout.log", (1, 1))  # stderr was written last
+    failed = FailedRank(1, 1, 7, 1, None, None, str(rank_dir))
+    assert failure_detail(failed) == "rank 1 exited with code 1"
+    assert failure_context(failed, tmp_path / "torchrun.log") == (
+        f"its last lines: Traceback | x | ValueError: bad (its log: {rank_dir}); "
+        f"torchrun's report: {tmp_path / 'torchrun.log'}"
+    )
+    killed = FailedRank(0, 0, 7, -9, "SIGKILL", None, None)
+    assert failure_detail(killed) == "rank 0 was killed by SIGKILL (exit code -9)"
 
 
 def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,8 +35,6 @@ from helpers import (
 from flows.pretrain import NAMES as STAGES
 from moe_core.compose import compose_dict
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def finished(prefect_home, tiny_run) -> tuple[Path, dict]:
@@ -59,8 +58,8 @@ def test_stages_publish_artifacts_and_the_final_state_carries_the_summary(finish
         f"http://127.0.0.1:5000/#/experiments/1/runs/{parent}?workflowType=machine_learning"
     )
     assert message.endswith(
-        f"; MLflow run: {outcome['mlflow_run']} (once `mlflow ui --backend-store-uri "
-        f"sqlite:///{run_dir}/mlflow.db` serves it)"
+        f"; MLflow run: {outcome['mlflow_run']} (once `MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "
+        f"mlflow ui --workers 1 --backend-store-uri sqlite:///{run_dir}/mlflow.db` serves it)"
     )
     found = artifacts(first.id)
     assert set(found) == {f"tiny-{name}" for name in (*STAGES, "pretrain")}
@@ -98,7 +97,10 @@ def test_tiny_pipeline_end_to_end(finished):
     result = json.loads((run_dir / "eval" / "result.json").read_text())
     assert result["relative_difference"] < 1e-4 and result["tokens"] > 0
     assert outcome["perplexity"] == pytest.approx(result["perplexity"])
-    assert outcome["mlflow_ui"].startswith("mlflow ui --backend-store-uri sqlite:")
+    assert outcome["mlflow_ui"] == (
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 --backend-store-uri "
+        f"sqlite:///{run_dir}/mlflow.db"
+    )
 
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("moe_core").experiment_id])
@@ -147,14 +149,19 @@ def test_tiny_pipeline_end_to_end(finished):
 
 @contextlib.contextmanager
 def mlflow_ui(command: str) -> Iterator[str]:
-    """``command`` (the ``mlflow ui --backend-store-uri ...`` a run prints) on a free loopback
-    port, in a session of its own; yields its address, stops it and its workers after."""
+    """``command`` (the ``VAR=value mlflow ui ...`` a run prints, as a shell runs it) on a free
+    loopback port, in a session of its own; yields its address. After, SIGTERM to the command
+    alone (what Ctrl-C or a kill of the printed command does) must end every process it
+    started."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    words = command.split()
+    at = words.index("mlflow")  # before it: the command's environment assignments
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_SERVER_")}
+    env |= dict(w.split("=", 1) for w in words[:at])
     mlflow = str(Path(sys.executable).parent / "mlflow")
-    args = [mlflow, *command.split()[1:], "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    args = [mlflow, *words[at + 1 :], "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -170,13 +177,38 @@ def mlflow_ui(command: str) -> Iterator[str]:
                 assert time.time() < deadline, f"{command} did not answer within 180 s"
                 time.sleep(0.5)
         yield url
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 120  # generous: a loaded machine
+        while _session(proc.pid) and time.time() < deadline:
+            time.sleep(0.5)
+        assert _session(proc.pid) == [], f"{command} left processes after SIGTERM"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (zombies not counted)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
+                found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_the_printed_mlflow_ui_command_serves_the_run_and_ends_on_sigterm(finished):
+    """The `mlflow ui` command `moe pipeline` prints, run as printed: it answers with the run
+    folder's experiment, and SIGTERM to it (as Ctrl-C) ends every process it started
+    (``mlflow_ui`` checks that after the block)."""
+    run_dir, outcome = finished
+    parent = json.loads((run_dir / "mlflow.json").read_text())["parent"]
+    with mlflow_ui(outcome["mlflow_ui"]) as url:
+        found = urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={parent}", timeout=60)
+        assert json.loads(found.read())["run"]["info"]["run_name"] == "tiny"
 
 
 @pytest.mark.slow
@@ -215,7 +247,8 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
             ).to_have_text(name)
 
         # The parent run's page, at the address `moe pipeline` prints last (served here on
-        # another port): the headline metrics; its screenshot goes to docs/.
+        # another port): the headline metrics (docs/mlflow_screenshot.py takes the README's
+        # picture of the quickstart's run the same way).
         page.goto(outcome["mlflow_run"].replace(LOCAL_UI, url))
         expect(page.get_by_text("tiny", exact=True).first).to_be_visible()
         for metric in ("final_loss", "final_eval_loss", "perplexity", "tokens_per_s_per_gpu"):
@@ -226,7 +259,6 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_the_loss_chart_and_the_pl
         close = page.get_by_role("button", name="Close")  # the assistant's side panel
         if close.count():
             close.first.click()
-        page.screenshot(path=str(ROOT / "docs" / "mlflow-run-page.png"))
 
         # The train run's charts: the loss over the 8 steps (charts draw once in view).
         train = ids["stages"]["train"]
@@ -271,7 +303,7 @@ def test_rerun_skips_verified_stages_and_redoes_corrupt_ones(finished, tmp_path)
 
 @pytest.mark.slow
 def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(
-    finished, tmp_path, capsys
+    finished, tmp_path, capsys, monkeypatch
 ):
     from mlflow.tracking import MlflowClient
 
@@ -301,9 +333,29 @@ def test_parent_run_has_the_headline_and_a_skip_only_rerun_leaves_its_timings(
     assert after.info.end_time == before.info.end_time
     assert "every stage's outputs verified, none redone" in after.data.tags["mlflow.note.content"]
 
+    # With no Prefect API to talk to (a user's plain `moe pipeline`), such a rerun starts no
+    # temporary server and no flow run, and says and records the same.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import flows.pretrain
+
+    def no_flow(**kwargs):
+        raise AssertionError("a rerun with nothing to run must not start the flow")
+
+    monkeypatch.setattr(flows.pretrain, "pretrain", no_flow)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["pipeline", *SMALL, f"run_dir={run_dir}"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-7:] == last
+    assert f"{run_dir}: every stage's outputs verified, nothing to run (no Prefect" in err
+    note = client.get_run(parent_id).data.tags["mlflow.note.content"]
+    assert note.count("rerun; every stage's outputs verified, none redone.") == 2
+    assert client.get_run(parent_id).info.end_time == before.info.end_time
+
 
 def kill_training_after(run_dir: Path, steps: int) -> None:
-    """SIGKILL the training's processes once ``steps`` metrics lines are written."""
+    """SIGKILL the training's ranks (as the OOM killer would; torchrun lives on and reports it)
+    once ``steps`` metrics lines are written."""
     metrics = run_dir / "train" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
@@ -313,7 +365,8 @@ def kill_training_after(run_dir: Path, steps: int) -> None:
     marker = str(run_dir / "train" / "config.json").encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if marker in cmdline and b"moe_core.train.torchrun" not in cmdline:  # a rank
                 os.kill(int(pid), signal.SIGKILL)
         except (OSError, ProcessLookupError):
             pass
@@ -330,8 +383,16 @@ def test_failed_training_resumes_on_rerun_with_identical_results(finished, tmp_p
     with pytest.raises(RunFailedError) as err:  # the training's processes killed mid-run
         run_pipeline(run_dir, ["cluster.launch_retries=0"])
     killer.join()
-    assert "training exited with code" in str(err.value), "the first attempt must fail"
-    assert "a rerun resumes from" in str(err.value)
+    # torchrun's "Root Cause" summary is one sentence: the rank, its signal, its last lines,
+    # where the whole report and the rank's log are kept.
+    said = str(err.value)
+    killed = r"^rank [01] was killed by SIGKILL \(exit code -9\) on attempt 1 of 1 "
+    assert re.search(killed + r".*; a rerun resumes from step_\d+; its last lines: .", said)
+    logs = run_dir / "train" / "logs" / "attempt-1"
+    assert said.endswith(f"; torchrun's report: {logs / 'torchrun.log'}.")
+    assert "Root Cause (first observed failure)" in (logs / "torchrun.log").read_text()
+    log = run_logs(flow_runs(run_dir)[0].id)
+    assert "Root Cause" not in log and "ChildFailedError" not in log
     before = {p: p.stat().st_mtime_ns for p in (run_dir / "data").rglob("*") if p.is_file()}
     before |= {p: p.stat().st_mtime_ns for p in (run_dir / "init").rglob("*") if p.is_file()}
 

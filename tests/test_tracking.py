@@ -128,15 +128,17 @@ def test_tracking_follows_the_environment_and_tags_the_experiment_as_model_train
 
 def test_the_summary_offers_no_mlflow_ui_for_a_store_that_was_not_reached():
     from flows.report import summary_line
+    from flows.tracking import ui_command
 
     outcome = {"hf_dir": "run/hf", "stages": {"train": "Completed"}, "mlflow_run": None}
     line = summary_line(outcome)
     assert "MLflow run" not in line
     assert "MLflow: unreachable, so there is nothing to browse yet" in line
     outcome["mlflow_run"] = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
-    outcome["mlflow_ui"] = "mlflow ui --backend-store-uri sqlite:///run/mlflow.db"
+    outcome["mlflow_ui"] = ui_command("sqlite:///run/mlflow.db")
     assert summary_line(outcome).endswith(
-        "; MLflow run: http://127.0.0.1:5000/#/experiments/1/runs/abc (once `mlflow ui "
+        "; MLflow run: http://127.0.0.1:5000/#/experiments/1/runs/abc (once "
+        "`MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --workers 1 "
         "--backend-store-uri sqlite:///run/mlflow.db` serves it)"
     )
 

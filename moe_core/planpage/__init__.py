@@ -439,17 +439,20 @@ def write_page(
     return target
 
 
+RUN_PAGE = "plan.html"  # the pipeline's copy in the run folder
+
+
 def write_run_page(
     run: RunConfig,
     run_dir: str | os.PathLike,
     source_tokens: dict[str, int | None] | None = None,
 ) -> Path | None:
-    """The pipeline's copy, ``run_dir/plan.html`` (its own file, replaced on every run; a
-    mixture's sizes: ``source_tokens``); a page that cannot be built is logged and skipped
-    (None): it never stops a run."""
+    """The pipeline's copy, ``run_dir/plan.html`` (its own file, replaced on every run but a
+    verified rerun of the same config; a mixture's sizes: ``source_tokens``); a page that
+    cannot be built is logged and skipped (None): it never stops a run."""
     try:
         return write_page(
-            run, Path(run_dir) / "plan.html", overwrite=True, source_tokens=source_tokens
+            run, Path(run_dir) / RUN_PAGE, overwrite=True, source_tokens=source_tokens
         )
     except (ConfigError, OSError) as err:
         logging.getLogger(__name__).warning("no plan.html for this run: %s", err)

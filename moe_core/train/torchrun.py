@@ -1,0 +1,147 @@
+"""torchrun as the pipeline's local launcher runs it: ``python -m moe_core.train.torchrun
+--failure FILE <torchrun arguments>``.
+
+It is torch's own launcher (``torch.distributed.run``) with one difference: when a rank fails,
+torchrun's error summary (a traceback of the launcher and the "Root Cause" table, ~30 lines on
+the console) goes to ``torchrun.log`` beside ``FILE`` together with the launcher's own log, and
+``FILE`` receives the first failure as JSON (``FailedRank``), which the launcher turns into one
+sentence (``failure_detail``, ``failure_context``). Each line a rank prints is prefixed with its
+rank (``split_rank``). The exit status is torchrun's: 0, or 1 when a rank failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+LAST_LINES = 3  # lines of the failed rank's own log the sentence quotes
+LINE_CHARS = 200  # each cut to this many characters
+REPORT = "torchrun.log"  # beside the failure file: torchrun's log and its full error summary
+# With ``--tee``, each line a rank writes reaches the console as "[rank<global rank>]:<line>".
+PREFIX = re.compile(r"\[rank(\d+)\]:")
+
+
+@dataclass
+class FailedRank:
+    """The first rank that failed (torchrun's "root cause"), as the JSON file holds it."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int
+    signal: str | None  # "SIGKILL" when a signal ended it
+    message: str | None  # the rank's own error record (an entry point under ``@record``)
+    log_dir: str | None  # the rank's stdout.log / stderr.log (torchrun --log-dir --redirects)
+
+
+def _rank_log_dir(log_dir: str | None, local_rank: int) -> str | None:
+    """torchrun keeps rank ``local_rank``'s output in ``<log-dir>/<run id>_<tmp>/attempt_<k>/
+    <local rank>/``; the newest such folder."""
+    if not log_dir:
+        return None
+    found = sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}"), key=lambda p: p.stat().st_mtime)
+    return str(found[-1]) if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun with ``argv`` (after ``--failure FILE``); returns its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] != "--failure":
+        raise SystemExit("usage: python -m moe_core.train.torchrun --failure FILE <torchrun args>")
+    failure_file = Path(argv[1])
+    failure_file.parent.mkdir(parents=True, exist_ok=True)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"  # see PREFIX
+    args = parse_args(argv[2:])
+    # The launcher's own log (workers closed, "failed (exitcode: -9)") goes to the report
+    # file, not the console: the caller's one sentence says what happened and where that is.
+    report = failure_file.with_name(REPORT)
+    handler = logging.FileHandler(report)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.addHandler(handler)
+    elastic.propagate = False
+    try:
+        run(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        with report.open("a") as f:  # the summary torchrun would have printed, kept whole
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {err}\n")
+        own = None
+        if failure.error_file != "<N/A>":  # the rank wrote its own record
+            data = failure.message
+            own = data.get("message") if isinstance(data, dict) else str(data)
+        signal = failure.signal_name() if failure.exitcode < 0 else None
+        failed = FailedRank(
+            rank,
+            failure.local_rank,
+            failure.pid,
+            failure.exitcode,
+            signal if signal != "<N/A>" else f"signal {-failure.exitcode}",
+            own,
+            _rank_log_dir(args.log_dir, failure.local_rank),
+        )
+        failure_file.write_text(json.dumps(asdict(failed), indent=1))
+        return 1
+    return 0
+
+
+def split_rank(line: str) -> tuple[int | None, str]:
+    """The rank a console line of ``--tee`` came from (None: torchrun's own) and its text."""
+    found = PREFIX.match(line)
+    return (int(found.group(1)), line[found.end() :]) if found else (None, line)
+
+
+def read_failure(path: Path) -> FailedRank | None:
+    """The failure ``main`` recorded in ``path`` (None: no rank failed, or torchrun itself
+    was killed before it could say)."""
+    try:
+        return FailedRank(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _last_lines(folder: Path) -> list[str]:
+    """The last lines of the rank's output, from whichever of its stdout/stderr it wrote last
+    (progress bars dropped)."""
+    logs = [p for p in (folder / "stdout.log", folder / "stderr.log") if p.is_file()]
+    newest = sorted(logs, key=lambda p: (p.stat().st_mtime, p.name == "stderr.log"), reverse=True)
+    for log in newest:
+        text = log.read_text(errors="replace").replace("\r", "\n")
+        lines = [x.strip() for x in text.splitlines() if x.strip() and "━" not in x]
+        if lines:
+            return [x[:LINE_CHARS] for x in lines[-LAST_LINES:]]
+    return []
+
+
+def failure_detail(failed: FailedRank) -> str:
+    """Which rank ended how: "rank 1 was killed by SIGKILL (exit code -9)"."""
+    how = (
+        f"was killed by {failed.signal} (exit code {failed.exitcode})"
+        if failed.exitcode < 0
+        else f"exited with code {failed.exitcode}"
+    )
+    own = f" ({failed.message[:LINE_CHARS]})" if failed.message else ""
+    return f"rank {failed.rank} {how}{own}"
+
+
+def failure_context(failed: FailedRank, report: Path) -> str:
+    """The rank's last words and where its log and torchrun's full report are kept."""
+    text = ""
+    if failed.log_dir is not None:
+        lines = _last_lines(Path(failed.log_dir))
+        said = " | ".join(lines) if lines else "nothing"
+        text = f"its last lines: {said} (its log: {failed.log_dir}); "
+    return text + f"torchrun's report: {report}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
