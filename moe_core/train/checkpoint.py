@@ -164,7 +164,7 @@ class SaveCost:
         return (
             f"checkpoint step {self.step}: {size}, blocked training "
             f"{self.stall_s:.2f} s, durable after {self.durable_s:.1f} s "
-            f"({self.write_gbps:.2f} GB/s)"
+            f"({self.write_gbps:.3g} GB/s)"
         )
 
 
