@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,17 @@ def test_sigkill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     )
     assert resumed.returncode == 0, explain(resumed)
     assert "resumed from" in resumed.stdout
+    # checkpoints.jsonl keeps the lines up to the checkpoint resumed from; each later one once
+    at = int(
+        re.search(r"resumed from .*?\(step (\d+)\)", resumed.stdout.replace("\n", "")).group(1)
+    )
+    costs = {
+        run: [json.loads(x)["step"] for x in (run / CHECKPOINT_LOG).open()]
+        for run in (straight, crashed)
+    }
+    assert costs[straight] == list(range(1, STEPS + 1))
+    assert costs[crashed] == sorted(set(costs[crashed]))
+    assert [s for s in costs[crashed] if s > at] == list(range(at + 1, STEPS + 1))
 
     assert losses(crashed) == losses(straight)  # per step, exactly
     _, a = load_model_dir(straight / "model")
