@@ -7,7 +7,8 @@ OLMoE-1B-7B (``--layers`` of its 16, pure-bf16, synthetic tokens, sequence 4096,
 the one-GPU shape of the other benchmarks) trained by ``moe train`` in a child process once per
 mode (``train.async_checkpoint`` false, then true), in one call: ``--checkpoints`` checkpoints
 ``--every`` steps apart, then ``--tail`` more steps. Each run's folder is deleted before the next
-(a full checkpoint is about 41 GB; the disk must hold two only with ``--checkpoints 2``).
+(a full checkpoint is about 41 GB; the disk must hold two only with ``--checkpoints 2``); they
+go under ``--dir`` (default: this checkout, on disk; a filesystem in memory is refused).
 
 Recorded per mode, from its ``metrics.jsonl`` and ``checkpoints.jsonl``: the median step time
 over the steps before the first checkpoint (after ``--warmup``), and per checkpoint the
@@ -39,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_LOG = "checkpoints.jsonl"  # moe_core.train.metrics.CHECKPOINT_LOG
 MODES = ("false", "true")  # train.async_checkpoint
+PREFIX = ".checkpoint_stall-"  # a run's folder under --dir
 
 
 def overrides(args: argparse.Namespace, mode: str) -> list[str]:
@@ -90,6 +92,22 @@ def planned(args: argparse.Namespace) -> dict:
     return {"bytes_per_rank": c.per_rank, "seconds": c.seconds, "write_gbps": c.write_gbps}
 
 
+def filesystem(path: str) -> str:
+    """The type of the filesystem ``path`` is on (``/proc/mounts``), or "unknown"."""
+    where, kind = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    target = str(Path(path).resolve())
+    for line in mounts:
+        point, fs = line.split()[1:3]
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(where):
+            where, kind = point, fs
+    return kind
+
+
 def refusal(args: argparse.Namespace, plan_bytes: int) -> str | None:
     """Why this cannot run here (one sentence), or None."""
     unknown = [m for m in args.modes.split(",") if m not in MODES]
@@ -99,6 +117,8 @@ def refusal(args: argparse.Namespace, plan_bytes: int) -> str | None:
         return f"--tail {args.tail} must be below --every {args.every} (no checkpoint in it)."
     if args.warmup >= args.every - 1:
         return f"--warmup {args.warmup} leaves no timed step before the first checkpoint."
+    if not args.smoke and filesystem(args.dir) in ("tmpfs", "ramfs"):
+        return f"--dir {args.dir} is in memory ({filesystem(args.dir)}): pass --dir on a disk."
     held = 2 if args.checkpoints > 1 else 1  # keep_last=1: the previous one until the next is
     need = held * plan_bytes * 1.05 + 2**30
     free = shutil.disk_usage(args.dir).free
@@ -143,7 +163,7 @@ def watched(cmd: list[str], out: Path) -> tuple[int, str, dict[int, float]]:
 
 def measure(args: argparse.Namespace, mode: str, plan: dict) -> dict:
     """One mode's run and its figures (see the module's docstring)."""
-    out = Path(tempfile.mkdtemp(prefix=f"ckpt-{mode}-", dir=args.dir))
+    out = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{mode}-", dir=args.dir))
     try:
         cmd = [sys.executable, "-m", "moe_core.cli", "train", *overrides(args, mode)]
         code, text, seen = watched([*cmd, f"out_dir={out}"], out)
@@ -196,7 +216,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tail", type=int, default=49, help="steps after the last checkpoint")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     p.add_argument("--modes", default=",".join(MODES), help="train.async_checkpoint values")
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the runs write")
+    p.add_argument(
+        "--dir", default=str(ROOT), help="where the runs write (a folder each, deleted after)"
+    )
     p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, a few steps")
     p.add_argument("--set", action="append", default=[], help="another override, repeatable")
     p.add_argument("--commit", default="unknown")
@@ -209,6 +231,12 @@ def main() -> None:
     if args.smoke:
         args.every, args.tail, args.warmup = min(args.every, 4), min(args.tail, 2), 1
     plan = planned(args)
+    for stale in Path(args.dir).glob(PREFIX + "*"):  # left by a run of this script cut short
+        print(f"removing {stale}, left by an earlier run of this script", flush=True)
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
     problem = refusal(args, plan["bytes_per_rank"])
     if problem is not None:
         raise SystemExit(problem)
@@ -218,6 +246,7 @@ def main() -> None:
         "benchmark": "checkpoint_stall",
         **stamp(args.commit, gpu=None if not args.smoke else "cpu (smoke)"),
         "overrides": overrides(args, "MODE"),
+        "filesystem": filesystem(args.dir),
         "plan": plan,
         "runs": {},
     }

@@ -62,7 +62,8 @@ def test_checkpoint_stall_trains_olmoe_on_one_gpu_both_ways_and_refuses_what_can
 ):
     """Issue 43's checkpoint measurement composes as a one-GPU OLMoE-1B-7B ``moe train`` with a
     checkpoint after ``--every`` steps, sync and async; ``moe plan`` prices that checkpoint; a
-    disk that cannot hold it, or a tail that would checkpoint again, is refused in a sentence."""
+    disk that cannot hold it, one in memory, or a tail that would checkpoint again, is refused in
+    a sentence."""
     import shutil
 
     cs = scripts("checkpoint_stall")
@@ -79,6 +80,9 @@ def test_checkpoint_stall_trains_olmoe_on_one_gpu_both_ways_and_refuses_what_can
     assert 40e9 < plan["bytes_per_rank"] < 43e9  # 6.9B parameters x 6 bytes (pure-bf16)
     usage = shutil.disk_usage(tmp_path)._replace(free=10**15)
     monkeypatch.setattr(cs.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(cs, "filesystem", lambda path: "tmpfs")
+    assert cs.refusal(args, 1) == f"--dir {tmp_path} is in memory (tmpfs): pass --dir on a disk."
+    monkeypatch.setattr(cs, "filesystem", lambda path: "ext4")
     assert cs.refusal(args, plan["bytes_per_rank"]) is None
     monkeypatch.setattr(cs.shutil, "disk_usage", lambda path: usage._replace(free=30 * 10**9))
     assert cs.refusal(args, plan["bytes_per_rank"]).startswith(f"{tmp_path} has 30.0 GB free")
