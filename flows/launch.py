@@ -27,6 +27,7 @@ from moe_core.plan import (
     plan,
     plan_text,
 )
+from moe_core.train.metrics import CHECKPOINT_LOG
 from moe_core.train.watchdog import hang_since
 
 if TYPE_CHECKING:
@@ -71,18 +72,19 @@ def preflight(run: RunConfig, logger: Logger) -> None:
 
 
 class MetricsSender:
-    """While training runs, ``metrics.jsonl`` goes to MLflow every few seconds (and once more
-    at the end)."""
+    """While training runs, its logs (``metrics.jsonl``, ``checkpoints.jsonl``) go to MLflow
+    every few seconds (and once more at the end)."""
 
     def __init__(
-        self, tracker: Tracker, run_id: str | None, metrics: Path, every_s: float = 5.0
+        self, tracker: Tracker, run_id: str | None, *logs: Path, every_s: float = 5.0
     ) -> None:
-        self.tracker, self.run_id, self.metrics, self.every_s = tracker, run_id, metrics, every_s
+        self.tracker, self.run_id, self.logs, self.every_s = tracker, run_id, logs, every_s
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _send(self) -> None:
-        self.tracker.send_metrics_file(self.run_id, self.metrics)
+        for path in self.logs:
+            self.tracker.send_metrics_file(self.run_id, path)
 
     def _loop(self) -> None:
         while not self.stop.wait(self.every_s):
@@ -150,7 +152,8 @@ def launch_attempts(
                 _context(attempts[-1]),
             )
         began = time.time()
-        with MetricsSender(tracker, run_id, train_dir / "metrics.jsonl"):
+        logs = (train_dir / "metrics.jsonl", train_dir / CHECKPOINT_LOG)
+        with MetricsSender(tracker, run_id, *logs):
             attempt = launcher.attempt(number)
         hang = None if attempt.ok else hang_since(train_dir, began)
         if hang is not None:  # the watchdog ended it: say where it hung

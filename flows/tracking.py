@@ -47,6 +47,11 @@ SCALARS = (
     "eval_loss",
     "ep_rows_per_token",  # rows a token sent to other expert-parallel ranks (all_to_all)
     "mtp_loss",
+    # a checkpoints.jsonl line (moe_core.train.checkpoint.SaveCost), at its checkpoint's step
+    "checkpoint/stall_s",
+    "checkpoint/durable_s",
+    "checkpoint/bytes",
+    "checkpoint/write_gbps",
 )
 ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_max")
 

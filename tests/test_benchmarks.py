@@ -57,6 +57,39 @@ def test_long_context_runs_compose_and_fit_one_h200_by_the_plan(scripts):
     assert lc.choose(65536, 1, 8, 8.0)[0] != "none"  # 64k needs recompute on one H200
 
 
+def test_checkpoint_stall_trains_olmoe_on_one_gpu_both_ways_and_refuses_what_cannot_run(
+    scripts, tmp_path, monkeypatch
+):
+    """Issue 43's checkpoint measurement composes as a one-GPU OLMoE-1B-7B ``moe train`` with a
+    checkpoint after ``--every`` steps, sync and async; ``moe plan`` prices that checkpoint; a
+    disk that cannot hold it, one in memory, or a tail that would checkpoint again, is refused in
+    a sentence."""
+    import shutil
+
+    cs = scripts("checkpoint_stall")
+    args = cs.parser().parse_args(["--dir", str(tmp_path)])
+    for mode in cs.MODES:
+        run = compose_run([*cs.overrides(args, mode), f"out_dir={tmp_path}"])
+        assert (run.model.name, run.model.n_layers, run.parallel.world_size) == (
+            "olmoe-1b-7b", 16, 1
+        )  # fmt: skip
+        assert (run.train.seq_len, run.train.micro_batch_size) == (4096, 4)
+        assert run.train.async_checkpoint is (mode == "true")
+        assert (run.train.steps, run.train.checkpoint_every) == (99, 50)  # one checkpoint
+    plan = cs.planned(args)
+    assert 40e9 < plan["bytes_per_rank"] < 43e9  # 6.9B parameters x 6 bytes (pure-bf16)
+    usage = shutil.disk_usage(tmp_path)._replace(free=10**15)
+    monkeypatch.setattr(cs.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(cs, "filesystem", lambda path: "tmpfs")
+    assert cs.refusal(args, 1) == f"--dir {tmp_path} is in memory (tmpfs): pass --dir on a disk."
+    monkeypatch.setattr(cs, "filesystem", lambda path: "ext4")
+    assert cs.refusal(args, plan["bytes_per_rank"]) is None
+    monkeypatch.setattr(cs.shutil, "disk_usage", lambda path: usage._replace(free=30 * 10**9))
+    assert cs.refusal(args, plan["bytes_per_rank"]).startswith(f"{tmp_path} has 30.0 GB free")
+    args.tail = 50
+    assert cs.refusal(args, 1) == "--tail 50 must be below --every 50 (no checkpoint in it)."
+
+
 def test_report_stamps_where_a_benchmark_ran_and_saves_it(scripts, tmp_path):
     """Every benchmark's JSON header comes from ``report.stamp``; ``save`` makes the folder and
     writes nothing without ``--out``."""

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from moe_core.compose import compose_run
 from moe_core.config_dict import to_dict
 from moe_core.convert.native import load_model_dir
 from moe_core.train.checkpoint import MANIFEST, step_dir_name, verify
+from moe_core.train.metrics import CHECKPOINT_LOG
 from moe_core.train.trainer import Trainer
 
 STEPS = 8
@@ -88,6 +90,17 @@ def test_sigkill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     )
     assert resumed.returncode == 0, explain(resumed)
     assert "resumed from" in resumed.stdout
+    # checkpoints.jsonl keeps the lines up to the checkpoint resumed from; each later one once
+    at = int(
+        re.search(r"resumed from .*?\(step (\d+)\)", resumed.stdout.replace("\n", "")).group(1)
+    )
+    costs = {
+        run: [json.loads(x)["step"] for x in (run / CHECKPOINT_LOG).open()]
+        for run in (straight, crashed)
+    }
+    assert costs[straight] == list(range(1, STEPS + 1))
+    assert costs[crashed] == sorted(set(costs[crashed]))
+    assert [s for s in costs[crashed] if s > at] == list(range(at + 1, STEPS + 1))
 
     assert losses(crashed) == losses(straight)  # per step, exactly
     _, a = load_model_dir(straight / "model")
@@ -207,6 +220,9 @@ def test_retention_keeps_last_n_and_every_kth(tmp_path):
 
 @pytest.mark.slow
 def test_async_checkpoint_equals_sync(tmp_path):
+    """Both write the same checkpoints; each reports every checkpoint's cost once it is
+    published: a line, and a ``checkpoints.jsonl`` record under its step whose bytes are its
+    folder's; the loop's blocked time lies within the time to publish (all of it when sync)."""
     runs = {}
     for mode in ("false", "true"):
         out = tmp_path / mode
@@ -217,8 +233,25 @@ def test_async_checkpoint_equals_sync(tmp_path):
             f"train.async_checkpoint={mode}",
             f"out_dir={out}",
         ]
-        Trainer(compose_run(args)).fit(show_progress=False)
+        console = Console(record=True, width=300)
+        trainer = Trainer(compose_run(args), console=console)
+        trainer.fit(show_progress=False)
         runs[mode] = out
+        records = [json.loads(x) for x in (out / CHECKPOINT_LOG).read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3]
+        assert records == [{"step": c.step, **c.record()} for c in trainer.checkpoint_costs]
+        shown = console.export_text()
+        for cost, r in zip(trainer.checkpoint_costs, records, strict=True):
+            assert cost.line() in shown
+            folder = out / "checkpoints" / step_dir_name(r["step"])
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            assert r["checkpoint/bytes"] == size
+            assert r["checkpoint/async"] is (mode == "true")
+            assert 0 < r["checkpoint/stall_s"] <= r["checkpoint/durable_s"]
+            if mode == "false":
+                assert r["checkpoint/stall_s"] == r["checkpoint/durable_s"]
+            gbps = r["checkpoint/bytes"] / r["checkpoint/durable_s"] / 1e9
+            assert r["checkpoint/write_gbps"] == pytest.approx(gbps)
     for step in (1, 2, 3):
         for mode in runs:
             assert verify(runs[mode] / "checkpoints" / step_dir_name(step)) is None
@@ -287,3 +320,61 @@ def test_pure_bf16_checkpoint_resumes_under_fp32_master_state_and_back(tmp_path)
             assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16))
     history = narrow.fit(show_progress=False)
     assert len(history) == 1 and history[0].step == 4
+
+
+def test_a_background_save_costs_its_staging_and_collection_under_its_own_step(
+    tmp_path, monkeypatch
+):
+    """Async: a checkpoint's cost is given once it is published, under its own step, never
+    before: the loop's time in its save call (staging) plus in its collection (waiting for the
+    write, publishing), even when the next save is what waits for it. Host clock and the
+    background write are stand-ins, so the seconds are exact."""
+    import types
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+
+    import moe_core.train.checkpoint as module
+    from moe_core.config import ParallelConfig
+    from moe_core.parallel.mesh import Mesh
+    from moe_core.train.checkpoint import Checkpointer, SaveCost
+
+    clock = [0.0]
+    monkeypatch.setattr(
+        module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time)
+    )
+
+    class Write(Future):
+        def result(self, timeout=None):
+            clock[0] += 2.0  # the loop waits 2 s for the write
+            return super().result(timeout)
+
+    writes: list[Write] = []
+
+    def async_save(state, checkpoint_id, **kwargs):
+        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=True)  # the files, written now
+        clock[0] += 1.0  # staging takes 1 s
+        writes.append(Write())
+        return writes[-1]
+
+    monkeypatch.setattr(module.dcp, "async_save", async_save)
+    costs: list[SaveCost] = []
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, True, run_id="a", on_cost=costs.append)
+
+    def size(step: int) -> int:
+        return sum(f.stat().st_size for f in (root / step_dir_name(step)).rglob("*") if f.is_file())
+
+    clock[0] = 10.0
+    ckpt.save(2, {"x": torch.zeros(1000)}, {}, started=9.5)  # blocked 1.5 s
+    clock[0] = 20.0
+    ckpt.poll()  # the write goes on: nothing published, nothing costed
+    assert costs == [] and not (root / step_dir_name(2)).exists()
+    writes[0].set_result(None)
+    clock[0] = 40.0
+    ckpt.save(4, {"x": torch.ones(2000)}, {}, started=40.0)  # waits 2 s for step 2's write
+    assert costs == [SaveCost(2, 1.5 + 2.0, 42.0 - 9.5, size(2), background=True)]
+    writes[1].set_result(None)
+    clock[0] = 50.0
+    ckpt.wait()  # the end of a run
+    assert costs[1:] == [SaveCost(4, 1.0 + 2.0, 52.0 - 40.0, size(4), background=True)]

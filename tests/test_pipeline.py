@@ -113,6 +113,10 @@ def test_tiny_pipeline_end_to_end(finished):
     train = next(r for r in children if r.info.run_name == "train")
     history = client.get_metric_history(train.info.run_id, "loss")
     assert [m.step for m in history] == list(range(8))
+    costs = [json.loads(x) for x in (run_dir / "train" / "checkpoints.jsonl").open()]
+    stalls = client.get_metric_history(train.info.run_id, "checkpoint/stall_s")
+    assert [m.step for m in stalls] == [c["step"] for c in costs] and costs[-1]["step"] == 8
+    assert [m.value for m in stalls] == [c["checkpoint/stall_s"] for c in costs]
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
         "plots/loss.png",
         "plots/tokens_per_s.png",

@@ -176,7 +176,7 @@ def test_a_new_run_sets_the_earlier_runs_outputs_aside_and_prunes_only_its_own(t
     Trainer(compose_run([*first, f"out_dir={tmp_path}"])).fit(show_progress=False)
     before = {
         p: snapshot(tmp_path / p) if (tmp_path / p).is_dir() else (tmp_path / p).read_bytes()
-        for p in ("checkpoints", "model", "metrics.jsonl")
+        for p in ("checkpoints", "model", "metrics.jsonl", "checkpoints.jsonl")
     }
     old_id = run_id_of(tmp_path / "checkpoints" / "step_00000003")
 
@@ -190,10 +190,12 @@ def test_a_new_run_sets_the_earlier_runs_outputs_aside_and_prunes_only_its_own(t
 
     text = console.export_text()
     assert f"starting a new run in {tmp_path} (train.resume=false)" in text
-    assert "checkpoints, metrics.jsonl, model moved to *.superseded-1" in text
+    assert "checkpoints, checkpoints.jsonl, metrics.jsonl, model moved to *.superseded-1" in text
     assert snapshot(tmp_path / "checkpoints.superseded-1") == before["checkpoints"]
     assert snapshot(tmp_path / "model.superseded-1") == before["model"]
     assert (tmp_path / "metrics.jsonl.superseded-1").read_bytes() == before["metrics.jsonl"]
+    costs = tmp_path / "checkpoints.jsonl.superseded-1"
+    assert costs.read_bytes() == before["checkpoints.jsonl"]
     ckpts = tmp_path / "checkpoints"
     assert names(ckpts) == ["step_00000002"]  # keep_last=1 of the new run
     assert verify(ckpts / "step_00000002") is None

@@ -93,6 +93,32 @@ def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
     }
 
 
+def test_a_checkpoints_cost_reaches_mlflow_beside_the_steps(tmp_path):
+    """A ``checkpoints.jsonl`` line's numbers are metrics at its checkpoint's step, and the
+    sender passes that file on with ``metrics.jsonl`` (at the end of an attempt too)."""
+    from flows.launch import MetricsSender
+    from moe_core.train.checkpoint import SaveCost
+
+    cost = SaveCost(200, 0.5, 8.0, 4 * 10**9, background=True)
+    assert metric_rows({"step": 200, **cost.record()}) == {
+        "checkpoint/stall_s": 0.5,
+        "checkpoint/durable_s": 8.0,
+        "checkpoint/bytes": 4e9,
+        "checkpoint/write_gbps": 0.5,
+    }
+
+    sent: list[tuple[str, str]] = []
+
+    class Seen:
+        def send_metrics_file(self, run_id, path) -> None:
+            sent.append((run_id, path.name))
+
+    logs = (tmp_path / "metrics.jsonl", tmp_path / "checkpoints.jsonl")
+    with MetricsSender(Seen(), "run", *logs, every_s=3600):
+        pass
+    assert sent == [("run", "metrics.jsonl"), ("run", "checkpoints.jsonl")]
+
+
 def test_metric_rows_keep_the_mtp_loss_apart_from_the_loss_and_per_depth():
     line = {"step": 3, "loss": 2.5, "mtp_loss": 3.25, "mtp_losses": [3.0, 3.5]}
     assert metric_rows(line) == {

@@ -19,6 +19,12 @@ over from the checkpoint a run resumes from). Retention deletes only checkpoints
 that verify and are older than its newest valid one: never another run's, never one that does
 not verify (it is reported instead), never a newer one. A folder already at ``step_N``'s name is
 moved aside (``step_N.replaced-K``), not deleted.
+
+What each checkpoint costs the run (``SaveCost``, rank 0's host clocks) goes to ``on_cost`` once
+it is published: how long the training loop was blocked for it (the whole save when
+synchronous; under ``train.async_checkpoint`` the staging call plus its collection, that is
+waiting for the background write and publishing it), how long from the save's start until it
+was published (the manifest written, the folder renamed and retention applied) and its bytes.
 """
 
 from __future__ import annotations
@@ -122,11 +128,52 @@ def check_fits(
         )
 
 
+@dataclass(frozen=True)
+class SaveCost:
+    """What one published checkpoint cost, by host clocks on rank 0 (see the module's
+    docstring). ``stall_s <= durable_s`` always: the loop's blocked time lies within it."""
+
+    step: int
+    stall_s: float  # the training loop blocked for this checkpoint
+    durable_s: float  # from the save's start until published under ``step_N``
+    bytes: int  # the published folder's files, manifest included
+    background: bool  # written by ``train.async_checkpoint``
+
+    @property
+    def write_gbps(self) -> float:
+        """The folder's bytes over the time to publish it (GB/s)."""
+        return self.bytes / max(self.durable_s, 1e-9) / 1e9
+
+    def record(self) -> dict[str, Any]:
+        """The line ``checkpoints.jsonl`` holds for it (beside its ``step``)."""
+        return {
+            "checkpoint/stall_s": self.stall_s,
+            "checkpoint/durable_s": self.durable_s,
+            "checkpoint/bytes": self.bytes,
+            "checkpoint/write_gbps": self.write_gbps,
+            "checkpoint/async": self.background,
+        }
+
+    def line(self) -> str:
+        """The trainer's one line for it."""
+        size = (
+            f"{self.bytes / 2**30:.1f} GiB"
+            if self.bytes >= 2**30
+            else f"{self.bytes / 2**20:.1f} MiB"
+        )
+        return (
+            f"checkpoint step {self.step}: {size}, blocked training "
+            f"{self.stall_s:.2f} s, durable after {self.durable_s:.1f} s "
+            f"({self.write_gbps:.3g} GB/s)"
+        )
+
+
 class Checkpointer:
     """Saves, publishes, prunes and finds checkpoints under ``root``.
 
     ``run_id`` names the run in every manifest it writes (a new one when None); a run that
-    resumes takes over the id of its checkpoint (``adopt``). ``report`` receives warnings."""
+    resumes takes over the id of its checkpoint (``adopt``). ``report`` receives warnings;
+    ``on_cost`` (rank 0) each published checkpoint's ``SaveCost``."""
 
     def __init__(
         self,
@@ -137,17 +184,21 @@ class Checkpointer:
         use_async: bool,
         run_id: str | None = None,
         report: Callable[[str], None] = print,
+        on_cost: Callable[[SaveCost], None] | None = None,
     ) -> None:
         self.root, self.mesh = root, mesh
         self.keep_last, self.keep_every, self.use_async = keep_last, keep_every, use_async
         self.run_id = run_id or new_run_id()
-        self.report = report
+        self.report, self.on_cost = report, on_cost
         self._hashed: set[str] = set()  # checkpoints whose every file's sha256 was checked here
         self.is_main = mesh.rank == 0
         self.no_dist = not mesh.distributed
         # Background saves talk over their own gloo group, never the training group.
         self.group = dist.new_group(backend="gloo") if mesh.distributed else None
-        self._pending: tuple[Future, int, Path, dict, int] | None = None
+        # a background save: its future, step, folder, manifest fields, bytes, when its save
+        # started and how long that call blocked the loop (host clock)
+        self._pending: tuple[Future, int, Path, dict, int, float, float] | None = None
+        self._published_bytes = 0  # the folder ``_publish`` last published (rank 0)
         if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-step_*"):
@@ -170,14 +221,23 @@ class Checkpointer:
         return state
 
     def save(
-        self, step: int, state: dict, layout: dict, planner=None, file_per_entry: bool = False
+        self,
+        step: int,
+        state: dict,
+        layout: dict,
+        planner=None,
+        file_per_entry: bool = False,
+        started: float | None = None,
     ) -> None:
         """Write ``state`` as checkpoint ``step``; synchronous unless configured async.
 
         ``planner``: a DCP save planner (the init stage's computes entries lazily).
         ``file_per_entry``: one file per entry, so the writer holds one entry at a time (DCP's
-        writer keeps every tensor of a file until the file is closed)."""
-        self.wait()
+        writer keeps every tensor of a file until the file is closed). ``started``: when the
+        caller began this save (``time.perf_counter``; the state it gathered counts), else now.
+        """
+        started = time.perf_counter() if started is None else started
+        waited = self.wait()  # the previous save's cost, not this one's
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
@@ -190,7 +250,8 @@ class Checkpointer:
                     no_dist=self.no_dist,
                     planner=planner,
                 )
-            self._pending = (fut, step, tmp, meta, needed)
+            blocked = time.perf_counter() - started - waited
+            self._pending = (fut, step, tmp, meta, needed, started, blocked)
         else:
             writer = None
             if file_per_entry:
@@ -205,6 +266,12 @@ class Checkpointer:
                     storage_writer=writer,
                 )
                 self._publish(step, tmp, meta)
+            took = time.perf_counter() - started
+            self._cost(SaveCost(step, took, took, self._published_bytes, background=False))
+
+    def _cost(self, cost: SaveCost) -> None:
+        if self.is_main and self.on_cost is not None:
+            self.on_cost(cost)
 
     @contextlib.contextmanager
     def _writing(self, step: int, tmp: Path, needed: int = 0) -> Iterator[None]:
@@ -249,14 +316,21 @@ class Checkpointer:
         if self._pending is not None and self._pending[0].done():
             self.wait()
 
-    def wait(self) -> None:
+    def wait(self) -> float:
+        """Finish and publish the background save, if any; the seconds that took (the loop's
+        blocked time, counted in that checkpoint's ``SaveCost``)."""
         if self._pending is None:
-            return
-        fut, step, tmp, meta, needed = self._pending
+            return 0.0
+        began = time.perf_counter()
+        fut, step, tmp, meta, needed, started, blocked = self._pending
         self._pending = None
         with self._writing(step, tmp, needed):
             fut.result()
             self._publish(step, tmp, meta)
+        now = time.perf_counter()
+        cost = SaveCost(step, blocked + now - began, now - started, self._published_bytes, True)
+        self._cost(cost)
+        return now - began
 
     def _publish(self, step: int, tmp: Path, meta: dict) -> None:
         if self.is_main:
@@ -272,7 +346,9 @@ class Checkpointer:
                 "files": files,
                 "format": 1,
             }
-            (tmp / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+            text = json.dumps(manifest, indent=1)
+            (tmp / (MANIFEST + ".tmp")).write_text(text)
+            self._published_bytes = sum(f["bytes"] for f in files.values()) + len(text.encode())
             (tmp / (MANIFEST + ".tmp")).rename(tmp / MANIFEST)
             final = self.root / step_dir_name(step)
             if final.exists():

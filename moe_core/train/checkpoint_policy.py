@@ -11,6 +11,7 @@ steps keep coming out non-finite with its (unchanged) state saved.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,15 @@ from moe_core.model.transformer import parameter_shapes
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import ShardedAdamW
 from moe_core.rundir import set_aside
-from moe_core.train.checkpoint import Checkpointer
+from moe_core.train.checkpoint import Checkpointer, SaveCost
 from moe_core.train.guards import TrainingHaltedError
+from moe_core.train.metrics import CHECKPOINT_LOG
 
 
 class CheckpointPolicy:
     """The checkpoints of a run in ``out / "checkpoints"``: the optimizer's state, the router
-    buffers and ``trainer_state()`` (step, guards, config, loader position)."""
+    buffers and ``trainer_state()`` (step, guards, config, loader position). ``on_cost``
+    receives each published checkpoint's cost (rank 0)."""
 
     def __init__(
         self,
@@ -40,13 +43,20 @@ class CheckpointPolicy:
         buffers: dict[str, torch.Tensor],
         trainer_state: Callable[[], dict[str, Any]],
         warn: Callable[[str], None],
+        on_cost: Callable[[SaveCost], None] | None = None,
     ) -> None:
         tc = cfg.train
         self.cfg, self.mesh, self.out = cfg, mesh, out
         self.optimizer, self.buffers = optimizer, buffers
         self.trainer_state, self.warn = trainer_state, warn
         self.checkpointer = Checkpointer(
-            out / "checkpoints", mesh, tc.keep_last, tc.keep_every, tc.async_checkpoint, report=warn
+            out / "checkpoints",
+            mesh,
+            tc.keep_last,
+            tc.keep_every,
+            tc.async_checkpoint,
+            report=warn,
+            on_cost=on_cost,
         )
         self.resumed_from: Path | None = None
         self.saved_at = -1  # the step whose state is saved during this ``fit`` (-1: none)
@@ -82,13 +92,18 @@ class CheckpointPolicy:
 
     def start_fresh(self) -> None:
         """A run that resumes nothing is a new run: what an earlier run left in ``out_dir``
-        (checkpoints, metrics, model) is moved to ``*.superseded-N``, never pruned or
-        overwritten by this one."""
+        (checkpoints and their costs, metrics, model) is moved to ``*.superseded-N``, never
+        pruned or overwritten by this one."""
         if self.mesh.rank == 0:
             ckpts = self.checkpointer.root
             earlier = [
                 p
-                for p in (ckpts, self.out / "metrics.jsonl", self.out / "model")
+                for p in (
+                    ckpts,
+                    self.out / CHECKPOINT_LOG,
+                    self.out / "metrics.jsonl",
+                    self.out / "model",
+                )
                 if p.exists() and not (p == ckpts and not any(p.iterdir()))
             ]
             n = set_aside(earlier)
@@ -128,12 +143,15 @@ class CheckpointPolicy:
 
     def save(self, step: int) -> None:
         """Checkpoint the current state. A state holding NaN or infinity is never written
-        (resume would pick it): the run stops instead, naming the checkpoint to resume from."""
+        (resume would pick it): the run stops instead, naming the checkpoint to resume from.
+        Its cost is timed from here: the finite check's device sync is part of the stall."""
+        started = time.perf_counter()
         if not self.state_is_finite():
             raise self.not_finite(step)
         state = self.checkpointer.state_dict(self.optimizer, self.buffers, self.trainer_state())
         pc = self.cfg.parallel
-        self.checkpointer.save(step, state, {"pp": pc.pp, "dp": pc.dp, "ep": pc.ep})
+        layout = {"pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
+        self.checkpointer.save(step, state, layout, started=started)
         self.saved_at = step
 
     # ---- what it refuses ------------------------------------------------------------------

@@ -19,6 +19,10 @@ from rich.console import Console
 from moe_core.errors import RunFileError
 from moe_core.hardware import PEAK_BF16_TFLOPS
 
+# Beside metrics.jsonl (one line per step): one line per published checkpoint, its ``step`` and
+# what it cost (``checkpoint.SaveCost.record``).
+CHECKPOINT_LOG = "checkpoints.jsonl"
+
 
 def peak_tflops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None where unknown (CPU, other GPUs): never guessed."""
@@ -70,9 +74,10 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step. On resume, lines of steps at or after ``resume_step`` (written
-    before a crash, to be redone) are dropped so the file stays one line per step; so is a last
-    line that a crash (or a full disk) cut short: it belongs to a step being redone."""
+    """One JSON object per step (or per checkpoint: ``CHECKPOINT_LOG``). On resume, lines of
+    steps at or after ``resume_step`` (written before a crash, to be redone) are dropped so the
+    file stays one line per step; so is a last line that a crash (or a full disk) cut short: it
+    belongs to a step being redone."""
 
     def __init__(self, path: Path, resume_step: int = 0) -> None:
         kept: list[str] = []

@@ -62,11 +62,18 @@ from moe_core.parallel.mesh import Mesh, gather_experts, init_distributed
 from moe_core.parallel.trace import TRACE
 from moe_core.rundir import RunLock
 from moe_core.train.batches import Batches, check_data_fits
-from moe_core.train.checkpoint import Checkpointer, router_buffers
+from moe_core.train.checkpoint import Checkpointer, SaveCost, router_buffers
 from moe_core.train.checkpoint_policy import CheckpointPolicy
 from moe_core.train.evaluation import Downstream, held_out_batches, held_out_loss
 from moe_core.train.guards import Guards
-from moe_core.train.metrics import ConsoleSink, JsonlSink, MetricsSink, peak_tflops, throughput
+from moe_core.train.metrics import (
+    CHECKPOINT_LOG,
+    ConsoleSink,
+    JsonlSink,
+    MetricsSink,
+    peak_tflops,
+    throughput,
+)
 from moe_core.train.router_stats import RouterStats, routers_by_layer
 from moe_core.train.schedule import lr_multiplier, mtp_weight
 from moe_core.train.stack import build_stack
@@ -193,7 +200,10 @@ class Trainer:
             self.buffers,
             self._trainer_state,
             self._warn,
+            self._checkpoint_cost,
         )
+        self.checkpoint_costs: list[SaveCost] = []  # this object's published checkpoints (rank 0)
+        self._checkpoint_log: JsonlSink | None = None  # ``checkpoints.jsonl`` while ``fit`` runs
         self.step = 0
         self.stop_requested = False
         if tc.resume:
@@ -520,6 +530,13 @@ class Trainer:
         if self.is_main:
             self.console.print(f"resumed from {self.resumed_from} (step {self.step})")
 
+    def _checkpoint_cost(self, cost: SaveCost) -> None:
+        """A checkpoint is published: its line, and its record in ``checkpoints.jsonl``."""
+        self.checkpoint_costs.append(cost)
+        self.console.print(cost.line())
+        if self._checkpoint_log is not None:
+            self._checkpoint_log.log(cost.step, cost.record())
+
     def _warn(self, message: str) -> None:
         if self.is_main:
             self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
@@ -542,6 +559,9 @@ class Trainer:
         tc = self.cfg.train
         show = show_progress and self.is_main
         sinks = self._sinks(sinks, show)
+        if self.is_main:  # records of checkpoints after the step this run continues from go
+            kept = self.step + 1 if self.step > 0 else 0
+            self._checkpoint_log = JsonlSink(self.out / CHECKPOINT_LOG, kept)
         history: list[StepMetrics] = []
         self.checkpoints.begin(self.step)
         with self._stop_on_signals():
@@ -577,6 +597,9 @@ class Trainer:
                 self._clock = None
                 for sink in sinks:
                     sink.close()
+                if self._checkpoint_log is not None:
+                    self._checkpoint_log.close()
+                    self._checkpoint_log = None
         if tc.save_model and not self.stop_requested:
             state = self.full_model_state()
             if state is not None:
