@@ -52,6 +52,10 @@ dense projections, the LM head): forward and input gradient as ``torch._scaled_m
 rowwise scales, the weight gradient in bf16; it keeps the bf16 input for backward, as the
 bf16 linear does. Inside ``torch.compile`` its quantizers are the references above
 (``moe_kernels._triton``'s rule), which Inductor fuses with the ops around them.
+
+Both ``fp8_expert_mlp`` and ``fp8_linear`` take ``cached=``: a weight's two quantized operands
+made once per optimizer step (``moe_kernels.fp8_cache``, the same bytes), used instead of
+quantizing the weight in the call, so the micro-batches of a step share them.
 """
 
 from __future__ import annotations
