@@ -191,3 +191,36 @@ def test_weights_changed_outside_the_optimizer_never_meet_their_stale_copies():
         assert ops is not None
         want_cols = fp8_cache.quantize_weight(p).cols[0]
         assert torch.equal(ops.cols[0].view(torch.uint8), want_cols.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_the_trainer_on_a_gpu_trains_alike_with_and_without_the_cache(graph, tmp_path):
+    """``moe train precision=fp8`` on one GPU, two micro-batches a step, eager or replayed as
+    CUDA graphs: the losses of the run with the cache track the run without it (the same
+    operand bytes; the GPU's reductions need not repeat bit for bit), and after the last step,
+    graphs replayed included, every cache holds the final weights' bytes."""
+    from helpers import BASE
+
+    from moe_core.train.trainer import Trainer
+
+    args = [*BASE, "precision=fp8", "train.steps=6", "train.checkpoint_every=1000"]
+    args += ["train.micro_batch_size=2", "train.global_batch_size=4"]
+    args.append(f"parallel.cuda_graph={str(graph).lower()}")
+    losses = {}
+    for cached in (False, True):
+        with pytest.MonkeyPatch.context() as m:
+            if not cached:
+                without_cache(m)
+            trainer = Trainer(compose_run([*args, f"out_dir={tmp_path / str(cached)}"]))
+            assert trainer.device.type == "cuda" and (trainer.graphs is not None) == graph
+            losses[cached] = [s.loss for s in trainer.fit(show_progress=False)]
+    for a, b in zip(losses[True], losses[False], strict=True):
+        assert abs(a - b) <= 1e-3 * abs(b), losses
+    caches = [(p, cache_of(p)) for p in trainer.chunks[0].parameters() if cache_of(p)]
+    assert len(caches) == 2 * trainer.cfg.model.n_layers
+    for p, cache in caches:
+        want = fp8_cache.quantize_weight(p)
+        assert torch.equal(cache.operands.rows[0].view(torch.uint8), want.rows[0].view(torch.uint8))
+        assert torch.equal(cache.operands.cols[0].view(torch.uint8), want.cols[0].view(torch.uint8))
+        assert torch.equal(cache.operands.rows[1], want.rows[1])
