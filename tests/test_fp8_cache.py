@@ -224,3 +224,25 @@ def test_the_trainer_on_a_gpu_trains_alike_with_and_without_the_cache(graph, tmp
         assert torch.equal(cache.operands.rows[0].view(torch.uint8), want.rows[0].view(torch.uint8))
         assert torch.equal(cache.operands.cols[0].view(torch.uint8), want.cols[0].view(torch.uint8))
         assert torch.equal(cache.operands.rows[1], want.rows[1])
+
+
+@pytest.mark.extended
+def test_zero1_shards_cutting_tensors_train_alike_with_and_without_the_cache(tmp_path):
+    """Data parallelism (dp=2, gloo): the ZeRO-1 shards cut the flat buckets anywhere, so the
+    copies are quantized after the gather (the single-process tests take that path by hand):
+    on each rank, losses and weights bit-equal with and without the cache, every cache the
+    final weights' bytes. Extended: two processes; ``after-gather`` above covers the path."""
+    import json
+
+    from helpers import BASE, TESTS, explain, torchrun
+
+    out = tmp_path / "fp8-cache.json"
+    layout = [*BASE, "train.steps=3", "parallel.dp=2", *PRESETS["fp8"]]
+    result = torchrun(2, [str(TESTS / "dist_jobs.py"), "fp8-cache", str(out), *layout])
+    assert result.returncode == 0, explain(result)
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert rank["losses_equal"] and rank["weights_equal"], rank
+        assert rank["cached"] == 2 * 4 + 4 * 4 and rank["caches_hold"], rank  # BASE: 4 layers
+        assert all(size == 2 for _, size in rank["groups"]), rank  # every bucket sharded
