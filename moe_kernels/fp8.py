@@ -52,6 +52,10 @@ dense projections, the LM head): forward and input gradient as ``torch._scaled_m
 rowwise scales, the weight gradient in bf16; it keeps the bf16 input for backward, as the
 bf16 linear does. Inside ``torch.compile`` its quantizers are the references above
 (``moe_kernels._triton``'s rule), which Inductor fuses with the ops around them.
+
+Both ``fp8_expert_mlp`` and ``fp8_linear`` take ``cached=``: a weight's two quantized operands
+made once per optimizer step (``moe_kernels.fp8_cache``, the same bytes), used instead of
+quantizing the weight in the call, so the micro-batches of a step share them.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import torch
 
 from moe_kernels._triton import use_triton
 from moe_kernels.expert_mlp import check_operands
+from moe_kernels.fp8_cache import FP8Weight
 from moe_kernels.fp8_format import E4M3 as E4M3
 from moe_kernels.fp8_format import E4M3_MAX as E4M3_MAX
 from moe_kernels.fp8_quantize import dequantize as dequantize
@@ -158,13 +163,29 @@ def _swiglu_quantized(
     return quantize_rowwise(swiglu_values(h_M2F, weight_M))
 
 
-def _input_grad(dy_MN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, scaling: str):
+def _weight_rows(w_GNK: torch.Tensor, cached: FP8Weight | None):
+    """The forward's weight operand: the cached one, else quantized now."""
+    return cached.rows if cached is not None else _quantize_weight_rows(w_GNK)
+
+
+def _weight_cols(w_GNK: torch.Tensor, cached: FP8Weight | None):
+    """The input gradient's weight operand: the cached one, else ``quantize_columnwise`` now
+    (written transposed by the quantizer: no copy)."""
+    return cached.cols if cached is not None else quantize_columnwise(w_GNK)
+
+
+def _input_grad(
+    dy_MN: torch.Tensor,
+    w_GNK: torch.Tensor,
+    offs_G: torch.Tensor,
+    scaling: str,
+    cached: FP8Weight | None = None,
+):
     """``dy @ w[g]`` per group, the input gradient of ``x @ w[g]^T``, both quantized over N."""
     if scaling == "mx":  # over N: the transposed copy
         w_GKN = w_GNK.transpose(-2, -1).contiguous()
         return _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, scaling)
-    qw_GKN, sw_GK = quantize_columnwise(w_GNK)  # written transposed by the quantizer: no copy
-    return _rowwise_mm(dy_MN, qw_GKN, sw_GK, offs_G, dy_MN.dtype)
+    return _rowwise_mm(dy_MN, *_weight_cols(w_GNK, cached), offs_G, dy_MN.dtype)
 
 
 def _weight_grad(
@@ -221,21 +242,27 @@ def fp8_grouped_mm(
 
 class _FP8ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str, backend: str):  # type: ignore[override]
-        h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
+    def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str, backend: str, cached):  # type: ignore[override]
+        cached_gate_up, cached_down = cached
+        if scaling == "mx":
+            h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
+        else:
+            h_M2F = _rowwise_mm(x_MD, *_weight_rows(w_gate_up, cached_gate_up), offs_G, x_MD.dtype)
         ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
-        ctx.scaling, ctx.backend = scaling, backend
+        ctx.scaling, ctx.backend, ctx.cached = scaling, backend, cached
         if scaling == "mx":
             return _scaled_mm(swiglu_values(h_M2F, weight_M), w_down, offs_G, x_MD.dtype, "mx")
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)  # the SwiGLU output is never written
-        return _quantized_mm(qa_MF, sa_M, *_quantize_weight_rows(w_down), offs_G, x_MD.dtype)
+        qw, sw = _weight_rows(w_down, cached_down)
+        return _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_MD.dtype)
 
     @staticmethod
     def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]
         x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M = ctx.saved_tensors
+        cached_gate_up, cached_down = ctx.cached
         dy_MD = dy_MD.contiguous()
         need = ctx.needs_input_grad
-        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling)
+        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling, cached_down)
         # with rowwise scales, dh is quantized for the input gradient in the SwiGLU's own pass
         qdh = None
         if need[0] and ctx.scaling == "rowwise":
@@ -252,14 +279,14 @@ class _FP8ExpertMLP(torch.autograd.Function):
         del a_MF
         dx = None
         if qdh is not None:
-            dx = _quantized_mm(*qdh, *quantize_columnwise(w_gate_up), offs_G, dy_MD.dtype)
+            dx = _quantized_mm(*qdh, *_weight_cols(w_gate_up, cached_gate_up), offs_G, dy_MD.dtype)
             del qdh  # not alive beside the weight gradient below
         elif need[0]:
             dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling)
         dw_gate_up = None
         if need[1]:
             dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up, ctx.backend)
-        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None, None
+        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None, None, None
 
 
 def fp8_expert_mlp(
@@ -271,6 +298,7 @@ def fp8_expert_mlp(
     scaling: str = "rowwise",
     *,
     backend: str = "auto",
+    cached: tuple[FP8Weight | None, FP8Weight | None] = (None, None),
 ) -> torch.Tensor:
     """The experts' SwiGLU MLP ``weight_M * (swiglu(x @ w_gate_up[g]^T) @ w_down[g]^T)`` per
     expert segment (``moe_kernels.expert_mlp``'s function) with both projections as
@@ -279,11 +307,20 @@ def fp8_expert_mlp(
     SwiGLU output, the down projection's input, is written again by the SwiGLU backward's pass
     for the down weight gradient instead of being kept: a [M, F] tensor per layer less (the
     fused bf16 path keeps none either). ``backend``: the bf16 weight gradients' grouped GEMMs
-    (``moe_kernels.grouped_gemm``)."""
+    (``moe_kernels.grouped_gemm``). ``cached``: the two weights' FP8 operands
+    (``moe_kernels.fp8_cache``, rowwise scaling only), taken instead of quantizing the weights
+    here; the caller vouches that they are the current weights' (``FP8WeightCache.get``)."""
     _check_scaling(offs_G, scaling)
     check_backend(backend)
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
-    return _FP8ExpertMLP.apply(x_MD, w_gate_up, w_down, offs_G, weight_M, scaling, backend)
+    for c, w, name in zip(cached, (w_gate_up, w_down), ("w_gate_up", "w_down"), strict=True):
+        if c is not None:
+            if scaling != "rowwise":
+                raise ValueError(f"cached FP8 weights are rowwise-scaled, not scaling={scaling!r}")
+            c.check(w, name)
+    return _FP8ExpertMLP.apply(
+        x_MD, w_gate_up, w_down, offs_G, weight_M, scaling, backend, tuple(cached)
+    )
 
 
 def _dense_mm(
@@ -303,14 +340,20 @@ def _dense_mm(
     return (dequantize(qa_MK, sa_M) @ dequantize(qb_NK, sb_N).t()).to(out_dtype)
 
 
+def _quantize_dense_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight quantized over K, by rows (the forward's operand)."""
+    return quantize_rowwise(w_NK)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool):  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool, cached):  # type: ignore[override]
         N, K = w_NK.shape
         x_MK = x.reshape(-1, K)
         ctx.save_for_backward(x_MK, w_NK)
-        ctx.tensor_cores = tensor_cores
-        y_MN = _dense_mm(*quantize_rowwise(x_MK), *quantize_rowwise(w_NK), x.dtype, tensor_cores)
+        ctx.tensor_cores, ctx.cached = tensor_cores, cached
+        qw, sw = cached.rows_2d() if cached is not None else _quantize_dense_rows(w_NK)
+        y_MN = _dense_mm(*quantize_rowwise(x_MK), qw, sw, x.dtype, tensor_cores)
         return y_MN.view(*x.shape[:-1], N)
 
     @staticmethod
@@ -320,25 +363,30 @@ class _FP8Linear(torch.autograd.Function):
         dy_MN = dy.reshape(-1, N).contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            qw_1KN, sw_1K = quantize_columnwise(w_NK[None])  # w over N: the rows of w^T
+            qw_1KN, sw_1K = _weight_cols(w_NK[None], ctx.cached)  # w over N: the rows of w^T
             dx_MK = _dense_mm(
                 *quantize_rowwise(dy_MN), qw_1KN[0], sw_1K[0], dy.dtype, ctx.tensor_cores
             )
             dx = dx_MK.view(*dy.shape[:-1], K)
         if ctx.needs_input_grad[1]:
             dw = (dy_MN.t() @ x_MK).to(w_NK.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool, cached: FP8Weight | None = None
+) -> torch.Tensor:
     """``x @ w^T`` (``F.linear`` without bias) with the forward and the input gradient in FP8,
     both operands quantized rowwise over the contracted dimension (module doc), and the weight
     gradient in bf16. ``tensor_cores``: run ``torch._scaled_mm`` (``scaled_mm_supported``;
     decided once by the caller, outside any compiled region), else the dequantized product,
-    the same function up to fp32 summation order."""
+    the same function up to fp32 summation order. ``cached``: the weight's FP8 operands
+    (``moe_kernels.fp8_cache``), taken instead of quantizing it here."""
     if w_NK.ndim != 2 or x.shape[-1] != w_NK.shape[1]:
         raise ValueError(
             f"fp8_linear takes x [..., K] and w [N, K], got {tuple(x.shape)} and "
             f"{tuple(w_NK.shape)}"
         )
-    return _FP8Linear.apply(x, w_NK, tensor_cores)
+    if cached is not None:
+        cached.check(w_NK, "the linear's weight")
+    return _FP8Linear.apply(x, w_NK, tensor_cores, cached)

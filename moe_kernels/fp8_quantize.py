@@ -29,15 +29,42 @@ def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q_MK, scale_M
 
 
-def quantize_rowwise(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise E4M3 quantization of a 2D tensor with a contiguous last dimension."""
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _written_into(result: Pair, out: Pair | None) -> Pair:
+    """``result``, or ``out`` with ``result`` copied into it (the references' ``out=``)."""
+    if out is None:
+        return result
+    for dst, src in zip(out, result, strict=True):
+        dst.copy_(src)
+    return out
+
+
+def _check_out(out: Pair | None, shapes: tuple[tuple[int, ...], tuple[int, ...]], name: str):
+    if out is None:
+        return
+    got = (tuple(out[0].shape), tuple(out[1].shape))
+    kinds = (out[0].dtype, out[1].dtype) == (E4M3, torch.float32)
+    if got != shapes or not kinds or not (out[0].is_contiguous() and out[1].is_contiguous()):
+        raise ValueError(
+            f"{name} out= takes contiguous E4M3 values and fp32 scales of shapes {shapes}, got "
+            f"{got} of {out[0].dtype} and {out[1].dtype}"
+        )
+
+
+def quantize_rowwise(x_MK: torch.Tensor, out: Pair | None = None) -> Pair:
+    """Rowwise E4M3 quantization of a 2D tensor with a contiguous last dimension; ``out``:
+    (values, scales) to write into (contiguous; the cached FP8 weights, ``moe_kernels.fp8_cache``)
+    instead of new tensors."""
     if x_MK.ndim != 2:
         raise ValueError(f"quantize_rowwise takes [M, K], got {tuple(x_MK.shape)}")
+    _check_out(out, (tuple(x_MK.shape), (x_MK.shape[0],)), "quantize_rowwise")
     if use_triton(x_MK):
         from moe_kernels import fp8_triton
 
-        return fp8_triton.quantize_rowwise(x_MK)
-    return quantize_rowwise_reference(x_MK)
+        return fp8_triton.quantize_rowwise(x_MK, out=out)
+    return _written_into(quantize_rowwise_reference(x_MK), out)
 
 
 def quantize_columnwise_reference(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,16 +76,19 @@ def quantize_columnwise_reference(w_GNK: torch.Tensor) -> tuple[torch.Tensor, to
     return q.view(G, K, N), scale.view(G, K)
 
 
-def quantize_columnwise(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_columnwise(w_GNK: torch.Tensor, out: Pair | None = None) -> Pair:
     """Expert weights [G, N, K] quantized over N, already in the row-major [G, K, N] layout the
-    input gradient's GEMM takes, with scales [G, K] (Triton: straight from ``w``, no copy)."""
+    input gradient's GEMM takes, with scales [G, K] (Triton: straight from ``w``, no copy);
+    ``out``: (values, scales) to write into instead of new tensors."""
     if w_GNK.ndim != 3:
         raise ValueError(f"quantize_columnwise takes [G, N, K], got {tuple(w_GNK.shape)}")
+    G, N, K = w_GNK.shape
+    _check_out(out, ((G, K, N), (G, K)), "quantize_columnwise")
     if use_triton(w_GNK):
         from moe_kernels import fp8_triton
 
-        return fp8_triton.quantize_columnwise(w_GNK)
-    return quantize_columnwise_reference(w_GNK)
+        return fp8_triton.quantize_columnwise(w_GNK, out=out)
+    return _written_into(quantize_columnwise_reference(w_GNK), out)
 
 
 def dequantize(q_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,7 @@ def quantize_rowwise(
     block_k: int = 0,
     num_warps: int = 4,
     hw_cast: bool = HW_CAST,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks (``benchmarks/fp8_quantize.py`` sweeps them): a row of up to 2048 values is read
     once, whole (``block_k`` its width rounded up to a power of two), in tiles of 2048 values;
@@ -110,8 +111,11 @@ def quantize_rowwise(
     rounding before an exact cast instead of the conversion instruction, 0.235.)"""
     M, K = x_MK.shape
     x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
-    q_MK = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_M = torch.empty(M, dtype=torch.float32, device=x.device)
+    if out is None:
+        q_MK = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+        scale_M = torch.empty(M, dtype=torch.float32, device=x.device)
+    else:
+        q_MK, scale_M = out
     if not block_k:
         block_k = next_pow2(K) if K <= 2048 else 512
     if not block_m:
@@ -164,14 +168,18 @@ def quantize_columnwise(
     block_k: int = 0,
     num_warps: int = 4,
     hw_cast: bool = HW_CAST,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks: ``block_k`` columns per program, ``block_n`` rows per tile; 128 x 64 by default
     (``benchmarks/fp8_quantize.py`` on one H200 at OLMoE's two expert weights: with one IEEE
     division per column, 128 x 64 took 0.45 / 0.23 ms and the 16 x 64 of before 0.62 / 0.32;
     with two per value it had been best at 0.81 / 0.42; a copy takes 0.26 / 0.13)."""
     G, N, K = w_GNK.shape
-    q_GKN = torch.empty(G, K, N, dtype=torch.float8_e4m3fn, device=w_GNK.device)
-    scale_GK = torch.empty(G, K, dtype=torch.float32, device=w_GNK.device)
+    if out is None:
+        q_GKN = torch.empty(G, K, N, dtype=torch.float8_e4m3fn, device=w_GNK.device)
+        scale_GK = torch.empty(G, K, dtype=torch.float32, device=w_GNK.device)
+    else:
+        q_GKN, scale_GK = out
     block_k = block_k or min(64, next_pow2(K))
     block_n = block_n or min(128, next_pow2(N))
     _quantize_columns_transposed[(G, cdiv(K, block_k))](

@@ -148,6 +148,15 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
         flags["HAS_APPLY"] = [True, False] if p == g == "*bf16" else [True]
         for c in variants(flags):
             out.append((adamw_triton._adamw, ptrs, c))
+        if copy is None and p != "*bf16":
+            continue  # the fused FP8 rows: bf16 weights, in place or written from fp32 masters
+        ptrs |= {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+        flags = {"HAS_SCALE": [True], "HAS_OUT": [copy is not None], "HAS_APPLY": [True]}
+        flags |= {"BLOCK_M": [1], "BLOCK_K": [2048], "ONE_PASS": [True, False]}
+        flags |= {"FP8_MAX": [fp8_triton.E4M3_MAX], "AMAX_FLOOR": [fp8_triton.AMAX_FLOOR]}
+        flags["HW_CAST"] = [True]
+        for c in variants(flags):
+            out.append((adamw_triton._adamw_rows, ptrs, c))
     return out
 
 

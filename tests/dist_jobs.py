@@ -65,6 +65,51 @@ def evaluate(out: str, overrides: list[str]) -> None:
         dist.destroy_process_group()
 
 
+def fp8_cache_parity(out: str, overrides: list[str]) -> None:
+    """Train twice under this launch's layout, without then with the FP8 weight caches; rank 0
+    writes, for every rank: losses and local weights bit-equal, and whether every cache holds
+    its final weight's bytes (``tests/test_fp8_cache.py``)."""
+    from moe_core.parallel import parallelize
+    from moe_kernels.fp8_cache import cache_of, quantize_weight
+
+    attach = parallelize.attach_fp8_caches
+    runs, mesh, n_cached, caches_hold = [], None, 0, True
+    for cached in (False, True):
+        parallelize.attach_fp8_caches = attach if cached else (lambda *a, **kw: [])
+        cfg = compose_run([*overrides, f"out_dir={out}.{cached}"])
+        trainer = Trainer(cfg, mesh=mesh)
+        mesh = trainer.mesh
+        losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
+        weights = {k: v.clone() for k, v in trainer.chunks[0].state_dict().items()}
+        runs.append((losses, weights))
+        trainer.release()
+        params = [p for p in trainer.chunks[0].parameters() if cache_of(p) is not None]
+        n_cached = len(params) if cached else 0
+        for p in params:
+            ops, want = cache_of(p).current(p), quantize_weight(p)
+            holds = ops is not None and all(
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in ((ops.rows[0], want.rows[0]), (ops.cols[0], want.cols[0]))
+            )
+            caches_hold = caches_hold and holds
+    parallelize.attach_fp8_caches = attach
+    (ref_losses, ref_weights), (losses, weights) = runs
+    mine = {
+        "losses": losses,
+        "losses_equal": losses == ref_losses,
+        "weights_equal": all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights),
+        "cached": n_cached,
+        "caches_hold": caches_hold,
+        "groups": [(b.is_expert, b.size) for b in trainer.optimizer.buckets],
+    }
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # The dispatcher job: 2 ranks, 8 experts (4 per rank), top-3, small rows.
 DISPATCH_E, DISPATCH_K, DISPATCH_D, DISPATCH_F = 8, 3, 16, 12
 
@@ -448,5 +493,6 @@ if __name__ == "__main__":
         "dispatch-fp8-cuda": dispatch_fp8_cuda,
         "dispatch-syncs": dispatch_host_syncs,
         "rowwise": rowwise_parity,
+        "fp8-cache": fp8_cache_parity,
     }[sys.argv[1]]
     job(sys.argv[2], sys.argv[3:])

@@ -118,14 +118,16 @@ def test_pipeline_stages_split_memory_and_traffic():
 
 @pytest.mark.parametrize(
     "precision, micro_batches",
-    [("fp32", 1), ("bf16", 1), ("pure-bf16", 1), ("bf16", 2), ("pure-bf16", 2)],
+    [("fp32", 1), ("bf16", 1), ("pure-bf16", 1), ("bf16", 2), ("pure-bf16", 2), ("fp8", 2)],
 )
 def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, tmp_path):
     """Weights, gradients and optimizer state per precision preset: the plan's bytes are the
     bytes the trainer's buckets, autograd's kept gradients and the ZeRO-1 optimizer hold after
     backward and after the update (one process: gradient buffers only where bf16 gradients
-    accumulate over micro-batches in fp32)."""
+    accumulate over micro-batches in fp32); with precision=fp8 the weights count the experts'
+    FP8 copies (``moe_kernels.fp8_cache``) as well."""
     from moe_core.train.trainer import Trainer
+    from moe_kernels.fp8_cache import cache_of
 
     run = compose_run(
         [
@@ -159,7 +161,10 @@ def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, t
     follow = micro_batches == 1 and bool(kept)
     assert mem.grads_follow_activations == follow
     assert mem.grad_buffers == (beyond if follow else mem.gradients)
-    assert nbytes(b.param_flat for b in buckets) == mem.weights
+    caches = [cache_of(p) for b in buckets for p in b.params if cache_of(p) is not None]
+    copies = nbytes(t for c in caches for t in (*c.operands.rows, *c.operands.cols))
+    assert mem.fp8_copies == copies and (copies > 0) == (precision == "fp8")
+    assert nbytes(b.param_flat for b in buckets) + copies == mem.weights
     opt.update(opt.grad_norm(), 1.0)
     state = [t for m in opt.moments for t in m.values()]
     state += [
@@ -169,10 +174,10 @@ def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, t
     ]
     assert nbytes(state) == mem.optimizer
     n = mem.dense_params + mem.expert_params
-    per_param = {"fp32": 4 + 4 + 8, "bf16": 2 + 2 + 12, "pure-bf16": 2 + 2 + 4}[precision]
-    if flat:
-        per_param += 2  # fp32 accumulation buffer instead of bf16 gradients
-    assert mem.weights + mem.gradients + mem.optimizer == per_param * n
+    per_param = {"fp32": 4 + 4 + 8, "bf16": 2 + 2 + 12, "pure-bf16": 2 + 2 + 4, "fp8": 2 + 2 + 4}
+    extra = 2 if flat else 0  # fp32 accumulation buffer instead of bf16 gradients
+    static = mem.weights - copies + mem.gradients + mem.optimizer
+    assert static == (per_param[precision] + extra) * n
 
 
 @pytest.mark.parametrize("precision", ["fp32", "pure-bf16"])

@@ -5,6 +5,10 @@
 gradient in bf16). The routed experts take their FP8 op from the model's ``Kernels``
 (``fp8_experts``), not from here. The swapped module keeps the same ``weight`` parameter, so
 parameter names, checkpoints, optimizer buckets and conversion are unchanged.
+
+``attach_fp8_caches`` gives the FP8 GEMMs' weights a ``moe_kernels.fp8_cache``: their FP8
+copies, made once per optimizer step (``parallel.optimizer``) and read by every micro-batch,
+2 bytes and a little more per weight (``plan.memory`` counts them).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from torch import nn
 
 from moe_core.config import ConfigError
 from moe_core.model.attention import Attention, LatentAttention
-from moe_core.model.moe import SwiGLU
+from moe_core.model.moe import Experts, SwiGLU
 from moe_core.model.transformer import Transformer
 from moe_kernels.fp8 import fp8_linear
+from moe_kernels.fp8_cache import attach_cache, cached_operands
 
 
 class FP8Linear(nn.Linear):
@@ -40,7 +45,8 @@ class FP8Linear(nn.Linear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.tensor_cores)
+        cached = cached_operands(self.weight, x.dtype)
+        return fp8_linear(x, self.weight, self.tensor_cores, cached)
 
 
 def _linears(model: nn.Module, part: str) -> list[tuple[nn.Module, str]]:
@@ -76,3 +82,24 @@ def apply_fp8(model: nn.Module, parts: Sequence[str], device: torch.device) -> N
         for parent, name in _linears(model, part):
             linear = getattr(parent, name)
             setattr(parent, name, FP8Linear.from_linear(linear, tensor_cores))
+
+
+def attach_fp8_caches(
+    model: nn.Module, parts: Sequence[str], scaling: str, compiled: bool
+) -> list[nn.Parameter]:
+    """Give the weights of ``model``'s rowwise FP8 GEMMs an FP8 cache (module doc) and return
+    them: the routed experts' two stacks where ``parts`` names "experts", and every
+    ``FP8Linear``'s weight unless the blocks are ``compiled`` (a compiled graph quantizes its
+    weights itself: the cache would cost memory and a pass per step for nothing). None with
+    MX scaling (its GEMMs are emulated)."""
+    if scaling != "rowwise":
+        return []
+    params: list[nn.Parameter] = []
+    for m in model.modules():
+        if isinstance(m, Experts) and "experts" in parts:
+            params += [m.w_gate_up, m.w_down]
+        elif isinstance(m, FP8Linear) and not compiled:
+            params.append(m.weight)
+    for p in params:
+        attach_cache(p)
+    return params

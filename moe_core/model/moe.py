@@ -22,6 +22,7 @@ from moe_core.model.eager import eager
 from moe_core.model.kernel_choice import Kernels
 from moe_kernels.expert_mlp import expert_mlp, fuses
 from moe_kernels.fp8 import fp8_expert_mlp
+from moe_kernels.fp8_cache import cached_operands
 from moe_kernels.grouped_gemm import gathered_grouped_mm, gathers_in_gemm, grouped_mm
 from moe_kernels.routing import expert_counts, expert_slots
 from moe_kernels.slot_permute import permute_to_slots, slot_tokens, slot_weights, sum_from_slots
@@ -248,8 +249,21 @@ class Experts(nn.Module):
         k = self.kernels
         w_gate_up, w_down = self.w_gate_up.to(x_MD.dtype), self.w_down.to(x_MD.dtype)
         if k.fp8_experts:
+            cached = (None, None)
+            if k.fp8_scaling == "rowwise":  # the FP8 copies made once per step, if attached
+                cached = (
+                    cached_operands(self.w_gate_up, x_MD.dtype),
+                    cached_operands(self.w_down, x_MD.dtype),
+                )
             return fp8_expert_mlp(
-                x_MD, w_gate_up, w_down, offs_E, weights_M, k.fp8_scaling, backend=k.gemm
+                x_MD,
+                w_gate_up,
+                w_down,
+                offs_E,
+                weights_M,
+                k.fp8_scaling,
+                backend=k.gemm,
+                cached=cached,
             )
         if fuses(x_MD, w_gate_up, w_down, backend=k.gemm, fused=k.fused_mlp):
             return expert_mlp(

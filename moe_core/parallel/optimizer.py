@@ -14,17 +14,29 @@ the bf16 model weights written from the fp32 masters in the same pass) and all-g
 updated weights into the bucket's flat parameter buffer, which the model's parameters view.
 Step count, learning rate, clipping scale and whether the step applies at all stay on the
 device: the update reads nothing back.
+
+FP8 weights (``precision.fp8_parts``: parameters with a ``moe_kernels.fp8_cache`` attached) get
+their FP8 copies, the operands the next step's GEMMs read, once per step here, never per
+micro-batch: where the rank's update covers the whole bucket (its group is this rank alone:
+no data parallelism, or experts under expert parallelism with ``dp x cp = 1``), the fused
+update writes each such weight's rowwise copy in its own pass (``adamw_step_(rows=)``) and
+``quantize_columnwise`` reads the new weight once more for the input gradient's copy (its
+scales reduce over N, which the update's row blocks never see whole); where a shard cuts
+tensors, both copies are quantized from the gathered weights. ``publish_weights`` (a loaded
+checkpoint) does the same.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moe_core.parallel.ddp import Bucket, GradBuckets, group_size
 from moe_core.parallel.mesh import Mesh, all_gather_flat, gather_experts
 from moe_core.parallel.trace import TRACE
 from moe_kernels.adamw import adamw_step_
+from moe_kernels.fp8_cache import cache_of, quantize_columns_into, weights_written
 from moe_kernels.sum_squares import sum_squares
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -108,12 +120,17 @@ class ShardedAdamW:
         if max_norm != float("inf"):
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self.step_t += 1 if apply is None else apply.to(self.step_t.dtype)
+        rows_written: list[nn.Parameter] = []
         for i, (m, b) in enumerate(zip(self.masters, self.buckets, strict=True)):
             state = self.shards(i, allocate=True)
             weights = b.param_flat[b.shard]
             copy = not _same(m, weights)
-            for start, g in b.gradients():
+            for start, g, p in _pieces(b):
                 part = slice(start, start + g.numel())
+                rows = None
+                if p is not None:  # a whole FP8 weight: its rowwise copy in the same pass
+                    rows = cache_of(p).buffers(p).rows_2d()  # type: ignore[union-attr]
+                    rows_written.append(p)
                 adamw_step_(
                     m[part],
                     g,
@@ -128,9 +145,28 @@ class ShardedAdamW:
                     weight_decay=self.weight_decay if b.decay else 0.0,
                     out=weights[part] if copy else None,
                     apply=apply,
+                    rows=rows,
                 )
             b.release_gradients()
         self._gather_weights()
+        self._refresh_fp8(rows_written)
+
+    def _refresh_fp8(self, rows_written: list[nn.Parameter]) -> None:
+        """The FP8 copies of every weight that has them, after the weights are final for the
+        step: the columnwise copy of those whose rows the update wrote, both copies of the
+        rest; each cache then tagged with its weight's new version (module doc)."""
+        cached = [p for b in self.buckets for p in b.params if cache_of(p) is not None]
+        weights_written(cached)  # written by kernels and collectives torch does not count
+        fused = {id(p) for p in rows_written}
+        with torch.no_grad():
+            for p in cached:
+                cache = cache_of(p)
+                assert cache is not None
+                if id(p) in fused and cache.operands is not None:  # rows already written
+                    quantize_columns_into(p, cache.operands)
+                    cache.filled(p)
+                else:
+                    cache.refill(p)
 
     def reset_masters(self) -> None:
         """Masters := the model's weights, after they were set from outside (a run that starts
@@ -145,6 +181,7 @@ class ShardedAdamW:
             if not _same(m, b.param_flat[b.shard]):
                 b.param_flat[b.shard].copy_(m)
         self._gather_weights()
+        self._refresh_fp8([])
 
     def _gather_weights(self) -> None:
         for b in self.buckets:
@@ -204,6 +241,30 @@ class ShardedAdamW:
     def step_count(self) -> int:
         """Updates applied so far (a host read: for checkpoints and logs, not the step)."""
         return int(self.step_t)
+
+
+def _pieces(b: Bucket) -> list[tuple[int, torch.Tensor, nn.Parameter | None]]:
+    """This rank's gradient pieces (``Bucket.gradients``) as (offset in the shard, gradient,
+    the FP8 weight the piece is, or None): where the rank updates the whole bucket, each
+    parameter with an FP8 cache is a piece of its own, so that its update can write its rowwise
+    FP8 copy (the update is elementwise: cutting pieces changes no bit)."""
+    pieces = b.gradients()
+    fp8 = [(p, off) for p, off in zip(b.params, b.offsets, strict=True) if cache_of(p) is not None]
+    if b.group is not None or not fp8:
+        return [(start, g, None) for start, g in pieces]
+    out: list[tuple[int, torch.Tensor, nn.Parameter | None]] = []
+    for start, g in pieces:
+        end, cursor = start + g.numel(), start
+        for p, off in fp8:
+            if off < start or off + p.numel() > end:
+                continue
+            if off > cursor:
+                out.append((cursor, g[cursor - start : off - start], None))
+            out.append((off, g[off - start : off - start + p.numel()], p))
+            cursor = off + p.numel()
+        if cursor < end:
+            out.append((cursor, g[cursor - start :], None))
+    return out
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

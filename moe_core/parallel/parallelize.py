@@ -22,7 +22,7 @@ from moe_core.model import Transformer
 from moe_core.model.attention import flash4_installed
 from moe_core.model.context import ContextShard
 from moe_core.model.dtypes import DTYPES
-from moe_core.model.fp8 import apply_fp8
+from moe_core.model.fp8 import apply_fp8, attach_fp8_caches
 from moe_core.model.kernel_choice import Kernels
 from moe_core.model.meta import on_meta
 from moe_core.model.moe import Experts, MoE
@@ -174,6 +174,8 @@ def parallelize(
             assert seq_len is not None, "context parallelism splits sequences of a known length"
             apply_context(model, ContextShard(pcfg.cp, mesh.cp_rank, seq_len, mesh.cp_group))
         apply_fp8(model, precision.fp8_parts, mesh.device)
+        compiled = pcfg.compile_on(mesh.device.type)
+        attach_fp8_caches(model, precision.fp8_parts, precision.fp8_scaling, compiled)
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)

@@ -12,7 +12,11 @@ holds the same), in bytes:
   final norm and LM head on the last stage (a tied head is the embedding: counted once), and
   ``N_expert`` its MoE blocks' routed-expert parameters divided by ``ep``; ``b_p`` 2 for bf16
   and 4 for fp32 weights. The last stage also holds the ``model.mtp_depth`` multi-token
-  prediction modules: an MoE block each, with its norms and projection (``mtp_own``).
+  prediction modules: an MoE block each, with its norms and projection (``mtp_own``). With FP8
+  experts of rowwise scales (``precision=fp8``) the rank also keeps each expert weight's two FP8
+  copies, made once per step (``moe_kernels.fp8_cache``): ``2 N_expert`` bytes and fp32 scales,
+  ``4 (E / ep) (3 h + 2 d)`` per MoE block (``fp8_copy_bytes``; FP8 linears keep copies only in
+  uncompiled runs, which this does not count).
 - gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * cp * ep) +
   N_expert / (dp * cp))`` where that group has more than one rank. A rank that reduces nothing
@@ -230,6 +234,18 @@ def stage_parameters(run: RunConfig, sh: ParameterCounts, stage: int) -> StagePa
 
 # --------------------------------------------------------------------------------------------
 # gradients and optimizer state
+
+
+def fp8_copy_bytes(run: RunConfig, p: StageParameters) -> int:
+    """The FP8 copies of the rank's expert weights (module doc): E4M3 by rows and by columns,
+    one byte each per element, and their fp32 scales (per row of ``w_gate_up`` [E, 2h, d] and
+    ``w_down`` [E, d, h], and per column)."""
+    prec, m = run.precision, run.model
+    if "experts" not in prec.fp8_parts or prec.fp8_scaling != "rowwise":
+        return 0
+    local = m.n_experts // run.parallel.ep
+    scales = 4 * local * (3 * m.expert_hidden + 2 * m.d_model)
+    return 2 * p.experts + p.moe_layers * scales
 
 
 def autograd_keeps_gradients(run: RunConfig) -> bool:
@@ -597,7 +613,7 @@ class StageMemory:
     dense_params: int
     expert_params: int  # this rank's experts (1 / ep of the stage's)
     in_flight: int
-    weights: int
+    weights: int  # with the experts' FP8 copies (``fp8_copies``)
     gradients: int  # every gradient byte the rank holds after backward
     grad_buffers: int  # those alive at the peak (``gradients``, or beyond the activations)
     optimizer: int
@@ -609,6 +625,7 @@ class StageMemory:
     moe_layers: int = 0  # its MoE blocks (the all-to-all's layers); the rest are dense blocks
     grads_follow_activations: bool = False  # grad_buffers: only those beyond the activations
     compiled: bool = False  # activations of compiled blocks
+    fp8_copies: int = 0  # of ``weights``: the expert weights' FP8 copies (``fp8_copy_bytes``)
 
     @property
     def total(self) -> int:
@@ -637,7 +654,7 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
         dense_params=p.dense,
         expert_params=p.experts,
         in_flight=in_flight,
-        weights=(p.dense + p.experts) * element_bytes(run)[0],
+        weights=(p.dense + p.experts) * element_bytes(run)[0] + fp8_copy_bytes(run, p),
         gradients=round(grads),
         grad_buffers=round(max(0, grads - activations) if follow else grads),
         optimizer=round(optimizer_bytes(run, p)),
@@ -649,4 +666,5 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
         moe_layers=p.moe_layers,
         grads_follow_activations=follow,
         compiled=compiles(run),
+        fp8_copies=fp8_copy_bytes(run, p),
     )

@@ -82,8 +82,11 @@ def _memory_rows(p: Plan) -> Rows:
     if mem.grads_follow_activations:
         grads = f"autograd's {p.param_dtype}, those beyond the activations backward frees"
     compiled = ", compiled blocks" if mem.compiled else ""
+    copies = ""
+    if mem.fp8_copies:
+        copies = f", with {mem.fp8_copies / GIB:,.2f} GiB of the experts' FP8 copies"
     parts = (
-        ("  weights", mem.weights, f"{p.param_dtype}"),
+        ("  weights", mem.weights, f"{p.param_dtype}{copies}"),
         ("  gradients at the peak", mem.grad_buffers, grads),
         (
             "  optimizer",

@@ -284,6 +284,9 @@ function planLayout(data, L) {
       }
     }
     const experts = Math.floor((moeLayers * sh.layer_expert) / L.ep);
+    // plan.memory.fp8_copy_bytes: FP8 experts (rowwise) keep two E4M3 copies and their scales
+    const fp8Copies = prec.fp8_parts.includes("experts") && prec.fp8_scaling === "rowwise"
+      ? 2 * experts + moeLayers * 4 * Math.floor(E / L.ep) * (3 * h + 2 * d) : 0;
     const denseShard = denseGroup > 1 ? dense / denseGroup : 0;
     const expertShard = expertGroup > 1 ? experts / expertGroup : 0;
     let grads = bo * (dense + experts) + bo * (denseShard + expertShard);
@@ -310,7 +313,7 @@ function planLayout(data, L) {
       chunks.filter((c) => c < nChunks - 1).length + chunks.filter((c) => c > 0).length;
     sent.push(messages * nMb * message);
     const parts = {
-      weights: (dense + experts) * bp,
+      weights: (dense + experts) * bp + fp8Copies,
       grad_buffers: pyRound(grads),
       optimizer: pyRound(optimizer),
       activations,
