@@ -215,6 +215,10 @@ class ClusterLauncher(Launcher):
     def not_started(self, job_id: str, state: str | None) -> str:
         """The sentence of a job that did not start within ``cluster.start_timeout_s``."""
 
+    # whether a job running on fewer than cluster.nodes is stopped to grow back when they are
+    # free (launch_attempts turns it off after MAX_GROW_BACKS such stops)
+    grow_back = True
+
     def nodes(self, job_id: str) -> int | None:
         """The nodes the running job trains on (None: not known yet)."""
         return self.run.cluster.nodes
@@ -259,6 +263,7 @@ class ClusterLauncher(Launcher):
                     elif (
                         nodes < c.nodes
                         and not grow
+                        and self.grow_back
                         # the stop must end in a checkpoint, or the steps since the last one
                         # would be lost: without train.checkpoint_at_end the run stays smaller
                         and self.run.train.checkpoint_at_end

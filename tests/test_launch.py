@@ -792,3 +792,30 @@ def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_pa
         scripted_launcher(keep, tmp_path / "k", cluster, []), NoTracker(), None, logger
     )
     assert done.ok and not done.grow and cluster.stopped == [] and cluster.asked == 0
+
+
+def test_nodes_that_keep_looking_free_stop_the_growing_back_not_the_run(
+    tmp_path: Path, monkeypatch
+):
+    """Idle nodes the relaunch never gets (another partition's, or taken again before it
+    starts) make every shrunk job look growable: after MAX_GROW_BACKS stops the launcher
+    grows back no more and the run finishes on the nodes it has, rather than failing with a
+    grow-back counted as a failed attempt (cluster.launch_retries=0)."""
+    import logging
+
+    import flows.launch
+
+    monkeypatch.setattr(flows.launch, "MAX_GROW_BACKS", 2)
+    run = compose_run([*SHRINK, "cluster.poll_s=0.001"], config_name="pretrain-47b")
+    jobs = [[*[("RUNNING", 4)] * 3, ("COMPLETED", 4)] for _ in range(4)]
+    cluster = ScriptedCluster(jobs, free_from=1)
+    logged: list[str] = []
+    attempts = flows.launch.launch_attempts(
+        scripted_launcher(run, tmp_path, cluster, logged),
+        NoTracker(),
+        None,
+        logging.getLogger("test-grow-cap"),
+    )
+    assert [(a.grow, a.ok) for a in attempts] == [(True, False), (True, False), (False, True)]
+    assert cluster.stopped == ["1", "2"]
+    assert any(line.startswith("2 relaunches to grow back to 8 nodes: no more") for line in logged)
