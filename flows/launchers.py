@@ -435,12 +435,21 @@ class SlurmLauncher(ClusterLauncher):
         return nodes_within(self.run, int(got[0])) if got and got[0].isdigit() else None
 
     def all_nodes_free(self, job_id: str, nodes: int) -> bool:
-        """Idle nodes of the partition (sinfo) and the job's own make ``cluster.nodes``."""
+        """Idle nodes of the job's partition (sinfo) and the job's own make ``cluster.nodes``.
+        One line a node and partition (``--Node``), so a node in several partitions counts
+        once; without ``cluster.partition`` only the default partition's (``%P`` marks it
+        ``*``), where sbatch puts the job."""
         c = self.run.cluster
         part = [f"--partition={c.partition}"] if c.partition else []
-        idle = _slurm(["sinfo", "--noheader", *part, "--states=idle", "--format=%D"])
-        words = idle.stdout.split() if idle.returncode == 0 else []
-        return sum(int(w) for w in words if w.isdigit()) + nodes >= c.nodes
+        query = ["sinfo", "--noheader", "--Node", *part, "--states=idle", "--format=%N %P"]
+        idle = _slurm(query)
+        lines = idle.stdout.splitlines() if idle.returncode == 0 else []
+        names = {
+            words[0]
+            for words in map(str.split, lines)
+            if len(words) == 2 and (c.partition or words[1].endswith("*"))
+        }
+        return len(names) + nodes >= c.nodes
 
     def stop_at_checkpoint(self, job_id: str) -> None:
         """``scancel --signal=TERM``: the job's steps (torchrun, which passes it to its ranks)
