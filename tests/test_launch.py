@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -654,6 +655,23 @@ def test_a_shrinking_slurm_script_trains_on_the_most_nodes_it_got_that_the_layou
         run, str(tmp_path / "config.json"), 4, None, "gpu-node-01:29500", rdzv_id="77"
     )
     assert argv[-2:] == ["--nodes", "4"]
+
+
+def test_a_shrinking_slurm_script_gives_the_grow_back_stop_time_to_checkpoint(tmp_path: Path):
+    """Growing back sends SIGTERM to the job's steps; torchrun then kills its workers after its
+    shutdown timeout (30 s unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise), while the
+    plan writes pretrain-47b's checkpoint on 2 nodes in about 57 s: the script sets a timeout
+    covering a step's hang limit and twice the slowest count's checkpoint, so the stop ends in
+    that checkpoint instead of losing the steps since the last one."""
+    from moe_core.plan import plan
+
+    run = compose_run(SHRINK, config_name="pretrain-47b")
+    script = render_slurm(run, str(tmp_path), str(tmp_path / "config.json"))
+    found = re.search(r"^export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)$", script, re.M)
+    assert found, script
+    slowest = max(plan(run.on_nodes(n)).checkpoint.seconds for n in run.node_counts)
+    assert slowest > 30 and int(found.group(1)) >= run.train.hang_min_s + 2 * slowest
+    assert script.index("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") < script.index("srun --nodes")
 
 
 class ScriptedCluster:
