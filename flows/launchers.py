@@ -430,16 +430,23 @@ class SlurmLauncher(ClusterLauncher):
         allocation (squeue's %D) that the layout allows, as its batch script chooses."""
         if len(self.run.node_counts) == 1:
             return self.run.cluster.nodes
+        held = self._held(job_id)
+        return None if held is None else nodes_within(self.run, held)
+
+    def _held(self, job_id: str) -> int | None:
+        """The nodes allocated to the job (squeue's %D; None: not known)."""
         queue = _slurm(["squeue", "--noheader", "--jobs", job_id, "--format=%D"])
         got = queue.stdout.split() if queue.returncode == 0 else []
-        return nodes_within(self.run, int(got[0])) if got and got[0].isdigit() else None
+        return int(got[0]) if got and got[0].isdigit() else None
 
     def all_nodes_free(self, job_id: str, nodes: int) -> bool:
         """Idle nodes of the job's partition (sinfo) and the job's own make ``cluster.nodes``.
         One line a node and partition (``--Node``), so a node in several partitions counts
         once; without ``cluster.partition`` only the default partition's (``%P`` marks it
-        ``*``), where sbatch puts the job."""
+        ``*``), where sbatch puts the job. The job's own: all it holds, which can be more than
+        the ``nodes`` it trains on (given 7 where the layout allows 4 or 8, it trains on 4)."""
         c = self.run.cluster
+        nodes = max(nodes, self._held(job_id) or 0)
         part = [f"--partition={c.partition}"] if c.partition else []
         query = ["sinfo", "--noheader", "--Node", *part, "--states=idle", "--format=%N %P"]
         idle = _slurm(query)

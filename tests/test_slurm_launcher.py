@@ -216,6 +216,8 @@ def test_growing_back_counts_each_idle_node_once_and_only_where_the_job_runs(tmp
     asked: list[list[str]] = []
 
     def sinfo(args, timeout_s=120.0):
+        if args[0] == "squeue":  # the nodes the job holds: as many as it trains on
+            return subprocess.CompletedProcess(args, 0, "", "")
         asked.append(args)
         part = next((a.split("=", 1)[1] for a in args if a.startswith("--partition=")), "")
         return subprocess.CompletedProcess(args, 0, answers[part], "")
@@ -229,3 +231,22 @@ def test_growing_back_counts_each_idle_node_once_and_only_where_the_job_runs(tmp
         assert slurm.all_nodes_free("7", 6) is True
         assert slurm.all_nodes_free("7", 4) is False
     assert all("--states=idle" in a for a in asked)
+
+
+def test_growing_back_counts_the_nodes_the_job_holds_not_only_those_it_trains_on(
+    tmp_path, monkeypatch
+):
+    """Given 7 of 8 nodes the job trains on 4 (the layout allows 2, 4, 8) but holds all 7:
+    when the eighth is idle again all 8 are there, so it grows back (it counted 1 + 4)."""
+    import flows.launchers
+
+    def slurm(args, timeout_s=120.0):
+        out = "7\n" if args[0] == "squeue" else "node8 gpu\n"
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+    monkeypatch.setattr(flows.launchers, "_slurm", slurm)
+    run = compose_run(["cluster.on_node_loss=shrink"], config_name="pretrain-47b")
+    assert sorted(run.node_counts) == [2, 4, 8]
+    slurm_launcher = SlurmLauncher(run, tmp_path, lambda _: None)
+    assert slurm_launcher.nodes("7") == 4
+    assert slurm_launcher.all_nodes_free("7", 4) is True
