@@ -183,9 +183,9 @@ def test_an_epoch_is_whole_global_steps_so_every_layout_serves_the_same_sequence
     """cluster.on_node_loss=shrink resumes a run at another dp: with ``global_batch`` an epoch
     serves whole optimizer steps, so dp 1, 2 and 4 (micro-steps of 2, 4 and 8 instances) serve
     the same instances step by step across epoch ends, and a state taken after an epoch ended
-    mid-way through no layout's step resumes under any other (per micro-step epochs served 98
-    instances at dp 1 but 96 at dp 4, and refused dp 2's state at dp 4)."""
-    tokens = 99 * (SEQ + 1)  # 99 instances: 12 steps of 8 and 3 left
+    mid-way through a step of another layout resumes under it (per micro-step epochs served 100
+    instances at dp 1 but 96 at dp 4, and dp 4 refused dp 2's state one step into epoch 1)."""
+    tokens = 100 * (SEQ + 1)  # 100 instances: 12 steps of 8 and 4 left
     splits = {"train": np.arange(tokens), "validation": np.arange(64)}
     data = write_token_dir(tmp_path, splits, shard_tokens=64, vocab_size=4096)
 
