@@ -93,6 +93,9 @@ class Launcher(ABC):
     """Starts one attempt of the training in ``train_dir`` and follows it to its end."""
 
     kind: ClassVar[str]
+    # whether a job running on fewer than cluster.nodes is stopped to grow back when they are
+    # free (cluster launchers; launch_attempts turns it off after MAX_GROW_BACKS such stops)
+    grow_back = True
 
     def __init__(self, run: RunConfig, train_dir: Path, log: Log) -> None:
         self.run, self.train_dir, self.log = run, train_dir, log
@@ -214,10 +217,6 @@ class ClusterLauncher(Launcher):
     @abstractmethod
     def not_started(self, job_id: str, state: str | None) -> str:
         """The sentence of a job that did not start within ``cluster.start_timeout_s``."""
-
-    # whether a job running on fewer than cluster.nodes is stopped to grow back when they are
-    # free (launch_attempts turns it off after MAX_GROW_BACKS such stops)
-    grow_back = True
 
     def nodes(self, job_id: str) -> int | None:
         """The nodes the running job trains on (None: not known yet)."""
