@@ -108,8 +108,9 @@ def newest_checkpoint(train_dir: Path) -> str:
     return found.name if found is not None else "no checkpoint"
 
 
-# A run stopped to grow back onto all its nodes is relaunched without spending a retry; this
-# many such relaunches at most (nodes that come and go must not relaunch it forever).
+# A run stopped to grow back onto all its nodes is relaunched without spending a retry; after
+# this many such relaunches the launcher grows back no more (nodes that come and go, or idle
+# nodes the job never gets, must not relaunch it forever).
 MAX_GROW_BACKS = 10
 
 
@@ -174,8 +175,15 @@ def launch_attempts(
         tracker.params(run_id, {"launch": {f"attempt_{number}": params}})
         if attempt.ok:
             return attempts
-        if attempt.grow and grown < MAX_GROW_BACKS:
+        if attempt.grow:  # stopped on purpose: never a failed attempt
             grown += 1
+            if grown >= MAX_GROW_BACKS:  # nodes that come and go: stay on the ones it gets
+                launcher.grow_back = False
+                launcher.log(
+                    f"{grown} relaunches to grow back to {run.cluster.nodes} nodes: no more "
+                    "growing back in this stage run (a job that starts on fewer nodes trains "
+                    "on them to the end)"
+                )
         else:
             failed += 1
     last = attempts[-1]

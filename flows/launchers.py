@@ -102,6 +102,9 @@ class Launcher(ABC):
     """Starts one attempt of the training in ``train_dir`` and follows it to its end."""
 
     kind: ClassVar[str]
+    # whether a job running on fewer than cluster.nodes is stopped to grow back when they are
+    # free (cluster launchers; launch_attempts turns it off after MAX_GROW_BACKS such stops)
+    grow_back = True
 
     def __init__(self, run: RunConfig, train_dir: Path, log: Log) -> None:
         self.run, self.train_dir, self.log = run, train_dir, log
@@ -273,6 +276,7 @@ class ClusterLauncher(Launcher):
                     elif (
                         nodes < c.nodes
                         and not grow
+                        and self.grow_back
                         # the stop must end in a checkpoint, or the steps since the last one
                         # would be lost: without train.checkpoint_at_end the run stays smaller
                         and self.run.train.checkpoint_at_end
@@ -439,17 +443,33 @@ class SlurmLauncher(ClusterLauncher):
         allocation (squeue's %D) that the layout allows, as its batch script chooses."""
         if len(self.run.node_counts) == 1:
             return self.run.cluster.nodes
+        held = self._held(job_id)
+        return None if held is None else nodes_within(self.run, held)
+
+    def _held(self, job_id: str) -> int | None:
+        """The nodes allocated to the job (squeue's %D; None: not known)."""
         queue = _slurm(["squeue", "--noheader", "--jobs", job_id, "--format=%D"])
         got = queue.stdout.split() if queue.returncode == 0 else []
-        return nodes_within(self.run, int(got[0])) if got and got[0].isdigit() else None
+        return int(got[0]) if got and got[0].isdigit() else None
 
     def all_nodes_free(self, job_id: str, nodes: int) -> bool:
-        """Idle nodes of the partition (sinfo) and the job's own make ``cluster.nodes``."""
+        """Idle nodes of the job's partition (sinfo) and the job's own make ``cluster.nodes``.
+        One line a node and partition (``--Node``), so a node in several partitions counts
+        once; without ``cluster.partition`` only the default partition's (``%P`` marks it
+        ``*``), where sbatch puts the job. The job's own: all it holds, which can be more than
+        the ``nodes`` it trains on (given 7 where the layout allows 4 or 8, it trains on 4)."""
         c = self.run.cluster
+        nodes = max(nodes, self._held(job_id) or 0)
         part = [f"--partition={c.partition}"] if c.partition else []
-        idle = _slurm(["sinfo", "--noheader", *part, "--states=idle", "--format=%D"])
-        words = idle.stdout.split() if idle.returncode == 0 else []
-        return sum(int(w) for w in words if w.isdigit()) + nodes >= c.nodes
+        query = ["sinfo", "--noheader", "--Node", *part, "--states=idle", "--format=%N %P"]
+        idle = _slurm(query)
+        lines = idle.stdout.splitlines() if idle.returncode == 0 else []
+        names = {
+            words[0]
+            for words in map(str.split, lines)
+            if len(words) == 2 and (c.partition or words[1].endswith("*"))
+        }
+        return len(names) + nodes >= c.nodes
 
     def stop_at_checkpoint(self, job_id: str) -> None:
         """``scancel --signal=TERM``: the job's steps (torchrun, which passes it to its ranks)

@@ -14,6 +14,7 @@ other module of ``flows``.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import yaml
 
 from moe_core.config import ConfigError, RunConfig, check_path
 from moe_core.files import sha256_hex
-from moe_core.plan import check_cluster
+from moe_core.plan import check_cluster, plan
 
 
 def run_id(run: RunConfig) -> str:
@@ -159,6 +160,14 @@ def _slurm_head(
     ]
 
 
+def shutdown_timeout_s(run: RunConfig) -> int:
+    """Seconds torchrun lets its workers stop after SIGTERM (its default, 30, is less than a
+    large model's checkpoint): a step's hang limit and twice the plan's checkpoint write on
+    the fewest nodes the run trains on (``RunConfig.node_counts``)."""
+    slowest = max(plan(run.on_nodes(n)).checkpoint.seconds for n in run.node_counts)
+    return math.ceil(run.train.hang_min_s + 2 * slowest)
+
+
 def _node_range(run: RunConfig) -> str:
     """``sbatch --nodes``: ``cluster.nodes``, or with ``cluster.on_node_loss=shrink`` the range
     ``MIN-MAX`` of ``RunConfig.node_counts`` (Slurm starts the job on what it can get)."""
@@ -200,6 +209,10 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
             "done",
             'echo "moe_core: training on $MOE_NODES of the $MOE_GOT nodes allocated '
             f'(cluster.nodes={c.nodes})"',
+            "# Growing back stops the job with SIGTERM: torchrun kills its workers this many",
+            "# seconds later (30 by default), so they have time to end their step with a",
+            "# checkpoint (train.hang_min_s and twice the plan's slowest checkpoint write).",
+            f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_timeout_s(run)}",
         ]
     lines = [
         head[0],

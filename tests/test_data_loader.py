@@ -177,3 +177,52 @@ def test_loader_throughput_is_far_above_any_training_step_rate(exact_dir, tmp_pa
         n += 4
     rate = n / (time.perf_counter() - start)
     assert rate > 500, f"{rate:.0f} instances/s"  # olmoe-1b-7b needs ~15/s per GPU at seq 4096
+
+
+def test_an_epoch_is_whole_global_steps_so_every_layout_serves_the_same_sequence(tmp_path):
+    """cluster.on_node_loss=shrink resumes a run at another dp: with ``global_batch`` an epoch
+    serves whole optimizer steps, so dp 1, 2 and 4 (micro-steps of 2, 4 and 8 instances) serve
+    the same instances step by step across epoch ends, and a state taken after an epoch ended
+    mid-way through a step of another layout resumes under it (per micro-step epochs served 100
+    instances at dp 1 but 96 at dp 4, and dp 4 refused dp 2's state one step into epoch 1)."""
+    tokens = 100 * (SEQ + 1)  # 100 instances: 12 steps of 8 and 4 left
+    splits = {"train": np.arange(tokens), "validation": np.arange(64)}
+    data = write_token_dir(tmp_path, splits, shard_tokens=64, vocab_size=4096)
+
+    def steps(dp: int, n: int, state: dict | None = None) -> list[torch.Tensor]:
+        loaders = [
+            TokenLoader(data, "train", SEQ, MICRO, r, dp, seed=3, global_batch=8) for r in range(dp)
+        ]
+        for lo in loaders:
+            if state is not None:
+                lo.load_state_dict(state)
+        its = [iter(lo) for lo in loaders]
+        per_step = 8 // (MICRO * dp)  # micro-steps of one optimizer step
+        out = []
+        for _ in range(n):
+            micro = [nexts(it, per_step) for it in its]  # [rank][micro-step]
+            out.append(torch.cat([micro[r][m] for m in range(per_step) for r in range(dp)]))
+        steps.state = loaders[0].state_dict()  # type: ignore[attr-defined]
+        return out
+
+    one = steps(1, 30)  # two and a half epochs
+    for dp in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(steps(dp, 30), one, strict=True)), dp
+    steps(2, 13)  # one step into the second epoch
+    resumed = steps(4, 17, steps.state)  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, one[13:], strict=True))
+    assert TokenLoader(data, "train", SEQ, MICRO, 0, 1, global_batch=8).instances_per_epoch == 96
+    # the trainer's loader is built so (train.global_batch_size=8, micro-batches of 2)
+    from helpers import BASE
+    from rich.console import Console
+
+    from moe_core.compose import compose_run
+    from moe_core.config import ParallelConfig
+    from moe_core.parallel.mesh import Mesh
+    from moe_core.train.batches import Batches
+
+    for dp in (1, 4):
+        over = ["data.kind=tokens", f"data.dir={data}", f"train.seq_len={SEQ}", f"parallel.dp={dp}"]
+        run = compose_run([*BASE, *over, "data.verify_checksums=false"])
+        loader = Batches(run, Mesh(ParallelConfig()), Console(quiet=True), print).loader
+        assert loader is not None and loader.instances_per_epoch * dp == 96, dp

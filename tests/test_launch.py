@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -694,6 +695,23 @@ def test_a_shrinking_slurm_script_trains_on_the_most_nodes_it_got_that_the_layou
     assert argv[-2:] == ["--nodes", "4"]
 
 
+def test_a_shrinking_slurm_script_gives_the_grow_back_stop_time_to_checkpoint(tmp_path: Path):
+    """Growing back sends SIGTERM to the job's steps; torchrun then kills its workers after its
+    shutdown timeout (30 s unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise), while the
+    plan writes pretrain-47b's checkpoint on 2 nodes in about 57 s: the script sets a timeout
+    covering a step's hang limit and twice the slowest count's checkpoint, so the stop ends in
+    that checkpoint instead of losing the steps since the last one."""
+    from moe_core.plan import plan
+
+    run = compose_run(SHRINK, config_name="pretrain-47b")
+    script = render_slurm(run, str(tmp_path), str(tmp_path / "config.json"))
+    found = re.search(r"^export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)$", script, re.M)
+    assert found, script
+    slowest = max(plan(run.on_nodes(n)).checkpoint.seconds for n in run.node_counts)
+    assert slowest > 30 and int(found.group(1)) >= run.train.hang_min_s + 2 * slowest
+    assert script.index("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") < script.index("srun --nodes")
+
+
 class ScriptedCluster:
     """A cluster for ``ClusterLauncher``'s loop: each job plays a list of (state, nodes) polls,
     staying on the last; ``free`` says when all nodes are free again (from which poll)."""
@@ -830,3 +848,30 @@ def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_pa
         scripted_launcher(keep, tmp_path / "k", cluster, []), NoTracker(), None, logger
     )
     assert done.ok and not done.grow and cluster.stopped == [] and cluster.asked == 0
+
+
+def test_nodes_that_keep_looking_free_stop_the_growing_back_not_the_run(
+    tmp_path: Path, monkeypatch
+):
+    """Idle nodes the relaunch never gets (another partition's, or taken again before it
+    starts) make every shrunk job look growable: after MAX_GROW_BACKS stops the launcher
+    grows back no more and the run finishes on the nodes it has, rather than failing with a
+    grow-back counted as a failed attempt (cluster.launch_retries=0)."""
+    import logging
+
+    import flows.launch
+
+    monkeypatch.setattr(flows.launch, "MAX_GROW_BACKS", 2)
+    run = compose_run([*SHRINK, "cluster.poll_s=0.001"], config_name="pretrain-47b")
+    jobs = [[*[("RUNNING", 4)] * 3, ("COMPLETED", 4)] for _ in range(4)]
+    cluster = ScriptedCluster(jobs, free_from=1)
+    logged: list[str] = []
+    attempts = flows.launch.launch_attempts(
+        scripted_launcher(run, tmp_path, cluster, logged),
+        NoTracker(),
+        None,
+        logging.getLogger("test-grow-cap"),
+    )
+    assert [(a.grow, a.ok) for a in attempts] == [(True, False), (True, False), (False, True)]
+    assert cluster.stopped == ["1", "2"]
+    assert any(line.startswith("2 relaunches to grow back to 8 nodes: no more") for line in logged)

@@ -200,3 +200,53 @@ def test_a_lost_node_shrinks_the_relaunch_and_returning_nodes_grow_it_back(tmp_p
     assert json.loads((train / "launches.json").read_text()) == [a.record() for a in attempts]
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(12))
     assert "--nodes=1-2" in (train / "slurm.sbatch").read_text()
+
+
+def test_growing_back_counts_each_idle_node_once_and_only_where_the_job_runs(tmp_path, monkeypatch):
+    """sinfo lists a node once per partition it is in, and without cluster.partition the job
+    runs in the default one (``%P`` ends in ``*``): two idle nodes of the default partition
+    (one of them in a second partition too) and a third of another partition are 2 nodes, too
+    few with the job's 5 for 8; with cluster.partition=gpu the gpu partition's are counted."""
+    import flows.launchers
+
+    answers = {
+        "": "node1 batch*\nnode1 debug\nnode2 batch*\nnode9 cpu\n",
+        "gpu": "node5 gpu\nnode6 gpu\nnode7 gpu\n",
+    }
+    asked: list[list[str]] = []
+
+    def sinfo(args, timeout_s=120.0):
+        if args[0] == "squeue":  # the nodes the job holds: as many as it trains on
+            return subprocess.CompletedProcess(args, 0, "", "")
+        asked.append(args)
+        part = next((a.split("=", 1)[1] for a in args if a.startswith("--partition=")), "")
+        return subprocess.CompletedProcess(args, 0, answers[part], "")
+
+    monkeypatch.setattr(flows.launchers, "_slurm", sinfo)
+    for partition, five_more in ((None, False), ("gpu", True)):
+        over = [f"cluster.partition={partition or 'null'}"]
+        run = compose_run([*over, "cluster.on_node_loss=shrink"], config_name="pretrain-47b")
+        slurm = SlurmLauncher(run, tmp_path, lambda _: None)
+        assert slurm.all_nodes_free("7", 5) is five_more, partition
+        assert slurm.all_nodes_free("7", 6) is True
+        assert slurm.all_nodes_free("7", 4) is False
+    assert all("--states=idle" in a for a in asked)
+
+
+def test_growing_back_counts_the_nodes_the_job_holds_not_only_those_it_trains_on(
+    tmp_path, monkeypatch
+):
+    """Given 7 of 8 nodes the job trains on 4 (the layout allows 2, 4, 8) but holds all 7:
+    when the eighth is idle again all 8 are there, so it grows back (it counted 1 + 4)."""
+    import flows.launchers
+
+    def slurm(args, timeout_s=120.0):
+        out = "7\n" if args[0] == "squeue" else "node8 gpu\n"
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+    monkeypatch.setattr(flows.launchers, "_slurm", slurm)
+    run = compose_run(["cluster.on_node_loss=shrink"], config_name="pretrain-47b")
+    assert sorted(run.node_counts) == [2, 4, 8]
+    slurm_launcher = SlurmLauncher(run, tmp_path, lambda _: None)
+    assert slurm_launcher.nodes("7") == 4
+    assert slurm_launcher.all_nodes_free("7", 4) is True

@@ -5,7 +5,8 @@ Epoch ``e`` of the train split visits instances in the order of a seeded permuta
 ``[m * dp_size * micro_batch_size, (m + 1) * dp_size * micro_batch_size)`` and rank ``r`` the
 ``r``-th block of ``micro_batch_size`` of them, so ranks never overlap and the union of a step's
 micro-batches is the same for every ``dp_size``. An epoch serves
-``n // (dp_size * micro_batch_size)`` whole micro-steps; the few instances beyond are left out of
+``n // (dp_size * micro_batch_size)`` whole micro-steps, or with ``global_batch`` (the trainer's)
+whole optimizer steps, the same for every ``dp_size``; the few instances beyond are left out of
 that epoch (a different few each epoch). The validation split is read in order, one pass per
 ``iter()``.
 """
@@ -38,7 +39,12 @@ class TokenLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        global_batch: int | None = None,
     ) -> None:
+        """``global_batch``: instances per optimizer step (``train.global_batch_size``, a
+        multiple of ``micro_batch_size x dp_size``); an epoch then serves whole steps, the same
+        instances for every ``dp_size``, so a run resumed at another dp (``cluster.on_node_loss
+        =shrink``) continues the same sequence across epoch ends. None: whole micro-steps."""
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size} is not allowed: it must be > 0.")
         if dp_size <= 0 or not 0 <= dp_rank < dp_size:
@@ -58,7 +64,10 @@ class TokenLoader:
         self.split, self.seq_len, self.seed = split, seq_len, seed
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.step_instances = micro_batch_size * dp_size
-        self.batches_per_epoch = len(self.dataset) // self.step_instances
+        unit = self.step_instances
+        if global_batch and global_batch % unit == 0 and len(self.dataset) >= global_batch:
+            unit = global_batch  # (less data than one step: whole micro-steps, as before)
+        self.batches_per_epoch = len(self.dataset) // unit * (unit // self.step_instances)
         if self.batches_per_epoch == 0:
             raise DataError(
                 f"the {split} split of {self.dataset.root} holds "

@@ -144,6 +144,7 @@ class Batches:
                 dp_rank=mesh.data_rank,
                 dp_size=cfg.parallel.data_parallel,
                 seed=tc.seed,
+                global_batch=tc.global_batch_size,  # epochs of whole steps: any dp, one order
             )
             self._train_iter = iter(self.loader)
         self.loader_state = None if self.loader is None else self.loader.state_dict()
