@@ -186,6 +186,15 @@ def test_a_run_resumed_on_half_its_nodes_trains_like_the_uninterrupted_run(tmp_p
     (shrunk / "checkpoints").mkdir(parents=True)
     step2 = step_dir_name(2)
     shutil.copytree(dp2_ep2_run / "checkpoints" / step2, shrunk / "checkpoints" / step2)
+    # a newer checkpoint with one byte flipped in the file the second resuming rank hashes
+    # (ranks verify a checkpoint together, each its share of the files in manifest order)
+    step4 = shrunk / "checkpoints" / step_dir_name(4)
+    shutil.copytree(dp2_ep2_run / "checkpoints" / step_dir_name(4), step4)
+    listed = sorted(json.loads((step4 / MANIFEST).read_text())["files"])
+    victim = step4 / listed[1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
     rows = (dp2_ep2_run / "metrics.jsonl").read_text().splitlines(keepends=True)
     (shrunk / "metrics.jsonl").write_text("".join(rows[:2]))  # what the run had logged
     layout = ["parallel.dp=2", "parallel.ep=2", "train.checkpoint_every=2"]
@@ -200,6 +209,8 @@ def test_a_run_resumed_on_half_its_nodes_trains_like_the_uninterrupted_run(tmp_p
     assert "continuing on 1 of 2 nodes: dp 2 -> 1, accumulation 1 -> 2" in result.stdout
     assert "(pp 1, dp 1, cp 1, ep 2; accumulation 2)" in result.stdout
     assert f"resumed from {shrunk / 'checkpoints' / step2}" in result.stdout.replace("\n", "")
+    said = result.stdout.replace("\n", "")
+    assert f"skipping checkpoint step_00000004: step_00000004/{listed[1]} does not match" in said
     assert_trains_like(dp2_ep2_run, shrunk, steps=5)
 
 
@@ -378,3 +389,64 @@ def test_a_background_save_costs_its_staging_and_collection_under_its_own_step(
     clock[0] = 50.0
     ckpt.wait()  # the end of a run
     assert costs[1:] == [SaveCost(4, 1.0 + 2.0, 52.0 - 40.0, size(4), background=True)]
+
+
+def test_publishing_reads_each_ranks_hashes_and_hashes_only_what_no_rank_recorded(
+    tmp_path, monkeypatch
+):
+    """Each rank hashes the files it wrote (``__<rank>_N.distcp``) and records them beside
+    them; rank 0's manifest takes those records and hashes only the rest (DCP's .metadata, a
+    file whose record is missing or whose size changed), so it never reads the other ranks'
+    bytes. The records are gone from the published folder, which verifies."""
+    import types
+
+    import moe_core.train.checkpoint as module
+    from moe_core.config import ParallelConfig
+    from moe_core.files import file_sha256
+    from moe_core.parallel.mesh import Mesh
+    from moe_core.train.checkpoint import Checkpointer
+
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, False, run_id="a")
+    hashed: list[str] = []
+
+    def counting(path):
+        hashed.append(Path(path).name)
+        return file_sha256(path)
+
+    def save(step: int, ranks: int, record: list[int], wait_s: float = 600.0) -> Path:
+        tmp = root / f".tmp-{step_dir_name(step)}"
+        tmp.mkdir()
+        (tmp / ".metadata").write_bytes(b"metadata")
+        for r in range(ranks):
+            (tmp / f"__{r}_0.distcp").write_bytes(bytes([r]) * (100 + r))
+        for r in record:  # what rank r's own save leaves (here: as rank r)
+            ckpt.mesh = types.SimpleNamespace(rank=r, cfg=types.SimpleNamespace(world_size=ranks))
+            ckpt._hash_own(tmp)
+        ckpt.mesh = types.SimpleNamespace(rank=0, cfg=types.SimpleNamespace(world_size=ranks))
+        monkeypatch.setattr(module, "RECORD_WAIT_S", wait_s)
+        hashed.clear()
+        monkeypatch.setattr(module, "file_sha256", counting)
+        ckpt._publish(step, tmp, {"step": step, "layout": {}})
+        monkeypatch.setattr(module, "file_sha256", file_sha256)
+        final = root / step_dir_name(step)
+        assert verify(final) is None
+        assert not list(final.glob(".sha256-*"))
+        return final
+
+    save(1, ranks=3, record=[0, 1, 2])
+    assert hashed == [".metadata"]
+    save(2, ranks=3, record=[0, 2], wait_s=0.0)  # rank 1's record never came
+    assert sorted(hashed) == [".metadata", "__1_0.distcp"]
+    # a record whose file changed size afterwards is not trusted
+    tmp = root / f".tmp-{step_dir_name(3)}"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"short")
+    ckpt.mesh = types.SimpleNamespace(rank=0, cfg=types.SimpleNamespace(world_size=1))
+    ckpt._hash_own(tmp)
+    (tmp / "__0_0.distcp").write_bytes(b"longer than it was")
+    hashed.clear()
+    monkeypatch.setattr(module, "file_sha256", counting)
+    ckpt._publish(3, tmp, {"step": 3, "layout": {}})
+    monkeypatch.setattr(module, "file_sha256", file_sha256)
+    assert hashed == ["__0_0.distcp"] and verify(root / step_dir_name(3)) is None

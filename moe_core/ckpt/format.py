@@ -78,14 +78,15 @@ def trainer_state(path: str | Path) -> dict[str, Any]:
     return json.loads(request["trainer"])
 
 
-def verify(path: Path, checksums: bool = True) -> str | None:
+def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
     """None if the checkpoint verifies, else why not (one sentence): the one rule resume,
     retention and convert apply. Its manifest must list every file in the folder (a file it
     does not list is never checked), each with its size and sha256, and, in a ``step_N``
     folder, say step N (a renamed folder would be resumed and pruned as another step).
 
     ``checksums=False`` checks the files' presence and sizes only (for checkpoints this process
-    wrote and hashed itself)."""
+    wrote and hashed itself). ``share=(i, n)``: hash only every n-th listed file from the i-th
+    (n ranks verifying one checkpoint together, each reading 1/n of its bytes)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         return f"{path.name} has no {MANIFEST}"
@@ -107,7 +108,8 @@ def verify(path: Path, checksums: bool = True) -> str | None:
     unlisted = sorted(on_disk - set(files) - {MANIFEST})
     if unlisted:
         return f"{path.name}/{unlisted[0]} is not listed in its {MANIFEST}"
-    for rel, info in files.items():
+    mine, ranks = share
+    for k, (rel, info) in enumerate(sorted(files.items())):
         if not plain_relative(rel) or not isinstance(info, dict):
             return f"{path.name}/{MANIFEST} is unreadable"
         f = path / rel
@@ -118,6 +120,6 @@ def verify(path: Path, checksums: bool = True) -> str | None:
                 f"{path.name}/{rel} has {f.stat().st_size} bytes, "
                 f"the manifest says {info.get('bytes')}"
             )
-        if checksums and file_sha256(f) != info.get("sha256"):
+        if checksums and k % ranks == mine and file_sha256(f) != info.get("sha256"):
             return f"{path.name}/{rel} does not match its sha256"
     return None

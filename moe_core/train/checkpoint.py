@@ -9,10 +9,14 @@ covers, under the key ``opt/<name>/<kind>/<start>``. Loading in any layout reads
 ranges that overlap what the loading rank owns, so a checkpoint written with ``ep=2, dp=2``
 loads into ``ep=1`` or ``pp=2`` (resharding on load).
 
-Publishing: DCP writes into ``.tmp-step_N``; once every rank has written, rank 0 adds
-``manifest.json`` (step, layout, every file's size and sha256) and renames the folder to
-``step_N``. A folder without a verifying manifest is never resumed from: resume picks the
-newest ``step_N`` whose manifest verifies and reports the ones that do not.
+Publishing: DCP writes into ``.tmp-step_N``; each rank hashes the files it wrote itself (DCP
+names them ``__<rank>_N.distcp``; in the background for an async save) and leaves their sizes
+and sha256 in ``.sha256-<rank>.json`` beside them, so no rank reads another's bytes (at 512
+ranks rank 0 would read the whole checkpoint); rank 0 then adds ``manifest.json`` (step,
+layout, every file's size and sha256: the ranks' records, and its own hash of any file without
+one, such as DCP's ``.metadata``) and renames the folder to ``step_N``. A folder without a
+verifying manifest is never resumed from: resume picks the newest ``step_N`` whose manifest
+verifies and reports the ones that do not.
 
 Every manifest names the run that wrote it (``run_id``: new for a run that starts fresh, taken
 over from the checkpoint a run resumes from). Retention deletes only checkpoints of this run
@@ -38,9 +42,10 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from time import monotonic, sleep
 from typing import Any
 
 import torch
@@ -66,13 +71,20 @@ from moe_core.ckpt.format import (
 from moe_core.config import ModelConfig
 from moe_core.config_dict import from_dict
 from moe_core.errors import CheckpointError, RunFileError
-from moe_core.files import file_sha256
+from moe_core.files import atomic_write, file_sha256, json_bytes
 from moe_core.model.transformer import parameter_shapes, shape_mismatch
 from moe_core.parallel.mesh import Mesh
 from moe_core.parallel.optimizer import STATE_KEYS, ShardedAdamW
 
 # How torch's stream writer reports a write that came out short (the disk filled up).
 _SHORT_WRITE = "unexpected pos"
+# Publishing waits this long for a rank's record of its files' hashes (written once the rank's
+# own write is done, so about when rank 0's is) before hashing that rank's files itself.
+RECORD_WAIT_S = 600.0
+
+
+def _record_name(rank: int) -> str:
+    return f".sha256-{rank}.json"
 
 
 @dataclass
@@ -199,6 +211,8 @@ class Checkpointer:
         # started and how long that call blocked the loop (host clock)
         self._pending: tuple[Future, int, Path, dict, int, float, float] | None = None
         self._published_bytes = 0  # the folder ``_publish`` last published (rank 0)
+        self._hasher: ThreadPoolExecutor | None = None  # hashes a background save's files
+        self._hashing: Future | None = None  # ... the pending one's, once it is written
         if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-step_*"):
@@ -250,6 +264,7 @@ class Checkpointer:
                     no_dist=self.no_dist,
                     planner=planner,
                 )
+            self._hashing = self._then_hash(fut, tmp)
             blocked = time.perf_counter() - started - waited
             self._pending = (fut, step, tmp, meta, needed, started, blocked)
         else:
@@ -265,6 +280,7 @@ class Checkpointer:
                     planner=planner,
                     storage_writer=writer,
                 )
+                self._hash_own(tmp)
                 self._publish(step, tmp, meta)
             took = time.perf_counter() - started
             self._cost(SaveCost(step, took, took, self._published_bytes, background=False))
@@ -312,9 +328,63 @@ class Checkpointer:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
     def poll(self) -> None:
-        """Publish a finished background save without waiting for an unfinished one."""
-        if self._pending is not None and self._pending[0].done():
-            self.wait()
+        """Publish a finished background save without waiting for an unfinished one (on rank
+        0: nor for another rank's record of its files)."""
+        if self._pending is None or not self._pending[0].done():
+            return
+        if self._hashing is not None and not self._hashing.done():
+            return
+        tmp = self._pending[2]
+        if self.is_main and len(list(tmp.glob(_record_name("*")))) < self.mesh.cfg.world_size:
+            return
+        self.wait()
+
+    def _then_hash(self, write: Future, tmp: Path) -> Future:
+        """A future of hashing this rank's files once ``write`` (a background DCP save) is done,
+        also in the background (a failed write is reported by ``write`` itself)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+        hasher, done = self._hasher, Future()
+
+        def hash_after(f: Future) -> None:
+            try:
+                if f.exception() is None:
+                    self._hash_own(tmp)
+            except BaseException as err:  # the loop sees it when it collects the save
+                done.set_exception(err)
+            else:
+                done.set_result(None)
+
+        write.add_done_callback(lambda f: hasher.submit(hash_after, f))
+        return done
+
+    def _hash_own(self, tmp: Path) -> None:
+        """The sizes and sha256 of the files this rank wrote into ``tmp``, recorded beside
+        them for rank 0's manifest (each rank reads only its own bytes)."""
+        rank = self.mesh.rank
+        own = {
+            f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(tmp.glob(f"__{rank}_*"))
+            if f.is_file()
+        }
+        # a rank later than RECORD_WAIT_S finds the folder published without its record
+        with contextlib.suppress(FileNotFoundError):
+            atomic_write(tmp / _record_name(rank), json_bytes(own), sync=False)
+
+    def _records(self, tmp: Path) -> dict[str, dict]:
+        """Every rank's record of its files (rank 0, publishing), the record files removed; a
+        rank whose record does not come within ``RECORD_WAIT_S`` has its files hashed here."""
+        found: dict[str, dict] = {}
+        deadline = monotonic() + RECORD_WAIT_S
+        for rank in range(self.mesh.cfg.world_size):
+            path = tmp / _record_name(rank)
+            while not path.is_file() and monotonic() < deadline:
+                sleep(0.05)
+            with contextlib.suppress(OSError, ValueError):
+                found.update(json.loads(path.read_text()))
+        for path in tmp.glob(_record_name("*")):
+            path.unlink()
+        return found
 
     def wait(self) -> float:
         """Finish and publish the background save, if any; the seconds that took (the loop's
@@ -334,11 +404,15 @@ class Checkpointer:
 
     def _publish(self, step: int, tmp: Path, meta: dict) -> None:
         if self.is_main:
-            files = {
-                str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-                for f in sorted(tmp.rglob("*"))
-                if f.is_file()
-            }
+            records, files = self._records(tmp), {}
+            for f in sorted(tmp.rglob("*")):
+                if not f.is_file():
+                    continue
+                name, size = str(f.relative_to(tmp)), f.stat().st_size
+                known = records.get(name)
+                if known is None or known.get("bytes") != size:  # no record, or a stale one
+                    known = {"bytes": size, "sha256": file_sha256(f)}
+                files[name] = known
             manifest = {
                 **meta,
                 "run_id": self.run_id,
@@ -403,16 +477,28 @@ class Checkpointer:
         return [s for p in self.root.iterdir() if (s := step_of(p.name)) is not None]
 
     def newest_valid(self, report=print) -> Path | None:
-        """The newest checkpoint whose manifest verifies (checked on rank 0, agreed by all)."""
-        choice: list[str | None] = [None]
-        if self.is_main:
+        """The newest checkpoint whose manifest verifies (collective): every rank hashes its
+        share of each candidate's files (rank 0 alone would read the whole checkpoint), and
+        rank 0 reports the candidates that do not verify."""
+        if not self.mesh.distributed:
             found = newest_verified(self.root, report)
             if found is not None:
                 self._hashed.add(found.name)
-            choice[0] = str(found) if found is not None else None
-        if self.mesh.distributed:
-            dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] else None
+            return found
+        listing: list[Any] = [sorted(self.published(), reverse=True) if self.is_main else []]
+        dist.broadcast_object_list(listing, src=0, group=self.group)
+        share = (self.mesh.rank, self.mesh.cfg.world_size)
+        for step in listing[0]:
+            path = self.root / step_dir_name(step)
+            problems: list[str | None] = [None] * self.mesh.cfg.world_size
+            dist.all_gather_object(problems, verify(path, share=share), group=self.group)
+            problem = next((p for p in problems if p is not None), None)
+            if problem is None:
+                self._hashed.add(path.name)
+                return path
+            if self.is_main:
+                report(f"skipping checkpoint {path.name}: {problem}")
+        return None
 
     def load(
         self,
