@@ -4,7 +4,7 @@
     python benchmarks/profile_step.py --moe-layer 128 --out layer.json   # one MoE layer, top-4
     python benchmarks/profile_step.py --trainer --mbs 4 --out trainer.json  # what moe train runs
     python benchmarks/profile_step.py --trainer --precision fp8 --micro-batches 4 \
-        [--no-fp8-cache] --out fp8.json  # FP8 weights quantized once per step, or per call
+        [--fp8-cache] --out fp8.json  # FP8 weights quantized once per step, or per call
 
 The step is ``train_step.py``'s (same model, inputs and options). Phases (forward, backward,
 optimizer) are also timed apart with CUDA events, median of ``--iters`` steps after warm-up;
@@ -18,10 +18,10 @@ against the span from the first kernel to the last, and the longest gaps with th
 either side, which is where a host wait or a launch gap shows.
 
 ``--micro-batches`` (with ``--trainer``) accumulates gradients over that many micro-batches a
-step; ``--no-fp8-cache`` runs ``--precision fp8`` without the FP8 weight copies made once per
-step (``moe_kernels.fp8_cache``): every expert GEMM call quantizes its weight again, as before.
-The two runs side by side are the cache's measurement (step time, and the "fp8 quantize" and
-"optimizer" categories).
+step; ``--fp8-cache`` runs ``--precision fp8`` with ``precision.fp8_weight_cache`` (the FP8
+weight copies made once per step, ``moe_kernels.fp8_cache``), without it every expert GEMM call
+quantizes its weight. The two runs side by side are the cache's measurement (step time, and the
+"fp8 quantize" and "optimizer" categories).
 """
 
 from __future__ import annotations
@@ -157,11 +157,10 @@ def trainer_step_fn(args: argparse.Namespace) -> tuple[Callable[[], None], list[
 
     out = tempfile.mkdtemp()
     atexit.register(shutil.rmtree, out, True)
-    if args.no_fp8_cache:  # no run option: the weights get no cache, before the model is built
-        from moe_core.parallel import parallelize
-
-        parallelize.attach_fp8_caches = lambda *a, **kw: []
-    trainer = Trainer(compose_run(trainer_overrides(trainer_shape(args), out, data_dir="")))
+    overrides = trainer_overrides(trainer_shape(args), out, data_dir="")
+    if args.fp8_cache:
+        overrides.append("precision.fp8_weight_cache=true")
+    trainer = Trainer(compose_run(overrides))
     if args.unfused_mlp:  # no run option: the experts' choice, before the first (compiled) step
         for m in (m for c in trainer.chunks.values() for m in c.modules()):
             if isinstance(m, Experts):
@@ -185,7 +184,7 @@ def profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", choices=["true", "false"], help="with --trainer")
     p.add_argument("--fp8-parts", default="", help="with --trainer --precision fp8: the parts")
     p.add_argument("--micro-batches", type=int, default=1, help="with --trainer: a step's")
-    p.add_argument("--no-fp8-cache", action="store_true", help="with --precision fp8: per call")
+    p.add_argument("--fp8-cache", action="store_true", help="with --precision fp8: once a step")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
     return p

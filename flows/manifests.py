@@ -77,6 +77,15 @@ def train_section(value: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in keyed("train", value).items() if k not in NOT_IN_TRAIN_KEY}
 
 
+# Precision options that change no value the train stage computes: no train key hashes them.
+NOT_IN_PRECISION_KEY = ("fp8_weight_cache",)
+
+
+def precision_section(value: dict[str, Any]) -> dict[str, Any]:
+    """``to_dict`` of the precision section as the train stage's key hashes it."""
+    return {k: v for k, v in value.items() if k not in NOT_IN_PRECISION_KEY}
+
+
 # Data options the token shards do not depend on (where they go; where and in what pieces the
 # work runs): no tokenize key hashes them, so moving a run onto a cluster redoes no stage.
 NOT_IN_TOKENIZE_KEY = ("dir", "scheduler", "unit_documents")

@@ -35,7 +35,7 @@ from flows import manifests
 from flows.launch import launch_attempts, preflight
 from flows.launchers import Attempt, launcher_class
 from flows.layout import RunLayout, resolve, run_root
-from flows.manifests import NOT_IN_TOKENIZE_KEY, digest, keyed, train_section
+from flows.manifests import NOT_IN_TOKENIZE_KEY, digest, keyed, precision_section, train_section
 from flows.migrate import old_stage_keys
 from flows.plots import training_plots
 from flows.report import (
@@ -427,7 +427,7 @@ def _train_key(run: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
         "model": keyed("model", to_dict(run.model)),
         "train": train_section(to_dict(run.train)),
         "parallel": keyed("parallel", to_dict(run.parallel)),
-        "precision": to_dict(run.precision),
+        "precision": precision_section(to_dict(run.precision)),
         "tokenize": keys["tokenize"],
         "init": keys["init"],
     }

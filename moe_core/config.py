@@ -1174,6 +1174,11 @@ class PrecisionConfig:
     # power-of-two E8M0 scale per 32 values (precision=mxfp8; Blackwell's format, emulated on
     # CPU, its GPU path not built yet).
     fp8_scaling: Literal["rowwise", "mx"] = "rowwise"
+    # FP8 weights quantized once per optimizer step into copies kept beside them
+    # (``moe_kernels.fp8_cache``), which every micro-batch's GEMMs read, instead of in each GEMM
+    # call: the same bytes, so the same training; it costs two bytes per FP8 weight (12 GiB of
+    # expert copies at OLMoE-1B-7B on one GPU). Off until a GPU measures what it saves.
+    fp8_weight_cache: bool = False
 
     def __post_init__(self) -> None:
         p = "precision."
@@ -1203,6 +1208,13 @@ class PrecisionConfig:
             fail(p + "fp8_parts", list(self.fp8_parts), "[] unless precision.params=bf16")
         if self.fp8_scaling == "mx" and not self.fp8_parts:
             fail(p + "fp8_scaling", "mx", "'rowwise' unless precision.fp8_parts names a part")
+        if self.fp8_weight_cache and (not self.fp8_parts or self.fp8_scaling != "rowwise"):
+            fail(
+                p + "fp8_weight_cache",
+                True,
+                "false unless precision.fp8_parts names a part with rowwise scaling (the cache "
+                "holds rowwise FP8 copies)",
+            )
         if self.fp8_scaling == "mx" and self.fp8_parts != ["experts"]:
             fail(
                 p + "fp8_parts",

@@ -69,14 +69,12 @@ def fp8_cache_parity(out: str, overrides: list[str]) -> None:
     """Train twice under this launch's layout, without then with the FP8 weight caches; rank 0
     writes, for every rank: losses and local weights bit-equal, and whether every cache holds
     its final weight's bytes (``tests/test_fp8_cache.py``)."""
-    from moe_core.parallel import parallelize
     from moe_kernels.fp8_cache import cache_of, quantize_weight
 
-    attach = parallelize.attach_fp8_caches
     runs, mesh, n_cached, caches_hold = [], None, 0, True
     for cached in (False, True):
-        parallelize.attach_fp8_caches = attach if cached else (lambda *a, **kw: [])
-        cfg = compose_run([*overrides, f"out_dir={out}.{cached}"])
+        cache = f"precision.fp8_weight_cache={str(cached).lower()}"
+        cfg = compose_run([*overrides, cache, f"out_dir={out}.{cached}"])
         trainer = Trainer(cfg, mesh=mesh)
         mesh = trainer.mesh
         losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
@@ -92,7 +90,6 @@ def fp8_cache_parity(out: str, overrides: list[str]) -> None:
                 for a, b in ((ops.rows[0], want.rows[0]), (ops.cols[0], want.cols[0]))
             )
             caches_hold = caches_hold and holds
-    parallelize.attach_fp8_caches = attach
     (ref_losses, ref_weights), (losses, weights) = runs
     mine = {
         "losses": losses,

@@ -17,7 +17,6 @@ from moe_core.config import RunConfig
 from moe_core.model.fp8 import FP8Linear
 from moe_core.model.moe import Experts
 from moe_core.parallel import optimizer as optimizer_module
-from moe_core.parallel import parallelize as parallelize_module
 from moe_core.parallel.mesh import Mesh
 from moe_core.train.stack import Stack, build_stack
 from moe_kernels.fp8_cache import cache_of
@@ -38,6 +37,7 @@ PRESETS = {
     # an fp32 master writing the bf16 weights (``out``), gradients in one flat fp32 buffer
     "bf16-master": ["precision=bf16", "precision.fp8_parts=[experts]"],
 }
+CACHE = ["precision.fp8_weight_cache=true"]
 STEPS = 2
 
 
@@ -94,10 +94,6 @@ def fp8_gemm_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return experts + [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
 
 
-def without_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parallelize_module, "attach_fp8_caches", lambda *args, **kw: [])
-
-
 def unfused(b):
     """Every piece as one: the optimizer then quantizes both copies after the gather, as it
     does where a ZeRO-1 shard cuts tensors."""
@@ -108,10 +104,9 @@ def unfused(b):
 def reference(preset: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
     """Training without the cache (once per preset): losses, weights, the FP8 GEMMs' weights;
     each weight quantized in every micro-batch, both layouts."""
-    run = compose_run([*SMALL, *PRESETS[preset]])
+    run = compose_run([*SMALL, *PRESETS[preset]])  # precision.fp8_weight_cache off
     with pytest.MonkeyPatch.context() as m:
         counts = Counts(m)
-        without_cache(m)
         losses, weights, stack = train(run)
     fp8_weights = len(fp8_gemm_weights(stack.chunks[0]))
     assert counts.in_gemm == 2 * fp8_weights * run.micro_batches * STEPS
@@ -125,7 +120,7 @@ def reference(preset: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
 def test_training_with_the_cache_is_bit_identical_and_quantizes_once_per_step(
     preset, refresh, monkeypatch
 ):
-    run = compose_run([*SMALL, *PRESETS[preset]])
+    run = compose_run([*SMALL, *PRESETS[preset], *CACHE])
     assert run.micro_batches == 2
     ref_losses, ref_weights, fp8_weights = reference(preset)
     with monkeypatch.context() as m:
@@ -159,7 +154,7 @@ def test_weights_changed_outside_the_optimizer_never_meet_their_stale_copies():
     stale: the next forward quantizes the loaded weights (once), and its output is the one of a
     model that never had a cache. A load through the optimizer (``publish_weights``, how a
     resumed run loads) refreshes the copies right away."""
-    run = compose_run([*SMALL, *PRESETS["fp8"]])
+    run = compose_run([*SMALL, *PRESETS["fp8"], *CACHE])
     _, _, stack = train(run, steps=1)
     model = stack.chunks[0]
     cached = [p for p in model.parameters() if cache_of(p) is not None]
@@ -209,12 +204,10 @@ def test_the_trainer_on_a_gpu_trains_alike_with_and_without_the_cache(graph, tmp
     args.append(f"parallel.cuda_graph={str(graph).lower()}")
     losses = {}
     for cached in (False, True):
-        with pytest.MonkeyPatch.context() as m:
-            if not cached:
-                without_cache(m)
-            trainer = Trainer(compose_run([*args, f"out_dir={tmp_path / str(cached)}"]))
-            assert trainer.device.type == "cuda" and (trainer.graphs is not None) == graph
-            losses[cached] = [s.loss for s in trainer.fit(show_progress=False)]
+        cache = [f"precision.fp8_weight_cache={str(cached).lower()}"]
+        trainer = Trainer(compose_run([*args, *cache, f"out_dir={tmp_path / str(cached)}"]))
+        assert trainer.device.type == "cuda" and (trainer.graphs is not None) == graph
+        losses[cached] = [s.loss for s in trainer.fit(show_progress=False)]
     for a, b in zip(losses[True], losses[False], strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), losses
     caches = [(p, cache_of(p)) for p in trainer.chunks[0].parameters() if cache_of(p)]

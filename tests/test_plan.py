@@ -124,8 +124,8 @@ def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, t
     """Weights, gradients and optimizer state per precision preset: the plan's bytes are the
     bytes the trainer's buckets, autograd's kept gradients and the ZeRO-1 optimizer hold after
     backward and after the update (one process: gradient buffers only where bf16 gradients
-    accumulate over micro-batches in fp32); with precision=fp8 the weights count the experts'
-    FP8 copies (``moe_kernels.fp8_cache``) as well."""
+    accumulate over micro-batches in fp32); with precision=fp8 (and its weight cache) the
+    weights count the experts' FP8 copies (``moe_kernels.fp8_cache``) as well."""
     from moe_core.train.trainer import Trainer
     from moe_kernels.fp8_cache import cache_of
 
@@ -134,6 +134,7 @@ def test_static_memory_is_what_the_trainer_allocates(precision, micro_batches, t
             "model=tiny",
             "model.n_layers=2",
             f"precision={precision}",
+            f"precision.fp8_weight_cache={str(precision == 'fp8').lower()}",
             "train.seq_len=16",
             "train.micro_batch_size=2",
             f"train.global_batch_size={2 * micro_batches}",

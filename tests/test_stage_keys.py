@@ -97,7 +97,7 @@ def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_p
             "model": manifests.keyed("model", to_dict(run.model)),
             "train": train,
             "parallel": parallel,
-            "precision": to_dict(run.precision),
+            "precision": manifests.precision_section(to_dict(run.precision)),
             "tokenize": keys["tokenize"],
             "init": keys["init"],
         }
@@ -106,6 +106,11 @@ def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_p
     assert stage_keys(patient) == keys
     tolerant = replace(run, train=replace(run.train, straggler_share=0.5, straggler_windows=9))
     assert stage_keys(tolerant) == keys
+    # FP8 weights quantized once per step or in every call: the same bytes, the same run
+    fp8 = replace(run, precision=replace(run.precision, params="bf16", compute="bf16"))
+    fp8 = replace(fp8, precision=replace(fp8.precision, fp8_parts=["experts"]))
+    cached = replace(fp8, precision=replace(fp8.precision, fp8_weight_cache=True))
+    assert stage_keys(cached) == stage_keys(fp8)
     masked = replace(run, train=replace(run.train, document_mask=True))
     assert stage_keys(masked)["train"] != keys["train"]
     # Whether a relaunch on fewer nodes waits or shrinks is the cluster's (no key hashes it):

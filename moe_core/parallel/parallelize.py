@@ -175,7 +175,8 @@ def parallelize(
             apply_context(model, ContextShard(pcfg.cp, mesh.cp_rank, seq_len, mesh.cp_group))
         apply_fp8(model, precision.fp8_parts, mesh.device)
         compiled = pcfg.compile_on(mesh.device.type)
-        attach_fp8_caches(model, precision.fp8_parts, precision.fp8_scaling, compiled)
+        if precision.fp8_weight_cache:
+            attach_fp8_caches(model, precision.fp8_parts, precision.fp8_scaling, compiled)
         apply_recompute(model, pcfg.recompute)
         if pcfg.compile_on(mesh.device.type):
             apply_compile(model)

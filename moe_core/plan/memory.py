@@ -13,10 +13,10 @@ holds the same), in bytes:
   ``N_expert`` its MoE blocks' routed-expert parameters divided by ``ep``; ``b_p`` 2 for bf16
   and 4 for fp32 weights. The last stage also holds the ``model.mtp_depth`` multi-token
   prediction modules: an MoE block each, with its norms and projection (``mtp_own``). With FP8
-  experts of rowwise scales (``precision=fp8``) the rank also keeps each expert weight's two FP8
-  copies, made once per step (``moe_kernels.fp8_cache``): ``2 N_expert`` bytes and fp32 scales,
-  ``4 (E / ep) (3 h + 2 d)`` per MoE block (``fp8_copy_bytes``; FP8 linears keep copies only in
-  uncompiled runs, which this does not count).
+  experts of rowwise scales and ``precision.fp8_weight_cache`` the rank also keeps each expert
+  weight's two FP8 copies, made once per step (``moe_kernels.fp8_cache``): ``2 N_expert`` bytes
+  and fp32 scales, ``4 (E / ep) (3 h + 2 d)`` per MoE block (``fp8_copy_bytes``; FP8 linears
+  keep copies only in uncompiled runs, which this does not count).
 - gradient buffers, in ``b_o`` (``precision.optimizer``: 4 for fp32, 2 for bf16):
   ``b_o * (N_dense + N_expert)``, plus the reduced shard ``b_o * (N_dense / (dp * cp * ep) +
   N_expert / (dp * cp))`` where that group has more than one rank. A rank that reduces nothing
@@ -241,7 +241,7 @@ def fp8_copy_bytes(run: RunConfig, p: StageParameters) -> int:
     one byte each per element, and their fp32 scales (per row of ``w_gate_up`` [E, 2h, d] and
     ``w_down`` [E, d, h], and per column)."""
     prec, m = run.precision, run.model
-    if "experts" not in prec.fp8_parts or prec.fp8_scaling != "rowwise":
+    if not prec.fp8_weight_cache or "experts" not in prec.fp8_parts:
         return 0
     local = m.n_experts // run.parallel.ep
     scales = 4 * local * (3 * m.expert_hidden + 2 * m.d_model)

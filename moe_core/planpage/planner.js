@@ -284,8 +284,9 @@ function planLayout(data, L) {
       }
     }
     const experts = Math.floor((moeLayers * sh.layer_expert) / L.ep);
-    // plan.memory.fp8_copy_bytes: FP8 experts (rowwise) keep two E4M3 copies and their scales
-    const fp8Copies = prec.fp8_parts.includes("experts") && prec.fp8_scaling === "rowwise"
+    // plan.memory.fp8_copy_bytes: FP8 experts with the weight cache (a precision option) keep
+    // two E4M3 copies and their scales
+    const fp8Copies = prec.fp8_weight_cache && prec.fp8_parts.includes("experts")
       ? 2 * experts + moeLayers * 4 * Math.floor(E / L.ep) * (3 * h + 2 * d) : 0;
     const denseShard = denseGroup > 1 ? dense / denseGroup : 0;
     const expertShard = expertGroup > 1 ? experts / expertGroup : 0;
