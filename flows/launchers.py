@@ -571,14 +571,17 @@ class KubernetesLauncher(ClusterLauncher):
         the most that the ready nodes hold and the layout allows (``cluster.nodes`` when fewer
         than ``min_nodes`` are ready: the Job waits for them)."""
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         c = self.run.cluster
         if len(self.run.node_counts) == 1:
             return c.nodes
         try:
             ready = self.ready_nodes()
-        except ApiException as err:  # e.g. a service account that may not list nodes
-            why = f"{err.status} {err.reason}"
+        except (ApiException, HTTPError, OSError) as err:
+            # a service account that may not list nodes, or an API server that did not answer
+            # (creating the Job then says so, as without shrinking)
+            why = f"{err.status} {err.reason}" if isinstance(err, ApiException) else str(err)
             self.log(f"cannot list the cluster's nodes ({why}): asking for all {c.nodes}")
             return c.nodes
         nodes = nodes_within(self.run, ready)

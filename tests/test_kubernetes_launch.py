@@ -227,6 +227,23 @@ def test_with_shrink_a_cluster_that_hides_its_nodes_gets_a_full_size_job(run, tm
     assert attempt.ok and attempt.nodes == 2 and fake.jobs[0].spec.completions == 2
     assert "cannot list the cluster's nodes (403 Forbidden): asking for all 2" in logged
 
+    # an API server that does not answer: the same, not a traceback
+    from urllib3.exceptions import MaxRetryError
+
+    def unreachable():
+        raise MaxRetryError(None, "/api/v1/nodes", "connection refused")
+
+    fake = FakeKube(STARTS_AND_FINISHES)
+    fake.list_node = unreachable
+    (tmp_path / "unreachable").mkdir()
+    k8s, logged = launcher(shrink, tmp_path / "unreachable", fake)
+    attempt = k8s.attempt(1)
+    assert attempt.ok and fake.jobs[0].spec.completions == 2
+    assert any(
+        line.startswith("cannot list the cluster's nodes (") and "connection refused" in line
+        for line in logged
+    )
+
 
 def _overrides(run: RunConfig) -> dict[str, object]:
     """The fixture's cluster and layout as overrides, with dp 2 x ep 4 instead of ep 8."""
