@@ -138,7 +138,7 @@ def launch_attempts(
         number = before + len(attempts) + 1
         if attempts and attempts[-1].grow:
             logger.warning(
-                "%s; launching again on all %d nodes, resuming from %s",
+                "%s; launching again, asking for all %d nodes, resuming from %s",
                 attempts[-1].detail,
                 run.cluster.nodes,
                 newest_checkpoint(train_dir),

@@ -806,7 +806,9 @@ def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_pa
     assert (
         "all 8 nodes are free again: stopping job 2 at a checkpoint to relaunch on them" in logged
     )
-    assert warned[1].startswith(shrunk.detail + "; launching again on all 8 nodes, resuming from ")
+    assert warned[1].startswith(
+        shrunk.detail + "; launching again, asking for all 8 nodes, resuming from "
+    )
     assert tracker.last == {
         "launch": {
             "attempt_3": {

@@ -195,7 +195,8 @@ def test_a_lost_node_shrinks_the_relaunch_and_returning_nodes_grow_it_back(tmp_p
     assert "stopped at step" in (train / f"slurm-{first + 1}.out").read_text()
     assert ["scancel", "--signal=TERM", str(first + 1)] in slurm_standin.calls(state)
     assert any(
-        x.endswith("launching again on all 2 nodes, resuming from " + x.split()[-1]) for x in logged
+        x.endswith("launching again, asking for all 2 nodes, resuming from " + x.split()[-1])
+        for x in logged
     )
     assert json.loads((train / "launches.json").read_text()) == [a.record() for a in attempts]
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(12))
