@@ -36,6 +36,31 @@ def sbatch_directives(script: str) -> dict[str, str]:
     return out
 
 
+def run_slurm_script(
+    tmp_path: Path, path: Path, hosts: list[str], **env: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run a rendered batch script with stand-ins for ``scontrol`` (expanding the nodelist to
+    ``hosts``) and ``srun`` (recording its arguments): what it printed, and the arguments the
+    nodes' command was given, expanded; ``env``: the job's SLURM_* variables."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "srun.json"
+    listing = "\\n".join(hosts)
+    stubs = {
+        "scontrol": f"#!/bin/sh\nprintf '{listing}\\n'\n",
+        "srun": f"#!{sys.executable}\nimport json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n",
+    }
+    for tool, body in stubs.items():
+        (bin_dir / tool).write_text(body)
+        (bin_dir / tool).chmod(stat.S_IRWXU)
+    path_var = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    full = {**os.environ, "PATH": path_var, **env}
+    done = subprocess.run(["bash", str(path)], env=full, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(record.read_text())
+
+
 def test_torchrun_command_is_c10d_into_moe_train():
     run = compose_run(["out_dir=/runs/47b/train"], config_name="pretrain-47b")
     cmd = torchrun_command(run, "/runs/47b/config.json", 8, 3, "node-a:29500")
@@ -107,27 +132,9 @@ def test_slurm_script(tmp_path: Path, name: str, overrides: list[str], nodes: in
     assert script.startswith("#!/bin/bash\n")
 
     # Run it with stand-ins for scontrol and srun: the command each node gets, expanded.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    record = tmp_path / "srun.json"
-    stubs = {
-        "scontrol": "#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n",
-        "srun": f"#!{sys.executable}\nimport json, sys\n"
-        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n",
-    }
-    for tool, body in stubs.items():
-        (bin_dir / tool).write_text(body)
-        (bin_dir / tool).chmod(stat.S_IRWXU)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_CPUS_ON_NODE": "96",
-    }
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    argv = json.loads(record.read_text())
+    job = {"SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_JOB_ID": "4242"}
+    hosts = ["gpu-node-07", "gpu-node-08"]
+    _, argv = run_slurm_script(tmp_path, path, hosts, **job, SLURM_CPUS_ON_NODE="96")
     torchrun = argv.index("torchrun")
     assert argv[:torchrun] == [
         "--ntasks-per-node=1",
@@ -662,31 +669,16 @@ def test_a_shrinking_slurm_script_trains_on_the_most_nodes_it_got_that_the_layou
     waiting = render_slurm(wait, str(tmp_path), str(tmp_path / "config.json"))
     assert sbatch_directives(waiting)["--nodes"] == "8" and "MOE_NODES" not in waiting
     (tmp_path / "job.sbatch").write_text(script)
-    record = tmp_path / "srun.json"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stubs = {
-        "scontrol": "#!/bin/sh\nprintf 'gpu-node-01\\n'\n",
-        "srun": f"#!{sys.executable}\nimport json, sys\n"
-        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n",
-    }
-    for tool, body in stubs.items():
-        (bin_dir / tool).write_text(body)
-        (bin_dir / tool).chmod(stat.S_IRWXU)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "SLURM_JOB_NODELIST": "gpu-node-[01-07]",
-        "SLURM_JOB_ID": "77",
-        "SLURM_JOB_NUM_NODES": "7",
-        "SLURM_CPUS_ON_NODE": "96",
-    }
-    done = subprocess.run(
-        ["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True
+    job = {"SLURM_JOB_NODELIST": "gpu-node-[01-07]", "SLURM_JOB_ID": "77"}
+    done, argv = run_slurm_script(
+        tmp_path,
+        tmp_path / "job.sbatch",
+        ["gpu-node-01"],
+        **job,
+        SLURM_JOB_NUM_NODES="7",
+        SLURM_CPUS_ON_NODE="96",
     )
-    assert done.returncode == 0, done.stderr
     assert "training on 4 of the 7 nodes allocated (cluster.nodes=8)" in done.stdout
-    argv = json.loads(record.read_text())
     torchrun = argv.index("torchrun")
     assert argv[:3] == ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1"]
     assert argv[torchrun:] == torchrun_command(
