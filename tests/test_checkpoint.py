@@ -450,3 +450,45 @@ def test_publishing_reads_each_ranks_hashes_and_hashes_only_what_no_rank_recorde
     ckpt._publish(3, tmp, {"step": 3, "layout": {}})
     monkeypatch.setattr(module, "file_sha256", file_sha256)
     assert hashed == ["__0_0.distcp"] and verify(root / step_dir_name(3)) is None
+
+
+def test_a_background_hash_that_fails_is_one_sentence_and_keeps_the_checkpoints(
+    tmp_path, monkeypatch
+):
+    """Async: a rank's hashing of its files runs in the background; when it fails (a full disk
+    as its record is written), collecting the save says so in one sentence naming the folder,
+    removes the unfinished one, and the published checkpoints stay as they were."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    import moe_core.train.checkpoint as module
+    from moe_core.config import ParallelConfig
+    from moe_core.errors import RunFileError
+    from moe_core.parallel.mesh import Mesh
+    from moe_core.train.checkpoint import Checkpointer
+
+    def async_save(state, checkpoint_id, **kwargs):
+        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=True)
+        done = module.Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(module.dcp, "async_save", async_save)
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, True, run_id="a")
+    ckpt.save(1, {"x": torch.zeros(100)}, {})
+    ckpt.wait()
+    kept = sorted(p.name for p in (root / step_dir_name(1)).iterdir())
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+
+    monkeypatch.setattr(Checkpointer, "_hash_own", lambda self, tmp: full(tmp))
+    ckpt.save(2, {"x": torch.ones(100)}, {})
+    with pytest.raises(RunFileError, match="checkpoint step 2 could not be written") as err:
+        ckpt.wait()
+    assert "No space left on device" in str(err.value) and "\n" not in str(err.value)
+    assert not (root / step_dir_name(2)).exists() and not list(root.glob(".tmp-*"))
+    assert sorted(p.name for p in (root / step_dir_name(1)).iterdir()) == kept
+    assert verify(root / step_dir_name(1)) is None

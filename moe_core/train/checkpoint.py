@@ -393,9 +393,11 @@ class Checkpointer:
             return 0.0
         began = time.perf_counter()
         fut, step, tmp, meta, needed, started, blocked = self._pending
-        self._pending = None
+        hashing, self._pending, self._hashing = self._hashing, None, None
         with self._writing(step, tmp, needed):
             fut.result()
+            if hashing is not None:  # this rank's record is written (or why not is raised)
+                hashing.result()
             self._publish(step, tmp, meta)
         now = time.perf_counter()
         cost = SaveCost(step, blocked + now - began, now - started, self._published_bytes, True)
