@@ -6,9 +6,10 @@ gradient in bf16). The routed experts take their FP8 op from the model's ``Kerne
 (``fp8_experts``), not from here. The swapped module keeps the same ``weight`` parameter, so
 parameter names, checkpoints, optimizer buckets and conversion are unchanged.
 
-``attach_fp8_caches`` gives the FP8 GEMMs' weights a ``moe_kernels.fp8_cache``: their FP8
-copies, made once per optimizer step (``parallel.optimizer``) and read by every micro-batch,
-2 bytes and a little more per weight (``plan.memory`` counts them).
+``attach_fp8_caches`` gives the FP8 GEMMs' weights a ``moe_kernels.fp8_cache`` (with
+``precision.fp8_weight_cache``): their FP8 copies, made once per optimizer step
+(``parallel.optimizer``) and read by every micro-batch, 2 bytes and a little more per weight
+(``plan.memory`` counts them).
 """
 
 from __future__ import annotations
