@@ -1012,20 +1012,30 @@ class ParallelConfig:
         ``nvshmem_rowwise`` (with ``ep = 1`` no token leaves its rank, whatever is set)."""
         return self.ep > 1 and self.dispatcher == "nvshmem_rowwise"
 
-    def cuda_graph_on(self, device_type: str, document_mask: bool = False) -> bool:
+    def cuda_graph_on(
+        self, device_type: str, document_mask: bool = False, host_reads: str = ""
+    ) -> bool:
         """Whether steps replay as CUDA graphs on ``device_type``: as set, else on for CUDA in
         one process, and with ``rowwise_ep`` and no pipeline, and never with
         ``train.document_mask`` (each micro-batch has its own number of documents, which a
-        graph cannot vary). ``cuda_graph=true`` on another device is refused (the device is
-        known only once the processes start)."""
+        graph cannot vary) nor where the experts' grouped GEMMs read the host: ``host_reads``
+        says why they do (``moe_kernels.grouped_gemm.runs_on_device``), empty where they don't.
+        ``cuda_graph=true`` is refused on another device or with host reads (both known only
+        once the processes start)."""
         if self.cuda_graph and device_type != "cuda":
             raise ConfigError(
                 f"parallel.cuda_graph=true needs CUDA GPUs, and this run is on {device_type}; "
                 "set it to false or null."
             )
+        if self.cuda_graph and host_reads:
+            raise ConfigError(
+                f"parallel.cuda_graph=true needs the experts' grouped GEMMs to run without "
+                f"reading the host (bf16 weights on compute capability 9.0 or newer), and this "
+                f"run has {host_reads}; set it to false or null."
+            )
         if self.cuda_graph is not None:
             return self.cuda_graph
-        if document_mask:
+        if document_mask or host_reads:
             return False
         return device_type == "cuda" and self.pp == 1 and (self.rowwise_ep or self.world_size == 1)
 

@@ -64,13 +64,22 @@ def _aligned(t: torch.Tensor) -> bool:
     return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
 
 
+def runs_on_device(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped products of ``dtype`` operands run on CUDA ``device`` without reading
+    the host, so a CUDA graph can capture them: bf16 on sm90 and newer (torch's or QuACK's
+    kernels). Elsewhere on CUDA the per-group reference loop reads the group ends."""
+    if _GROUPED_MM is None or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 9
+
+
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs for these operands on this machine."""
     if _GROUPED_MM is None or x.dtype != w.dtype:
         return False
     if x.device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(x.device)
-        if major < 9 or x.dtype != torch.bfloat16:
+        if not runs_on_device(x.device, x.dtype):
             return False
     elif x.device.type == "cpu":
         if x.dtype not in (torch.float32, torch.bfloat16):

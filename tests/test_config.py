@@ -16,6 +16,7 @@ from moe_core.config_dict import from_dict
 from moe_core.model import Transformer
 from moe_core.model.flops import count
 from moe_core.train.trainer import Trainer
+from moe_kernels.grouped_gemm import runs_on_device
 
 MODELS = sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
 
@@ -214,6 +215,23 @@ def test_cuda_graphs_are_on_by_default_in_one_process_and_for_rowwise_ep_on_cuda
         assert not compose_run(other).parallel.cuda_graph_on("cuda"), other
     assert not compose_run(["parallel.cuda_graph=false"]).parallel.cuda_graph_on("cuda")
     assert compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda")
+
+
+def test_cuda_graphs_stay_off_where_the_experts_read_the_host_and_asking_is_refused():
+    # fp32 weights (the default precision) or a GPU before sm90 run the experts' per-group
+    # reference loop, which reads the group ends on the host: a graph capture would fail there
+    why = "precision.params=fp32 on compute capability 9.0"
+    default = compose_run([]).parallel
+    assert default.cuda_graph_on("cuda") and not default.cuda_graph_on("cuda", host_reads=why)
+    with pytest.raises(ConfigError) as err:
+        compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda", host_reads=why)
+    assert str(err.value) == (
+        "parallel.cuda_graph=true needs the experts' grouped GEMMs to run without reading the "
+        "host (bf16 weights on compute capability 9.0 or newer), and this run has "
+        "precision.params=fp32 on compute capability 9.0; set it to false or null."
+    )
+    # on a CPU no grouped product is a GPU kernel
+    assert not runs_on_device(torch.device("cpu"), torch.bfloat16)
 
 
 def test_cuda_graphs_asked_for_on_cpu_are_refused_before_training(tmp_path):

@@ -55,6 +55,7 @@ from moe_core.data.manifest import read_manifest
 from moe_core.data.prefetch import pinned
 from moe_core.errors import CheckpointError, RunDirLockedError, RunFileError
 from moe_core.model.documents import Documents
+from moe_core.model.dtypes import DTYPES
 from moe_core.model.flops import count
 from moe_core.model.moe import Experts, Router
 from moe_core.model.transformer import Losses, zero_losses
@@ -81,6 +82,7 @@ from moe_core.train.step_graph import StepGraphs
 from moe_core.train.step_metrics import StepMetrics, StepValues
 from moe_core.train.stragglers import Stragglers
 from moe_core.train.watchdog import Watchdog
+from moe_kernels.grouped_gemm import runs_on_device
 
 COUNTS_WAIT_S = 5.0  # the hang report waits this long for a device to give its router counts
 
@@ -107,7 +109,9 @@ class Trainer:
         self.mesh = mesh or init_distributed(cfg.parallel)
         self.device = self.mesh.device
         self.graphs: StepGraphs | None = None
-        if cfg.parallel.cuda_graph_on(self.device.type, cfg.train.document_mask):
+        if cfg.parallel.cuda_graph_on(
+            self.device.type, cfg.train.document_mask, self._expert_host_reads()
+        ):
             self.graphs = StepGraphs(self.device)
         self.console = console or Console()
         self.out = Path(cfg.out_dir)
@@ -121,6 +125,18 @@ class Trainer:
         except BaseException:
             self.release()
             raise
+
+    def _expert_host_reads(self) -> str:
+        """Why the experts' grouped GEMMs read the host on this run's GPU (their per-group
+        reference loop: fp32 weights, or a GPU older than sm90), or "" where they don't (FP8
+        experts run their own GEMMs, on sm90 and newer only)."""
+        if self.device.type != "cuda" or "experts" in self.cfg.precision.fp8_parts:
+            return ""
+        params = self.cfg.precision.params
+        if runs_on_device(self.device, DTYPES[params]):
+            return ""
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return f"precision.params={params} on compute capability {major}.{minor}"
 
     def _lock_out_dir(self) -> None:
         """Take ``out_dir``'s lock on rank 0; every rank raises the same refusal (collective),
