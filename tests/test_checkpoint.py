@@ -20,6 +20,7 @@ import torch
 from helpers import BASE, TESTS, assert_trains_like, explain, losses, torchrun
 from rich.console import Console
 
+from moe_core.ckpt import dcp_read
 from moe_core.compose import compose_run
 from moe_core.config_dict import to_dict
 from moe_core.convert.native import load_model_dir
@@ -266,6 +267,22 @@ def test_async_checkpoint_equals_sync(tmp_path):
     for step in (1, 2, 3):
         for mode in runs:
             assert verify(runs[mode] / "checkpoints" / step_dir_name(step)) is None
+        # each async save staged into the host copy the earlier ones filled: its tensors are
+        # this step's, as the synchronous save wrote them
+        saved = {}
+        for mode in runs:
+            folder = runs[mode] / "checkpoints" / step_dir_name(step)
+            meta = dcp_read.read_metadata(folder)
+            state = {
+                k: torch.empty(m.size, dtype=m.properties.dtype)
+                for k, m in meta.state_dict_metadata.items()
+                if hasattr(m, "size")
+            }
+            dcp_read.load(state, folder)
+            saved[mode] = state
+        assert saved["false"].keys() == saved["true"].keys()
+        for key, value in saved["false"].items():
+            assert torch.equal(value, saved["true"][key]), (step, key)
     a = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={runs['false']}"]))
     b = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={runs['true']}"]))
     for (name, x), (_, y) in zip(

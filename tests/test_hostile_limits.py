@@ -21,6 +21,7 @@ from moe_core.model.moe import Experts, Router
 from moe_core.model.norm import RMSNorm
 from moe_core.model.transformer import Transformer
 from moe_core.plan import InsufficientResourcesError, check_conversion, check_memory, plan
+from moe_core.plan.report import plan_text
 
 MODELS = sorted(p.stem for p in (DEFAULT_CONFIG_DIR / "model").glob("*.yaml"))
 
@@ -189,6 +190,32 @@ def test_memory_check_takes_the_machines_memory_as_a_value():
     layout = rf"pp 1 x dp 1 x cp 2 x ep 1 needs {need:,}"
     with pytest.raises(InsufficientResourcesError, match=layout):
         check_memory(cp2, host_bytes=need - 1, gpu_bytes=None)
+
+
+def test_async_saves_host_copy_counts_against_the_hosts_memory():
+    # background saves keep each rank's checkpoint bytes in host memory for the run's life
+    run = compose_run(["model=tiny", "train.async_checkpoint=true"])
+    p = plan(run)
+    staged = p.checkpoint.staged_per_node
+    assert staged == p.checkpoint.per_node > 0
+    assert plan(compose_run(["model=tiny"])).checkpoint.staged_per_node == 0
+    need = sum(s.total for s in p.stages) + staged
+    check_memory(run, host_bytes=need, gpu_bytes=None)
+    with pytest.raises(InsufficientResourcesError, match="with the host copy async saves keep"):
+        check_memory(run, host_bytes=need - 1, gpu_bytes=None)
+    # on GPUs the copy is pinned: at most three quarters of the host's memory
+    gpus = f"cluster.gpus_per_node={run.cluster.procs_per_node}"
+    on_gpu = plan(compose_run(["model=tiny", gpus])).memory.total
+    check_memory(run, host_bytes=staged * 4 // 3 + 3, gpu_bytes=on_gpu)
+    with pytest.raises(InsufficientResourcesError) as err:
+        check_memory(run, host_bytes=staged, gpu_bytes=on_gpu)
+    assert str(err.value) == (
+        "train.async_checkpoint=true keeps a pinned host copy of every rank's checkpoint, "
+        f"{staged:,} bytes ({staged / 2**30:,.1f} GiB) on this node, more than three quarters "
+        f"of its {staged:,} bytes ({staged / 2**30:,.1f} GiB) of memory: set "
+        "train.async_checkpoint=false or spread the run over more nodes."
+    )
+    assert "async saves keep a host copy of" in plan_text(p)
 
 
 def test_train_refuses_a_model_larger_than_this_machine_before_building_it(

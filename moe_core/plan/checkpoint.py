@@ -4,7 +4,8 @@ A checkpoint (``train.checkpoint``) holds the ZeRO-1 optimizer's shards: for eac
 owns, the master weight (an fp32 copy, or the weight itself where the weights are as precise as
 the optimizer state, as under ``pure-bf16``) and two Adam moments. Router buffers and the
 trainer's state are a few kilobytes beside that. The time to write is the busiest node's bytes
-at ``cluster.storage_write_gbps``, the ranks of a node writing at once.
+at ``cluster.storage_write_gbps``, the ranks of a node writing at once. Background saves
+(``train.async_checkpoint``) keep a host copy of each rank's bytes for the run's life.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class CheckpointPlan:
     per_node: int  # bytes, the busiest node
     seconds: float  # the busiest node's bytes at the stated write rate
     write_gbps: float
+    # host memory the busiest node holds for the run's life under train.async_checkpoint: each
+    # rank's copy that background saves stage into (pinned on GPUs); 0 for synchronous saves
+    staged_per_node: int = 0
 
 
 def rank_checkpoint_bytes(run: RunConfig, stage: StageMemory) -> int:
@@ -47,4 +51,5 @@ def checkpoint_plan(run: RunConfig, stages: tuple[StageMemory, ...]) -> Checkpoi
         per_node=per_node,
         seconds=per_node / (gbps * 1e9),
         write_gbps=gbps,
+        staged_per_node=per_node if run.train.async_checkpoint else 0,
     )

@@ -134,19 +134,30 @@ def check_memory(run: RunConfig, host_bytes: int, gpu_bytes: int | None) -> None
         "choose a smaller model (model=tiny), raise parallel.ep or parallel.pp on more devices, "
         "lower train.micro_batch_size or turn on parallel.recompute"
     )
+    staged = p.checkpoint.staged_per_node
     if gpu_bytes is not None:
         if p.memory.total > gpu_bytes:
             raise InsufficientResourcesError(
                 f"{layout} needs {_gib(p.memory.total)} per GPU (the plan's peak) but this "
                 f"GPU has {_gib(gpu_bytes)} free: {hint}."
             )
+        # pinned pages cannot be swapped; leave a quarter for the processes and page cache
+        if staged > host_bytes * 3 // 4:
+            raise InsufficientResourcesError(
+                f"train.async_checkpoint=true keeps a pinned host copy of every rank's "
+                f"checkpoint, {_gib(staged)} on this node, more than three quarters of its "
+                f"{_gib(host_bytes)} of memory: set train.async_checkpoint=false or spread the "
+                "run over more nodes."
+            )
         return
     # Every rank of a stage holds the same; this host runs its share of the ranks.
     needed = sum(s.total for s in p.stages) * (par.world_size // par.pp) // run.cluster.nodes
+    needed += staged  # background saves' host copy
     if needed > host_bytes:
         raise InsufficientResourcesError(
             f"{layout} needs {_gib(needed)} of memory on this machine (the plan's peak of its "
-            f"processes) but it has {_gib(host_bytes)}: {hint}."
+            f"processes{', with the host copy async saves keep' if staged else ''}) but it has "
+            f"{_gib(host_bytes)}: {hint}."
         )
 
 

@@ -138,7 +138,13 @@ def _checkpoint_rows(p: Plan) -> Rows:
             "checkpoint",
             f"{c.per_rank / GIB:,.2f} GiB per rank (its shard's masters and moments), "
             f"{c.per_node / GIB:,.1f} GiB per node, {size} in all; {c.seconds:,.1f} s to write "
-            f"at {c.write_gbps:g} GB/s per node (cluster.storage_write_gbps)",
+            f"at {c.write_gbps:g} GB/s per node (cluster.storage_write_gbps)"
+            + (
+                f"; async saves keep a host copy of {c.staged_per_node / GIB:,.1f} GiB per node "
+                "(pinned on GPUs)"
+                if c.staged_per_node
+                else ""
+            ),
         )
     ]
 

@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moe_core.ckpt import dcp_read
 from moe_core.ckpt.dcp_read import inner_error
@@ -213,6 +214,7 @@ class Checkpointer:
         self._published_bytes = 0  # the folder ``_publish`` last published (rank 0)
         self._hasher: ThreadPoolExecutor | None = None  # hashes a background save's files
         self._hashing: Future | None = None  # ... the pending one's, once it is written
+        self._stager: DefaultStager | None = None  # background saves' host copy (``_staging``)
         if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-step_*"):
@@ -263,6 +265,7 @@ class Checkpointer:
                     process_group=self.group,
                     no_dist=self.no_dist,
                     planner=planner,
+                    async_stager=self._staging(),
                 )
             self._hashing = self._then_hash(fut, tmp)
             blocked = time.perf_counter() - started - waited
@@ -284,6 +287,30 @@ class Checkpointer:
                 self._publish(step, tmp, meta)
             took = time.perf_counter() - started
             self._cost(SaveCost(step, took, took, self._published_bytes, background=False))
+
+    def _staging(self) -> DefaultStager:
+        """Where a background save copies the state before training goes on: one host copy
+        made at the first save and refilled by each later one (``save`` waits for the previous
+        write first), pinned on a GPU so the copy runs at the host link's rate. DCP's default
+        makes a fresh pageable copy per save: 29.5 s of OLMoE-1B-7B's loop on one H200 for
+        41.5 GB (``benchmarks/checkpoint_stall.py``)."""
+        if self._stager is None:
+            gpu = self.mesh.device.type == "cuda"
+            options = StagingOptions(
+                use_pinned_memory=gpu,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=gpu,
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def close(self) -> None:
+        """Finish a background save and free the host copy (the run's end)."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _cost(self, cost: SaveCost) -> None:
         if self.is_main and self.on_cost is not None:

@@ -136,10 +136,10 @@ class CheckpointPolicy:
 
     def at_end(self, step: int) -> None:
         """The run's last state, unless already saved (``train.checkpoint_at_end``); waits
-        for every write."""
+        for every write and frees the background saves' host copy."""
         if self.cfg.train.checkpoint_at_end and self.saved_at != step:
             self.save(step)
-        self.checkpointer.wait()
+        self.checkpointer.close()
 
     def save(self, step: int) -> None:
         """Checkpoint the current state. A state holding NaN or infinity is never written
