@@ -26,17 +26,20 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flows.render import (
+    kubernetes_log_dir,
     kubernetes_objects,
     kubernetes_tokenize_objects,
     render_kubernetes,
     render_slurm,
     render_slurm_tokenize,
+    slurm_log_dir,
     standalone_command,
 )
 from moe_core.config import ConfigError, RunConfig, nodes_within, shrink_sentence
 from moe_core.errors import RunFailedError
 from moe_core.train.torchrun import (
     REPORT,
+    cluster_failure,
     failure_context,
     failure_detail,
     read_failure,
@@ -116,11 +119,12 @@ class Launcher(ABC):
         """Refuse, in one sentence, a launch this machine cannot make (before any stage)."""
 
     def forward(self, lines: list[str]) -> None:
-        """Log the lines of the training's output worth reading (progress bars are dropped)."""
+        """Log the lines of the training's output worth reading (progress bars are dropped);
+        a rank's line (``moe_core.train.torchrun``'s prefix) as "rank N: ...", rank 0's bare."""
         for raw in lines:
-            line = raw.rstrip()
+            rank, line = split_rank(raw.rstrip())
             if line and "━" not in line:
-                self.log(line)
+                self.log(line if not rank else f"rank {rank}: {line}")
 
     @abstractmethod
     def attempt(self, number: int) -> Attempt:
@@ -185,8 +189,7 @@ class LocalLauncher(Launcher):
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                rank, line = split_rank(raw)
-                self.forward([line if not rank else f"rank {rank}: {line}"])
+                self.forward([raw])
             proc.wait()
         finally:
             _stop_child(proc)
@@ -245,11 +248,22 @@ class ClusterLauncher(Launcher):
         """Ask the job's ranks to stop after their step with a checkpoint (SIGTERM)."""
         raise NotImplementedError
 
+    def failure_root(self, job_id: str) -> Path | None:
+        """The folder of the job's per-node failure records (``cluster_failure``), if any."""
+        return None
+
     def outcome(self, number: int, job_id: str, script: Path, state: str | None) -> Attempt:
-        """The attempt of a job that ended in ``state`` (None: lost)."""
+        """The attempt of a job that ended in ``state`` (None: lost); a failed one says what
+        its nodes recorded (the first rank that failed, nodes that stopped without a word)."""
         final = state or "LOST"
+        ok = final == "COMPLETED"
         detail = f"{self.noun} {job_id} " + (f"ended {state}" if state else self.lost)
-        return Attempt(number, job_id, str(script), final, final == "COMPLETED", detail)
+        root = self.failure_root(job_id)
+        found = None if ok or root is None else cluster_failure(root)
+        if found is None:
+            return Attempt(number, job_id, str(script), final, ok, detail)
+        said, context = found
+        return Attempt(number, job_id, str(script), final, ok, f"{detail}: {said}", context=context)
 
     def attempt(self, number: int) -> Attempt:
         c = self.run.cluster
@@ -488,6 +502,9 @@ class SlurmLauncher(ClusterLauncher):
     def stream(self, job_id: str, final: bool = False) -> None:
         self.forward(self._tail.lines(final))
 
+    def failure_root(self, job_id: str) -> Path | None:
+        return Path(slurm_log_dir(str(self.train_dir), job_id)).parent
+
     def not_started(self, job_id: str, state: str | None) -> str:
         return (
             f"slurm job {job_id} did not start within cluster.start_timeout_s="
@@ -671,6 +688,9 @@ class KubernetesLauncher(ClusterLauncher):
             f"{self.run.cluster.start_timeout_s:g} s (no pod running), so it was deleted: check "
             "the pods' events (kubectl describe pods), or raise cluster.start_timeout_s."
         )
+
+    def failure_root(self, job_id: str) -> Path | None:
+        return Path(kubernetes_log_dir(str(self.train_dir), job_id)).parent
 
 
 def _completion_index(pod: Any) -> str | None:

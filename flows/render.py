@@ -26,6 +26,7 @@ import yaml
 from moe_core.config import ConfigError, RunConfig, check_path
 from moe_core.files import sha256_hex
 from moe_core.plan import check_cluster, plan
+from moe_core.train.torchrun import NODE
 
 
 def run_id(run: RunConfig) -> str:
@@ -49,10 +50,12 @@ def torchrun_command(
     rdzv_id: str | None = None,
     python: str | None = None,
     max_restarts: int = 0,
+    log_dir: str | None = None,
 ) -> list[str]:
     """The command one node runs: ``torchrun`` with a c10d rendezvous at ``rdzv_endpoint``
     (``host:port`` of the first node), ``cluster.procs_per_node`` ranks, then
-    ``moe train --config config_path``.
+    ``moe train --config config_path``. With ``log_dir`` (holding ``NODE``, each node's
+    number), through ``moe_core.train.torchrun`` as ``standalone_command`` runs it.
 
     c10d assigns node ranks at the rendezvous: torchrun ignores ``--node-rank`` (with a warning),
     so ``node_rank`` is only checked and passed along; None leaves it out (Slurm, Kubernetes).
@@ -96,6 +99,8 @@ def torchrun_command(
         f"--max-restarts={max_restarts}",
     ]
     shrunk = [] if nnodes == run.cluster.nodes else ["--nodes", str(nnodes)]
+    if log_dir is not None:
+        return _recorded(python or "python", log_dir, options, config_path) + shrunk
     return _torchrun(python, options, config_path) + shrunk
 
 
@@ -110,6 +115,13 @@ def standalone_command(
     options = ["--standalone", f"--nproc-per-node={nproc}"]
     if log_dir is None:
         return _torchrun(python, options, config_path)
+    return _recorded(python, log_dir, options, config_path)
+
+
+def _recorded(python: str, log_dir: str, options: list[str], config_path: str) -> list[str]:
+    """torchrun through ``moe_core.train.torchrun``: each rank's output kept in ``log_dir``
+    (and printed, each line prefixed with its rank), a failed rank recorded in
+    ``log_dir/failure.json`` and torchrun's summary in ``log_dir/torchrun.log``."""
     logs = ["--log-dir", log_dir, "--redirects", "3", "--tee", "3"]
     wrapper = [python, "-m", "moe_core.train.torchrun", "--failure", f"{log_dir}/failure.json"]
     return [*wrapper, *logs, *_torchrun(python, options, config_path)[3:]]
@@ -179,6 +191,17 @@ def _node_range(run: RunConfig) -> str:
 _SRUN = 'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none'
 
 
+def slurm_log_dir(run_dir: str, job_id: str = "${SLURM_JOB_ID}") -> str:
+    """Where a Slurm job's nodes keep their ranks' logs and failure records: one folder a node
+    (``NODE``) under ``logs/job-<id>`` of the run directory."""
+    return f"{run_dir}/logs/job-{job_id}/node-{NODE}"
+
+
+def kubernetes_log_dir(run_dir: str, job: str) -> str:
+    """The same for a Kubernetes Job's pods, under ``logs/<job name>``."""
+    return f"{run_dir}/logs/{job}/node-{NODE}"
+
+
 def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
     """An ``sbatch`` script: one task per node, each a torchrun joining the first node's
     c10d rendezvous; logs in ``run_dir/slurm-<job id>.out``."""
@@ -193,6 +216,7 @@ def render_slurm(run: RunConfig, run_dir: str, config_path: str) -> str:
         None,
         f"${{MOE_HOST}}:{c.rdzv_port}",
         rdzv_id="${SLURM_JOB_ID}",
+        log_dir=slurm_log_dir(run_dir),
     )
     layout = run.parallel
     srun = _SRUN
@@ -263,12 +287,7 @@ def render_slurm_tokenize(run: RunConfig, run_dir: str, config_path: str) -> str
         *head[1:],
         f'MOE_DASK="{address}"',
         'echo "moe_core: job $SLURM_JOB_ID, Dask scheduler at $MOE_DASK"',
-        "# When the driver ends: the scheduler closes its workers, then both are stopped.",
-        "moe_stop() {",
-        '  python -m moe_core.data.engine stop "$MOE_DASK" || true',
-        "  kill ${MOE_PIDS:-} 2>/dev/null || true",
-        "}",
-        "trap moe_stop EXIT",
+        *_STOP_AT_EXIT,
         _shell([*scheduler, "--port", str(c.dask_port), "--no-dashboard"]) + " &",
         "MOE_PIDS=$!",
         f"{_SRUN} \\",
@@ -309,7 +328,9 @@ def kubernetes_objects(
     c = run.cluster
     nodes = nodes or c.nodes
     service, job = _kubernetes_names(run, run_dir, config_path, attempt, "")
-    cmd = torchrun_command(run, config_path, nodes, None, f"{job}-0.{service}:{c.rdzv_port}")
+    rdzv = f"{job}-0.{service}:{c.rdzv_port}"
+    log_dir = kubernetes_log_dir(run_dir, job)
+    cmd = torchrun_command(run, config_path, nodes, None, rdzv, log_dir=log_dir)
     return _kubernetes_job(
         run, run_dir, service, job, "trainer", cmd, "rdzv", c.rdzv_port, True, nodes
     )

@@ -135,13 +135,16 @@ def test_slurm_script(tmp_path: Path, name: str, overrides: list[str], nodes: in
     job = {"SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_JOB_ID": "4242"}
     hosts = ["gpu-node-07", "gpu-node-08"]
     _, argv = run_slurm_script(tmp_path, path, hosts, **job, SLURM_CPUS_ON_NODE="96")
-    torchrun = argv.index("torchrun")
+    torchrun = argv.index("python")
     assert argv[:torchrun] == [
         "--ntasks-per-node=1",
         "--cpus-per-task=96",
         "--cpu-bind=none",
         "--kill-on-bad-exit=1",
     ]
+    # each node through moe_core.train.torchrun, its logs and failure record in a folder of
+    # its own ({node}: the wrapper puts in the node's SLURM_NODEID)
+    logs = f"{run_dir}/logs/job-4242/node-{{node}}"
     expected_cmd = torchrun_command(
         run,
         str(run_dir / "config.json"),
@@ -149,8 +152,17 @@ def test_slurm_script(tmp_path: Path, name: str, overrides: list[str], nodes: in
         None,
         "gpu-node-07:29500",
         rdzv_id="4242",
+        log_dir=logs,
     )
     assert argv[torchrun:] == expected_cmd
+    assert argv[torchrun : torchrun + 6] == [
+        "python",
+        "-m",
+        "moe_core.train.torchrun",
+        "--failure",
+        f"{logs}/failure.json",
+        "--log-dir",
+    ]
 
 
 def test_slurm_refusals(tmp_path: Path):
@@ -206,7 +218,12 @@ def test_kubernetes_manifests(name: str, overrides: list[str], nodes: int):
     assert container["image"] == c.image
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}  # a quantity
     assert container["command"] == torchrun_command(
-        run, f"{run_dir}/config.json", nodes, None, f"{job_name}-0.{job_name}:{c.rdzv_port}"
+        run,
+        f"{run_dir}/config.json",
+        nodes,
+        None,
+        f"{job_name}-0.{job_name}:{c.rdzv_port}",
+        log_dir=f"{run_dir}/logs/{job_name}/node-{{node}}",  # a folder per pod
     )
     assert container["workingDir"] == run_dir
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -252,7 +269,12 @@ def test_kubernetes_objects_are_the_clients_typed_models_field_by_field():
     assert container.image == run.cluster.image and container.working_dir == "/runs/47b/train"
     # Pod 0 of this attempt's Job hosts the rendezvous, reached through the headless Service.
     assert container.command == torchrun_command(
-        run, "/runs/47b/train/config.json", 8, None, f"{name}-3-0.{name}:29400"
+        run,
+        "/runs/47b/train/config.json",
+        8,
+        None,
+        f"{name}-3-0.{name}:29400",
+        log_dir=f"/runs/47b/train/logs/{name}-3/node-{{node}}",
     )
     assert [(e.name, e.value) for e in container.env] == [("PYTHONUNBUFFERED", "1")]
     assert [(p.name, p.container_port) for p in container.ports] == [("rdzv", 29400)]
@@ -589,6 +611,48 @@ def test_a_failed_rank_is_one_sentence_not_torchruns_summary(tmp_path: Path):
     assert failure_detail(killed) == "rank 0 was killed by SIGKILL (exit code -9)"
 
 
+def test_a_failed_cluster_job_says_which_rank_failed_first_on_which_node(tmp_path: Path):
+    """A Slurm or Kubernetes job's nodes each keep a folder (``node-N``); the earliest failure
+    record names the rank, its node and its last lines; without any record, the processes were
+    killed from outside (a node's launcher killed with its ranks records nothing)."""
+    import json
+    from dataclasses import asdict
+
+    from moe_core.train.torchrun import REPORT, FailedRank, cluster_failure, main
+
+    root = tmp_path / "logs" / "job-7"
+    assert cluster_failure(root) is None  # no node started
+    for n in range(3):
+        (root / f"node-{n}").mkdir(parents=True)
+    assert cluster_failure(root) == (
+        "no node recorded a failed rank, so the job's processes were killed from outside "
+        "(a lost node, the out-of-memory killer or a cancellation)",
+        f"the nodes' logs: {root}",
+    )
+    later = FailedRank(0, 0, 5, 1, None, "connection reset by peer", None)
+    first = FailedRank(9, 1, 6, 1, None, "CUDA out of memory", None)
+    (root / "node-0" / "failure.json").write_text(json.dumps(asdict(later)))
+    (root / "node-2" / "failure.json").write_text(json.dumps(asdict(first)))
+    os.utime(root / "node-0" / "failure.json", (2000, 2000))
+    os.utime(root / "node-2" / "failure.json", (1000, 1000))  # recorded first
+    detail, context = cluster_failure(root)
+    assert detail == "rank 9 exited with code 1 (CUDA out of memory) on node 2"
+    assert context == f"torchrun's report: {root / 'node-2' / REPORT}"
+
+    # the wrapper puts each node's number into its arguments (Slurm's, else Kubernetes')
+    for variable, value in (("SLURM_NODEID", "3"), ("JOB_COMPLETION_INDEX", "5")):
+        env = {"SLURM_NODEID": "", "JOB_COMPLETION_INDEX": "", variable: value}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            with pytest.raises(SystemExit, match="usage"):
+                main(["--failure"])  # too few arguments: refused before anything starts
+            out = tmp_path / "nodes"
+            with pytest.raises(SystemExit):  # torchrun's own parser: no script given
+                main(["--failure", f"{out}/node-{{node}}/failure.json", "--standalone"])
+            assert (out / f"node-{value}").is_dir()
+
+
 def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
     from flows.launchers import SlurmLauncher
 
@@ -679,10 +743,11 @@ def test_a_shrinking_slurm_script_trains_on_the_most_nodes_it_got_that_the_layou
         SLURM_CPUS_ON_NODE="96",
     )
     assert "training on 4 of the 7 nodes allocated (cluster.nodes=8)" in done.stdout
-    torchrun = argv.index("torchrun")
+    torchrun = argv.index("python")
     assert argv[:3] == ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1"]
+    logs = f"{tmp_path}/logs/job-77/node-{{node}}"
     assert argv[torchrun:] == torchrun_command(
-        run, str(tmp_path / "config.json"), 4, None, "gpu-node-01:29500", rdzv_id="77"
+        run, str(tmp_path / "config.json"), 4, None, "gpu-node-01:29500", rdzv_id="77", log_dir=logs
     )
     assert argv[-2:] == ["--nodes", "4"]
 

@@ -127,6 +127,16 @@ def test_a_killed_node_fails_the_job_which_is_resubmitted_and_resumes(resubmitte
     assert failed["job_id"] == str(first) and failed["state"] == "FAILED" and not failed["ok"]
     assert resumed["job_id"] == str(first + 1) and resumed["state"] == "COMPLETED"
     assert resumed["number"] == 2 and resumed["ok"]
+    # what the failed job's nodes recorded, in one clause: node 1 was killed with its launcher,
+    # so no rank's failure was recorded; no torchrun "Root Cause" summary in the job's log
+    assert failed["detail"] == (
+        f"slurm job {first} ended FAILED: no node recorded a failed rank, so the job's processes "
+        "were killed from outside (a lost node, the out-of-memory killer or a cancellation)"
+    ), failed["detail"]
+    assert failed["context"] == f"the nodes' logs: {run_dir / 'train' / 'logs' / f'job-{first}'}"
+    first_log = (run_dir / "train" / f"slurm-{first}.out").read_text()
+    assert "Root Cause" not in first_log and "ChildFailedError" not in first_log
+    assert (run_dir / "train" / "logs" / f"job-{first}" / "node-1").is_dir()
     log = (run_dir / "train" / f"slurm-{first + 1}.out").read_text()
     unwrapped = re.sub(r"\s*\n\s*", "", log)  # the console wraps a long checkpoint path
     resumed_at = re.search(r"resumed from\s*\S*step_(\d+)", unwrapped)

@@ -7,6 +7,10 @@ the console) goes to ``torchrun.log`` beside ``FILE`` together with the launcher
 ``FILE`` receives the first failure as JSON (``FailedRank``), which the launcher turns into one
 sentence (``failure_detail``, ``failure_context``). Each line a rank prints is prefixed with its
 rank (``split_rank``). The exit status is torchrun's: 0, or 1 when a rank failed.
+
+On a cluster each node runs one: ``NODE`` in any argument becomes the node's number
+(``SLURM_NODEID`` under Slurm, ``JOB_COMPLETION_INDEX`` in a Kubernetes Indexed Job), so each
+node keeps its own folder, and ``cluster_failure`` reads the folders of a failed job.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ LINE_CHARS = 200  # each cut to this many characters
 REPORT = "torchrun.log"  # beside the failure file: torchrun's log and its full error summary
 # With ``--tee``, each line a rank writes reaches the console as "[rank<global rank>]:<line>".
 PREFIX = re.compile(r"\[rank(\d+)\]:")
+NODE = "{node}"  # in an argument: this node's number (see the module doc)
+NODE_VARIABLES = ("SLURM_NODEID", "JOB_COMPLETION_INDEX")
 
 
 @dataclass
@@ -52,6 +58,8 @@ def _rank_log_dir(log_dir: str | None, local_rank: int) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """torchrun with ``argv`` (after ``--failure FILE``); returns its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    node = next((os.environ[v] for v in NODE_VARIABLES if os.environ.get(v)), "0")
+    argv = [a.replace(NODE, node) for a in argv]
     if len(argv) < 2 or argv[0] != "--failure":
         raise SystemExit("usage: python -m moe_core.train.torchrun --failure FILE <torchrun args>")
     failure_file = Path(argv[1])
@@ -141,6 +149,27 @@ def failure_context(failed: FailedRank, report: Path) -> str:
         said = " | ".join(lines) if lines else "nothing"
         text = f"its last lines: {said} (its log: {failed.log_dir}); "
     return text + f"torchrun's report: {report}"
+
+
+def cluster_failure(root: Path) -> tuple[str, str] | None:
+    """What a failed cluster job's nodes recorded under ``root`` (one ``node-N`` folder each,
+    made when its launcher started), as (detail, context) for ``Attempt``: the first rank that
+    failed (the earliest record: a rank's crash is recorded before its node's launcher exits,
+    and only that exit makes the cluster stop the other nodes), or, when no node recorded one,
+    that the job's processes were killed from outside. None when no node started."""
+    nodes = sorted(root.glob("node-*"))
+    if not nodes:
+        return None
+    failed = [(n, f) for n in nodes if (f := read_failure(n / "failure.json")) is not None]
+    if not failed:
+        return (
+            "no node recorded a failed rank, so the job's processes were killed from outside "
+            "(a lost node, the out-of-memory killer or a cancellation)",
+            f"the nodes' logs: {root}",
+        )
+    node, first = min(failed, key=lambda nf: (nf[0] / "failure.json").stat().st_mtime)
+    number = node.name.removeprefix("node-")
+    return f"{failure_detail(first)} on node {number}", failure_context(first, node / REPORT)
 
 
 if __name__ == "__main__":
