@@ -48,9 +48,10 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-# dp2 runs with rank 1 slowed by a sleep on its way to each step's first collective: it still
-# trains the same model, and rank 0 names it as a straggler (moe_core.train.stragglers), once
-SLOWED = {"dp2": ["train.log_every=1", "train.straggler_share=0.1"]}
+# pp2-ep2 (4 ranks) runs with rank 1 slowed by a sleep on its way to each step's first
+# collective: it still trains the same model, and rank 0 names it as a straggler
+# (moe_core.train.stragglers), once
+SLOWED = {"pp2-ep2": ["train.log_every=1", "train.straggler_share=0.1"]}
 
 
 @pytest.mark.slow

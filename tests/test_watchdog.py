@@ -33,6 +33,19 @@ def test_the_ranks_behind_are_named_with_where_the_others_wait():
         "layers.1.moe) while the others wait in all_to_all (token dispatch) of layers.2" in sentence
     )
     assert "rank 3 wrote no report" in sentence
+    # at dp 2 x ep 2 the ranks ahead wait in different places: each named with its ranks,
+    # the stalled rank's expert-parallel partner (waiting on it directly) first
+    split = {
+        0: _report(0, 9, "reduce_scatter (gradient bucket) over dp x ep (dense)"),
+        1: _report(1, 9, "reduce_scatter (gradient bucket) over dp x ep (dense)"),
+        2: _report(2, 1, "all_to_all (token dispatch) of layers.0.moe over ep"),
+        3: _report(3, 0, "no collective yet in this step"),
+    }
+    assert (
+        "rank 3 fell behind (last entered no collective yet in this step) while rank 2 waits in "
+        "all_to_all (token dispatch) of layers.0.moe over ep and ranks 0, 1 wait in "
+        "reduce_scatter (gradient bucket) over dp x ep (dense);"
+    ) in name_lagging(split, 3, world=4)
     same = {r: _report(r, 4, "all_reduce (step values)") for r in range(2)}
     assert "every rank stands at the same place (all_reduce (step values))" in name_lagging(
         same, 3, world=2
@@ -96,29 +109,33 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_a_stalled_rank_is_named_and_the_relaunch_trains_the_same_model(
     uninterrupted, tmp_path, monkeypatch
 ):
-    """EP=2 under torchrun: rank 1 stalls on its way to step 3's first token dispatch; both
-    watchdogs fire, rank 0 names rank 1, every rank exits with HANG_EXIT; the relaunch (as the
-    pipeline's launcher makes it) resumes from step 2's checkpoint and ends as the uninterrupted
-    single-process run does."""
+    """4 ranks under torchrun (dp 2 x ep 2): rank 3 stalls on its way to step 3's first token
+    dispatch; every watchdog fires, rank 0 names rank 3, every rank exits with HANG_EXIT; the
+    relaunch (as the pipeline's launcher makes it) resumes from step 2's checkpoint and ends as
+    the uninterrupted single-process run does."""
     marker = tmp_path / "stalled-once"
-    monkeypatch.setenv("MOE_TEST_STALL", f"1:3:120:{marker}")
+    monkeypatch.setenv("MOE_TEST_STALL", f"3:3:120:{marker}")
     out = tmp_path / "run"
     watch = ["train.hang_factor=10", "train.hang_min_s=5", "train.checkpoint_every=2"]
-    args = ["-m", "moe_core.cli", "train", *BASE, "parallel.ep=2", *watch, f"out_dir={out}"]
-    hung = torchrun(2, args, timeout=400)
+    layout = ["parallel.dp=2", "parallel.ep=2"]
+    args = ["-m", "moe_core.cli", "train", *BASE, *layout, *watch, f"out_dir={out}"]
+    hung = torchrun(4, args, timeout=400)
     assert hung.returncode != 0 and marker.is_file()  # the stall happened, the job ended
     assert f"exitcode  : {HANG_EXIT}" in hung.stderr, explain(hung)
-    result = torchrun(2, args, timeout=400)  # the relaunch: no stall this time (the marker)
+    result = torchrun(4, args, timeout=400)  # the relaunch: no stall this time (the marker)
     assert result.returncode == 0, explain(result)
     sentence = (hangs_dir(out) / LATEST).read_text()
     assert sentence.startswith("hang at step 3 after "), sentence
-    assert "rank 1 fell behind (last entered no collective yet in this step) while the others " in (
-        sentence
-    )
-    assert "wait in all_to_all (token dispatch) of layers.0.moe over ep, micro-batch 0" in sentence
-    stalled = json.loads((hangs_dir(out) / "step_3" / "rank_1.json").read_text())
+    # its expert-parallel partner waits for it in the token dispatch, the other two ahead
+    assert (
+        "rank 3 fell behind (last entered no collective yet in this step) while rank 2 "
+        + ("waits in all_to_all (token dispatch) of layers.0.moe over ep, micro-batch 0")
+        in sentence
+    ), sentence
+    assert "and ranks 0, 1 wait in " in sentence, sentence
+    stalled = json.loads((hangs_dir(out) / "step_3" / "rank_3.json").read_text())
     assert stalled["entered"] == 0 and stalled["router_counts"]  # counts of its layers
-    assert "hang watchdog: rank 1 has been in step 3" in hung.stderr
+    assert "hang watchdog: rank 3 has been in step 3" in hung.stderr
     assert_trains_like(uninterrupted, out, steps=5)
 
 

@@ -177,6 +177,24 @@ def collect(folder: Path, world: int, wait_s: float) -> dict[int, dict[str, Any]
         time.sleep(POLL_S)
 
 
+def _waiting(reports: dict[int, dict[str, Any]], behind: list[int]) -> str:
+    """Where the ranks ahead wait: "the others wait in X" when they all wait in one place,
+    else each place with its ranks, those nearest the ranks behind first (they wait on them
+    directly, such as their expert-parallel group in its token dispatch)."""
+    places: dict[str, list[int]] = {}
+    ahead = sorted((rep["entered"], r) for r, rep in reports.items() if r not in behind)
+    for _, r in ahead:
+        places.setdefault(reports[r]["where"], []).append(r)
+    if len(places) == 1:
+        return f"the others wait in {next(iter(places))}"
+    said = [
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))} "
+        f"{'wait' if len(ranks) > 1 else 'waits'} in {where}"
+        for where, ranks in places.items()
+    ]
+    return ", ".join(said[:-1]) + " and " + said[-1]
+
+
 def name_lagging(reports: dict[int, dict[str, Any]], step: int, world: int) -> str:
     """One sentence: which ranks are behind at ``step`` and where everyone stands."""
     silent = [r for r in range(world) if r not in reports]
@@ -186,11 +204,10 @@ def name_lagging(reports: dict[int, dict[str, Any]], step: int, world: int) -> s
     parts = []
     if behind:
         where = reports[behind[0]]["where"]
-        ahead = next(rep for rep in reports.values() if rep["entered"] == most)["where"]
         ranks = ", ".join(map(str, behind))
         parts.append(
             f"rank{'s' if len(behind) > 1 else ''} {ranks} fell behind (last entered {where}) "
-            f"while the others wait in {ahead}"
+            f"while {_waiting(reports, behind)}"
         )
     if silent:
         parts.append(
