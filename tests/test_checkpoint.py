@@ -216,6 +216,37 @@ def test_a_run_resumed_on_half_its_nodes_trains_like_the_uninterrupted_run(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the test above holds the same path in CI (4 ranks to 2, dp 2 -> 1)
+def test_a_dp4_run_resumed_on_2_ranks_at_dp2_trains_like_the_uninterrupted_run(tmp_path):
+    """cluster.on_node_loss=shrink at pure data parallelism: 4 ranks (dp 4 on 2 nodes of 2, one
+    micro-batch each) resumed from their step-2 checkpoint on 1 node (dp 2, two micro-batches
+    each: the global batch kept, the ZeRO-1 state resharded 4 -> 2) train the uninterrupted
+    4-rank run's loss curve and weights within the layout-parity tolerance."""
+    cluster = ["cluster=slurm", "cluster.nodes=2", "cluster.procs_per_node=2"]
+    shrink = ["cluster.gpus_per_node=0", "cluster.on_node_loss=shrink"]
+    layout = ["parallel.dp=4", "train.checkpoint_every=2"]
+    whole, shrunk = tmp_path / "whole", tmp_path / "shrunk"
+    configs = {}
+    for name, out in (("whole", whole), ("shrunk", shrunk)):
+        run = compose_run([*BASE, *layout, *cluster, *shrink, f"out_dir={out}"])
+        configs[name] = tmp_path / f"{name}.json"
+        configs[name].write_text(json.dumps(to_dict(run)))
+    assert run.node_counts == {2: 4, 1: 2}
+    train = ["-m", "moe_core.cli", "train", "--config"]
+    result = torchrun(4, [*train, str(configs["whole"])])
+    assert result.returncode == 0, explain(result)
+    step2 = step_dir_name(2)
+    shutil.copytree(whole / "checkpoints" / step2, shrunk / "checkpoints" / step2)
+    rows = (whole / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (shrunk / "metrics.jsonl").write_text("".join(rows[:2]))  # what the run had logged
+    result = torchrun(2, [*train, str(configs["shrunk"]), "--nodes", "1"])
+    assert result.returncode == 0, explain(result)
+    assert "continuing on 1 of 2 nodes: dp 4 -> 2, accumulation 1 -> 2" in result.stdout
+    assert f"resumed from {shrunk / 'checkpoints' / step2}" in result.stdout.replace("\n", "")
+    assert_trains_like(whole, shrunk, steps=5)
+
+
+@pytest.mark.slow
 def test_retention_keeps_last_n_and_every_kth(tmp_path):
     args = [
         *BASE,
