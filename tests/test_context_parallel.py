@@ -4,6 +4,7 @@ causal attention work on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -326,6 +327,11 @@ def test_the_plan_counts_a_cp_th_of_each_sequence_plus_the_gathered_keys_and_val
     gathered = context_activation_bytes(cp2)
     assert gathered == (2 - 1) * T * 2 * kv * bc
     assert with_cp.memory.activations == half.memory.activations + layers * gathered
+    # under a document mask the varlen core keeps the keys its segments pick instead: at most
+    # one chunk (64 / 4) a row more than gathered, micro-batch 2
+    docs = compose_run([*BASE, *GQA, "parallel.cp=2", "train.seq_len=64", "data.kind=tokens"])
+    docs = dataclasses.replace(docs, train=dataclasses.replace(docs.train, document_mask=True))
+    assert context_activation_bytes(docs) == gathered + 2 * 16 * 2 * kv * bc
     assert with_cp.comm.context_per_layer == 2 * T * 2 * kv * bc  # gather + reduce-scatter
     assert with_cp.comm.context == with_cp.comm.context_per_layer * layers * 4  # micro-batches
     assert half.comm.context == 0

@@ -107,22 +107,32 @@ def context_activation_bytes(run: RunConfig) -> int:
     latent attention the gathered compressed key-value (``cp T r_kv b_c``, the expansion's
     input) and the other ranks' expanded keys and key-value projection, ``(cp - 1) T b_c (q +
     n_heads (nope + v_head_dim))``; nothing under selective recompute, which gathers inside
-    the recomputed part. 0 without context parallelism."""
+    the recomputed part. 0 without context parallelism.
+
+    With ``train.document_mask`` the varlen core keeps, instead of the gathered keys and values,
+    those each of the rank's document segments picks from them (``context.context_varlen``):
+    at most the whole row's and one chunk's more (one document spanning the row: each chunk
+    picks its document's keys up to the chunk's end), so ``B c`` keys and values more, ``c =
+    seq_len / (2 cp)``."""
     m, par = run.model, run.parallel
     cp = par.cp
     if cp == 1:
         return 0
     _, bc, _ = element_bytes(run)
     tokens = tokens_per_micro_batch(run)
+    assert m.head_dim is not None
+    picked = 0  # the keys a document mask's segments pick beyond the gathered ones
+    if run.train.document_mask:
+        picked = run.train.micro_batch_size * (run.train.seq_len // (2 * cp))
     if not m.latent:
-        assert m.head_dim is not None
-        return (cp - 1) * tokens * 2 * m.kv_heads * m.head_dim * bc
+        return ((cp - 1) * tokens + picked) * 2 * m.kv_heads * m.head_dim * bc
     if par.recompute == "selective":
         return 0
-    assert m.head_dim is not None and m.qk_nope_head_dim is not None and m.v_head_dim
+    assert m.qk_nope_head_dim is not None and m.v_head_dim
     assert m.kv_lora_rank is not None
     expanded = m.n_heads * m.head_dim + m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
-    return tokens * bc * ((cp - 1) * expanded + cp * m.kv_lora_rank)
+    keys_values = m.n_heads * (m.head_dim + m.v_head_dim)  # what a segment picks, expanded
+    return tokens * bc * ((cp - 1) * expanded + cp * m.kv_lora_rank) + picked * keys_values * bc
 
 
 # --------------------------------------------------------------------------------------------
