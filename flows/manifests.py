@@ -61,12 +61,13 @@ ADDED_SINCE: dict[str, Any] = {
     "parallel.backend": "auto",
 }
 
-# Train options that do not change what training computes (the hang watchdog's limits, the
-# straggler report's): no key hashes them, so changing one redoes no stage.
+# Train options that do not change what training computes (the hang watchdog's limits and
+# flight recorder, the straggler report's): no key hashes them, so changing one redoes no stage.
 NOT_IN_TRAIN_KEY = (
     "hang_factor",
     "hang_min_s",
     "hang_first_s",
+    "flight_recorder",
     "straggler_share",
     "straggler_windows",
 )

@@ -637,6 +637,10 @@ class TrainConfig:
     hang_factor: float = 10.0
     hang_min_s: float = 300.0
     hang_first_s: float = 1800.0
+    # torch's flight recorder: every process group keeps its last flight_recorder collectives
+    # (TORCH_FR_BUFFER_SIZE, set before the groups are made unless the environment sets it),
+    # which each rank dumps beside its hang report for torch.distributed.flight_recorder; 0: off
+    flight_recorder: int = 2000
     # Stragglers (train.stragglers): every log_every steps the ranks' step, own-work and data
     # times go to metrics.jsonl; a rank whose own work exceeds the ranks' median by more than
     # straggler_share of the step in straggler_windows reports in a row is named (0: none is)
@@ -660,7 +664,7 @@ class TrainConfig:
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "seed", "eval_every"):
             _non_negative(p + name, getattr(self, name))
         _at_most(p + "seed", self.seed, MAX_SEED, "the 32 bits the data generators take")
-        for name in ("checkpoint_every", "keep_last", "keep_every"):
+        for name in ("checkpoint_every", "keep_last", "keep_every", "flight_recorder"):
             _non_negative(p + name, getattr(self, name))
         for name in ("hang_min_s", "hang_first_s", "straggler_windows"):
             _positive(p + name, getattr(self, name))

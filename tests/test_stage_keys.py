@@ -82,13 +82,13 @@ def test_data_options_added_since_key_version_2_leave_the_tokenize_key_alone(tmp
 def test_train_options_added_since_key_version_2_leave_the_train_key_alone(tmp_path):
     """``train.document_mask``, ``parallel.cp`` and ``parallel.backend`` hash only when set
     otherwise than before (they change what or how training computes), the hang watchdog's
-    limits and the straggler report's never: a run folder trained before them keeps its train
-    key."""
+    limits and flight recorder and the straggler report's never: a run folder trained before
+    them keeps its train key."""
     from moe_core.config_dict import to_dict
 
     run = resolve(compose_dict([], config_name="pretrain-tiny"), tmp_path)
     added = {"document_mask", "hang_factor", "hang_min_s", "hang_first_s", "cp", "backend"}
-    added |= {"straggler_share", "straggler_windows"}
+    added |= {"straggler_share", "straggler_windows", "flight_recorder"}
     train = {k: v for k, v in to_dict(run.train).items() if k not in added}
     parallel = {k: v for k, v in to_dict(run.parallel).items() if k not in added}
     keys = stage_keys(run)

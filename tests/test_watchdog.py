@@ -4,6 +4,7 @@ others stand, every rank exits, and the relaunch finishes the run as if nothing 
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from pathlib import Path
 
@@ -135,6 +136,15 @@ def test_a_stalled_rank_is_named_and_the_relaunch_trains_the_same_model(
     assert "and ranks 0, 1 wait in " in sentence, sentence
     stalled = json.loads((hangs_dir(out) / "step_3" / "rank_3.json").read_text())
     assert stalled["entered"] == 0 and stalled["router_counts"]  # counts of its layers
+    # each rank's flight record (torch's): rank 2 entered one collective more than its
+    # expert-parallel partner, the token dispatch it waits in (gloo records every collective as
+    # scheduled, with no state or group names to match: NCCL's records have them)
+    records = hangs_dir(out) / "step_3" / "flight_recorder"
+    assert sorted(p.name for p in records.iterdir()) == [f"rank_{r}" for r in range(4)]
+    assert stalled["flight_recorder"] == str(records / "rank_3")
+    entries = {r: pickle.loads((records / f"rank_{r}").read_bytes())["entries"] for r in (2, 3)}
+    assert len(entries[2]) == len(entries[3]) + 1
+    assert entries[2][-1]["profiling_name"] == "gloo:all_to_all", entries[2][-1]
     assert "hang watchdog: rank 3 has been in step 3" in hung.stderr
     assert_trains_like(uninterrupted, out, steps=5)
 

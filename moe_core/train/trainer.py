@@ -81,7 +81,7 @@ from moe_core.train.stack import build_stack
 from moe_core.train.step_graph import StepGraphs
 from moe_core.train.step_metrics import StepMetrics, StepValues
 from moe_core.train.stragglers import Stragglers
-from moe_core.train.watchdog import Watchdog
+from moe_core.train.watchdog import Watchdog, keep_flight_record
 from moe_kernels.grouped_gemm import runs_on_device
 
 COUNTS_WAIT_S = 5.0  # the hang report waits this long for a device to give its router counts
@@ -106,6 +106,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None, console: Console | None = None):
         self.cfg = cfg
+        keep_flight_record(cfg.train.flight_recorder)  # before any process group is made
         self.mesh = mesh or init_distributed(cfg.parallel)
         self.device = self.mesh.device
         self.graphs: StepGraphs | None = None

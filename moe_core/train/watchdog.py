@@ -11,8 +11,15 @@ bytes; its router's expert counts of the step where the device answers) to
 ``REPORT_WAIT_S`` for the others' files and names the ranks behind, those that entered fewest
 collectives in the step (a rank stuck in its own work never reaches the collective the others
 wait in), or that wrote nothing, in one sentence: on its log, in ``hangs/latest.txt`` (the
-pipeline puts it in the relaunch's reason and the tracking run) and in the step's folder. Every
-rank then exits with ``HANG_EXIT``.
+pipeline puts it in the relaunch's reason and the tracking run) and in the step's folder; the
+other ranks wait for it (the launcher stops every rank once one exits). Every rank then exits
+with ``HANG_EXIT``.
+
+Beside its report each rank dumps torch's flight recorder (``train.flight_recorder``: the last
+collectives of every process group, with their sizes) to ``step_<N>/flight_recorder/rank_<r>``
+(a pickle). NCCL's records hold each collective's state and group, which ``python -m
+torch.distributed.flight_recorder.fr_trace <folder> -p rank_`` matches across ranks; gloo's (the
+CPU's) list the collectives only, which its analyzer does not read (torch 2.13).
 """
 
 from __future__ import annotations
@@ -33,12 +40,50 @@ from moe_core.config import TrainConfig
 from moe_core.files import atomic_write, json_bytes
 from moe_core.parallel.trace import TRACE, Trace
 
+# The flight recorder's buffer size: its name since torch 2.12-ish, and before (NCCL's only)
+FR_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_FOLDER = "flight_recorder"
 HANG_EXIT = 75  # the exit status of a rank the watchdog ended (EX_TEMPFAIL: try again)
 WARM_STEPS = 3  # steps after which the recent steps set the limit
 RECENT_STEPS = 20  # how many recent steps the median is over
 REPORT_WAIT_S = 10.0  # rank 0 waits this long for the other ranks' reports
+SUMMARY_GRACE_S = 10.0  # and the others this much longer for its sentence before they exit
 POLL_S = 0.5
 LATEST = "latest.txt"
+
+
+def _fr_dump() -> Callable[[], bytes] | None:
+    """torch's dump of this process's flight record (pickled), under its current or old name."""
+    from torch._C import _distributed_c10d as c10d
+
+    return getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+
+
+def keep_flight_record(entries: int) -> None:
+    """Turn torch's flight recorder on for ``entries`` collectives per process group: before
+    any group is made (the recorder reads its size then); a size the environment sets wins."""
+    from torch._C import _distributed_c10d as c10d
+
+    if entries and not any(name in os.environ for name in FR_SIZE):
+        os.environ[FR_SIZE[0] if hasattr(c10d, "_dump_fr_trace") else FR_SIZE[1]] = str(entries)
+
+
+def dump_flight_record(folder: Path, rank: int) -> str:
+    """This rank's flight record as ``folder/flight_recorder/rank_<rank>``: the file, or why
+    there is none (the report must come out whatever torch does)."""
+    dump = _fr_dump()
+    if dump is None:
+        return "none: this torch has no flight recorder"
+    if not any(name in os.environ for name in FR_SIZE):
+        return "none: train.flight_recorder=0"
+    try:
+        data = dump()
+    except Exception as err:
+        return f"none: {err}"
+    path = folder / FR_FOLDER / f"rank_{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, data)
+    return str(path)
 
 
 def hangs_dir(out_dir: str | Path) -> Path:
@@ -148,6 +193,7 @@ class Watchdog:
         folder = self.dir / f"step_{step}"
         folder.mkdir(parents=True, exist_ok=True)
         mine = self.report(step, elapsed, limit)
+        mine["flight_recorder"] = dump_flight_record(folder, self.rank)
         atomic_write(folder / f"rank_{self.rank}.json", json_bytes(mine))
         print(
             f"hang watchdog: rank {self.rank} has been in step {step} for {elapsed:.1f} s (limit "
@@ -155,11 +201,17 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
+        summary = folder / "summary.txt"
         if self.rank == 0:
             sentence = name_lagging(collect(folder, self.world, REPORT_WAIT_S), step, self.world)
-            atomic_write(folder / "summary.txt", (sentence + "\n").encode())
             atomic_write(self.dir / LATEST, (sentence + "\n").encode())
+            atomic_write(summary, (sentence + "\n").encode())
             print(sentence, file=sys.stderr, flush=True)
+        else:
+            # the launcher stops every rank once one exits: stay until rank 0 has said it
+            deadline = time.monotonic() + REPORT_WAIT_S + SUMMARY_GRACE_S
+            while not summary.is_file() and time.monotonic() < deadline:
+                time.sleep(0.05)
         self._exit(HANG_EXIT)
 
 
