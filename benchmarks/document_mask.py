@@ -10,13 +10,15 @@ documents:
 
 1. The attention core (batch 4, sequence 4096, 16 heads of 128, bf16, forward + backward;
    CUDA events after warm-up, the median): FlashAttention 4 causal over whole rows, FlashAttention
-   4 varlen over the rows' documents (what the mask runs), and SDPA causal.
+   4 varlen over the rows' documents (what the mask runs), SDPA causal, and compiled
+   FlexAttention under the documents' block mask (and the mask's making, apart).
 2. ``moe train`` (``trainer_step.trainer_run``: the figure the product prints), one process per
    variant, on a token folder of those documents, attention by FlashAttention 4
    (``parallel.attention=flash4``, what ``auto`` picks where it is installed): the mask off (CUDA
    graphs as configured: on), the mask off without CUDA graphs, and the mask on (varlen; graphs
    off: each micro-batch brings its own number of documents); then SDPA, the core where
-   FlashAttention 4 is not installed, mask off and on (under the explicit [B, 1, S, S] mask). The
+   FlashAttention 4 is not installed, mask off and on (under the explicit [B, 1, S, S] mask), and
+   FlexAttention under the documents' block mask (``parallel.attention=flex``). The
    printed model TFLOP/s counts attention over whole rows in every variant (the design's
    convention), so the step time and tokens/s compare the variants.
 """
@@ -110,12 +112,39 @@ def attention_core(tokens: np.ndarray, iters: int) -> dict:
         t = [x.transpose(1, 2) for x in (q, k, v)]
         F.scaled_dot_product_attention(*t, is_causal=True).backward(dy.transpose(1, 2))
 
+    # FlexAttention (parallel.attention=flex), compiled, under the documents' block mask (made
+    # once per micro-batch, as the model makes it: timed apart)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc_BS = torch.cumsum(docs.positions_BS == 0, dim=1)
+
+    def within_document(b, h, q_idx, kv_idx):
+        return (doc_BS[b, q_idx] == doc_BS[b, kv_idx]) & (kv_idx <= q_idx)
+
+    compiled_flex = torch.compile(flex_attention)
+
+    def block_mask():
+        return create_block_mask(within_document, MBS, None, SEQ, SEQ, device="cuda", _compile=True)
+
+    mask = block_mask()
+
+    def flex() -> None:
+        t = [x.transpose(1, 2) for x in (q, k, v)]
+        compiled_flex(*t, block_mask=mask).backward(dy.transpose(1, 2))
+
     out = {
         "documents": len(lengths),
         "mean_document": float(lengths.mean()),
         "attention_work_share": work,  # the masked causal pairs against whole rows'
     }
-    for name, fn in (("flash4_causal", whole), ("flash4_varlen", varlen), ("sdpa_causal", sdpa)):
+    timed = (
+        ("flash4_causal", whole),
+        ("flash4_varlen", varlen),
+        ("sdpa_causal", sdpa),
+        ("flex_documents", flex),
+        ("flex_block_mask", block_mask),
+    )
+    for name, fn in timed:
         out[f"{name}_ms"] = statistics.median(cuda_times_ms(fn, 5, iters))
     out["varlen_vs_causal"] = out["flash4_causal_ms"] / out["flash4_varlen_ms"]
     return out
@@ -150,6 +179,7 @@ def main() -> None:
             "mask_on": (["train.document_mask=true"], "flash4"),
             "sdpa_mask_off": ([], "sdpa"),
             "sdpa_mask_on": (["train.document_mask=true"], "sdpa"),
+            "flex_mask_on": (["train.document_mask=true"], "flex"),
         }
         with tempfile.TemporaryDirectory() as tmp:
             data = Path(tmp) / "documents"

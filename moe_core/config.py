@@ -997,8 +997,10 @@ class ParallelConfig:
     # QuACK where installed (sm90+), else torch (``moe_kernels.grouped_gemm``, measured there).
     expert_gemm: Literal["auto", "torch", "quack"] = "auto"
     # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
-    # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA.
-    attention: Literal["auto", "sdpa", "flash4"] = "auto"
+    # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA. "flex": torch's
+    # FlexAttention, with train.document_mask a block-sparse mask of the documents (no S x S
+    # mask; any GPU torch compiles it for, and the CPU), not yet measured on a GPU.
+    attention: Literal["auto", "sdpa", "flash4", "flex"] = "auto"
     # The gate+up expert GEMM reads each routed token row through an index (QuACK's A_idx)
     # instead of a permuted copy, so backward keeps no [rows, d_model] copy: 8 GiB less peak
     # memory for OLMoE-1B-7B at micro-batch 4 (64 vs 72 GiB), at 0.91-0.99 of the MoE layer's
@@ -1599,6 +1601,11 @@ class RunConfig:
         beyond the layout rules (``RULES``: chunks that divide the sequence, no pipeline
         stages, no MTP)."""
         cp = self.parallel.cp
+        if self.parallel.attention == "flex":
+            raise OptionNotImplementedError(
+                f"parallel.attention='flex' with parallel.cp={cp} is not built yet: context "
+                "parallelism runs FlashAttention 4 or SDPA; set parallel.attention=auto."
+            )
         if self.eval.every:
             raise OptionNotImplementedError(
                 f"eval.every={self.eval.every} with parallel.cp={cp} is not built yet: "

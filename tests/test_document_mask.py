@@ -11,7 +11,7 @@ import torch
 from helpers import BASE, assert_trains_like, explain, torchrun, write_token_dir
 
 from moe_core.compose import compose_run
-from moe_core.config import ConfigError, ModelConfig
+from moe_core.config import ConfigError, ModelConfig, OptionNotImplementedError
 from moe_core.model import build_model
 from moe_core.model.documents import Documents, documents_of
 from moe_core.train.trainer import Trainer
@@ -73,6 +73,47 @@ def test_a_packed_document_gets_the_logits_it_gets_alone(variant):
         # a later document does see its predecessors without the mask (the test can fail)
         r, start, end = spans[1]
         assert (unmasked[r, start:end] - packed[r, start:end]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["gqa-head-norm", "latent"])
+def test_flex_attention_computes_what_the_masked_reference_computes(variant):
+    """``parallel.attention=flex``: FlexAttention under the documents' block mask (and the
+    causal one without documents) gives the SDPA reference's logits (the CPU runs torch's
+    unfused FlexAttention, forward only: its gradients are tests/test_document_mask_gpu.py's)."""
+    import copy
+
+    from moe_core.model.kernel_choice import Kernels
+    from moe_core.model.transformer import apply_kernels
+
+    cfg = _variants()[variant]
+    reference = build_model(cfg, seed=5)
+    flex = copy.deepcopy(reference)
+    apply_kernels(flex, Kernels(attention="flex"))
+    inputs, _ = _packed([[5, 9, 2, 8], [11, 13]], cfg.vocab_size, seed=4)
+    with torch.no_grad():
+        for docs in (documents_of(inputs, EOS), None):
+            want, got = (m.head(m.norm(m.hidden(inputs, docs=docs)[0])) for m in (reference, flex))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the documents' block mask is made once and shared by every layer of the micro-batch
+        docs = documents_of(inputs, EOS)
+        flex.hidden(inputs, docs=docs)
+        assert docs.block_mask is not None and docs.block_mask.shape[0] == inputs.shape[0]
+
+
+def test_flex_attention_with_context_parallelism_or_on_a_cpu_is_refused(tmp_path):
+    with pytest.raises(OptionNotImplementedError) as err:
+        compose_run([*BASE, "parallel.attention=flex", "parallel.cp=2", "train.seq_len=32"])
+    assert str(err.value) == (
+        "parallel.attention='flex' with parallel.cp=2 is not built yet: context parallelism runs "
+        "FlashAttention 4 or SDPA; set parallel.attention=auto."
+    )
+    with pytest.raises(ConfigError) as err:
+        Trainer(compose_run([*BASE, "parallel.attention=flex", f"out_dir={tmp_path}"]))
+    assert str(err.value) == (
+        "parallel.attention='flex' needs a CUDA GPU (torch's FlexAttention has no backward on "
+        "the CPU), which this cpu run lacks; use 'auto' or 'sdpa'."
+    )
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_gradients_stay_inside_their_document():

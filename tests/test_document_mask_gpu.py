@@ -1,7 +1,7 @@
-"""Intra-document attention on the GPU: FlashAttention 4's varlen kernels give what SDPA under
-the explicit document mask gives (the reference), forward and gradients, for grouped-query and
-latent attention, eagerly and in a compiled block whose micro-batches bring different numbers
-of documents."""
+"""Intra-document attention on the GPU: FlashAttention 4's varlen kernels and FlexAttention's
+block mask (``parallel.attention=flex``) give what SDPA under the explicit document mask gives
+(the reference), forward and gradients, for grouped-query and latent attention, eagerly and in
+a compiled block whose micro-batches bring different numbers of documents."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from moe_core.model.eager import seal
 from moe_core.model.kernel_choice import Kernels
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4")
 
 S = 1024
 EOS = 0
@@ -52,14 +51,17 @@ def _inputs(seed: int) -> torch.Tensor:
     return tokens
 
 
+@pytest.mark.parametrize("core", ["flash4", "flex"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_flash4_varlen_equals_the_masked_reference(kind, compiled):
+def test_document_cores_equal_the_masked_reference(kind, compiled, core):
+    if core == "flash4":
+        pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4")
     cfg = ModelConfig(max_seq_len=S, **CONFIGS[kind])
     torch.manual_seed(0)
     module = (LatentAttention if kind == "latent" else Attention)(cfg).cuda().to(torch.bfloat16)
     flash = copy.deepcopy(module)
-    flash.kernels = Kernels(attention="flash4")
+    flash.kernels = Kernels(attention=core)
     rope_table = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
     seal()  # the model's compile boundaries (model.eager), as apply_compile does
     fn = torch.compile(flash) if compiled else flash

@@ -16,9 +16,11 @@ dispatch is): its kernels are compiled by CuTe's own compiler.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +226,60 @@ def _flash4_context_varlen(
     return out.reshape(B, S, -1)
 
 
+def _causal(b, h, q_idx, kv_idx):
+    """FlexAttention's causal mask: a query sees its own and earlier keys."""
+    return kv_idx <= q_idx
+
+
+@functools.cache
+def _causal_block_mask(S: int, device: torch.device) -> Any:
+    """The causal block mask of length ``S`` (the same for every layer and step)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, S, S, device=device)
+
+
+@eager
+def _flex_block_mask(docs: Documents | None, B: int, S: int, device: torch.device) -> Any:
+    """FlexAttention's block mask: causal, and with ``docs`` within each document (blocks no
+    query of which sees a key of are skipped: no S x S mask). Made once per micro-batch, by the
+    first layer that asks, and kept on ``docs`` for the others; eager, as the mask's tensors are
+    data to the compiled blocks, never part of their graphs."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if docs is None:
+        return _causal_block_mask(S, device)
+    if docs.block_mask is None:
+        doc_BS = torch.cumsum(docs.positions_BS == 0, dim=1)
+
+        def within_document(b, h, q_idx, kv_idx):
+            return (doc_BS[b, q_idx] == doc_BS[b, kv_idx]) & (kv_idx <= q_idx)
+
+        docs.block_mask = create_block_mask(
+            within_document, B, None, S, S, device=device, _compile=device.type == "cuda"
+        )
+    return docs.block_mask
+
+
+def _flex(
+    q_BHSd: torch.Tensor,
+    k_BHSd: torch.Tensor,
+    v_BHSe: torch.Tensor,
+    scale: float | None,
+    docs: Documents | None,
+) -> torch.Tensor:
+    """FlexAttention under the causal (or documents') block mask, [B, S, H * e] out: compiled
+    with the block that calls it (fused, skipping the masked blocks), else torch's unfused
+    reference (the CPU's eager blocks)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, H, S, _ = q_BHSd.shape
+    mask = _flex_block_mask(docs, B, S, q_BHSd.device)
+    gqa = k_BHSd.shape[1] != H
+    o_BHSe = flex_attention(q_BHSd, k_BHSd, v_BHSe, block_mask=mask, scale=scale, enable_gqa=gqa)
+    return o_BHSe.transpose(1, 2).reshape(B, S, -1)
+
+
 def causal_attention(
     q_BHSd: torch.Tensor,
     k_BHSd: torch.Tensor,
@@ -233,10 +289,13 @@ def causal_attention(
     docs: Documents | None = None,
 ) -> torch.Tensor:
     """The attention core, [B, S, H * e] out: FlashAttention 4 where ``kernels`` picks it and
-    it runs (CUDA, 16-bit), else SDPA (grouped-query heads where k, v have fewer heads). With
-    ``docs`` a query sees only earlier keys of its own document: FlashAttention 4's varlen
-    kernels, or SDPA under the explicit mask (the reference; S^2 memory)."""
+    it runs (CUDA, 16-bit), FlexAttention where it picks that, else SDPA (grouped-query heads
+    where k, v have fewer heads). With ``docs`` a query sees only earlier keys of its own
+    document: FlashAttention 4's varlen kernels, FlexAttention's block mask of the documents,
+    or SDPA under the explicit mask (the reference; S^2 memory)."""
     B, H, S, _ = q_BHSd.shape
+    if kernels.attention == "flex":
+        return _flex(q_BHSd, k_BHSd, v_BHSe, scale, docs)
     if kernels.attention == "flash4" and q_BHSd.is_cuda and q_BHSd.dtype in HALF:
         if docs is not None:
             t = (x.transpose(1, 2).reshape(B * S, x.shape[1], -1) for x in (q_BHSd, k_BHSd, v_BHSe))

@@ -10,7 +10,8 @@ micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,6 +60,9 @@ class Documents:
     key_positions_BS: torch.Tensor | None = None
     query_index_S: torch.Tensor | None = None
     context: ContextVarlen | None = None
+    # FlexAttention's block mask of these documents, made by the first layer that asks
+    # (``attention._flex_document_mask``) and shared by the others
+    block_mask: Any = field(default=None, repr=False, compare=False)
 
     def _map(self, f) -> Documents:
         optional = (self.key_positions_BS, self.query_index_S)

@@ -27,9 +27,9 @@ class Kernels:
     # The experts' grouped GEMMs on CUDA (``parallel.expert_gemm``): QuACK where it runs
     # ("auto"), torch's, or QuACK by name.
     gemm: Literal["auto", "torch", "quack"] = "auto"
-    # The attention core (``parallel.attention`` resolved for the device): SDPA or
-    # FlashAttention 4 (bf16/fp16 CUDA tensors only; elsewhere SDPA).
-    attention: Literal["sdpa", "flash4"] = "sdpa"
+    # The attention core (``parallel.attention`` resolved for the device): SDPA,
+    # FlashAttention 4 (bf16/fp16 CUDA tensors only; elsewhere SDPA) or FlexAttention.
+    attention: Literal["sdpa", "flash4", "flex"] = "sdpa"
     # The gate+up GEMM reads token rows by index where QuACK runs (``parallel.gather_rows``).
     gather_rows: bool = False
     # Routed experts in FP8 (``"experts" in precision.fp8_parts``), with these scales.
@@ -41,7 +41,7 @@ class Kernels:
 
     def __post_init__(self) -> None:
         check_backend(self.gemm)
-        if self.attention not in ("sdpa", "flash4"):
-            raise ValueError(f"attention {self.attention!r}: 'sdpa' or 'flash4'")
+        if self.attention not in ("sdpa", "flash4", "flex"):
+            raise ValueError(f"attention {self.attention!r}: 'sdpa', 'flash4' or 'flex'")
         if self.fp8_scaling not in ("rowwise", "mx"):
             raise ValueError(f"fp8_scaling {self.fp8_scaling!r}: 'rowwise' or 'mx'")

@@ -59,6 +59,11 @@ def choose_kernels(
             "parallel.attention='flash4' needs flash-attn-4 (pip install -e '.[gpu]') and a "
             f"Hopper or newer GPU, which this {device.type} run lacks; use 'auto' or 'sdpa'."
         )
+    if pcfg.attention == "flex" and device.type != "cuda":
+        raise ConfigError(
+            "parallel.attention='flex' needs a CUDA GPU (torch's FlexAttention has no backward "
+            f"on the CPU), which this {device.type} run lacks; use 'auto' or 'sdpa'."
+        )
     if precision.fp8_parts and device.type == "cuda" and not gpu:
         raise ConfigError(
             f"precision.fp8_parts={list(precision.fp8_parts)} needs FP8 tensor cores (Hopper or "
