@@ -1,6 +1,7 @@
-"""Issue 21's runs on 2 and 8 H200s, as device calls of at most 10 minutes each.
+"""The runs that wait for device machines, as calls of at most 10 minutes each: issue 21's and
+later issues' on 2 and 8 H200s, and what one-GPU work still needs on one (``h1-*``).
 
-    python benchmarks/multi_gpu.py list [--machine x2|x8]   # every call: its commands, its time
+    python benchmarks/multi_gpu.py list [--machine x1|x2|x8]  # every call: its commands, time
     python benchmarks/multi_gpu.py check                     # anywhere: scripts, configs, plans
     python benchmarks/multi_gpu.py run CALL --out DIR [--peer-kit DIR --peer-wheels DIR]
 
@@ -188,7 +189,7 @@ def run_call(call: Call, values: dict[str, str | None]) -> int:
     if have < call.gpus:
         raise SystemExit(
             f"{call.name} needs {call.gpus} GPUs and this machine has {have}: run it on "
-            f"nvidia-h200-x{call.gpus}."
+            f"nvidia-h200{f'-x{call.gpus}' if call.gpus > 1 else ''}."
         )
     out = Path(str(values["out"]))
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +213,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     listing = sub.add_parser("list")
-    listing.add_argument("--machine", choices=["x2", "x8"])
+    listing.add_argument("--machine", choices=["x1", "x2", "x8"])
     sub.add_parser("check")
     one = sub.add_parser("run")
     one.add_argument("call")
