@@ -381,6 +381,33 @@ def test_pure_bf16_checkpoint_resumes_under_fp32_master_state_and_back(tmp_path)
     assert len(history) == 1 and history[0].step == 4
 
 
+def test_a_background_saves_host_copy_holds_the_saved_elements_only(tmp_path):
+    """Async saves stage into a host copy kept for the run: per entry, only the elements it
+    saves. A master shard that is a view of its bucket's weights (fp32 or pure-bf16 weights,
+    dp > 1) is a tenth of its storage here; copying the storage would keep every rank's shard
+    of the bucket in each rank's host memory, dp times what the plan counts. Refilled by the
+    next save (the same buffers) and emptied by ``close``."""
+    from moe_core.config import ParallelConfig
+    from moe_core.parallel.mesh import Mesh
+    from moe_core.train.checkpoint import Checkpointer
+
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, True, run_id="a")
+    bucket = torch.arange(1000, dtype=torch.float32)  # every rank's shards of a bucket
+    state = {"opt/w/param/100": bucket[100:200], "trainer": "{}", "adam_step": 1}
+    ckpt.save(1, state, {})
+    assert ckpt.staged_bytes() == 400  # 100 fp32 elements, not the bucket's 4000 bytes
+    bucket += 1  # the next step's update
+    ckpt.save(2, state, {})
+    assert ckpt.staged_bytes() == 400
+    ckpt.close()
+    assert ckpt.staged_bytes() == 0
+    for step in (1, 2):
+        loaded = {"opt/w/param/100": torch.empty(100)}
+        dcp_read.load(loaded, root / step_dir_name(step))
+        assert torch.equal(loaded["opt/w/param/100"], torch.arange(100, 200.0) + step - 1)
+
+
 def test_a_background_save_costs_its_staging_and_collection_under_its_own_step(
     tmp_path, monkeypatch
 ):
