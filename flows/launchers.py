@@ -156,6 +156,15 @@ def _stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
 
 
+def _set_aside(logs: Path) -> None:
+    """A logs folder of this name from a run folder's earlier pipeline (one stopped during this
+    attempt, which ``launches.json`` never recorded) moves to ``<name>.old``: kept to read,
+    never taken for this attempt's."""
+    if logs.exists():
+        shutil.rmtree(logs.with_name(f"{logs.name}.old"), ignore_errors=True)
+        logs.rename(logs.with_name(f"{logs.name}.old"))
+
+
 class LocalLauncher(Launcher):
     """``torchrun --standalone`` on this machine, its output read from a pipe."""
 
@@ -171,9 +180,7 @@ class LocalLauncher(Launcher):
 
     def attempt(self, number: int) -> Attempt:
         logs = self.train_dir / "logs" / f"attempt-{number}"
-        if logs.exists():  # a run folder's earlier pipeline got this far: its logs stay
-            shutil.rmtree(logs.with_name(f"{logs.name}.old"), ignore_errors=True)
-            logs.rename(logs.with_name(f"{logs.name}.old"))
+        _set_aside(logs)
         logs.mkdir(parents=True)
         cmd = standalone_command(
             str(self.config_path), self.run.cluster.procs_per_node, sys.executable, str(logs)
@@ -658,6 +665,9 @@ class KubernetesLauncher(ClusterLauncher):
         shrunk = (self._nodes,) if self._nodes != c.nodes else ()
         service, job = self.make(*args, *shrunk)
         name = job.metadata.name
+        root = self.failure_root(name)
+        if root is not None:  # an earlier Job of this name's failure records are not this one's
+            _set_aside(root)
         manifest = self.train_dir / f"kubernetes-{number}.yaml"
         manifest.write_text(render_kubernetes(*args, make=self.make, nodes=(shrunk or (None,))[0]))
         try:
