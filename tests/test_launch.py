@@ -648,9 +648,13 @@ def test_a_failed_cluster_job_says_which_rank_failed_first_on_which_node(tmp_pat
             with pytest.raises(SystemExit, match="usage"):
                 main(["--failure"])  # too few arguments: refused before anything starts
             out = tmp_path / "nodes"
+            # a requeued Slurm job keeps its id, so its node folders hold the first run's records
+            (out / f"node-{value}").mkdir(parents=True)
+            (out / f"node-{value}" / "failure.json").write_text(json.dumps(asdict(first)))
             with pytest.raises(SystemExit):  # torchrun's own parser: no script given
                 main(["--failure", f"{out}/node-{{node}}/failure.json", "--standalone"])
             assert (out / f"node-{value}").is_dir()
+            assert not (out / f"node-{value}" / "failure.json").exists()
 
 
 def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
