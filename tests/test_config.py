@@ -234,6 +234,33 @@ def test_cuda_graphs_stay_off_where_the_experts_read_the_host_and_asking_is_refu
     assert not runs_on_device(torch.device("cpu"), torch.bfloat16)
 
 
+def test_the_experts_host_reads_name_each_reason_their_grouped_gemms_take_the_loop(monkeypatch):
+    # on an sm90 GPU (the capability faked: no GPU here) bf16 experts run grouped kernels, which
+    # need 16-byte row strides: a d_model or expert_hidden that is no multiple of 8 (bf16) runs
+    # the per-group loop, as fp32 weights do; FP8 experts' weight gradients are bf16 products
+    from moe_core.train.trainer import expert_host_reads
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    bf16 = ["model=tiny", "precision=bf16"]
+    assert expert_host_reads(compose_run(bf16), gpu) == ""
+    assert expert_host_reads(compose_run(bf16), torch.device("cpu")) == ""
+    assert expert_host_reads(compose_run(["model=tiny"]), gpu) == (
+        "precision.params=fp32 on compute capability 9.0"
+    )
+    odd = compose_run([*bf16, "model.d_model=100", "model.n_heads=2", "model.n_kv_heads=2"])
+    assert expert_host_reads(odd, gpu) == (
+        "model.d_model=100 and model.expert_hidden=256, not both multiples of 8 (the grouped "
+        "kernels' 16-byte row strides)"
+    )
+    odd = compose_run([*bf16, "model.expert_hidden=250", "precision.fp8_parts=[experts]"])
+    assert "model.expert_hidden=250" in expert_host_reads(odd, gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert expert_host_reads(compose_run(bf16), gpu) == (
+        "precision.params=bf16 on compute capability 8.0"
+    )
+
+
 def test_cuda_graphs_asked_for_on_cpu_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError) as err:
         Trainer(compose_run(["model=tiny", "parallel.cuda_graph=true", f"out_dir={tmp_path}"]))
