@@ -320,6 +320,21 @@ def test_async_checkpoint_equals_sync(tmp_path):
         a.chunks[0].state_dict().items(), b.chunks[0].state_dict().items(), strict=True
     ):
         assert torch.equal(x, y), name
+    # a fit that leaves on an error (here after its one background save) frees the host copy
+    # too: the Trainer may live on in the process (a caller retrying, a test suite)
+    args = [*BASE, "train.steps=1", "train.checkpoint_every=1", "train.async_checkpoint=true"]
+    c = Trainer(compose_run([*args, f"out_dir={tmp_path / 'error'}"]))
+
+    def fails(step: int) -> None:
+        assert c.checkpoints.checkpointer.staged_bytes() > 0
+        raise RuntimeError("an error after the save")
+
+    c.checkpoints.at_end = fails
+    with pytest.raises(RuntimeError, match="an error after the save"):
+        c.fit(show_progress=False)
+    assert c.checkpoints.checkpointer.staged_bytes() == 0
+    c.checkpoints.checkpointer.wait()  # the write went on from the buffers it holds
+    assert verify(tmp_path / "error" / "checkpoints" / step_dir_name(1)) is None
 
 
 @pytest.mark.slow

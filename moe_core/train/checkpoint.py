@@ -360,6 +360,11 @@ class Checkpointer:
     def close(self) -> None:
         """Finish a background save and free the host copy (the run's end)."""
         self.wait()
+        self.free_host_copy()
+
+    def free_host_copy(self) -> None:
+        """Drop the host copy (a ``fit`` that leaves on an error): a background write still
+        running keeps the buffers it reads until it is done; a later save makes a new copy."""
         if self._stager is not None:
             self._stager.close()
             self._stager = None
