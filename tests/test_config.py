@@ -214,7 +214,9 @@ def test_cuda_graphs_are_on_by_default_in_one_process_and_for_rowwise_ep_on_cuda
     for other in (ep, ["parallel.dp=2", "train.micro_batch_size=4"], ["parallel.pp=2"]):
         assert not compose_run(other).parallel.cuda_graph_on("cuda"), other
     assert not compose_run(["parallel.cuda_graph=false"]).parallel.cuda_graph_on("cuda")
-    assert compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda")
+    assert compose_run(["parallel.cuda_graph=true", "precision=bf16"]).parallel.cuda_graph_on(
+        "cuda"
+    )
 
 
 def test_cuda_graphs_stay_off_where_the_experts_read_the_host_and_asking_is_refused():
@@ -224,11 +226,27 @@ def test_cuda_graphs_stay_off_where_the_experts_read_the_host_and_asking_is_refu
     default = compose_run([]).parallel
     assert default.cuda_graph_on("cuda") and not default.cuda_graph_on("cuda", host_reads=why)
     with pytest.raises(ConfigError) as err:
-        compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda", host_reads=why)
+        bf16 = compose_run(["parallel.cuda_graph=true", "precision=bf16"])
+        bf16.parallel.cuda_graph_on("cuda", host_reads=why)
     assert str(err.value) == (
         "parallel.cuda_graph=true needs the experts' grouped GEMMs to run without reading the "
         "host (bf16 weights on compute capability 9.0 or newer), and this run has "
         "precision.params=fp32 on compute capability 9.0; set it to false or null."
+    )
+    # what the config alone tells is refused before any process starts: fp32 weights, and
+    # rows no multiple of 8 wide, read the host on every GPU
+    with pytest.raises(ConfigError) as err:
+        compose_run(["parallel.cuda_graph=true"])
+    assert str(err.value) == (
+        "parallel.cuda_graph=True is not allowed: false or null with precision.params=fp32 "
+        "(the experts' grouped GEMMs run their per-group loop, which reads the host)."
+    )
+    with pytest.raises(ConfigError) as err:
+        compose_run(["parallel.cuda_graph=true", "precision=bf16", "model.expert_hidden=250"])
+    assert str(err.value) == (
+        "parallel.cuda_graph=True is not allowed: false or null with model.d_model=128 and "
+        "model.expert_hidden=250 (the experts' grouped GEMMs run their per-group loop, which "
+        "reads the host, unless both are multiples of 8)."
     )
     # on a CPU no grouped product is a GPU kernel
     assert not runs_on_device(torch.device("cpu"), torch.bfloat16)
@@ -263,7 +281,8 @@ def test_the_experts_host_reads_name_each_reason_their_grouped_gemms_take_the_lo
 
 def test_cuda_graphs_asked_for_on_cpu_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError) as err:
-        Trainer(compose_run(["model=tiny", "parallel.cuda_graph=true", f"out_dir={tmp_path}"]))
+        graphs = ["model=tiny", "precision=bf16", "parallel.cuda_graph=true"]
+        Trainer(compose_run([*graphs, f"out_dir={tmp_path}"]))
     assert str(err.value) == (
         "parallel.cuda_graph=true needs CUDA GPUs, and this run is on cpu; set it to false or null."
     )
