@@ -156,6 +156,15 @@ def _stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
 
 
+def _set_aside(logs: Path) -> None:
+    """A logs folder of this name from a run folder's earlier pipeline (one stopped during this
+    attempt, which ``launches.json`` never recorded) moves to ``<name>.old``: kept to read,
+    never taken for this attempt's."""
+    if logs.exists():
+        shutil.rmtree(logs.with_name(f"{logs.name}.old"), ignore_errors=True)
+        logs.rename(logs.with_name(f"{logs.name}.old"))
+
+
 class LocalLauncher(Launcher):
     """``torchrun --standalone`` on this machine, its output read from a pipe."""
 
@@ -171,9 +180,7 @@ class LocalLauncher(Launcher):
 
     def attempt(self, number: int) -> Attempt:
         logs = self.train_dir / "logs" / f"attempt-{number}"
-        if logs.exists():  # a run folder's earlier pipeline got this far: its logs stay
-            shutil.rmtree(logs.with_name(f"{logs.name}.old"), ignore_errors=True)
-            logs.rename(logs.with_name(f"{logs.name}.old"))
+        _set_aside(logs)
         logs.mkdir(parents=True)
         cmd = standalone_command(
             str(self.config_path), self.run.cluster.procs_per_node, sys.executable, str(logs)
@@ -211,6 +218,7 @@ class ClusterLauncher(Launcher):
     gives its hooks (``start``, ``state``, ``stream``, ``cancel``) and its words."""
 
     noun: ClassVar[str]  # how the log names a job, e.g. "slurm job"
+    _stopped = False  # this attempt's job was asked to stop at a checkpoint
     queued: ClassVar[frozenset[str]]  # states of a job that has not started
     ended: ClassVar[frozenset[str]]  # states of a job that has ended
     lost: ClassVar[str] = "is unknown to the cluster"  # the detail of a job ``state`` lost
@@ -258,8 +266,11 @@ class ClusterLauncher(Launcher):
         final = state or "LOST"
         ok = final == "COMPLETED"
         detail = f"{self.noun} {job_id} " + (f"ended {state}" if state else self.lost)
-        root = self.failure_root(job_id)
-        found = None if ok or root is None else cluster_failure(root)
+        root = None if ok else self.failure_root(job_id)
+        nodes = [] if root is None else sorted(root.glob("node-*"))
+        if self._stopped and not any(read_failure(n / "failure.json") for n in nodes):
+            root = None  # no rank failed: the job ended at the stop it was asked for
+        found = None if root is None else cluster_failure(root)
         if found is None:
             return Attempt(number, job_id, str(script), final, ok, detail)
         said, context = found
@@ -267,6 +278,7 @@ class ClusterLauncher(Launcher):
 
     def attempt(self, number: int) -> Attempt:
         c = self.run.cluster
+        self._stopped = False  # asked to stop at a checkpoint (to grow back)
         job_id, script = self.start(number)
         submitted = time.monotonic()
         started, unknown, ended = False, 0, False
@@ -301,7 +313,7 @@ class ClusterLauncher(Launcher):
                             "at a checkpoint to relaunch on them"
                         )
                         self.stop_at_checkpoint(job_id)
-                        grow = True
+                        grow = self._stopped = True
                 waited = time.monotonic() - submitted
                 if not started and c.start_timeout_s and waited > c.start_timeout_s:
                     raise LaunchTimeoutError(self.not_started(job_id, state))
@@ -658,6 +670,9 @@ class KubernetesLauncher(ClusterLauncher):
         shrunk = (self._nodes,) if self._nodes != c.nodes else ()
         service, job = self.make(*args, *shrunk)
         name = job.metadata.name
+        root = self.failure_root(name)
+        if root is not None:  # an earlier Job of this name's failure records are not this one's
+            _set_aside(root)
         manifest = self.train_dir / f"kubernetes-{number}.yaml"
         manifest.write_text(render_kubernetes(*args, make=self.make, nodes=(shrunk or (None,))[0]))
         try:

@@ -1546,6 +1546,17 @@ class RunConfig:
                 "false or null with train.document_mask=true (each micro-batch brings its own "
                 "number of documents to the attention kernels, which a captured graph cannot vary)",
             )
+        loop = "the experts' grouped GEMMs run their per-group loop, which reads the host"
+        if par.cuda_graph and self.precision.params == "fp32":
+            fail("parallel.cuda_graph", True, f"false or null with precision.params=fp32 ({loop})")
+        m = self.model
+        if par.cuda_graph and (m.d_model % 8 or m.expert_hidden % 8):
+            fail(
+                "parallel.cuda_graph",
+                True,
+                f"false or null with model.d_model={m.d_model} and model.expert_hidden="
+                f"{m.expert_hidden} ({loop}, unless both are multiples of 8)",
+            )
         if self.train.document_mask and self.data.external and self.data.tokenizer == "bpe":
             fail(
                 "train.document_mask",

@@ -320,6 +320,21 @@ def test_async_checkpoint_equals_sync(tmp_path):
         a.chunks[0].state_dict().items(), b.chunks[0].state_dict().items(), strict=True
     ):
         assert torch.equal(x, y), name
+    # a fit that leaves on an error (here after its one background save) frees the host copy
+    # too: the Trainer may live on in the process (a caller retrying, a test suite)
+    args = [*BASE, "train.steps=1", "train.checkpoint_every=1", "train.async_checkpoint=true"]
+    c = Trainer(compose_run([*args, f"out_dir={tmp_path / 'error'}"]))
+
+    def fails(step: int) -> None:
+        assert c.checkpoints.checkpointer.staged_bytes() > 0
+        raise RuntimeError("an error after the save")
+
+    c.checkpoints.at_end = fails
+    with pytest.raises(RuntimeError, match="an error after the save"):
+        c.fit(show_progress=False)
+    assert c.checkpoints.checkpointer.staged_bytes() == 0
+    c.checkpoints.checkpointer.wait()  # the write went on from the buffers it holds
+    assert verify(tmp_path / "error" / "checkpoints" / step_dir_name(1)) is None
 
 
 @pytest.mark.slow
@@ -379,6 +394,33 @@ def test_pure_bf16_checkpoint_resumes_under_fp32_master_state_and_back(tmp_path)
             assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16))
     history = narrow.fit(show_progress=False)
     assert len(history) == 1 and history[0].step == 4
+
+
+def test_a_background_saves_host_copy_holds_the_saved_elements_only(tmp_path):
+    """Async saves stage into a host copy kept for the run: per entry, only the elements it
+    saves. A master shard that is a view of its bucket's weights (fp32 or pure-bf16 weights,
+    dp > 1) is a tenth of its storage here; copying the storage would keep every rank's shard
+    of the bucket in each rank's host memory, dp times what the plan counts. Refilled by the
+    next save (the same buffers) and emptied by ``close``."""
+    from moe_core.config import ParallelConfig
+    from moe_core.parallel.mesh import Mesh
+    from moe_core.train.checkpoint import Checkpointer
+
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, Mesh(ParallelConfig()), 0, 0, True, run_id="a")
+    bucket = torch.arange(1000, dtype=torch.float32)  # every rank's shards of a bucket
+    state = {"opt/w/param/100": bucket[100:200], "trainer": "{}", "adam_step": 1}
+    ckpt.save(1, state, {})
+    assert ckpt.staged_bytes() == 400  # 100 fp32 elements, not the bucket's 4000 bytes
+    bucket += 1  # the next step's update
+    ckpt.save(2, state, {})
+    assert ckpt.staged_bytes() == 400
+    ckpt.close()
+    assert ckpt.staged_bytes() == 0
+    for step in (1, 2):
+        loaded = {"opt/w/param/100": torch.empty(100)}
+        dcp_read.load(loaded, root / step_dir_name(step))
+        assert torch.equal(loaded["opt/w/param/100"], torch.arange(100, 200.0) + step - 1)
 
 
 def test_a_background_save_costs_its_staging_and_collection_under_its_own_step(

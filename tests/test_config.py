@@ -214,7 +214,9 @@ def test_cuda_graphs_are_on_by_default_in_one_process_and_for_rowwise_ep_on_cuda
     for other in (ep, ["parallel.dp=2", "train.micro_batch_size=4"], ["parallel.pp=2"]):
         assert not compose_run(other).parallel.cuda_graph_on("cuda"), other
     assert not compose_run(["parallel.cuda_graph=false"]).parallel.cuda_graph_on("cuda")
-    assert compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda")
+    assert compose_run(["parallel.cuda_graph=true", "precision=bf16"]).parallel.cuda_graph_on(
+        "cuda"
+    )
 
 
 def test_cuda_graphs_stay_off_where_the_experts_read_the_host_and_asking_is_refused():
@@ -224,19 +226,63 @@ def test_cuda_graphs_stay_off_where_the_experts_read_the_host_and_asking_is_refu
     default = compose_run([]).parallel
     assert default.cuda_graph_on("cuda") and not default.cuda_graph_on("cuda", host_reads=why)
     with pytest.raises(ConfigError) as err:
-        compose_run(["parallel.cuda_graph=true"]).parallel.cuda_graph_on("cuda", host_reads=why)
+        bf16 = compose_run(["parallel.cuda_graph=true", "precision=bf16"])
+        bf16.parallel.cuda_graph_on("cuda", host_reads=why)
     assert str(err.value) == (
         "parallel.cuda_graph=true needs the experts' grouped GEMMs to run without reading the "
         "host (bf16 weights on compute capability 9.0 or newer), and this run has "
         "precision.params=fp32 on compute capability 9.0; set it to false or null."
     )
+    # what the config alone tells is refused before any process starts: fp32 weights, and
+    # rows no multiple of 8 wide, read the host on every GPU
+    with pytest.raises(ConfigError) as err:
+        compose_run(["parallel.cuda_graph=true"])
+    assert str(err.value) == (
+        "parallel.cuda_graph=True is not allowed: false or null with precision.params=fp32 "
+        "(the experts' grouped GEMMs run their per-group loop, which reads the host)."
+    )
+    with pytest.raises(ConfigError) as err:
+        compose_run(["parallel.cuda_graph=true", "precision=bf16", "model.expert_hidden=250"])
+    assert str(err.value) == (
+        "parallel.cuda_graph=True is not allowed: false or null with model.d_model=128 and "
+        "model.expert_hidden=250 (the experts' grouped GEMMs run their per-group loop, which "
+        "reads the host, unless both are multiples of 8)."
+    )
     # on a CPU no grouped product is a GPU kernel
     assert not runs_on_device(torch.device("cpu"), torch.bfloat16)
 
 
+def test_the_experts_host_reads_name_each_reason_their_grouped_gemms_take_the_loop(monkeypatch):
+    # on an sm90 GPU (the capability faked: no GPU here) bf16 experts run grouped kernels, which
+    # need 16-byte row strides: a d_model or expert_hidden that is no multiple of 8 (bf16) runs
+    # the per-group loop, as fp32 weights do; FP8 experts' weight gradients are bf16 products
+    from moe_core.train.trainer import expert_host_reads
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    bf16 = ["model=tiny", "precision=bf16"]
+    assert expert_host_reads(compose_run(bf16), gpu) == ""
+    assert expert_host_reads(compose_run(bf16), torch.device("cpu")) == ""
+    assert expert_host_reads(compose_run(["model=tiny"]), gpu) == (
+        "precision.params=fp32 on compute capability 9.0"
+    )
+    odd = compose_run([*bf16, "model.d_model=100", "model.n_heads=2", "model.n_kv_heads=2"])
+    assert expert_host_reads(odd, gpu) == (
+        "model.d_model=100 and model.expert_hidden=256, not both multiples of 8 (the grouped "
+        "kernels' 16-byte row strides)"
+    )
+    odd = compose_run([*bf16, "model.expert_hidden=250", "precision.fp8_parts=[experts]"])
+    assert "model.expert_hidden=250" in expert_host_reads(odd, gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert expert_host_reads(compose_run(bf16), gpu) == (
+        "precision.params=bf16 on compute capability 8.0"
+    )
+
+
 def test_cuda_graphs_asked_for_on_cpu_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError) as err:
-        Trainer(compose_run(["model=tiny", "parallel.cuda_graph=true", f"out_dir={tmp_path}"]))
+        graphs = ["model=tiny", "precision=bf16", "parallel.cuda_graph=true"]
+        Trainer(compose_run([*graphs, f"out_dir={tmp_path}"]))
     assert str(err.value) == (
         "parallel.cuda_graph=true needs CUDA GPUs, and this run is on cpu; set it to false or null."
     )

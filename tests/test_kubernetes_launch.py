@@ -151,11 +151,25 @@ def test_a_job_that_finishes_is_created_from_the_typed_objects_and_followed(run,
 
 
 def test_a_failed_pod_fails_the_attempt_and_the_next_one_is_a_new_job(run, tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from moe_core.train.torchrun import FailedRank
+
     fake = FakeKube(LOSES_A_POD, STARTS_AND_FINISHES)
     k8s, _ = launcher(run, tmp_path, fake)
+    # an earlier pipeline in this run folder, stopped during its attempt 1 (launches.json never
+    # recorded it), had a Job of this name whose node recorded a failure: this Job's pods
+    # record none, and the old record is not theirs
+    stale = tmp_path / "train" / "logs" / f"{run_id(run)}-1" / "node-0"
+    stale.mkdir(parents=True)
+    old = FailedRank(3, 3, 9, 1, None, "an earlier pipeline's failure", None)
+    (stale / "failure.json").write_text(json.dumps(asdict(old)))
     first = k8s.attempt(1)
     assert not first.ok and first.state == "FAILED"
     assert first.detail == f"kubernetes job {run_id(run)}-1 ended FAILED"
+    kept = stale.parent.with_name(f"{run_id(run)}-1.old") / "node-0" / "failure.json"
+    assert json.loads(kept.read_text())["message"] == "an earlier pipeline's failure"
     second = k8s.attempt(2)
     assert second.ok and second.job_id == f"{run_id(run)}-2"
     assert [j.metadata.name for j in fake.jobs] == [f"{run_id(run)}-1", f"{run_id(run)}-2"]

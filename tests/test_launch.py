@@ -648,9 +648,13 @@ def test_a_failed_cluster_job_says_which_rank_failed_first_on_which_node(tmp_pat
             with pytest.raises(SystemExit, match="usage"):
                 main(["--failure"])  # too few arguments: refused before anything starts
             out = tmp_path / "nodes"
+            # a requeued Slurm job keeps its id, so its node folders hold the first run's records
+            (out / f"node-{value}").mkdir(parents=True)
+            (out / f"node-{value}" / "failure.json").write_text(json.dumps(asdict(first)))
             with pytest.raises(SystemExit):  # torchrun's own parser: no script given
                 main(["--failure", f"{out}/node-{{node}}/failure.json", "--standalone"])
             assert (out / f"node-{value}").is_dir()
+            assert not (out / f"node-{value}" / "failure.json").exists()
 
 
 def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
@@ -776,6 +780,7 @@ class ScriptedCluster:
     def __init__(self, jobs: list[list[tuple[str, int]]], free_from: int | None = None):
         self.jobs, self.free_from = jobs, free_from
         self.polls, self.stopped, self.asked = 0, [], 0
+        self.stop_ends = "COMPLETED"  # the state a job stopped at a checkpoint ends in
 
 
 def scripted_launcher(run, tmp_path: Path, cluster: ScriptedCluster, logged: list[str]):
@@ -794,7 +799,7 @@ def scripted_launcher(run, tmp_path: Path, cluster: ScriptedCluster, logged: lis
 
         def state(self, job_id):
             if job_id in cluster.stopped:  # the ranks checkpoint and end
-                return "COMPLETED"
+                return cluster.stop_ends
             self.at = min(self.at + 1, len(self.playing) - 1)
             return self.playing[self.at][0]
 
@@ -807,6 +812,9 @@ def scripted_launcher(run, tmp_path: Path, cluster: ScriptedCluster, logged: lis
 
         def stop_at_checkpoint(self, job_id):
             cluster.stopped.append(job_id)
+
+        def failure_root(self, job_id):
+            return tmp_path / "logs" / f"job-{job_id}"
 
         def stream(self, job_id, final=False):
             pass
@@ -845,6 +853,11 @@ def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_pa
         [("RUNNING", 8), ("COMPLETED", 8)],
     ]
     cluster, logged, warned = ScriptedCluster(jobs, free_from=3), [], []
+    # torchrun ends on the SIGTERM with an error (its SignalException), so the job FAILED, and
+    # its nodes recorded no failed rank: that is the stop, not processes killed from outside
+    cluster.stop_ends = "FAILED"
+    for node in range(4):
+        (tmp_path / "logs" / "job-2" / f"node-{node}").mkdir(parents=True)
     logger = logging.getLogger("test-grow")
     logger.warning = lambda msg, *a: warned.append(msg % a)  # type: ignore[method-assign]
     tracker = NoTracker()
@@ -854,9 +867,8 @@ def test_the_launch_loop_shrinks_then_grows_back_without_spending_a_retry(tmp_pa
     failed, shrunk, grown = attempts
     assert (failed.ok, failed.nodes, failed.dp, failed.accumulation) == (False, 8, 4, 32)
     assert (shrunk.nodes, shrunk.dp, shrunk.accumulation, shrunk.grow) == (4, 2, 64, True)
-    assert (
-        shrunk.detail == "job 2 ended COMPLETED (stopped at a checkpoint to grow back to 8 nodes)"
-    )
+    assert shrunk.detail == "job 2 ended FAILED (stopped at a checkpoint to grow back to 8 nodes)"
+    assert shrunk.context == ""
     assert (grown.ok, grown.nodes, grown.dp, grown.grow) == (True, 8, 4, False)
     assert cluster.stopped == ["2"] and cluster.asked == 3
     assert "job 2: continuing on 4 of 8 nodes: dp 4 -> 2, accumulation 32 -> 64" in logged

@@ -41,6 +41,7 @@ import os
 import secrets
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from moe_core.ckpt import dcp_read
 from moe_core.ckpt.dcp_read import inner_error
@@ -82,6 +83,7 @@ _SHORT_WRITE = "unexpected pos"
 # Publishing waits this long for a rank's record of its files' hashes (written once the rank's
 # own write is done, so about when rank 0's is) before hashing that rank's files itself.
 RECORD_WAIT_S = 600.0
+PIN_MIN_BYTES = 1 << 20  # a background save's host buffers are pinned from this size on
 
 
 def _record_name(rank: int) -> str:
@@ -181,6 +183,63 @@ class SaveCost:
         )
 
 
+class HostCopy(AsyncStager):
+    """Where a background save copies the state before training goes on (``dcp.async_save``'s
+    stager): a host buffer per entry, made at the first save that holds it and refilled by each
+    later one (``Checkpointer.save`` waits for the previous write first), registered as pinned
+    on a GPU so the copy runs at the host link's rate. DCP's default makes a fresh pageable copy
+    per save: 29.5 s of OLMoE-1B-7B's loop on one H200 for 41.5 GB
+    (``benchmarks/checkpoint_stall.py``); its ``DefaultStager`` keeps one but copies each
+    tensor's whole storage, which for a master shard viewing its bucket's weights (fp32 or
+    pure-bf16 weights) is every data-parallel rank's shard. Each buffer is its own allocation,
+    pinned in place (torch's pinned allocator rounds sizes up to a power of two) from
+    ``PIN_MIN_BYTES`` on: smaller ones gain nothing and may share a page with other memory."""
+
+    _synchronize_after_execute = False  # ``stage`` returns once the copy is done
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(like.shape, dtype=like.dtype)
+        if self.device.type == "cuda" and host.nbytes >= PIN_MIN_BYTES:
+            from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
+
+            pin_memory(host.data_ptr(), host.nbytes)
+            # unpinned when freed, never after the CUDA context is gone (at exit)
+            weakref.finalize(host.untyped_storage(), unpin_memory, host.data_ptr()).atexit = False
+        return host
+
+    def stage(self, state_dict: dict) -> dict:
+        """``state_dict`` with each tensor's elements copied into its host buffer."""
+        gpu = self.device.type == "cuda"
+        buffers: dict[str, torch.Tensor] = {}
+        staged = dict(state_dict)
+        for key, value in state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            host = self._buffers.get(key)
+            if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                host = self._buffer(value)
+            host.copy_(value.detach(), non_blocking=gpu)
+            buffers[key] = staged[key] = host
+        if gpu:
+            torch.cuda.synchronize(self.device)
+        self._buffers = buffers  # entries no longer saved are freed
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copy is done."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._buffers.values())
+
+    def close(self) -> None:
+        self._buffers = {}
+
+
 class Checkpointer:
     """Saves, publishes, prunes and finds checkpoints under ``root``.
 
@@ -214,7 +273,7 @@ class Checkpointer:
         self._published_bytes = 0  # the folder ``_publish`` last published (rank 0)
         self._hasher: ThreadPoolExecutor | None = None  # hashes a background save's files
         self._hashing: Future | None = None  # ... the pending one's, once it is written
-        self._stager: DefaultStager | None = None  # background saves' host copy (``_staging``)
+        self._stager: HostCopy | None = None  # background saves' host copy (``_staging``)
         if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-step_*"):
@@ -288,26 +347,24 @@ class Checkpointer:
             took = time.perf_counter() - started
             self._cost(SaveCost(step, took, took, self._published_bytes, background=False))
 
-    def _staging(self) -> DefaultStager:
-        """Where a background save copies the state before training goes on: one host copy
-        made at the first save and refilled by each later one (``save`` waits for the previous
-        write first), pinned on a GPU so the copy runs at the host link's rate. DCP's default
-        makes a fresh pageable copy per save: 29.5 s of OLMoE-1B-7B's loop on one H200 for
-        41.5 GB (``benchmarks/checkpoint_stall.py``)."""
+    def _staging(self) -> HostCopy:
+        """The host copy background saves stage into, made at the first."""
         if self._stager is None:
-            gpu = self.mesh.device.type == "cuda"
-            options = StagingOptions(
-                use_pinned_memory=gpu,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=gpu,
-            )
-            self._stager = DefaultStager(options)
+            self._stager = HostCopy(self.mesh.device)
         return self._stager
+
+    def staged_bytes(self) -> int:
+        """The bytes of the host copy kept for background saves (what ``moe plan`` counts)."""
+        return 0 if self._stager is None else self._stager.nbytes
 
     def close(self) -> None:
         """Finish a background save and free the host copy (the run's end)."""
         self.wait()
+        self.free_host_copy()
+
+    def free_host_copy(self) -> None:
+        """Drop the host copy (a ``fit`` that leaves on an error): a background write still
+        running keeps the buffers it reads until it is done; a later save makes a new copy."""
         if self._stager is not None:
             self._stager.close()
             self._stager = None

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("usage: python -m moe_core.train.torchrun --failure FILE <torchrun args>")
     failure_file = Path(argv[1])
     failure_file.parent.mkdir(parents=True, exist_ok=True)
+    # an earlier run's record here (a requeued Slurm job keeps its id) is not this run's
+    failure_file.unlink(missing_ok=True)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -86,7 +86,28 @@ from moe_kernels.grouped_gemm import runs_on_device
 
 COUNTS_WAIT_S = 5.0  # the hang report waits this long for a device to give its router counts
 
-__all__ = ["StepMetrics", "Trainer", "routers_by_layer", "threading_main"]
+__all__ = ["StepMetrics", "Trainer", "expert_host_reads", "routers_by_layer", "threading_main"]
+
+
+def expert_host_reads(cfg: RunConfig, device: torch.device) -> str:
+    """Why the experts' grouped GEMMs read the host on ``device`` (their per-group reference
+    loop: fp32 weights, a GPU older than sm90, or rows whose width gives no 16-byte stride), or
+    "" where they don't (FP8 experts run their own GEMMs, on sm90 and newer only; their weight
+    gradients are bf16 grouped products)."""
+    if device.type != "cuda":
+        return ""
+    m = cfg.model
+    widths = (m.d_model, m.expert_hidden)
+    if any(w % 8 for w in widths):  # bf16 rows: 8 elements make 16 bytes
+        return (
+            f"model.d_model={m.d_model} and model.expert_hidden={m.expert_hidden}, not both "
+            "multiples of 8 (the grouped kernels' 16-byte row strides)"
+        )
+    params = cfg.precision.params
+    if "experts" in cfg.precision.fp8_parts or runs_on_device(device, DTYPES[params]):
+        return ""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"precision.params={params} on compute capability {major}.{minor}"
 
 
 @dataclass(frozen=True)
@@ -111,7 +132,7 @@ class Trainer:
         self.device = self.mesh.device
         self.graphs: StepGraphs | None = None
         if cfg.parallel.cuda_graph_on(
-            self.device.type, cfg.train.document_mask, self._expert_host_reads()
+            self.device.type, cfg.train.document_mask, expert_host_reads(cfg, self.device)
         ):
             self.graphs = StepGraphs(self.device)
         self.console = console or Console()
@@ -126,18 +147,6 @@ class Trainer:
         except BaseException:
             self.release()
             raise
-
-    def _expert_host_reads(self) -> str:
-        """Why the experts' grouped GEMMs read the host on this run's GPU (their per-group
-        reference loop: fp32 weights, or a GPU older than sm90), or "" where they don't (FP8
-        experts run their own GEMMs, on sm90 and newer only)."""
-        if self.device.type != "cuda" or "experts" in self.cfg.precision.fp8_parts:
-            return ""
-        params = self.cfg.precision.params
-        if runs_on_device(self.device, DTYPES[params]):
-            return ""
-        major, minor = torch.cuda.get_device_capability(self.device)
-        return f"precision.params={params} on compute capability {major}.{minor}"
 
     def _lock_out_dir(self) -> None:
         """Take ``out_dir``'s lock on rank 0; every rank raises the same refusal (collective),
@@ -609,6 +618,7 @@ class Trainer:
                     self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
             finally:
                 self.watchdog.close()
+                self.checkpoints.checkpointer.free_host_copy()  # freed by at_end, unless it raised
                 gc.unfreeze()
                 self._stop_prefetching()
                 self._clock = None
