@@ -46,8 +46,8 @@ def test_a_kernel_choice_is_frozen_and_checked():
         k.gemm = "torch"  # type: ignore[misc]
     with pytest.raises(ValueError, match="grouped GEMM backend 'cutlass'"):
         Kernels(gemm="cutlass")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="attention 'flex'"):
-        Kernels(attention="flex")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention 'xformers'"):
+        Kernels(attention="xformers")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fp8_scaling 'blockwise'"):
         Kernels(fp8_scaling="blockwise")  # type: ignore[arg-type]
 
