@@ -38,6 +38,7 @@ from flows.render import (
 from moe_core.config import ConfigError, RunConfig, nodes_within, shrink_sentence
 from moe_core.errors import RunFailedError
 from moe_core.train.torchrun import (
+    KILLED_FROM_OUTSIDE,
     REPORT,
     cluster_failure,
     failure_context,
@@ -267,11 +268,9 @@ class ClusterLauncher(Launcher):
         ok = final == "COMPLETED"
         detail = f"{self.noun} {job_id} " + (f"ended {state}" if state else self.lost)
         root = None if ok else self.failure_root(job_id)
-        nodes = [] if root is None else sorted(root.glob("node-*"))
-        if self._stopped and not any(read_failure(n / "failure.json") for n in nodes):
-            root = None  # no rank failed: the job ended at the stop it was asked for
         found = None if root is None else cluster_failure(root)
-        if found is None:
+        # asked to stop (to grow back) and no rank failed: it ended at that stop, no kill
+        if found is None or (self._stopped and found[0] == KILLED_FROM_OUTSIDE):
             return Attempt(number, job_id, str(script), final, ok, detail)
         said, context = found
         return Attempt(number, job_id, str(script), final, ok, f"{detail}: {said}", context=context)

@@ -73,6 +73,13 @@ def _matches(name: str, value: str | None, pattern: re.Pattern[str], allowed: st
         fail(name, value, allowed)
 
 
+def grouped_rows_aligned(model: ModelConfig) -> bool:
+    """Whether the experts' rows (``d_model`` and ``expert_hidden`` wide) have the 16-byte
+    strides the grouped GEMM kernels take in bf16 (8 elements); else the per-group loop runs,
+    which reads the host (``moe_kernels.grouped_gemm``)."""
+    return model.d_model % 8 == 0 and model.expert_hidden % 8 == 0
+
+
 def check_path(name: str, path: str) -> str:
     """``path`` made absolute, refused in one sentence unless a script can hold it unquoted."""
     absolute = os.path.abspath(path)
@@ -1550,7 +1557,7 @@ class RunConfig:
         if par.cuda_graph and self.precision.params == "fp32":
             fail("parallel.cuda_graph", True, f"false or null with precision.params=fp32 ({loop})")
         m = self.model
-        if par.cuda_graph and (m.d_model % 8 or m.expert_hidden % 8):
+        if par.cuda_graph and not grouped_rows_aligned(m):
             fail(
                 "parallel.cuda_graph",
                 True,

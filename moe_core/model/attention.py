@@ -245,11 +245,11 @@ def _flex_block_mask(docs: Documents | None, B: int, S: int, device: torch.devic
     query of which sees a key of are skipped: no S x S mask). Made once per micro-batch, by the
     first layer that asks, and kept on ``docs`` for the others; eager, as the mask's tensors are
     data to the compiled blocks, never part of their graphs."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     if docs is None:
         return _causal_block_mask(S, device)
     if docs.block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
         doc_BS = torch.cumsum(docs.positions_BS == 0, dim=1)
 
         def within_document(b, h, q_idx, kv_idx):

@@ -61,7 +61,7 @@ class Documents:
     query_index_S: torch.Tensor | None = None
     context: ContextVarlen | None = None
     # FlexAttention's block mask of these documents, made by the first layer that asks
-    # (``attention._flex_document_mask``) and shared by the others
+    # (``attention._flex_block_mask``) and shared by the others
     block_mask: Any = field(default=None, repr=False, compare=False)
 
     def _map(self, f) -> Documents:

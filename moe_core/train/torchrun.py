@@ -31,6 +31,11 @@ REPORT = "torchrun.log"  # beside the failure file: torchrun's log and its full 
 PREFIX = re.compile(r"\[rank(\d+)\]:")
 NODE = "{node}"  # in an argument: this node's number (see the module doc)
 NODE_VARIABLES = ("SLURM_NODEID", "JOB_COMPLETION_INDEX")
+# ``cluster_failure``'s detail of a failed job none of whose nodes recorded a failed rank
+KILLED_FROM_OUTSIDE = (
+    "no node recorded a failed rank, so the job's processes were killed from outside "
+    "(a lost node, the out-of-memory killer or a cancellation)"
+)
 
 
 @dataclass
@@ -164,11 +169,7 @@ def cluster_failure(root: Path) -> tuple[str, str] | None:
         return None
     failed = [(n, f) for n in nodes if (f := read_failure(n / "failure.json")) is not None]
     if not failed:
-        return (
-            "no node recorded a failed rank, so the job's processes were killed from outside "
-            "(a lost node, the out-of-memory killer or a cancellation)",
-            f"the nodes' logs: {root}",
-        )
+        return KILLED_FROM_OUTSIDE, f"the nodes' logs: {root}"
     node, first = min(failed, key=lambda nf: (nf[0] / "failure.json").stat().st_mtime)
     number = node.name.removeprefix("node-")
     return f"{failure_detail(first)} on node {number}", failure_context(first, node / REPORT)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_core.config import RunConfig
+from moe_core.config import RunConfig, grouped_rows_aligned
 from moe_core.config_dict import to_dict
 from moe_core.convert.native import save_model_dir
 from moe_core.data.manifest import read_manifest
@@ -93,18 +93,17 @@ def expert_host_reads(cfg: RunConfig, device: torch.device) -> str:
     """Why the experts' grouped GEMMs read the host on ``device`` (their per-group reference
     loop: fp32 weights, a GPU older than sm90, or rows whose width gives no 16-byte stride), or
     "" where they don't (FP8 experts run their own GEMMs, on sm90 and newer only; their weight
-    gradients are bf16 grouped products)."""
+    gradients are bf16 grouped products, and FP8 needs bf16 weights)."""
     if device.type != "cuda":
         return ""
     m = cfg.model
-    widths = (m.d_model, m.expert_hidden)
-    if any(w % 8 for w in widths):  # bf16 rows: 8 elements make 16 bytes
+    if not grouped_rows_aligned(m):
         return (
             f"model.d_model={m.d_model} and model.expert_hidden={m.expert_hidden}, not both "
             "multiples of 8 (the grouped kernels' 16-byte row strides)"
         )
     params = cfg.precision.params
-    if "experts" in cfg.precision.fp8_parts or runs_on_device(device, DTYPES[params]):
+    if runs_on_device(device, DTYPES[params]):
         return ""
     major, minor = torch.cuda.get_device_capability(device)
     return f"precision.params={params} on compute capability {major}.{minor}"
