@@ -159,6 +159,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--skip-trainer", action="store_true")
+    p.add_argument("--variants", default="", help="comma-separated trainer runs (default: all)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -181,6 +182,13 @@ def main() -> None:
             "sdpa_mask_on": (["train.document_mask=true"], "sdpa"),
             "flex_mask_on": (["train.document_mask=true"], "flex"),
         }
+        if args.variants:
+            picked = args.variants.split(",")
+            unknown = sorted(set(picked) - set(variants))
+            if unknown:
+                allowed = ", ".join(variants)
+                p.error(f"--variants {','.join(unknown)} unknown; choose from {allowed}")
+            variants = {k: variants[k] for k in picked}
         with tempfile.TemporaryDirectory() as tmp:
             data = Path(tmp) / "documents"
             held_out = document_tokens(24 * (SEQ + 1), args.median_doc, args.sigma, seed=1)
@@ -203,10 +211,11 @@ def main() -> None:
                 print(name, f"{run['median_tflops']:.1f} TFLOP/s printed,", end=" ")
                 print(f"{run['median_step_s'] * 1e3:.1f} ms/step", flush=True)
         result["trainer"] = runs
+        base = {k: "sdpa_mask_off" if "sdpa" in k else "mask_off" for k in runs}
         result["step_time_vs_mask_off"] = {
-            k: r["median_step_s"]
-            / runs["sdpa_mask_off" if "sdpa" in k else "mask_off"]["median_step_s"]
+            k: r["median_step_s"] / runs[base[k]]["median_step_s"]
             for k, r in runs.items()
+            if base[k] in runs
         }
     print("RESULT", {k: v for k, v in result.items() if k != "trainer"})
     save(result, args.out)
