@@ -186,6 +186,9 @@ def measure(args: argparse.Namespace, mode: str, plan: dict) -> dict:
             {
                 "step": n,
                 "stall_s": c["checkpoint/stall_s"],
+                # of it, waiting for the write (at the next save or the end): the rest is the
+                # save call, gathering and copying to the host
+                "wait_s": c.get("checkpoint/wait_s"),
                 "durable_s": c["checkpoint/durable_s"],
                 "bytes": bytes_,
                 "write_gbps": c["checkpoint/write_gbps"],

@@ -62,13 +62,18 @@ def overrides(seq_len: int, mbs: int, recompute: str, steps: int) -> list[str]:
 def choose(seq_len: int, mbs: int, steps: int, margin: float) -> tuple[str, float] | None:
     """The lightest recompute whose plan fits the cluster's GPU with ``margin`` GiB to spare,
     and its planned GiB per GPU; None when none does."""
+    import torch
+
     from moe_core.compose import compose_run
     from moe_core.plan import plan
 
     for recompute in RECOMPUTE:
         run = compose_run(overrides(seq_len, mbs, recompute, steps))
         total = plan(run).memory.total / GIB
-        if total + margin <= run.cluster.gpu_memory_gib:
+        gpu_gib = run.cluster.gpu_memory_gib  # the card this runs on, where there is one
+        if torch.cuda.is_available():
+            gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        if total + margin <= gpu_gib:
             return recompute, total
     return None
 

@@ -52,6 +52,7 @@ SCALARS = (
     "checkpoint/durable_s",
     "checkpoint/bytes",
     "checkpoint/write_gbps",
+    "checkpoint/wait_s",
 )
 ROUTER_SCALARS = ("load_imbalance", "ep_rank_imbalance", "lb_score", "bias_abs_max")
 

@@ -336,7 +336,9 @@ def _check_machine(run: RunConfig) -> None:
 
     gpu = None
     if torch.cuda.is_available():
-        gpu = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+        # gloo ranks may share a GPU (several per GPU), as parallel.mesh places them
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpu = torch.cuda.mem_get_info(local_rank % torch.cuda.device_count())[0]
     check_memory(run, host_memory_bytes(), gpu)
 
 

@@ -474,11 +474,13 @@ def test_a_background_save_costs_its_staging_and_collection_under_its_own_step(
     writes[0].set_result(None)
     clock[0] = 40.0
     ckpt.save(4, {"x": torch.ones(2000)}, {}, started=40.0)  # waits 2 s for step 2's write
-    assert costs == [SaveCost(2, 1.5 + 2.0, 42.0 - 9.5, size(2), background=True)]
+    assert costs == [SaveCost(2, 1.5 + 2.0, 42.0 - 9.5, size(2), True, 2.0, True)]
+    assert "(1.50 s to copy it, 2.00 s waiting for the write at the next" in costs[0].line()
     writes[1].set_result(None)
     clock[0] = 50.0
     ckpt.wait()  # the end of a run
-    assert costs[1:] == [SaveCost(4, 1.0 + 2.0, 52.0 - 40.0, size(4), background=True)]
+    assert costs[1:] == [SaveCost(4, 1.0 + 2.0, 52.0 - 40.0, size(4), True, 2.0, False)]
+    assert "(1.00 s to copy it, 2.00 s waiting for the write)," in costs[1].line()
 
 
 def test_publishing_reads_each_ranks_hashes_and_hashes_only_what_no_rank_recorded(

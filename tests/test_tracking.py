@@ -105,6 +105,7 @@ def test_a_checkpoints_cost_reaches_mlflow_beside_the_steps(tmp_path):
         "checkpoint/durable_s": 8.0,
         "checkpoint/bytes": 4e9,
         "checkpoint/write_gbps": 0.5,
+        "checkpoint/wait_s": 0.0,
     }
 
     sent: list[tuple[str, str]] = []

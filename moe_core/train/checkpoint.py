@@ -27,7 +27,8 @@ moved aside (``step_N.replaced-K``), not deleted.
 What each checkpoint costs the run (``SaveCost``, rank 0's host clocks) goes to ``on_cost`` once
 it is published: how long the training loop was blocked for it (the whole save when
 synchronous; under ``train.async_checkpoint`` the staging call plus its collection, that is
-waiting for the background write and publishing it), how long from the save's start until it
+waiting for the background write and publishing it, counted apart, and said apart when the next
+save had to wait for it), how long from the save's start until it
 was published (the manifest written, the folder renamed and retention applied) and its bytes.
 """
 
@@ -84,6 +85,7 @@ _SHORT_WRITE = "unexpected pos"
 # own write is done, so about when rank 0's is) before hashing that rank's files itself.
 RECORD_WAIT_S = 600.0
 PIN_MIN_BYTES = 1 << 20  # a background save's host buffers are pinned from this size on
+WAIT_SHOWN_S = 0.5  # a checkpoint line splits its stall from this much waiting for the write on
 
 
 def _record_name(rank: int) -> str:
@@ -153,6 +155,11 @@ class SaveCost:
     durable_s: float  # from the save's start until published under ``step_N``
     bytes: int  # the published folder's files, manifest included
     background: bool  # written by ``train.async_checkpoint``
+    # Of ``stall_s`` under ``train.async_checkpoint``: the loop waiting for the background
+    # write and publishing it, and whether the next save was what waited (the write outlasted
+    # the interval between checkpoints); the rest is the save call (gathering and host copy).
+    wait_s: float = 0.0
+    next_save_waited: bool = False
 
     @property
     def write_gbps(self) -> float:
@@ -167,6 +174,7 @@ class SaveCost:
             "checkpoint/bytes": self.bytes,
             "checkpoint/write_gbps": self.write_gbps,
             "checkpoint/async": self.background,
+            "checkpoint/wait_s": self.wait_s,
         }
 
     def line(self) -> str:
@@ -176,9 +184,20 @@ class SaveCost:
             if self.bytes >= 2**30
             else f"{self.bytes / 2**20:.1f} MiB"
         )
+        split = ""
+        if self.background and self.wait_s >= WAIT_SHOWN_S:
+            split = (
+                f" ({self.stall_s - self.wait_s:.2f} s to copy it, {self.wait_s:.2f} s waiting "
+                + (
+                    "for the write at the next checkpoint: it outlasted train.checkpoint_every's "
+                    "steps, so raise that or write to faster storage)"
+                    if self.next_save_waited
+                    else "for the write)"
+                )
+            )
         return (
             f"checkpoint step {self.step}: {size}, blocked training "
-            f"{self.stall_s:.2f} s, durable after {self.durable_s:.1f} s "
+            f"{self.stall_s:.2f} s{split}, durable after {self.durable_s:.1f} s "
             f"({self.write_gbps:.3g} GB/s)"
         )
 
@@ -312,7 +331,7 @@ class Checkpointer:
         caller began this save (``time.perf_counter``; the state it gathered counts), else now.
         """
         started = time.perf_counter() if started is None else started
-        waited = self.wait()  # the previous save's cost, not this one's
+        waited = self.wait(next_save=True)  # the previous save's cost, not this one's
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         meta = {"step": step, "layout": layout}
         if self.use_async:
@@ -470,9 +489,10 @@ class Checkpointer:
             path.unlink()
         return found
 
-    def wait(self) -> float:
+    def wait(self, next_save: bool = False) -> float:
         """Finish and publish the background save, if any; the seconds that took (the loop's
-        blocked time, counted in that checkpoint's ``SaveCost``)."""
+        blocked time, counted in that checkpoint's ``SaveCost``). ``next_save``: the next
+        checkpoint's save is the one waiting."""
         if self._pending is None:
             return 0.0
         began = time.perf_counter()
@@ -484,7 +504,10 @@ class Checkpointer:
                 hashing.result()
             self._publish(step, tmp, meta)
         now = time.perf_counter()
-        cost = SaveCost(step, blocked + now - began, now - started, self._published_bytes, True)
+        took = now - began
+        cost = SaveCost(
+            step, blocked + took, now - started, self._published_bytes, True, took, next_save
+        )
         self._cost(cost)
         return now - began
 
