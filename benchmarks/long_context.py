@@ -38,8 +38,11 @@ RECOMPUTE = ("none", "selective", "block")  # lightest first
 LENGTHS = ((4096, 4), (16384, 1), (32768, 1), (65536, 1))
 
 
-def overrides(seq_len: int, mbs: int, recompute: str, steps: int) -> list[str]:
-    """The ``moe train`` (and ``moe plan``) overrides of one length on one GPU."""
+def overrides(
+    seq_len: int, mbs: int, recompute: str, steps: int, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The ``moe train`` (and ``moe plan``) overrides of one length on one GPU (``extra``
+    last: ``--layers`` and ``--set``)."""
     return [
         "model=olmoe-1b-7b",
         f"model.max_seq_len={max(seq_len, 4096)}",
@@ -57,10 +60,13 @@ def overrides(seq_len: int, mbs: int, recompute: str, steps: int) -> list[str]:
         "cluster=local-gpu",
         "cluster.procs_per_node=1",
         "cluster.gpus_per_node=1",
+        *extra,
     ]
 
 
-def choose(seq_len: int, mbs: int, steps: int, margin: float) -> tuple[str, float] | None:
+def choose(
+    seq_len: int, mbs: int, steps: int, margin: float, extra: tuple[str, ...] = ()
+) -> tuple[str, float] | None:
     """The lightest recompute whose plan fits the cluster's GPU with ``margin`` GiB to spare,
     and its planned GiB per GPU; None when none does."""
     import torch
@@ -69,7 +75,7 @@ def choose(seq_len: int, mbs: int, steps: int, margin: float) -> tuple[str, floa
     from moe_core.plan import plan
 
     for recompute in RECOMPUTE:
-        run = compose_run(overrides(seq_len, mbs, recompute, steps))
+        run = compose_run(overrides(seq_len, mbs, recompute, steps, extra))
         total = plan(run).memory.total / GIB
         gpu_gib = run.cluster.gpu_memory_gib  # the card this runs on, where there is one
         if torch.cuda.is_available():
@@ -84,7 +90,7 @@ def measure(seq_len: int, mbs: int, recompute: str, args: argparse.Namespace) ->
     from moe_core.compose import compose_run
     from moe_core.plan import plan
 
-    args_ = overrides(seq_len, mbs, recompute, args.steps)
+    args_ = overrides(seq_len, mbs, recompute, args.steps, extra(args))
     p = plan(compose_run(args_))
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "moe_core.cli", "train", *args_, f"out_dir={out}"]
@@ -120,19 +126,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--margin", type=float, default=8.0, help="GiB the plan leaves free")
+    p.add_argument("--layers", type=int, default=16, help="of OLMoE-1B-7B's 16")
+    p.add_argument("--recompute", choices=RECOMPUTE, help="this one at every length")
+    p.add_argument("--set", action="append", default=[], help="another override, repeatable")
     p.add_argument("--check", action="store_true", help="compose and plan only (no GPU)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     return p
 
 
+def extra(args: argparse.Namespace) -> tuple[str, ...]:
+    """The overrides ``--layers`` and ``--set`` add to every run."""
+    layers = [f"model.n_layers={args.layers}"] if args.layers != 16 else []
+    return (*layers, *args.set)
+
+
 def main() -> None:
+    from moe_core.compose import compose_run
+    from moe_core.plan import plan
+
     args = parser().parse_args()
     wanted = {int(s) for s in args.lengths.split(",")}
     runs = [(s, mbs) for s, mbs in LENGTHS if s in wanted]
     chosen = {}
     for seq_len, mbs in runs:
-        found = choose(seq_len, mbs, args.steps, args.margin)
+        found = choose(seq_len, mbs, args.steps, args.margin, extra(args))
+        if args.recompute is not None:  # as asked, with its plan
+            run = compose_run(overrides(seq_len, mbs, args.recompute, args.steps, extra(args)))
+            found = (args.recompute, plan(run).memory.total / GIB)
         if found is None:
             sys.exit(f"seq {seq_len}: no recompute choice fits the GPU by moe plan")
         chosen[seq_len] = found
