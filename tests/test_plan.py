@@ -220,6 +220,39 @@ def test_the_1t_plan_says_what_a_checkpoint_costs():
     assert "(cluster.storage_write_gbps)" in plan_text(plan(run))
 
 
+def test_the_plan_says_when_checkpoints_come_faster_than_they_are_written():
+    """At the predicted step time an async checkpoint every 20 steps is still being written
+    when the next one comes (0.4 GB/s): the plan says so and how many steps apart suffice,
+    and at that many it no longer warns; a synchronous save's share of the run is said."""
+    shape = [
+        "model=olmoe-1b-7b",
+        "cluster=local-gpu",
+        "cluster.gpu_type=H200",
+        "cluster.procs_per_node=1",
+        "cluster.gpus_per_node=1",
+        "precision=pure-bf16",
+        "cluster.storage_write_gbps=0.4",
+    ]
+
+    def row(every: int, background: bool) -> str:
+        run = compose_run(
+            [*shape, f"train.checkpoint_every={every}", f"train.async_checkpoint={background}"]
+        )
+        (line,) = [x for x in plan_text(plan(run)).splitlines() if x.startswith("checkpoint:")]
+        return line
+
+    warned = re.search(r"raise train.checkpoint_every to (\d+) or more", row(20, True))
+    assert warned is not None
+    enough = int(warned.group(1))
+    assert "every 20 steps, about" in row(20, True) and enough > 20
+    assert "wait for the one before" not in row(enough, True)
+    assert f"every {enough} steps, about" in row(enough, True)
+    assert "wait for the one before" in row(enough - 1, True)
+    share = re.search(r"stops training for its write \((\d+) % of the run's time\)", row(20, False))
+    assert share is not None and 0 < int(share.group(1)) <= 100
+    assert "every" not in row(0, True).split("GB/s per node")[1]  # no periodic checkpoints
+
+
 @pytest.mark.parametrize("pp,n_mb", [(4, 8), (4, 2), (1, 3)])
 def test_in_flight_follows_the_1f1b_schedule(pp: int, n_mb: int):
     par = ParallelConfig(pp=pp)

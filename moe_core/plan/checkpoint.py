@@ -27,6 +27,8 @@ class CheckpointPlan:
     # host memory the busiest node holds for the run's life under train.async_checkpoint: each
     # rank's copy that background saves stage into (pinned on GPUs); 0 for synchronous saves
     staged_per_node: int = 0
+    every: int = 0  # train.checkpoint_every (0: none periodic)
+    background: bool = False  # train.async_checkpoint
 
 
 def rank_checkpoint_bytes(run: RunConfig, stage: StageMemory) -> int:
@@ -52,4 +54,6 @@ def checkpoint_plan(run: RunConfig, stages: tuple[StageMemory, ...]) -> Checkpoi
         seconds=per_node / (gbps * 1e9),
         write_gbps=gbps,
         staged_per_node=per_node if run.train.async_checkpoint else 0,
+        every=run.train.checkpoint_every,
+        background=run.train.async_checkpoint,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -130,7 +131,8 @@ def _cluster_rows(p: Plan) -> Rows:
 
 
 def _checkpoint_rows(p: Plan) -> Rows:
-    """The bytes of one checkpoint and the busiest node's time to write them."""
+    """The bytes of one checkpoint and the busiest node's time to write them, and against the
+    predicted time between checkpoints what that costs the run."""
     c = p.checkpoint
     size = f"{c.total / GIB:,.1f} GiB" if c.total < 2**40 else f"{c.total / 2**40:,.2f} TiB"
     return [
@@ -144,9 +146,39 @@ def _checkpoint_rows(p: Plan) -> Rows:
                 "(pinned on GPUs)"
                 if c.staged_per_node
                 else ""
-            ),
+            )
+            + _checkpoint_interval(p),
         )
     ]
+
+
+def _checkpoint_interval(p: Plan) -> str:
+    """The time between periodic checkpoints at the predicted step time (a GPU cluster of a
+    known type only), against the write: a synchronous save stops training for it, and an
+    async one that is still writing when the next save comes makes that save wait."""
+    from moe_core.hardware import GPUS
+    from moe_core.plan.timing import step_time
+
+    c = p.checkpoint
+    if not c.every or not p.cluster.gpus_per_node or p.cluster.gpu_type not in GPUS:
+        return ""
+    step_s = step_time(p).step
+    interval = c.every * step_s
+    shown = f"{interval:.1f}" if interval < 10 else f"{interval:,.0f}"
+    said = f"; every {c.every} steps, about {shown} s at the predicted step time"
+    if not c.background:
+        share = c.seconds / (interval + c.seconds)
+        return (
+            f"{said}, a synchronous save stops training for its write "
+            f"({share * 100:.0f} % of the run's time)"
+        )
+    if c.seconds > interval:
+        fewest = math.ceil(c.seconds / step_s)
+        return (
+            f"{said}, shorter than the write, so each save would wait for the one before: "
+            f"raise train.checkpoint_every to {fewest} or more, or the write rate"
+        )
+    return said
 
 
 def _reach_rows(p: Plan) -> Rows:
