@@ -44,6 +44,7 @@ SCALARS = (
     "model_tflops_per_gpu",
     "mfu",
     "peak_mem_gib",
+    "alloc_retries",
     "eval_loss",
     "ep_rows_per_token",  # rows a token sent to other expert-parallel ranks (all_to_all)
     "mtp_loss",

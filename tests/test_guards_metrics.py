@@ -171,3 +171,25 @@ def test_step_metrics_are_logged_per_layer(tmp_path):
     for key in ("loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s_per_gpu"):
         assert key in line
     assert "mfu" not in line  # CPU: no known peak, so no MFU
+
+
+def test_allocator_retries_are_counted_each_step_and_warned_once(monkeypatch, tmp_path, capsys):
+    """The CUDA allocator's retry count (faked here: the CPU has none) reaches each step's
+    metrics as the retries since the step before, the first step that has any is warned of
+    once, and MLflow charts it."""
+    from flows.tracking import metric_rows
+    from moe_core.train import trainer as trainer_module
+
+    total = {"n": 7}  # retries before the trainer existed are not its
+    monkeypatch.setattr(trainer_module, "allocator_retries", lambda device: total["n"])
+    trainer = Trainer(compose_run([*BASE, "train.steps=3", f"out_dir={tmp_path}"]))
+    seen = []
+    for added in (0, 3, 2):
+        total["n"] += added
+        seen.append(trainer.train_step())
+    assert [m.alloc_retries for m in seen] == [0, 3, 2]
+    warned = [x for x in capsys.readouterr().out.split("\n") if "CUDA allocator" in x]
+    assert len(warned) == 1 and "at step 1 " in warned[0], warned
+    assert metric_rows(seen[1].as_dict())["alloc_retries"] == 3.0
+    trainer._stop_prefetching()
+    trainer.release()

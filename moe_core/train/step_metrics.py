@@ -55,6 +55,9 @@ class StepValues:
     # [3] this rank's previous step: wall, own work and data-wait seconds (``stragglers``);
     # [world, 3] after ``all_reduce``, every rank's row
     rank_times: torch.Tensor = field(default_factory=lambda: torch.zeros(3), metadata=BY_RANK)
+    # times the CUDA caching allocator found no free memory, freed its cache and retried while
+    # this step was queued (each a device-wide sync), summed over ranks
+    alloc_retries: torch.Tensor = field(default_factory=lambda: torch.zeros(()), metadata=SUMMED)
 
     def _names(self, reduce: str) -> list[str]:
         return [f.name for f in fields(self) if f.metadata["reduce"] == reduce]
@@ -157,6 +160,8 @@ class StepMetrics:
     spike: bool = False
     mfu: float | None = None
     peak_mem_gib: float | None = None
+    # the ranks' CUDA allocator retries while the step was queued (``StepValues``; None off CUDA)
+    alloc_retries: int | None = None
     eval_loss: float | None = None
     mtp_loss: float | None = None  # the MTP depths' cross-entropy, mean over depths and batch
     mtp_losses: list[float] | None = None  # each depth's (k = 0: the token two ahead)
@@ -175,3 +180,15 @@ class StepMetrics:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "step"}
+
+
+def alloc_retry_warning(step: int, retries: int) -> str:
+    """The one warning of a run whose CUDA allocator ran out of free memory (said once: every
+    step's count is in ``metrics.jsonl`` as ``alloc_retries``)."""
+    times = "once" if retries == 1 else f"{retries} times"
+    return (
+        f"at step {step} the CUDA allocator found no free memory {times} and emptied its cache "
+        "to retry, a device-wide sync that slows every step it happens in: lower "
+        "train.micro_batch_size or turn on parallel.recompute (metrics.jsonl counts "
+        "alloc_retries each step; said once)."
+    )

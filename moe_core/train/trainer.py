@@ -79,7 +79,7 @@ from moe_core.train.router_stats import RouterStats, routers_by_layer
 from moe_core.train.schedule import lr_multiplier, mtp_weight
 from moe_core.train.stack import build_stack
 from moe_core.train.step_graph import StepGraphs
-from moe_core.train.step_metrics import StepMetrics, StepValues
+from moe_core.train.step_metrics import StepMetrics, StepValues, alloc_retry_warning
 from moe_core.train.stragglers import Stragglers
 from moe_core.train.watchdog import Watchdog, keep_flight_record
 from moe_kernels.grouped_gemm import runs_on_device
@@ -87,6 +87,14 @@ from moe_kernels.grouped_gemm import runs_on_device
 COUNTS_WAIT_S = 5.0  # the hang report waits this long for a device to give its router counts
 
 __all__ = ["StepMetrics", "Trainer", "expert_host_reads", "routers_by_layer", "threading_main"]
+
+
+def allocator_retries(device: torch.device) -> int | None:
+    """How often the CUDA caching allocator has found no free memory on ``device``, emptied its
+    cache and retried, so far (a host count, no device sync); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def expert_host_reads(cfg: RunConfig, device: torch.device) -> str:
@@ -228,6 +236,9 @@ class Trainer:
             self._checkpoint_cost,
         )
         self.checkpoint_costs: list[SaveCost] = []  # this object's published checkpoints (rank 0)
+        self._retries_seen = 0  # the CUDA allocator's retries counted so far
+        self._alloc_retries()  # from here: retries before this trainer are not its steps'
+        self._retries_warned = False
         self._checkpoint_log: JsonlSink | None = None  # ``checkpoints.jsonl`` while ``fit`` runs
         self.step = 0
         self.stop_requested = False
@@ -384,6 +395,7 @@ class Trainer:
         rows, tokens = routers.ep_rows()
         values = [len(routers.routers), self.stop_requested, self._peak_mem_gib(), rows, tokens]
         values += self._times  # this rank's previous step, for the straggler report
+        values.append(self._alloc_retries())
         known = torch.tensor(values, dtype=torch.float64)  # exact integers past 2**24
         known = pinned(known, self.device).to(self.device, non_blocking=True)
         local = StepValues(
@@ -398,6 +410,7 @@ class Trainer:
             ep_rows=known[3],
             ep_tokens=known[4],
             rank_times=known[5:8],
+            alloc_retries=known[8],
             **routers.sums(),
         )
         world = dist.get_world_size() if self.mesh.distributed else 1
@@ -450,6 +463,11 @@ class Trainer:
         ep_tokens = host.ep_tokens.item()
         mtp_losses = [v / n_micro for v in host.mtp.tolist()]
         seen = self.batches.seen()  # a mixture's sources: known on every rank, no collective
+        counted = allocator_retries(self.device) is not None
+        retries = round(host.alloc_retries.item()) if counted else None
+        if retries and not self._retries_warned:
+            self._retries_warned = True
+            self._warn(alloc_retry_warning(self.step - 1, retries))
         return StepMetrics(
             step=self.step - 1,
             loss=loss,
@@ -467,6 +485,7 @@ class Trainer:
             skipped=verdict.skip,
             spike=verdict.spike,
             peak_mem_gib=host.peak_mem_gib.item() if self.device.type == "cuda" else None,
+            alloc_retries=retries,
             router=health,
             ep_rows_per_token=host.ep_rows.item() / ep_tokens if ep_tokens else None,
             data_tokens=None if seen is None else seen[0],
@@ -493,6 +512,14 @@ class Trainer:
         rank reduces the same fields)."""
         depth = self.cfg.model.mtp_depth
         return mtp_D if mtp_D.numel() == depth else torch.zeros(depth, device=self.device)
+
+    def _alloc_retries(self) -> int:
+        """This rank's CUDA allocator retries since the last call (0 off CUDA)."""
+        total = allocator_retries(self.device)
+        if total is None:
+            return 0
+        new, self._retries_seen = total - self._retries_seen, total
+        return new
 
     def _peak_mem_gib(self) -> float:
         """This rank's peak device memory over the step (GiB; 0 off CUDA). Graph replays
