@@ -13,7 +13,8 @@ collectives in the step (a rank stuck in its own work never reaches the collecti
 wait in), or that wrote nothing, in one sentence: on its log, in ``hangs/latest.txt`` (the
 pipeline puts it in the relaunch's reason and the tracking run) and in the step's folder; the
 other ranks wait for it (the launcher stops every rank once one exits). Every rank then exits
-with ``HANG_EXIT``.
+with ``HANG_EXIT``. Files there older than the watchdog are an earlier attempt's (a relaunch that
+hung at the same step) and are ignored.
 
 Beside its report each rank dumps torch's flight recorder (``train.flight_recorder``: the last
 collectives of every process group, with their sizes) to ``step_<N>/flight_recorder/rank_<r>``
@@ -122,6 +123,9 @@ class Watchdog:
         self._current: tuple[int, float] | None = None  # (step, when it began)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Files in a step's folder older than this are an earlier attempt's (a relaunch that
+        # hangs at the same step again), never this hang's: every rank starts before any fires.
+        self.since = time.time()
 
     @property
     def enabled(self) -> bool:
@@ -203,26 +207,37 @@ class Watchdog:
         )
         summary = folder / "summary.txt"
         if self.rank == 0:
-            sentence = name_lagging(collect(folder, self.world, REPORT_WAIT_S), step, self.world)
+            reports = collect(folder, self.world, REPORT_WAIT_S, self.since)
+            sentence = name_lagging(reports, step, self.world)
             atomic_write(self.dir / LATEST, (sentence + "\n").encode())
             atomic_write(summary, (sentence + "\n").encode())
             print(sentence, file=sys.stderr, flush=True)
         else:
             # the launcher stops every rank once one exits: stay until rank 0 has said it
             deadline = time.monotonic() + REPORT_WAIT_S + SUMMARY_GRACE_S
-            while not summary.is_file() and time.monotonic() < deadline:
+            while not _written_since(summary, self.since) and time.monotonic() < deadline:
                 time.sleep(0.05)
         self._exit(HANG_EXIT)
 
 
-def collect(folder: Path, world: int, wait_s: float) -> dict[int, dict[str, Any]]:
-    """The ranks' reports in ``folder``, waiting up to ``wait_s`` for all ``world`` of them."""
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def collect(
+    folder: Path, world: int, wait_s: float, since: float = 0.0
+) -> dict[int, dict[str, Any]]:
+    """The ranks' reports in ``folder`` written at or after ``since`` (a ``time.time()``),
+    waiting up to ``wait_s`` for all ``world`` of them."""
     deadline = time.monotonic() + wait_s
     reports: dict[int, dict[str, Any]] = {}
     while True:
         for r in range(world):
             path = folder / f"rank_{r}.json"
-            if r not in reports and path.is_file():
+            if r not in reports and _written_since(path, since):
                 reports[r] = json.loads(path.read_text())
         if len(reports) == world or time.monotonic() > deadline:
             return reports
