@@ -119,6 +119,14 @@ def test_a_glob_reads_only_the_files_it_names(dolma_dir):
     root, _ = dolma_dir
     ds = DolmaDataset(f"{root}/part-0-*.npy", "train", 3, vocab_size=VOCAB)
     assert [p.name for p in ds.paths] == ["part-0-00000.npy"] and ds.root == root
+    # "DIR/**" also names the metadata beside each file: never read as tokens
+    ds = DolmaDataset(f"{root}/**", "train", 3, vocab_size=VOCAB)
+    assert [p.name for p in ds.paths] == [
+        "part-0-00000.npy",
+        "part-2-00000.npy",
+        "part-1-00000.npy",
+    ]
+    assert len(ds.sidecars) == 2
 
 
 def test_megatron_pairs_read_back_token_for_token(tmp_path):
@@ -243,6 +251,9 @@ def test_checksums_are_recorded_in_the_run_folder_and_a_changed_file_is_refused(
         check_recorded(data, run, resuming=True)
     assert check_recorded(data, run, resuming=False).startswith("recorded")  # a new run
     assert check_recorded(data, run, resuming=True).startswith("verified")
+    (run / CHECKSUMS).write_text('{"files": []}')  # JSON, but not a record this run wrote
+    with pytest.raises(DataError, match="is not a checksum record this run wrote"):
+        check_recorded(data, run, resuming=True)
 
 
 # ---- the formats' own writers, where their packages import ------------------------------

@@ -185,7 +185,8 @@ class DolmaDataset(ExternalDataset):
             found = sorted(p for p in self.root.rglob("*.npy") if p.is_file())
         elif any(c in pattern for c in "*?["):
             found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
-            found = [p for p in found if p.is_file()]
+            # "DIR/**" also names Dolma's metadata (NAME.csv.gz), never a token file
+            found = [p for p in found if p.is_file() and p.suffix == ".npy"]
             magic = min(pattern.index(c) for c in "*?[" if c in pattern)
             self.root = Path(os.path.dirname(pattern[:magic]))
         else:
@@ -567,6 +568,8 @@ def check_recorded(
         return f"recorded the sha256 of {len(found)} files in {record}"
     try:
         saved = json.loads(record.read_text())["files"]
+        if not isinstance(saved, dict):
+            raise TypeError(saved)
     except (ValueError, KeyError, TypeError):
         raise DataError(
             f"{record} is not a checksum record this run wrote: remove it to record the corpus "
