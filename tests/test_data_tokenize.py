@@ -380,6 +380,14 @@ def test_foreign_folder_and_unreachable_hub_are_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         tokenize_corpus(kjv(hub="no-such-user/no-such-dataset"), tmp_path / "d")
     assert_one_sentence(str(err.value), "data.hub='no-such-user/no-such-dataset'")
+    # a glob reaching into data.dir: refused before the rerun reads the first run's output
+    corpus = tmp_path / "corpus"
+    (corpus / "tokens").mkdir(parents=True)
+    (corpus / "a.json").write_text('{"text": "one"}\n')
+    (corpus / "tokens" / "job.json").write_text("{}")
+    with pytest.raises(ConfigError) as err:
+        tokenize_corpus(kjv(path=f"{corpus}/**/*.json"), corpus / "tokens")
+    assert_one_sentence(str(err.value), "names", "job.json", "own output would be read")
 
 
 @pytest.mark.parametrize(
@@ -390,6 +398,8 @@ def test_foreign_folder_and_unreachable_hub_are_refused(tmp_path):
         ("data.shard_tokens=0", "data.shard_tokens=0 is not allowed: it must be positive"),
         ("data.hub=x", "data.hub='x' is not allowed: leave it unset when data.path is given"),
         ("data.kind=shards", "data.kind='shards' is not allowed: one of 'synthetic', 'tokens'"),
+        # a rerun would read the shards and records written into the corpus's folder as text
+        ("data.path=runs", "data.dir='runs/tiny/data' is not allowed: a folder outside data.path"),
     ],
 )
 def test_invalid_data_values_fail_with_one_sentence(override, message, capsys):

@@ -122,6 +122,7 @@ def tokenize_corpus(
     console = console or Console(stderr=True)
     out = Path(out_dir)
     source = open_source(cfg)
+    _refuse_own_files(source, out)
     spec = job_spec(cfg, source)
     job = _existing_job(out, spec)
     if job is not None and model_vocab_size is not None:
@@ -231,6 +232,19 @@ def _complete(out: Path, console: Console | None) -> bool:
             soft_wrap=True,
         )
     return True
+
+
+def _refuse_own_files(source: Source, out: Path) -> None:
+    """Refuse a corpus that names files in ``out`` (a ``data.path`` glob reaching into
+    ``data.dir``): this stage's own output would be tokenized as documents."""
+    here = out.resolve()
+    for f in source.description.get("files", []):
+        if Path(f["name"]).resolve().is_relative_to(here):
+            raise ConfigError(
+                f"data.dir={str(out)!r} is not allowed: data.path={source.description['path']!r} "
+                f"names {f['name']} in it, so moe tokenize's own output would be read as "
+                "documents; write the shards outside the corpus or narrow data.path."
+            )
 
 
 def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
