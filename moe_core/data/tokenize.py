@@ -417,6 +417,21 @@ def _units(
         yield first // size, first, texts
 
 
+def _result(future: Any, what: str) -> Any:
+    """``future``'s result; a task that took down every worker that ran it (Dask gives up after
+    a few with ``KilledWorker``) is one sentence instead of Dask's traceback."""
+    try:
+        return future.result()
+    except Exception as err:
+        if type(err).__name__ != "KilledWorker":
+            raise
+        raise DataError(
+            f"the tokenize task of {what} ended every Dask worker that ran it (killed, or out "
+            "of memory: a very long document?); the units and shards already written are kept: "
+            "rerun moe tokenize with more memory per worker (fewer data.workers) to go on."
+        ) from None
+
+
 class _Work:
     """The driver's side of a run: units submitted in order (a few ahead per worker, a unit
     already on disk not again), their records fed in order to each split's ``Cutter``, and each
@@ -440,23 +455,24 @@ class _Work:
         )
         self.finished = finished_units(out, routing.dtype)
         self.cutters = {s: Cutter(s, shard_tokens) for s in SPLITS}
-        self.shards: dict[str, list[Any]] = {s: [] for s in SPLITS}
-        self.window: deque[tuple[Any, bool]] = deque()
+        self.shards: dict[str, list[tuple[Any, str]]] = {s: [] for s in SPLITS}
+        self.window: deque[tuple[Any, bool, str]] = deque()  # (future, fresh, what it is)
         self.end = 0  # documents whose unit is done
 
     def add(self, unit: int, first: int, texts: list[str]) -> None:
         old = self.finished.get(unit)
+        what = f"unit {unit} (documents {first} to {first + len(texts) - 1})"
         if old is not None and old.first == first and len(old.lengths) == len(texts):
-            self.window.append((done(lambda: old), False))
+            self.window.append((done(lambda: old), False, what))
         else:
             args = (str(self.out), self.routing, unit, first, texts)
-            self.window.append((self.engine.submit(encode_unit, *args), True))
+            self.window.append((self.engine.submit(encode_unit, *args), True, what))
         while self.window and (len(self.window) > self.engine.slots or self.window[0][0].done()):
             self._take()
 
     def _take(self) -> None:
-        future, fresh = self.window.popleft()
-        record: UnitRecord = future.result()
+        future, fresh, what = self.window.popleft()
+        record: UnitRecord = _result(future, what)
         if fresh:
             self.run.tokens += record.tokens
         lengths = np.array(record.lengths, dtype=np.int64)
@@ -470,7 +486,8 @@ class _Work:
     def _submit(self, jobs: list[ShardJob]) -> None:
         for job in jobs:
             args = (str(self.out), job, self.routing.dtype)
-            self.shards[job.split].append(self.engine.submit(write_shard, *args))
+            what = f"shard {job.split}-{job.index:05d}"
+            self.shards[job.split].append((self.engine.submit(write_shard, *args), what))
 
     def finish(self) -> dict[str, list[ShardRecord]]:
         """Every shard's record, per split in order, once all are written."""
@@ -479,7 +496,7 @@ class _Work:
         for cutter in self.cutters.values():
             self._submit(cutter.finish())
         self.report(self.end, sum(len(s) for s in self.shards.values()))
-        written = {s: [f.result() for f in futures] for s, futures in self.shards.items()}
+        written = {s: [_result(f, what) for f, what in fs] for s, fs in self.shards.items()}
         self.run.shards_reused = sum(reused for s in written.values() for _, reused in s)
         return {s: [record for record, _ in w] for s, w in written.items()}
 
