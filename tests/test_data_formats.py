@@ -385,6 +385,11 @@ def test_moe_data_shows_files_documents_tokens_and_a_decoded_sample(tmp_path, ca
     assert main(["data", "data.kind=tokens", f"data.dir={ours}", "--sample-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert "moe (moe tokenize's shards and manifest)" in out and "0 1 2 3 4" in out
+    manifest = json.loads((ours / "manifest.json").read_text())
+    del manifest["documents"]  # optional for readers: a manifest another writer made
+    (ours / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["data", "data.kind=tokens", f"data.dir={ours}"]) == 0
+    assert "documents  ?: train 1, validation 1" in capsys.readouterr().out
 
 
 def test_the_loader_benchmark_runs_small_and_reports_every_format(tmp_path):
