@@ -193,7 +193,13 @@ def test_wrong_dtype_or_vocabulary_and_bad_ids_are_refused(tmp_path):
         wrong.check_documents()  # and so check_recorded, before any step
     ok = DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB, token_dtype="uint32")
     assert np.array_equal(stream(ok), np.concatenate(docs))
-    path.with_name("x.csv.gz").unlink()
+    metadata = path.with_name("x.csv.gz")
+    raw = bytearray(metadata.read_bytes())
+    raw[20:40] = bytes(b ^ 0x5A for b in raw[20:40])  # damaged inside its deflate stream
+    metadata.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"x.csv.gz is not allowed: it is not Dolma metadata"):
+        ok.check_documents()
+    metadata.unlink()
     with pytest.raises(DataError, match="ends in token 0, not the end-of-text id 7 "):
         DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB, eos_id=7)
     with open(path, "ab") as f:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,7 +283,7 @@ class DolmaDataset(ExternalDataset):
                     if start != end or stop <= start:
                         raise ValueError(f"row {rows} spans {start} to {stop} after {end}")
                     end = stop
-        except (OSError, EOFError, ValueError) as err:
+        except (OSError, EOFError, ValueError, zlib.error) as err:  # zlib: a damaged stream
             raise DataError(
                 f"{metadata} is not allowed: it is not Dolma metadata of consecutive documents "
                 f"({err}); remove it to read {path.name} without document counts."
