@@ -377,6 +377,11 @@ def test_foreign_folder_and_unreachable_hub_are_refused(tmp_path):
         tokenize_corpus(kjv(), foreign)
     assert_one_sentence(str(err.value), "did not write", "notes.txt")
     assert snapshot(foreign) == {"notes.txt": b"keep me"}
+    (foreign / "job.json").write_text("[1, 2]")  # another tool's job.json
+    with pytest.raises(ConfigError) as err:
+        tokenize_corpus(kjv(), foreign)
+    assert_one_sentence(str(err.value), "did not write", "job.json")
+    (foreign / "job.json").unlink()
     with pytest.raises(ConfigError) as err:
         tokenize_corpus(kjv(hub="no-such-user/no-such-dataset"), tmp_path / "d")
     assert_one_sentence(str(err.value), "data.hub='no-such-user/no-such-dataset'")

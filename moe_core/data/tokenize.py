@@ -257,13 +257,12 @@ def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     if not job_file.is_file():
         foreign = sorted(p.name for p in out.iterdir() if TMP_MARK not in p.name)
         if foreign:
-            raise ConfigError(
-                f"data.dir={str(out)!r} is not allowed: it holds files that moe tokenize did not "
-                f"write (such as {foreign[0]}); give a new or empty folder."
-            )
+            raise _foreign(out, foreign[0])
         return None
     job = _read_json(job_file)
-    old = job.get("spec", {})
+    if not isinstance(job, dict) or not isinstance(job.get("spec"), dict):
+        raise _foreign(out, JOB)  # another tool's job.json
+    old = job["spec"]
     if old != spec:
         raise ConfigError(
             f"data.dir={str(out)!r} is not allowed: it holds shards made with "
@@ -273,7 +272,14 @@ def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     return job
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _foreign(out: Path, name: str) -> ConfigError:
+    return ConfigError(
+        f"data.dir={str(out)!r} is not allowed: it holds files that moe tokenize did not write "
+        f"(such as {name}); give a new or empty folder."
+    )
+
+
+def _read_json(path: Path) -> Any:
     import json
 
     try:
