@@ -107,6 +107,19 @@ def test_a_hang_again_at_the_same_step_ignores_the_earlier_attempts_reports(tmp_
     assert "OLD" not in sentence and "every rank stands at the same place" in sentence
 
 
+def test_a_hang_report_that_cannot_be_written_still_ends_the_process(tmp_path, capsys):
+    """A full disk (here: ``hangs`` is a file) must not kill the watchdog before it ends the
+    process, or the hang would run on until the scheduler's time limit."""
+    (tmp_path / "hangs").write_text("not a folder")
+    exits: list[int] = []
+    dog = Watchdog(TrainConfig(hang_factor=2.0), tmp_path, 0, 1, exit=exits.append)
+    dog.fire(3, 9.0, 0.5)
+    assert exits == [HANG_EXIT]
+    err = capsys.readouterr().err
+    assert "hang watchdog: rank 0 has been in step 3 for 9.0 s" in err
+    assert "rank 0 could not write its hang report in " in err and "it exits all the same" in err
+
+
 def test_the_limit_follows_the_recent_steps_after_warm_up():
     dog = Watchdog(TrainConfig(hang_factor=4.0, hang_min_s=1.0, hang_first_s=100.0), ".", 0, 1)
     assert dog.limit_s() == 100.0

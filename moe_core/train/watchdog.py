@@ -25,6 +25,7 @@ CPU's) list the collectives only, which its analyzer does not read (torch 2.13).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -193,12 +194,10 @@ class Watchdog:
 
     def fire(self, step: int, elapsed: float, limit: float) -> None:
         """Write this rank's report (and on rank 0 the sentence naming the ranks behind), then
-        end the process."""
+        end the process: also when the files cannot be written (a full disk), since a watchdog
+        that died there would leave the hang running until the scheduler's time limit."""
         folder = self.dir / f"step_{step}"
-        folder.mkdir(parents=True, exist_ok=True)
         mine = self.report(step, elapsed, limit)
-        mine["flight_recorder"] = dump_flight_record(folder, self.rank)
-        atomic_write(folder / f"rank_{self.rank}.json", json_bytes(mine))
         print(
             f"hang watchdog: rank {self.rank} has been in step {step} for {elapsed:.1f} s (limit "
             f"{limit:.1f} s); it last entered {mine['where']}",
@@ -206,13 +205,24 @@ class Watchdog:
             flush=True,
         )
         summary = folder / "summary.txt"
-        if self.rank == 0:
-            reports = collect(folder, self.world, REPORT_WAIT_S, self.since)
-            sentence = name_lagging(reports, step, self.world)
-            atomic_write(self.dir / LATEST, (sentence + "\n").encode())
-            atomic_write(summary, (sentence + "\n").encode())
-            print(sentence, file=sys.stderr, flush=True)
-        else:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            mine["flight_recorder"] = dump_flight_record(folder, self.rank)
+            atomic_write(folder / f"rank_{self.rank}.json", json_bytes(mine))
+            if self.rank == 0:
+                reports = collect(folder, self.world, REPORT_WAIT_S, self.since)
+                sentence = name_lagging(reports, step, self.world)
+                print(sentence, file=sys.stderr, flush=True)
+                atomic_write(self.dir / LATEST, (sentence + "\n").encode())
+                atomic_write(summary, (sentence + "\n").encode())
+        except OSError as err:
+            print(
+                f"hang watchdog: rank {self.rank} could not write its hang report in {folder} "
+                f"({err}); it exits all the same",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.rank != 0:
             # the launcher stops every rank once one exits: stay until rank 0 has said it
             deadline = time.monotonic() + REPORT_WAIT_S + SUMMARY_GRACE_S
             while not _written_since(summary, self.since) and time.monotonic() < deadline:
@@ -238,7 +248,8 @@ def collect(
         for r in range(world):
             path = folder / f"rank_{r}.json"
             if r not in reports and _written_since(path, since):
-                reports[r] = json.loads(path.read_text())
+                with contextlib.suppress(OSError, ValueError):  # unreadable: that rank is silent
+                    reports[r] = json.loads(path.read_text())
         if len(reports) == world or time.monotonic() > deadline:
             return reports
         time.sleep(POLL_S)
