@@ -304,6 +304,18 @@ def test_missing_path_and_unreadable_kinds(tmp_path):
         tokenize_corpus(kjv(path=str(tmp_path / "a.docx")), tmp_path / "d")
     assert_one_sentence(str(err.value), "a.docx is not")
     assert not (tmp_path / "d").exists()
+    # a file damaged past the first document (read in chunks: from its first row on): one
+    # sentence, not the reader's traceback
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(f'{{"text": "doc {i}"}}\n' for i in range(3)))
+    (corpus / "b.jsonl").write_text('{"text": "fine"}\n{"text": "broken\n')
+    cfg = kjv(path=str(corpus), tokenizer="gpt2", validation_fraction=0.0, max_documents=None)
+    with pytest.raises(DataError) as err:
+        tokenize_corpus(cfg, tmp_path / "d", show_progress=False)
+    assert_one_sentence(
+        str(err.value), f"data.path={str(corpus)!r} could not be read at document 3"
+    )
 
 
 def test_empty_corpus_and_corpus_without_text(tmp_path):
