@@ -822,6 +822,7 @@ class DataConfig:
                 fail(p + name, "", "a non-empty string")
         if self.dir is not None:
             check_folder(p + "dir", self.dir)
+            self.check_dir_outside_path()
         if self.max_documents is not None:
             _positive(p + "max_documents", self.max_documents)
         for name in ("bpe_train_chars", "shard_tokens"):
@@ -858,6 +859,21 @@ class DataConfig:
                 p + "token_dtype",
                 self.token_dtype,
                 "unset unless data.format='dolma' (the other formats say their dtype)",
+            )
+
+    def check_dir_outside_path(self) -> None:
+        """Refuse ``dir`` inside the folder ``path`` names: the next ``moe tokenize`` would read
+        the shards, manifest and tokenizer written there as documents (a glob is checked by
+        ``moe tokenize`` against the files it names)."""
+        if self.dir is None or self.path is None or any(c in self.path for c in "*?["):
+            return
+        corpus, out = (os.path.abspath(os.path.expanduser(x)) for x in (self.path, self.dir))
+        if os.path.commonpath([corpus, out]) == corpus:
+            fail(
+                "data.dir",
+                self.dir,
+                f"a folder outside data.path={self.path!r}: the shards, manifest and tokenizer "
+                "written there would be read as the corpus's documents by the next moe tokenize",
             )
 
     @property
@@ -1485,6 +1501,7 @@ class RunConfig:
             )
         if self.data.dir is None:
             self.data.dir = f"{self.out_dir}/data"
+            self.data.check_dir_outside_path()
         vocab = self.data.tokenizer_vocab_size
         if self.data.external and self.data.tokenizer == "bpe":
             vocab = None  # no BPE is trained for tokens already written: the model's vocabulary

@@ -4,6 +4,7 @@ the one rule for a path that a manifest, index or metadata file names."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -89,14 +90,20 @@ def remove_stale_temporaries(folder: Path, names: Iterable[str]) -> None:
 
 
 def atomic_write(path: Path, data: bytes, sync: bool = True) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one; a
+    write that fails (a full disk) removes its partial temporary, which would hold the space."""
     tmp = temporary_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def user_mode(directory: bool) -> int:

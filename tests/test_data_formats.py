@@ -119,6 +119,14 @@ def test_a_glob_reads_only_the_files_it_names(dolma_dir):
     root, _ = dolma_dir
     ds = DolmaDataset(f"{root}/part-0-*.npy", "train", 3, vocab_size=VOCAB)
     assert [p.name for p in ds.paths] == ["part-0-00000.npy"] and ds.root == root
+    # "DIR/**" also names the metadata beside each file: never read as tokens
+    ds = DolmaDataset(f"{root}/**", "train", 3, vocab_size=VOCAB)
+    assert [p.name for p in ds.paths] == [
+        "part-0-00000.npy",
+        "part-2-00000.npy",
+        "part-1-00000.npy",
+    ]
+    assert len(ds.sidecars) == 2
 
 
 def test_megatron_pairs_read_back_token_for_token(tmp_path):
@@ -185,7 +193,13 @@ def test_wrong_dtype_or_vocabulary_and_bad_ids_are_refused(tmp_path):
         wrong.check_documents()  # and so check_recorded, before any step
     ok = DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB, token_dtype="uint32")
     assert np.array_equal(stream(ok), np.concatenate(docs))
-    path.with_name("x.csv.gz").unlink()
+    metadata = path.with_name("x.csv.gz")
+    raw = bytearray(metadata.read_bytes())
+    raw[20:40] = bytes(b ^ 0x5A for b in raw[20:40])  # damaged inside its deflate stream
+    metadata.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"x.csv.gz is not allowed: it is not Dolma metadata"):
+        ok.check_documents()
+    metadata.unlink()
     with pytest.raises(DataError, match="ends in token 0, not the end-of-text id 7 "):
         DolmaDataset(tmp_path / "d", "train", 3, vocab_size=VOCAB, eos_id=7)
     with open(path, "ab") as f:
@@ -243,6 +257,9 @@ def test_checksums_are_recorded_in_the_run_folder_and_a_changed_file_is_refused(
         check_recorded(data, run, resuming=True)
     assert check_recorded(data, run, resuming=False).startswith("recorded")  # a new run
     assert check_recorded(data, run, resuming=True).startswith("verified")
+    (run / CHECKSUMS).write_text('{"files": []}')  # JSON, but not a record this run wrote
+    with pytest.raises(DataError, match="is not a checksum record this run wrote"):
+        check_recorded(data, run, resuming=True)
 
 
 # ---- the formats' own writers, where their packages import ------------------------------
@@ -374,6 +391,11 @@ def test_moe_data_shows_files_documents_tokens_and_a_decoded_sample(tmp_path, ca
     assert main(["data", "data.kind=tokens", f"data.dir={ours}", "--sample-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert "moe (moe tokenize's shards and manifest)" in out and "0 1 2 3 4" in out
+    manifest = json.loads((ours / "manifest.json").read_text())
+    del manifest["documents"]  # optional for readers: a manifest another writer made
+    (ours / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["data", "data.kind=tokens", f"data.dir={ours}"]) == 0
+    assert "documents  ?: train 1, validation 1" in capsys.readouterr().out
 
 
 def test_the_loader_benchmark_runs_small_and_reports_every_format(tmp_path):

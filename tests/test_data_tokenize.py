@@ -304,6 +304,18 @@ def test_missing_path_and_unreadable_kinds(tmp_path):
         tokenize_corpus(kjv(path=str(tmp_path / "a.docx")), tmp_path / "d")
     assert_one_sentence(str(err.value), "a.docx is not")
     assert not (tmp_path / "d").exists()
+    # a file damaged past the first document (read in chunks: from its first row on): one
+    # sentence, not the reader's traceback
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(f'{{"text": "doc {i}"}}\n' for i in range(3)))
+    (corpus / "b.jsonl").write_text('{"text": "fine"}\n{"text": "broken\n')
+    cfg = kjv(path=str(corpus), tokenizer="gpt2", validation_fraction=0.0, max_documents=None)
+    with pytest.raises(DataError) as err:
+        tokenize_corpus(cfg, tmp_path / "d", show_progress=False)
+    assert_one_sentence(
+        str(err.value), f"data.path={str(corpus)!r} could not be read at document 3"
+    )
 
 
 def test_empty_corpus_and_corpus_without_text(tmp_path):
@@ -377,9 +389,22 @@ def test_foreign_folder_and_unreachable_hub_are_refused(tmp_path):
         tokenize_corpus(kjv(), foreign)
     assert_one_sentence(str(err.value), "did not write", "notes.txt")
     assert snapshot(foreign) == {"notes.txt": b"keep me"}
+    (foreign / "job.json").write_text("[1, 2]")  # another tool's job.json
+    with pytest.raises(ConfigError) as err:
+        tokenize_corpus(kjv(), foreign)
+    assert_one_sentence(str(err.value), "did not write", "job.json")
+    (foreign / "job.json").unlink()
     with pytest.raises(ConfigError) as err:
         tokenize_corpus(kjv(hub="no-such-user/no-such-dataset"), tmp_path / "d")
     assert_one_sentence(str(err.value), "data.hub='no-such-user/no-such-dataset'")
+    # a glob reaching into data.dir: refused before the rerun reads the first run's output
+    corpus = tmp_path / "corpus"
+    (corpus / "tokens").mkdir(parents=True)
+    (corpus / "a.json").write_text('{"text": "one"}\n')
+    (corpus / "tokens" / "job.json").write_text("{}")
+    with pytest.raises(ConfigError) as err:
+        tokenize_corpus(kjv(path=f"{corpus}/**/*.json"), corpus / "tokens")
+    assert_one_sentence(str(err.value), "names", "job.json", "own output would be read")
 
 
 @pytest.mark.parametrize(
@@ -390,6 +415,8 @@ def test_foreign_folder_and_unreachable_hub_are_refused(tmp_path):
         ("data.shard_tokens=0", "data.shard_tokens=0 is not allowed: it must be positive"),
         ("data.hub=x", "data.hub='x' is not allowed: leave it unset when data.path is given"),
         ("data.kind=shards", "data.kind='shards' is not allowed: one of 'synthetic', 'tokens'"),
+        # a rerun would read the shards and records written into the corpus's folder as text
+        ("data.path=runs", "data.dir='runs/tiny/data' is not allowed: a folder outside data.path"),
     ],
 )
 def test_invalid_data_values_fail_with_one_sentence(override, message, capsys):

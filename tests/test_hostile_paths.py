@@ -550,3 +550,25 @@ def test_dcp_metadata_cut_short_or_malformed_is_one_sentence(tmp_path):
         with pytest.raises(CheckpointError, match=re.escape(sentence)):
             read_metadata(ckpt)
     assert sorted(os.listdir(ckpt)) == sorted(os.listdir(dcp_dir(tmp_path / "again")))
+
+
+def test_a_write_that_finds_the_disk_full_leaves_no_partial_temporary(tmp_path):
+    """``atomic_write`` cut short (here by a file size limit, as a full disk would) removes its
+    hidden temporary, which would otherwise hold the space the user must free; the old file
+    stays whole."""
+    import resource
+    import subprocess
+    import sys
+
+    (tmp_path / "manifest.json").write_bytes(b"old")
+    code = (
+        "import resource, signal, sys; from pathlib import Path; "
+        "from moe_core.files import atomic_write; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # write() fails instead
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, {resource.RLIM_INFINITY})); "
+        "atomic_write(Path(sys.argv[1]) / 'manifest.json', b'x' * (1 << 17))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True)
+    assert done.returncode != 0 and b"File too large" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+    assert (tmp_path / "manifest.json").read_bytes() == b"old"

@@ -656,6 +656,16 @@ def test_a_failed_cluster_job_says_which_rank_failed_first_on_which_node(tmp_pat
             assert (out / f"node-{value}").is_dir()
             assert not (out / f"node-{value}" / "failure.json").exists()
 
+    # a node "number" that climbs out of the job's folder is refused before anything is touched
+    elsewhere = tmp_path / "elsewhere" / "failure.json"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("another job's record")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_NODEID", "../../elsewhere")
+        with pytest.raises(SystemExit, match=r"SLURM_NODEID='\.\./\.\./elsewhere' is not allowed"):
+            main(["--failure", f"{tmp_path}/nodes/node-{{node}}/failure.json", "--standalone"])
+    assert elsewhere.read_text() == "another job's record"
+
 
 def test_slurm_is_refused_where_its_commands_are_missing(tmp_path: Path, monkeypatch):
     from flows.launchers import SlurmLauncher

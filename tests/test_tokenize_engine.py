@@ -179,6 +179,38 @@ def test_a_scheduler_that_does_not_answer_is_named_before_anything_is_written(
     assert not list((tmp_path / "data").glob("*.npy"))
 
 
+def test_a_unit_that_kills_every_worker_is_one_sentence_and_keeps_the_finished_units(
+    tmp_path, monkeypatch
+):
+    """Dask gives up on a task whose workers all died (``KilledWorker``: a document too large
+    for a worker's memory): the stage names the unit in one sentence, not Dask's traceback,
+    and the units done before it stay for the rerun."""
+    import types
+
+    from distributed import KilledWorker
+
+    import moe_core.data.tokenize as stage
+
+    real = stage.encode_unit
+
+    def dies_on_unit_2(data_dir, routing, unit, first, texts):
+        if unit == 2:
+            raise KilledWorker(f"encode_unit-{unit}", types.SimpleNamespace(address="w"), 3)
+        return real(data_dir, routing, unit, first, texts)
+
+    monkeypatch.setattr(stage, "encode_unit", dies_on_unit_2)
+    out = tmp_path / "data"
+    with pytest.raises(DataError) as err:
+        tokenize_corpus(DataConfig(**{**SMALL, "max_documents": 40}), out, show_progress=False)
+    assert str(err.value).startswith(
+        "the tokenize task of unit 2 (documents 16 to 23) ended every Dask worker that ran it"
+    )
+    assert sorted(p.name for p in (out / "units").glob("*.json"))[:2] == [
+        "00000000.json",
+        "00000001.json",
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # on Slurm: the rendered batch script starts the scheduler and the workers across the nodes
 

@@ -73,6 +73,53 @@ def test_a_step_past_its_limit_is_reported_and_ends_the_process(tmp_path):
     assert "every rank stands at the same place" in (hangs_dir(tmp_path) / LATEST).read_text()
 
 
+def test_a_hang_again_at_the_same_step_ignores_the_earlier_attempts_reports(tmp_path):
+    """A relaunch that hangs at the same step finds ``step_N`` from the earlier attempt: its
+    reports are not this hang's, and its summary does not let the other ranks exit before rank
+    0 has said this one (the launcher would stop rank 0 before it wrote it)."""
+    import os
+    import threading
+
+    folder = hangs_dir(tmp_path) / "step_3"
+    folder.mkdir(parents=True)
+    (folder / "rank_1.json").write_text(json.dumps(_report(1, 9, "an OLD place")))
+    (folder / "summary.txt").write_text("the earlier attempt's sentence\n")
+    for p in folder.iterdir():
+        os.utime(p, (time.time() - 600,) * 2)
+    cfg = TrainConfig(hang_factor=2.0, hang_min_s=0.2, hang_first_s=0.5)
+    exits: dict[int, int] = {}
+    dogs = [
+        Watchdog(cfg, tmp_path, r, 2, exit=lambda code, r=r: exits.setdefault(r, code))
+        for r in range(2)
+    ]
+    behind = threading.Thread(target=dogs[1].fire, args=(3, 9.0, 0.5))
+    behind.start()
+    deadline = time.monotonic() + 30
+    while json.loads((folder / "rank_1.json").read_text())["where"] == "an OLD place":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert 1 not in exits, "rank 1 left on the earlier attempt's summary"
+    dogs[0].fire(3, 9.0, 0.5)
+    behind.join()
+    assert exits == {0: HANG_EXIT, 1: HANG_EXIT}
+    sentence = (folder / "summary.txt").read_text()
+    assert "OLD" not in sentence and "every rank stands at the same place" in sentence
+
+
+def test_a_hang_report_that_cannot_be_written_still_ends_the_process(tmp_path, capsys):
+    """A full disk (here: ``hangs`` is a file) must not kill the watchdog before it ends the
+    process, or the hang would run on until the scheduler's time limit."""
+    (tmp_path / "hangs").write_text("not a folder")
+    exits: list[int] = []
+    dog = Watchdog(TrainConfig(hang_factor=2.0), tmp_path, 0, 1, exit=exits.append)
+    dog.fire(3, 9.0, 0.5)
+    assert exits == [HANG_EXIT]
+    err = capsys.readouterr().err
+    assert "hang watchdog: rank 0 has been in step 3 for 9.0 s" in err
+    assert "rank 0 could not write its hang report in " in err and "it exits all the same" in err
+
+
 def test_the_limit_follows_the_recent_steps_after_warm_up():
     dog = Watchdog(TrainConfig(hang_factor=4.0, hang_min_s=1.0, hang_first_s=100.0), ".", 0, 1)
     assert dog.limit_s() == 100.0

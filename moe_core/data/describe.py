@@ -27,6 +27,11 @@ def _files(n: int, what: str) -> str:
     return f"{n} {what} file{'s' if n != 1 else ''}"
 
 
+def _count(n: object) -> str:
+    """A count from a manifest, which another writer may have left out ("?")."""
+    return f"{n:,}" if isinstance(n, int) else "?"
+
+
 def _megabytes(paths: list[Path]) -> str:
     return f"{sum(p.stat().st_size for p in paths) / 1e6:,.1f} MB"
 
@@ -58,7 +63,7 @@ def summarize(
             ("files", f"{len(shards)} shards ({_megabytes(shards)}), dtype {manifest.dtype}"),
             (
                 "documents",
-                f"{manifest.content.get('documents', '?'):,}: train "
+                f"{_count(manifest.content.get('documents'))}: train "
                 f"{splits['train']['documents']:,}, validation "
                 f"{splits['validation']['documents']:,}",
             ),

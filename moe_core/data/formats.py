@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,8 @@ class DolmaDataset(ExternalDataset):
             found = sorted(p for p in self.root.rglob("*.npy") if p.is_file())
         elif any(c in pattern for c in "*?["):
             found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
-            found = [p for p in found if p.is_file()]
+            # "DIR/**" also names Dolma's metadata (NAME.csv.gz), never a token file
+            found = [p for p in found if p.is_file() and p.suffix == ".npy"]
             magic = min(pattern.index(c) for c in "*?[" if c in pattern)
             self.root = Path(os.path.dirname(pattern[:magic]))
         else:
@@ -281,7 +283,7 @@ class DolmaDataset(ExternalDataset):
                     if start != end or stop <= start:
                         raise ValueError(f"row {rows} spans {start} to {stop} after {end}")
                     end = stop
-        except (OSError, EOFError, ValueError) as err:
+        except (OSError, EOFError, ValueError, zlib.error) as err:  # zlib: a damaged stream
             raise DataError(
                 f"{metadata} is not allowed: it is not Dolma metadata of consecutive documents "
                 f"({err}); remove it to read {path.name} without document counts."
@@ -567,6 +569,8 @@ def check_recorded(
         return f"recorded the sha256 of {len(found)} files in {record}"
     try:
         saved = json.loads(record.read_text())["files"]
+        if not isinstance(saved, dict):
+            raise TypeError(saved)
     except (ValueError, KeyError, TypeError):
         raise DataError(
             f"{record} is not a checksum record this run wrote: remove it to record the corpus "

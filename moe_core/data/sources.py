@@ -65,7 +65,7 @@ class Source:
         """``(index, text)`` from document ``start`` on; a document whose text field is missing
         or null reads as '' and is counted in ``without_text`` (every one, also before
         ``start``, so the count does not depend on where a resumed run starts)."""
-        rows = itertools.islice(self.rows(), self.max_documents)
+        rows = _readable(itertools.islice(self.rows(), self.max_documents), self.description)
         for index, row in enumerate(rows):
             text = row.get(self.text_field)
             if text is None and without_text is not None:
@@ -80,6 +80,36 @@ class Source:
                     f"{self.text_field!r}, not text: choose a field whose values are strings."
                 )
             yield index, text
+
+
+def _readable(rows: Iterator[dict[str, Any]], description: dict[str, Any]) -> Iterator[dict]:
+    """``rows``, with a file that cannot be read past the first document (checked by
+    ``open_source``), such as a damaged jsonl line or parquet page, said in one sentence
+    instead of the reader's traceback."""
+    index = 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (ConfigError, DataError):
+            raise
+        except Exception as err:
+            raise DataError(
+                f"{_source_name(description)} could not be read at document {index} "
+                f"({_first_line(err)}): repair or remove the damaged file and rerun; what was "
+                "already written is kept."
+            ) from None
+        yield row
+        index += 1
+
+
+def _source_name(description: dict[str, Any]) -> str:
+    if description.get("kind") == "files":
+        return f"data.path={description['path']!r}"
+    if description.get("kind") == "hub":
+        return f"data.hub={description['name']!r}"
+    return "the built-in corpus"
 
 
 def open_source(cfg: DataConfig) -> Source:

@@ -122,6 +122,7 @@ def tokenize_corpus(
     console = console or Console(stderr=True)
     out = Path(out_dir)
     source = open_source(cfg)
+    _refuse_own_files(source, out)
     spec = job_spec(cfg, source)
     job = _existing_job(out, spec)
     if job is not None and model_vocab_size is not None:
@@ -233,6 +234,19 @@ def _complete(out: Path, console: Console | None) -> bool:
     return True
 
 
+def _refuse_own_files(source: Source, out: Path) -> None:
+    """Refuse a corpus that names files in ``out`` (a ``data.path`` glob reaching into
+    ``data.dir``): this stage's own output would be tokenized as documents."""
+    here = out.resolve()
+    for f in source.description.get("files", []):
+        if Path(f["name"]).resolve().is_relative_to(here):
+            raise ConfigError(
+                f"data.dir={str(out)!r} is not allowed: data.path={source.description['path']!r} "
+                f"names {f['name']} in it, so moe tokenize's own output would be read as "
+                "documents; write the shards outside the corpus or narrow data.path."
+            )
+
+
 def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     """The job already in ``out`` (same settings, or a one-sentence refusal), None if empty."""
     if out.exists() and not out.is_dir():
@@ -243,13 +257,12 @@ def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     if not job_file.is_file():
         foreign = sorted(p.name for p in out.iterdir() if TMP_MARK not in p.name)
         if foreign:
-            raise ConfigError(
-                f"data.dir={str(out)!r} is not allowed: it holds files that moe tokenize did not "
-                f"write (such as {foreign[0]}); give a new or empty folder."
-            )
+            raise _foreign(out, foreign[0])
         return None
     job = _read_json(job_file)
-    old = job.get("spec", {})
+    if not isinstance(job, dict) or not isinstance(job.get("spec"), dict):
+        raise _foreign(out, JOB)  # another tool's job.json
+    old = job["spec"]
     if old != spec:
         raise ConfigError(
             f"data.dir={str(out)!r} is not allowed: it holds shards made with "
@@ -259,7 +272,14 @@ def _existing_job(out: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     return job
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _foreign(out: Path, name: str) -> ConfigError:
+    return ConfigError(
+        f"data.dir={str(out)!r} is not allowed: it holds files that moe tokenize did not write "
+        f"(such as {name}); give a new or empty folder."
+    )
+
+
+def _read_json(path: Path) -> Any:
     import json
 
     try:
@@ -403,6 +423,21 @@ def _units(
         yield first // size, first, texts
 
 
+def _result(future: Any, what: str) -> Any:
+    """``future``'s result; a task that took down every worker that ran it (Dask gives up after
+    a few with ``KilledWorker``) is one sentence instead of Dask's traceback."""
+    try:
+        return future.result()
+    except Exception as err:
+        if type(err).__name__ != "KilledWorker":
+            raise
+        raise DataError(
+            f"the tokenize task of {what} ended every Dask worker that ran it (killed, or out "
+            "of memory: a very long document?); the units and shards already written are kept: "
+            "rerun moe tokenize with more memory per worker (fewer data.workers) to go on."
+        ) from None
+
+
 class _Work:
     """The driver's side of a run: units submitted in order (a few ahead per worker, a unit
     already on disk not again), their records fed in order to each split's ``Cutter``, and each
@@ -426,23 +461,24 @@ class _Work:
         )
         self.finished = finished_units(out, routing.dtype)
         self.cutters = {s: Cutter(s, shard_tokens) for s in SPLITS}
-        self.shards: dict[str, list[Any]] = {s: [] for s in SPLITS}
-        self.window: deque[tuple[Any, bool]] = deque()
+        self.shards: dict[str, list[tuple[Any, str]]] = {s: [] for s in SPLITS}
+        self.window: deque[tuple[Any, bool, str]] = deque()  # (future, fresh, what it is)
         self.end = 0  # documents whose unit is done
 
     def add(self, unit: int, first: int, texts: list[str]) -> None:
         old = self.finished.get(unit)
+        what = f"unit {unit} (documents {first} to {first + len(texts) - 1})"
         if old is not None and old.first == first and len(old.lengths) == len(texts):
-            self.window.append((done(lambda: old), False))
+            self.window.append((done(lambda: old), False, what))
         else:
             args = (str(self.out), self.routing, unit, first, texts)
-            self.window.append((self.engine.submit(encode_unit, *args), True))
+            self.window.append((self.engine.submit(encode_unit, *args), True, what))
         while self.window and (len(self.window) > self.engine.slots or self.window[0][0].done()):
             self._take()
 
     def _take(self) -> None:
-        future, fresh = self.window.popleft()
-        record: UnitRecord = future.result()
+        future, fresh, what = self.window.popleft()
+        record: UnitRecord = _result(future, what)
         if fresh:
             self.run.tokens += record.tokens
         lengths = np.array(record.lengths, dtype=np.int64)
@@ -456,7 +492,8 @@ class _Work:
     def _submit(self, jobs: list[ShardJob]) -> None:
         for job in jobs:
             args = (str(self.out), job, self.routing.dtype)
-            self.shards[job.split].append(self.engine.submit(write_shard, *args))
+            what = f"shard {job.split}-{job.index:05d}"
+            self.shards[job.split].append((self.engine.submit(write_shard, *args), what))
 
     def finish(self) -> dict[str, list[ShardRecord]]:
         """Every shard's record, per split in order, once all are written."""
@@ -465,7 +502,7 @@ class _Work:
         for cutter in self.cutters.values():
             self._submit(cutter.finish())
         self.report(self.end, sum(len(s) for s in self.shards.values()))
-        written = {s: [f.result() for f in futures] for s, futures in self.shards.items()}
+        written = {s: [_result(f, what) for f, what in fs] for s, fs in self.shards.items()}
         self.run.shards_reused = sum(reused for s in written.values() for _, reused in s)
         return {s: [record for record, _ in w] for s, w in written.items()}
 

@@ -60,11 +60,25 @@ def _rank_log_dir(log_dir: str | None, local_rank: int) -> str | None:
     return str(found[-1]) if found else None
 
 
+def node_number() -> str:
+    """This node's number from the first of ``NODE_VARIABLES`` set ("0" when none is), refused
+    unless it is one: it names the node's folder, so "../x" would write (and remove an earlier
+    run's failure file) outside the job's folder."""
+    variable = next((v for v in NODE_VARIABLES if os.environ.get(v)), None)
+    node = "0" if variable is None else os.environ[variable]
+    if not re.fullmatch(r"[0-9]+", node):
+        raise SystemExit(
+            f"{variable}={node!r} is not allowed: this node's number (0, 1, 2, ...), which names "
+            "its log folder."
+        )
+    return node
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun with ``argv`` (after ``--failure FILE``); returns its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    node = next((os.environ[v] for v in NODE_VARIABLES if os.environ.get(v)), "0")
-    argv = [a.replace(NODE, node) for a in argv]
+    if any(NODE in a for a in argv):
+        argv = [a.replace(NODE, node_number()) for a in argv]
     if len(argv) < 2 or argv[0] != "--failure":
         raise SystemExit("usage: python -m moe_core.train.torchrun --failure FILE <torchrun args>")
     failure_file = Path(argv[1])

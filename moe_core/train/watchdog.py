@@ -13,7 +13,8 @@ collectives in the step (a rank stuck in its own work never reaches the collecti
 wait in), or that wrote nothing, in one sentence: on its log, in ``hangs/latest.txt`` (the
 pipeline puts it in the relaunch's reason and the tracking run) and in the step's folder; the
 other ranks wait for it (the launcher stops every rank once one exits). Every rank then exits
-with ``HANG_EXIT``.
+with ``HANG_EXIT``. Files there older than the watchdog are an earlier attempt's (a relaunch that
+hung at the same step) and are ignored.
 
 Beside its report each rank dumps torch's flight recorder (``train.flight_recorder``: the last
 collectives of every process group, with their sizes) to ``step_<N>/flight_recorder/rank_<r>``
@@ -24,6 +25,7 @@ CPU's) list the collectives only, which its analyzer does not read (torch 2.13).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -122,6 +124,9 @@ class Watchdog:
         self._current: tuple[int, float] | None = None  # (step, when it began)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Files in a step's folder older than this are an earlier attempt's (a relaunch that
+        # hangs at the same step again), never this hang's: every rank starts before any fires.
+        self.since = time.time()
 
     @property
     def enabled(self) -> bool:
@@ -189,12 +194,10 @@ class Watchdog:
 
     def fire(self, step: int, elapsed: float, limit: float) -> None:
         """Write this rank's report (and on rank 0 the sentence naming the ranks behind), then
-        end the process."""
+        end the process: also when the files cannot be written (a full disk), since a watchdog
+        that died there would leave the hang running until the scheduler's time limit."""
         folder = self.dir / f"step_{step}"
-        folder.mkdir(parents=True, exist_ok=True)
         mine = self.report(step, elapsed, limit)
-        mine["flight_recorder"] = dump_flight_record(folder, self.rank)
-        atomic_write(folder / f"rank_{self.rank}.json", json_bytes(mine))
         print(
             f"hang watchdog: rank {self.rank} has been in step {step} for {elapsed:.1f} s (limit "
             f"{limit:.1f} s); it last entered {mine['where']}",
@@ -202,28 +205,51 @@ class Watchdog:
             flush=True,
         )
         summary = folder / "summary.txt"
-        if self.rank == 0:
-            sentence = name_lagging(collect(folder, self.world, REPORT_WAIT_S), step, self.world)
-            atomic_write(self.dir / LATEST, (sentence + "\n").encode())
-            atomic_write(summary, (sentence + "\n").encode())
-            print(sentence, file=sys.stderr, flush=True)
-        else:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            mine["flight_recorder"] = dump_flight_record(folder, self.rank)
+            atomic_write(folder / f"rank_{self.rank}.json", json_bytes(mine))
+            if self.rank == 0:
+                reports = collect(folder, self.world, REPORT_WAIT_S, self.since)
+                sentence = name_lagging(reports, step, self.world)
+                print(sentence, file=sys.stderr, flush=True)
+                atomic_write(self.dir / LATEST, (sentence + "\n").encode())
+                atomic_write(summary, (sentence + "\n").encode())
+        except OSError as err:
+            print(
+                f"hang watchdog: rank {self.rank} could not write its hang report in {folder} "
+                f"({err}); it exits all the same",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.rank != 0:
             # the launcher stops every rank once one exits: stay until rank 0 has said it
             deadline = time.monotonic() + REPORT_WAIT_S + SUMMARY_GRACE_S
-            while not summary.is_file() and time.monotonic() < deadline:
+            while not _written_since(summary, self.since) and time.monotonic() < deadline:
                 time.sleep(0.05)
         self._exit(HANG_EXIT)
 
 
-def collect(folder: Path, world: int, wait_s: float) -> dict[int, dict[str, Any]]:
-    """The ranks' reports in ``folder``, waiting up to ``wait_s`` for all ``world`` of them."""
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def collect(
+    folder: Path, world: int, wait_s: float, since: float = 0.0
+) -> dict[int, dict[str, Any]]:
+    """The ranks' reports in ``folder`` written at or after ``since`` (a ``time.time()``),
+    waiting up to ``wait_s`` for all ``world`` of them."""
     deadline = time.monotonic() + wait_s
     reports: dict[int, dict[str, Any]] = {}
     while True:
         for r in range(world):
             path = folder / f"rank_{r}.json"
-            if r not in reports and path.is_file():
-                reports[r] = json.loads(path.read_text())
+            if r not in reports and _written_since(path, since):
+                with contextlib.suppress(OSError, ValueError):  # unreadable: that rank is silent
+                    reports[r] = json.loads(path.read_text())
         if len(reports) == world or time.monotonic() > deadline:
             return reports
         time.sleep(POLL_S)
