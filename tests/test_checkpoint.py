@@ -262,6 +262,37 @@ def test_retention_keeps_last_n_and_every_kth(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_that_fails_publishes_the_background_checkpoint_it_had_written(tmp_path):
+    """An error two steps after an async save leaves that save pending: the run's error is
+    raised, and the checkpoint, fully written, is published (not left as an unfinished folder
+    the next start removes), so a resume starts from it."""
+    args = [
+        *BASE,
+        "train.steps=6",
+        "train.checkpoint_every=2",
+        "train.async_checkpoint=true",
+        "train.checkpoint_at_end=false",
+        f"out_dir={tmp_path}",
+    ]
+    trainer = Trainer(compose_run(args))
+    real = trainer.train_step
+
+    def fails_after_the_save():
+        if trainer.step == 2:  # the step right after the save
+            raise RuntimeError("a failure mid-run")
+        return real()
+
+    trainer.train_step = fails_after_the_save
+    with pytest.raises(RuntimeError, match="a failure mid-run"):
+        trainer.fit(show_progress=False)
+    published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert published == [step_dir_name(2)], published
+    assert verify(tmp_path / "checkpoints" / step_dir_name(2)) is None
+    resumed = Trainer(compose_run([*args, "train.steps=3"]))
+    assert resumed.step == 2
+    resumed.release()
+
+
 def test_async_checkpoint_equals_sync(tmp_path):
     """Both write the same checkpoints; each reports every checkpoint's cost once it is
     published: a line, and a ``checkpoints.jsonl`` record under its step whose bytes are its

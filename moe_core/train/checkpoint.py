@@ -84,6 +84,9 @@ _SHORT_WRITE = "unexpected pos"
 # Publishing waits this long for a rank's record of its files' hashes (written once the rank's
 # own write is done, so about when rank 0's is) before hashing that rank's files itself.
 RECORD_WAIT_S = 600.0
+# A run that fails while a background save is pending publishes it only if its write finishes
+# within this (and the other ranks' records come within it): never a wait on dead ranks.
+SALVAGE_WAIT_S = 60.0
 PIN_MIN_BYTES = 1 << 20  # a background save's host buffers are pinned from this size on
 WAIT_SHOWN_S = 0.5  # a checkpoint line splits its stall from this much waiting for the write on
 
@@ -381,6 +384,27 @@ class Checkpointer:
         self.wait()
         self.free_host_copy()
 
+    def salvage(self, wait_s: float = SALVAGE_WAIT_S) -> None:
+        """On a run's error: publish the background save still pending if its write (every
+        rank's: DCP's coordinator gathers them) completes within ``wait_s``, else leave its
+        unfinished folder for the next start to remove. A failing run so keeps a checkpoint
+        it had fully written instead of falling back to the one before."""
+        if self._pending is None:
+            return
+        fut, step, tmp, meta, _, started, blocked = self._pending
+        hashing, self._pending, self._hashing = self._hashing, None, None
+        try:
+            with _quiet():
+                fut.result(timeout=wait_s)
+            if hashing is not None:
+                hashing.result(timeout=wait_s)
+            self._publish(step, tmp, meta, record_wait_s=wait_s)
+        except (Exception, CheckpointException) as err:  # the run's own error is the one raised
+            self.report(f"the background checkpoint of step {step} was not published ({err})")
+            return
+        now = time.perf_counter()
+        self._cost(SaveCost(step, blocked, now - started, self._published_bytes, True))
+
     def free_host_copy(self) -> None:
         """Drop the host copy (a ``fit`` that leaves on an error): a background write still
         running keeps the buffers it reads until it is done; a later save makes a new copy."""
@@ -474,11 +498,12 @@ class Checkpointer:
         with contextlib.suppress(FileNotFoundError):
             atomic_write(tmp / _record_name(rank), json_bytes(own), sync=False)
 
-    def _records(self, tmp: Path) -> dict[str, dict]:
+    def _records(self, tmp: Path, wait_s: float | None = None) -> dict[str, dict]:
         """Every rank's record of its files (rank 0, publishing), the record files removed; a
-        rank whose record does not come within ``RECORD_WAIT_S`` has its files hashed here."""
+        rank whose record does not come within ``wait_s`` (default ``RECORD_WAIT_S``) has its
+        files hashed here."""
         found: dict[str, dict] = {}
-        deadline = monotonic() + RECORD_WAIT_S
+        deadline = monotonic() + (RECORD_WAIT_S if wait_s is None else wait_s)
         for rank in range(self.mesh.cfg.world_size):
             path = tmp / _record_name(rank)
             while not path.is_file() and monotonic() < deadline:
@@ -511,9 +536,11 @@ class Checkpointer:
         self._cost(cost)
         return now - began
 
-    def _publish(self, step: int, tmp: Path, meta: dict) -> None:
+    def _publish(
+        self, step: int, tmp: Path, meta: dict, record_wait_s: float | None = None
+    ) -> None:
         if self.is_main:
-            records, files = self._records(tmp), {}
+            records, files = self._records(tmp, record_wait_s), {}
             for f in sorted(tmp.rglob("*")):
                 if not f.is_file():
                     continue

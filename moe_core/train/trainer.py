@@ -644,6 +644,7 @@ class Trainer:
                     self.console.print(f"stopped at step {self.step} on request; checkpoint saved")
             finally:
                 self.watchdog.close()
+                self.checkpoints.checkpointer.salvage()  # nothing pending unless it raised
                 self.checkpoints.checkpointer.free_host_copy()  # freed by at_end, unless it raised
                 gc.unfreeze()
                 self._stop_prefetching()
