@@ -107,6 +107,33 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no temporary folders left behind"
 
 
+def test_an_overwritten_model_folder_keeps_no_file_of_an_hf_export_it_replaces(tmp_path):
+    """from-hf --overwrite onto an HF export: a shard and index left beside the new weights
+    would make ``load_model`` read the old model, silently."""
+    from moe_core.convert.load import load_model
+
+    cfg = small_config()
+    old, new = build_model(cfg, seed=1).state_dict(), build_model(cfg, seed=2).state_dict()
+    out = save_hf(old, cfg, tmp_path / "out")
+    save_model_dir(new, cfg, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "moe_core_config.json"]
+    assert torch.equal(load_model(out).embed.weight, new["embed.weight"])
+
+
+def test_overwriting_an_out_that_is_a_symlink_replaces_the_link_and_says_it_wrote(tmp_path):
+    """The link is replaced, never followed (the folder it led to is left as it was), and the
+    finished export is not reported as a failed write."""
+    cfg = small_config()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "theirs.txt").write_text("theirs")
+    (tmp_path / "hf").symlink_to(tmp_path / "elsewhere")
+    out = save_hf(build_model(cfg).state_dict(), cfg, tmp_path / "hf", overwrite=True)
+    assert not out.is_symlink() and (out / INDEX).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hf"]
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["theirs.txt"]
+
+
 def test_tokenizer_files_are_copied(tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()

@@ -233,7 +233,7 @@ def _check_names(found: set[str], cfg: ModelConfig) -> None:
         )
 
 
-def _recover(out: Path) -> None:
+def recover(out: Path) -> None:
     """Undo what a convert to ``out`` that was killed (or ran out of disk) left: the folder it
     was replacing goes back to ``out`` if it had been moved aside, and its unfinished new
     folder is removed."""
@@ -244,6 +244,23 @@ def _recover(out: Path) -> None:
                 break
     if out.parent.is_dir():
         remove_stale_temporaries(out.parent, [out.name, f"{out.name}.old"])
+
+
+def put_in_place(tmp: Path, out: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out``; what ``out`` was (a folder, a file or a
+    symlink, which is never followed) is moved aside first and removed only once ``tmp`` is in
+    place, so no file of it is left among the new ones."""
+    if not (out.exists() or out.is_symlink()):
+        tmp.rename(out)
+        return
+    old = temporary_name(out.with_name(f"{out.name}.old"))
+    shutil.rmtree(old, ignore_errors=True)
+    out.rename(old)
+    tmp.rename(out)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def save_hf(
@@ -271,7 +288,7 @@ def save_hf(
                 f"the weights do not fit their model config ({problem}): nothing was written."
             )
     out = Path(out_dir)
-    _recover(out)
+    recover(out)
     refuse_existing(out, overwrite)
     tokenizer = [] if tokenizer_dir is None else _tokenizer_files(Path(tokenizer_dir))
     element = torch.empty((), dtype=source.dtype).element_size()
@@ -317,14 +334,7 @@ def save_hf(
             shutil.copy2(f, tmp / f.name)
         for f in tmp.iterdir():  # safetensors writes its files private
             f.chmod(user_mode(directory=False))
-        if out.exists():
-            old = temporary_name(out.with_name(f"{out.name}.old"))
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        put_in_place(tmp, out)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)  # it would hold the space a rerun needs
         raise unwritten(out, err) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from moe_core.files import (
 )
 
 WEIGHTS = "model.safetensors"
+# the files that make a folder read as a Hugging Face one (its config, index and shards)
+HF_FILES = re.compile(r"config\.json|model\.safetensors\.index\.json|model-\d+-of-\d+\.safetensors")
 
 
 def save_model_dir(
@@ -35,21 +38,28 @@ def save_model_dir(
     out_dir: str | os.PathLike,
     overwrite: bool = False,
 ) -> Path:
-    """Write weights then config, each to a temporary name renamed into place; a folder that
-    holds anything already is refused unless ``overwrite``."""
+    """Write weights and config, each to a temporary name renamed into place; a folder that
+    holds anything already is refused unless ``overwrite``, which keeps the user's own files
+    but drops those of a Hugging Face folder (``HF_FILES``): a reader would take them for the
+    model instead of the new weights."""
     out = Path(out_dir)
     refuse_existing(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out, [WEIGHTS, OUR_CONFIG])  # a killed convert's, never the user's
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    tmp_weights = temporary_name(out / WEIGHTS)
+    tmp_weights, tmp_config = temporary_name(out / WEIGHTS), temporary_name(out / OUR_CONFIG)
     try:
         write_safetensors(tensors, tmp_weights)
         tmp_weights.chmod(user_mode(directory=False))  # safetensors writes its files private
+        # both written before either is renamed: new weights never sit beside an old config
+        atomic_write(tmp_config, (json.dumps(to_dict(cfg), indent=2) + "\n").encode())
         tmp_weights.replace(out / WEIGHTS)
-        atomic_write(out / OUR_CONFIG, (json.dumps(to_dict(cfg), indent=2) + "\n").encode())
+        tmp_config.replace(out / OUR_CONFIG)
+        for f in out.iterdir():
+            if HF_FILES.fullmatch(f.name) and (f.is_file() or f.is_symlink()):
+                f.unlink()
     except OSError as err:
-        for tmp in (tmp_weights, temporary_name(out / OUR_CONFIG)):
+        for tmp in (tmp_weights, tmp_config, temporary_name(tmp_config)):
             tmp.unlink(missing_ok=True)  # it would hold the space a rerun needs
         raise unwritten(out, err) from None
     return out
