@@ -173,6 +173,37 @@ def test_cli_converts_both_ways(tmp_path):
     assert main(["convert", "to-hf", str(tmp_path / "ours"), hf, "--no-tokenizer"]) == 2
 
 
+def test_dtype_is_honoured_for_a_model_folder_and_refused_for_from_hf(tmp_path, capsys):
+    """--dtype bf16 of a model folder wrote fp32 weights, silently; from-hf ignored it."""
+    from safetensors import safe_open
+
+    from moe_core.cli import main
+
+    cfg = small_config()
+    ours = save_model_dir(build_model(cfg, seed=5).state_dict(), cfg, tmp_path / "ours")
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(ours), str(hf), "--no-tokenizer", "--dtype", "bf16"]) == 0
+    with safe_open(str(next(hf.glob("model-*.safetensors"))), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "back"), "--dtype", "fp32"]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert "--dtype is an option of moe convert to-hf only" in printed
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_checkpoint_is_exported_in_shards_of_the_size_asked(tmp_path):
+    """--max-shard-size holds for a training checkpoint as for a model folder."""
+    from moe_core.cli import main
+    from moe_core.config import RunConfig, TrainConfig
+    from moe_core.train.init import write_initial_checkpoint
+
+    run = RunConfig(model=small_config(), train=TrainConfig(seq_len=32), out_dir=str(tmp_path))
+    step = write_initial_checkpoint(run, tmp_path / "checkpoints")
+    argv = ["convert", "to-hf", str(step), str(tmp_path / "hf"), "--no-tokenizer"]
+    assert main([*argv, "--max-shard-size", "100KB"]) == 0
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+
+
 def _train_one_step(out, extra):
     from helpers import BASE
 

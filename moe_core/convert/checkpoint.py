@@ -160,6 +160,7 @@ def checkpoint_to_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     eos_token_id: int | None = None,
     overwrite: bool = False,
+    max_shard_bytes: int = 5 * 1024**3,
 ) -> Path:
     """A training checkpoint to the Hugging Face folder of its model's family (``families``),
     streamed tensor by tensor.
@@ -179,4 +180,5 @@ def checkpoint_to_hf(
         tokenizer_dir=tokenizer_dir,
         eos_token_id=eos_token_id,
         overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
     )
