@@ -333,6 +333,22 @@ def test_an_hf_index_naming_a_path_elsewhere_is_refused(tmp_path, capsys):
         assert f"{src / INDEX} names {bad!r}, which is not allowed: {ALLOWED}" in text
 
 
+def test_an_hf_shard_missing_or_a_tensor_held_twice_is_one_sentence(tmp_path, capsys):
+    """A shard the index names but the folder lacks (a cut-short download) is named with the
+    index; a tensor in two shards was read from whichever came last, silently."""
+    src = hf_dir(tmp_path)
+    shards = sorted(src.glob("model-*.safetensors"))
+    first, last = shards[0], shards[-1]
+    a, b = load_file(str(first)), load_file(str(last))
+    name = sorted(a)[0]
+    save_file(b | {name: a[name] + 1}, str(last), metadata={"format": "pt"})
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"{src} holds {name} twice, in {first.name} and in {last.name}, which is not" in text
+    last.unlink()
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"{src / INDEX} names {last.name!r}, which is not in {src}: the folder is" in text
+
+
 def test_an_hf_folder_as_transformers_writes_it_still_converts(tmp_path):
     cfg = small_config()
     model = build_model(cfg, seed=3)

@@ -442,7 +442,11 @@ def _weight_files(d: Path) -> list[str]:
             f"{d / INDEX} is not a valid index: it needs a weight_map of tensor names to files."
         ) from None
     for f in files:
-        inside(d, f, d / INDEX, CheckpointError, _hub_blobs(d))
+        if not inside(d, f, d / INDEX, CheckpointError, _hub_blobs(d)).is_file():
+            raise CheckpointError(
+                f"{d / INDEX} names {f!r}, which is not in {d}: the folder is incomplete; "
+                "download or export it again."
+            )
     return files
 
 
@@ -497,6 +501,11 @@ class HFSource:
                 if m is not None and int(m[1]) in mtp:
                     skipped += 1
                     continue
+                if k in found:  # which copy a reader takes would depend on the file order
+                    raise CheckpointError(
+                        f"{d} holds {k} twice, in {self._file[k]} and in {f}, which is not "
+                        "allowed: each tensor in one file; download or export it again."
+                    )
                 found[k], self._file[k] = shape, f
                 if dtype not in _WEIGHT_DTYPES:
                     raise CheckpointError(
