@@ -309,13 +309,17 @@ class Tracker:
     def stage(self, name: str) -> str | None:
         """A fresh nested run of ``name`` for this attempt (the parent made first if needed)."""
         parent = self.current or self._new_parent()
-        if parent is None:
-            return None
-        run_id = self._guard(self._create, name, parent)
-        if run_id is not None:
+        run_id = None if parent is None else self._guard(self._create, name, parent)
+        if run_id is None:
+            # The outputs this attempt writes are no earlier run's: a later rerun that skips
+            # them must not link or note them under a run logged with another config's params.
+            self.state["stages"].pop(name, None)
+            if self.current is None:
+                self.state["parent"] = None
+        else:
             self.state["stages"][name] = run_id
             self.state["attempts"].setdefault(name, []).append(run_id)
-            self._save()
+        self._save()
         return run_id
 
     def params(self, run_id: str | None, values: dict[str, Any]) -> None:

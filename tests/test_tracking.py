@@ -70,6 +70,15 @@ def test_every_invocation_that_runs_a_stage_gets_fresh_runs_and_the_folder_keeps
     assert [runs[r].info.run_name for r in state["parents"]] == ["run", "run #2"]
     assert {r.data.tags["moe.run_dir"] for r in runs.values()} == {str(tmp_path)}
 
+    # Train reran (a changed config) while the store was away: a later rerun that skips it must
+    # not name the earlier train run, or parent, whose params are the old config's.
+    again.stage("tokenize")
+    down = Tracker(tmp_path, f"http://127.0.0.1:{closed_port()}", "exp", "run")
+    assert down.stage("train") is None
+    later = Tracker(tmp_path, None, "exp", "run")
+    assert later.parent is None and "train" not in later.state["stages"]
+    assert later.state["stages"]["tokenize"] == again.state["stages"]["tokenize"]
+
 
 def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
     line = {
