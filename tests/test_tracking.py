@@ -80,6 +80,26 @@ def test_every_invocation_that_runs_a_stage_gets_fresh_runs_and_the_folder_keeps
     assert later.state["stages"]["tokenize"] == again.state["stages"]["tokenize"]
 
 
+@pytest.mark.slow
+def test_a_copied_run_folder_keeps_its_artifacts_in_itself(tmp_path):
+    """The sqlite store names the first folder as the artifacts' place: a copy's runs wrote
+    their artifacts (an HF export among them) into the original folder."""
+    import shutil
+
+    first = tmp_path / "first"
+    first.mkdir()
+    tracker = Tracker(first, None, "exp", "run")
+    earlier = tracker.stage("train")
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    again = Tracker(copy, None, "exp", "run")
+    (copy / "config.json").write_text("{}")
+    again.artifacts(again.stage("train"), copy / "config.json")
+    assert not list(first.rglob("config.json")) and list(copy.rglob("artifacts/config.json"))
+    location = again.client.get_run(earlier).info.artifact_uri
+    assert location.startswith((copy / "mlartifacts").resolve().as_uri())
+
+
 def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
     line = {
         "step": 3,
