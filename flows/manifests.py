@@ -200,6 +200,8 @@ def verify(
     files = record.get("files")
     if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
         return None, "its manifest does not list its files"
+    if not isinstance(record.get("summary"), dict):  # what a skipped stage reports from
+        return None, "its manifest holds no summary"
     for rel, info in files.items():
         # A manifest naming a file elsewhere is not this stage's: it runs again. Checked as
         # written, not resolved: a run's data or checkpoint folder may be a link to another disk.

@@ -214,13 +214,25 @@ def test_training_on_a_manifest_naming_a_shard_elsewhere_is_refused(tmp_path, mo
 
 
 @pytest.mark.parametrize(
-    "content", ["[]", '{"key": "k", "files": []}', '{"key": "k", "files": {"data/a": 5}}']
+    "content",
+    [
+        "[]",
+        '{"key": "k", "files": []}',
+        '{"key": "k", "files": {"data/a": 5}}',
+        '{"key": "k", "files": {}}',  # a hand-edited one without its summary (a traceback once)
+        '{"key": "k", "files": {}, "summary": [1]}',
+    ],
 )
 def test_a_stage_manifest_without_its_file_list_reruns_the_stage(content, tmp_path):
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "tokenize.json").write_text(content)
     record, why = verify_stage(tmp_path, "tokenize", "k")
-    assert record is None and why in ("no manifest", "its manifest does not list its files")
+    assert record is None
+    assert why in (
+        "no manifest",
+        "its manifest does not list its files",
+        "its manifest holds no summary",
+    )
 
 
 def test_a_rerun_of_tokenize_never_keeps_a_shard_leading_out_of_its_folder(tmp_path):
