@@ -194,7 +194,7 @@ def verify(
         return None, NO_MANIFEST
     # Any version holding the current key is this config's (a stage whose key did not change);
     # only one from before KEY_VERSION may hold the old one.
-    accepted = {key} if current(record) or old_key is None else {key, old_key}
+    accepted = (key,) if current(record) or old_key is None else (key, old_key)  # any JSON
     if record.get("key") not in accepted:
         return None, KEY_CHANGED
     files = record.get("files")

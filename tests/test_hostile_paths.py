@@ -221,6 +221,7 @@ def test_training_on_a_manifest_naming_a_shard_elsewhere_is_refused(tmp_path, mo
         '{"key": "k", "files": {"data/a": 5}}',
         '{"key": "k", "files": {}}',  # a hand-edited one without its summary (a traceback once)
         '{"key": "k", "files": {}, "summary": [1]}',
+        '{"key": ["k"], "files": {}, "summary": {}}',  # a TypeError once
     ],
 )
 def test_a_stage_manifest_without_its_file_list_reruns_the_stage(content, tmp_path):
@@ -232,6 +233,7 @@ def test_a_stage_manifest_without_its_file_list_reruns_the_stage(content, tmp_pa
         "no manifest",
         "its manifest does not list its files",
         "its manifest holds no summary",
+        "its inputs or config changed",
     )
 
 
