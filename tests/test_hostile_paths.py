@@ -448,6 +448,27 @@ def test_integer_or_mixed_dtype_weights_are_refused_not_written(dtype, tmp_path,
         assert f"{shard} holds {name} as BF16 but " in text and " as F32, which is not" in text
 
 
+@pytest.mark.parametrize("damage", ["missing", "int32"])
+def test_a_damaged_model_folder_is_one_sentence_on_export(damage, tmp_path, capsys):
+    """A model folder missing a tensor or holding integer weights ended to-hf in a traceback."""
+    cfg = small_config()
+    ours = save_model_dir(build_model(cfg).state_dict(), cfg, tmp_path / "ours")
+    tensors = load_file(str(ours / WEIGHTS))
+    name = sorted(tensors)[0]
+    if damage == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(ours / WEIGHTS))
+    assert main(["convert", "to-hf", str(ours), str(tmp_path / "hf"), "--no-tokenizer"]) == 2
+    text = printed(capsys)
+    assert text.startswith("error: ") and not (tmp_path / "hf").exists()
+    if damage == "missing":
+        assert f"the weights do not match the model config: missing ['{name}']" in text
+    else:
+        assert "the weights hold float32, int32, which is not allowed: one of float32," in text
+
+
 def test_an_export_never_copies_files_reached_through_a_symlink_out(tmp_path, capsys):
     cfg = small_config()
     ours = save_model_dir(build_model(cfg).state_dict(), cfg, tmp_path / "ours")

@@ -138,8 +138,12 @@ class StateDictSource:
             or next(iter(dtypes)) not in _DTYPE_NAMES
             or any(t.dtype not in fp32_ok for t in state.values())
         ):
-            found = {t.dtype for t in state.values()}
-            raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {found}.")
+            found = sorted(str(t.dtype).removeprefix("torch.") for t in state.values())
+            raise CheckpointError(
+                f"the weights hold {', '.join(sorted(set(found)))}, which is not allowed: one of "
+                "float32, bfloat16 or float16 throughout (the routers' may be float32); nothing "
+                "was written."
+            )
         self.state, self.dtype = state, next(iter(dtypes))
 
     def names(self) -> set[str]:
@@ -227,9 +231,9 @@ def _check_names(found: set[str], cfg: ModelConfig) -> None:
     expected = set(state_shapes(cfg))
     missing, extra = sorted(expected - found), sorted(found - expected)
     if missing or extra:
-        raise ValueError(
+        raise CheckpointError(
             f"the weights do not match the model config: missing {missing[:3]}, "
-            f"unexpected {extra[:3]}."
+            f"unexpected {extra[:3]}; nothing was written."
         )
 
 
