@@ -363,6 +363,17 @@ def test_an_hf_shard_missing_or_a_tensor_held_twice_is_one_sentence(tmp_path, ca
     assert f"{src / INDEX} names {last.name!r}, which is not in {src}: the folder is" in text
 
 
+def test_an_hf_folder_without_safetensors_weights_says_only_those_are_read(tmp_path, capsys):
+    """A folder of pickled weights was told to fix its config's sizes (from-hf) or ended in a
+    bare file-not-found (load_model, init.from_hf)."""
+    src = hf_dir(tmp_path)
+    for f in [*src.glob("model-*.safetensors"), src / INDEX]:
+        f.unlink()
+    (src / "pytorch_model.bin").write_bytes(b"pickled")
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"error: {src} holds neither model.safetensors nor {INDEX}: only safetensors" in text
+
+
 def test_an_hf_folder_as_transformers_writes_it_still_converts(tmp_path):
     cfg = small_config()
     model = build_model(cfg, seed=3)

@@ -430,14 +430,23 @@ def _holds_layer(d: Path, layer: int) -> bool:
 def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     """Our config for an HF folder of any of the families (ours carries it; others are
     derived from config.json: the router losses as ``families`` says, no z-loss)."""
-    return _folder_config(Path(hf_dir))[0]
+    cfg = _folder_config(Path(hf_dir))[0]
+    _weight_files(Path(hf_dir))  # a folder without its weights is refused before anything starts
+    return cfg
 
 
 def _weight_files(d: Path) -> list[str]:
     """The safetensors files of an HF directory: those its index names (each a file inside
     ``d``, ``files.inside``), else ``model.safetensors``."""
     if not (d / INDEX).is_file() and not (d / INDEX).is_symlink():
-        return [inside(d, "model.safetensors", d, CheckpointError, _hub_blobs(d)).name]
+        single = inside(d, "model.safetensors", d, CheckpointError, _hub_blobs(d))
+        if not single.is_file():
+            raise CheckpointError(
+                f"{d} holds neither model.safetensors nor {INDEX}: only safetensors weights are "
+                "read (a pytorch_model.bin could run code when loaded); save the model with "
+                "save_pretrained's default safe_serialization=True."
+            )
+        return [single.name]
     try:
         weight_map = _read_json(d, INDEX)["weight_map"]
         files = sorted({*weight_map.values()}, key=str)
