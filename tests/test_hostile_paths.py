@@ -459,25 +459,37 @@ def test_integer_or_mixed_dtype_weights_are_refused_not_written(dtype, tmp_path,
         assert f"{shard} holds {name} as BF16 but " in text and " as F32, which is not" in text
 
 
-@pytest.mark.parametrize("damage", ["missing", "int32"])
+@pytest.mark.parametrize("damage", ["missing", "int32", "cut", "no json", "list", "bad value"])
 def test_a_damaged_model_folder_is_one_sentence_on_export(damage, tmp_path, capsys):
-    """A model folder missing a tensor or holding integer weights ended to-hf in a traceback."""
+    """A model folder missing a tensor, holding integer weights, cut short, or whose config is
+    no JSON object ended to-hf (and load_model) in a traceback."""
     cfg = small_config()
     ours = save_model_dir(build_model(cfg).state_dict(), cfg, tmp_path / "ours")
     tensors = load_file(str(ours / WEIGHTS))
     name = sorted(tensors)[0]
     if damage == "missing":
         del tensors[name]
-    else:
+    elif damage == "int32":
         tensors[name] = tensors[name].to(torch.int32)
-    save_file(tensors, str(ours / WEIGHTS))
+    if damage in ("missing", "int32"):
+        save_file(tensors, str(ours / WEIGHTS))
+    if damage == "cut":
+        (ours / WEIGHTS).write_bytes((ours / WEIGHTS).read_bytes()[:-10])
+    config = {"no json": "{not json", "list": "[1]", "bad value": '{"d_model": "x"}'}
+    if damage in config:
+        (ours / OUR_CONFIG).write_text(config[damage])
     assert main(["convert", "to-hf", str(ours), str(tmp_path / "hf"), "--no-tokenizer"]) == 2
     text = printed(capsys)
     assert text.startswith("error: ") and not (tmp_path / "hf").exists()
-    if damage == "missing":
-        assert f"the weights do not match the model config: missing ['{name}']" in text
-    else:
-        assert "the weights hold float32, int32, which is not allowed: one of float32," in text
+    expected = {
+        "missing": f"the weights do not match the model config: missing ['{name}']",
+        "int32": "the weights hold float32, int32, which is not allowed: one of float32,",
+        "cut": f"{ours / WEIGHTS} is not a readable safetensors file (",
+        "no json": f"{ours / OUR_CONFIG} is not valid JSON (",
+        "list": f"{ours / OUR_CONFIG} holds no JSON object",
+        "bad value": f"{ours / OUR_CONFIG} describes a model moe_core cannot build: model.d_model=",
+    }
+    assert expected[damage] in text
 
 
 def test_an_export_never_copies_files_reached_through_a_symlink_out(tmp_path, capsys):

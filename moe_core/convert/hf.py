@@ -360,7 +360,7 @@ def _hub_blobs(d: Path) -> Path:
     return d
 
 
-def _read_json(d: Path, name: str) -> dict:
+def read_json(d: Path, name: str) -> dict:
     """``d / name`` parsed (a file inside ``d``), refused in one sentence unless a JSON object."""
     path = inside(d, name, d, CheckpointError, _hub_blobs(d))
     try:
@@ -383,14 +383,14 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
             "safetensors weights, as save_pretrained writes it)."
         )
     if (d / OUR_CONFIG).is_file() or (d / OUR_CONFIG).is_symlink():
-        path, ours = d / OUR_CONFIG, _read_json(d, OUR_CONFIG)
+        path, ours = d / OUR_CONFIG, read_json(d, OUR_CONFIG)
         try:
             cfg = from_dict(ModelConfig, ours, "model.")
             family = choose_family(cfg)
         except ConfigError as err:
             raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
         if (d / "config.json").exists():
-            model_type = _read_json(d, "config.json").get("model_type")
+            model_type = read_json(d, "config.json").get("model_type")
             if model_type != family.model_type:
                 raise CheckpointError(
                     f"{d / 'config.json'} says model_type={model_type!r} but {path} describes "
@@ -398,7 +398,7 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
                     "of one export; export the model again."
                 )
         return cfg, family, None
-    path, raw = d / "config.json", _read_json(d, "config.json")
+    path, raw = d / "config.json", read_json(d, "config.json")
     family = family_for(raw.get("model_type"), path)
     reader = HFConfigReader(path, raw, family)
     fields = family.model_fields(reader)
@@ -420,7 +420,7 @@ def _holds_layer(d: Path, layer: int) -> bool:
     its index, or from the safetensors header)."""
     prefix = f"model.layers.{layer}."
     if (d / INDEX).is_file():
-        weight_map = _read_json(d, INDEX).get("weight_map")
+        weight_map = read_json(d, INDEX).get("weight_map")
         names = weight_map if isinstance(weight_map, dict) else {}
     else:
         names = _scan(d / _weight_files(d)[0])
@@ -448,7 +448,7 @@ def _weight_files(d: Path) -> list[str]:
             )
         return [single.name]
     try:
-        weight_map = _read_json(d, INDEX)["weight_map"]
+        weight_map = read_json(d, INDEX)["weight_map"]
         files = sorted({*weight_map.values()}, key=str)
     except (KeyError, TypeError, AttributeError):
         raise CheckpointError(
@@ -472,10 +472,10 @@ def _scan(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                 for k in fh.keys()  # noqa: SIM118 (safe_open is not a mapping)
             }
     except SafetensorError as err:
-        raise _unreadable(path, err) from None
+        raise unreadable(path, err) from None
 
 
-def _unreadable(path: Path, err: Exception) -> CheckpointError:
+def unreadable(path: Path, err: Exception) -> CheckpointError:
     return CheckpointError(
         f"{path} is not a readable safetensors file ({err}): it may be truncated; download or "
         "export it again."
@@ -577,7 +577,7 @@ class HFSource:
                 self._handles[f] = safe_open(str(self.dir / f), framework="pt")
             return self._handles[f].get_tensor(key)
         except SafetensorError as err:
-            raise _unreadable(self.dir / f, err) from None
+            raise unreadable(self.dir / f, err) from None
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
         """Our tensor ``name`` (``[expert]`` of a stacked one) as stored: no dtype changes."""

@@ -12,12 +12,13 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from moe_core.config import ModelConfig
+from moe_core.config import ConfigError, ModelConfig
 from moe_core.config_dict import from_dict, to_dict
 from moe_core.convert.folders import refuse_existing
-from moe_core.convert.hf import OUR_CONFIG, unwritten, write_safetensors
+from moe_core.convert.hf import OUR_CONFIG, read_json, unreadable, unwritten, write_safetensors
 from moe_core.errors import CheckpointError
 from moe_core.files import (
     atomic_write,
@@ -71,5 +72,13 @@ def load_model_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torc
         if not (d / name).is_file():
             raise FileNotFoundError(f"{d} is not a moe_core model directory: {name} is missing.")
         inside(d, name, d, CheckpointError)  # a symlink leading out would export any file
-    cfg = from_dict(ModelConfig, json.loads((d / OUR_CONFIG).read_text()), "model.")
-    return cfg, load_file(str(d / WEIGHTS))
+    try:
+        cfg = from_dict(ModelConfig, read_json(d, OUR_CONFIG), "model.")
+    except ConfigError as err:
+        raise ConfigError(
+            f"{d / OUR_CONFIG} describes a model moe_core cannot build: {err}"
+        ) from None
+    try:
+        return cfg, load_file(str(d / WEIGHTS))
+    except SafetensorError as err:
+        raise unreadable(d / WEIGHTS, err) from None
