@@ -374,6 +374,19 @@ def test_an_hf_folder_without_safetensors_weights_says_only_those_are_read(tmp_p
     assert f"error: {src} holds neither model.safetensors nor {INDEX}: only safetensors" in text
 
 
+def test_an_exports_config_json_changed_afterwards_is_refused_not_ignored(tmp_path, capsys):
+    """Import reads moe_core_config.json: a config.json edited since (another RoPE base) was
+    ignored, so the model computed other than transformers does from the same folder."""
+    src = hf_dir(tmp_path)
+    hf = json.loads((src / "config.json").read_text())
+    hf["rope_theta"] = hf.get("rope_theta", 10000.0) * 2
+    hf.pop("rope_parameters", None)
+    (src / "config.json").write_text(json.dumps(hf))
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"{src / 'config.json'} describes model.rope_theta={hf['rope_theta']!r} but " in text
+    assert f"remove {OUR_CONFIG} to import config.json as it is." in text
+
+
 def test_an_hf_folder_as_transformers_writes_it_still_converts(tmp_path):
     cfg = small_config()
     model = build_model(cfg, seed=3)

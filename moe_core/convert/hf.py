@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_core.config import ConfigError, ModelConfig, safe_name
+from moe_core.config import ARCHITECTURE_FIELDS, ConfigError, ModelConfig, safe_name
 from moe_core.config_dict import from_dict, to_dict
 from moe_core.convert.families import (
     DeepseekV3,
@@ -390,13 +390,15 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
         except ConfigError as err:
             raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
         if (d / "config.json").exists():
-            model_type = read_json(d, "config.json").get("model_type")
+            raw = read_json(d, "config.json")
+            model_type = raw.get("model_type")
             if model_type != family.model_type:
                 raise CheckpointError(
                     f"{d / 'config.json'} says model_type={model_type!r} but {path} describes "
                     f"a {family.title} model ({family.model_type!r}): the two files are not "
                     "of one export; export the model again."
                 )
+            _check_agree(d / "config.json", raw, family, cfg, path)
         return cfg, family, None
     path, raw = d / "config.json", read_json(d, "config.json")
     family = family_for(raw.get("model_type"), path)
@@ -413,6 +415,26 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
         return ModelConfig(name=safe_name(d.name), **fields), family, reader
     except ConfigError as err:
         raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
+
+
+def _check_agree(path: Path, raw: dict, family: Family, cfg: ModelConfig, ours_path: Path) -> None:
+    """Refuse a config.json that no longer describes the model ``ours_path`` does (edited
+    after the export): import reads ours, so the model would compute other than what
+    ``transformers`` computes from the folder, silently."""
+    fields = family.model_fields(HFConfigReader(path, raw, family))
+    try:
+        theirs = ModelConfig(name=cfg.name, **fields)
+    except ConfigError as err:
+        raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
+    for key in ARCHITECTURE_FIELDS:
+        if key == "expert_bias" and isinstance(family, Glm4Moe):
+            continue  # the class always holds one; an export of a model without it writes zeros
+        if getattr(theirs, key) != getattr(cfg, key):
+            raise CheckpointError(
+                f"{path} describes model.{key}={getattr(theirs, key)!r} but {ours_path} "
+                f"describes {getattr(cfg, key)!r}: config.json was changed after the export; "
+                f"export the model again, or remove {OUR_CONFIG} to import config.json as it is."
+            )
 
 
 def _holds_layer(d: Path, layer: int) -> bool:
