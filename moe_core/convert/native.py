@@ -21,7 +21,6 @@ from moe_core.convert.folders import refuse_existing
 from moe_core.convert.hf import OUR_CONFIG, read_json, unreadable, unwritten, write_safetensors
 from moe_core.errors import CheckpointError
 from moe_core.files import (
-    atomic_write,
     inside,
     remove_stale_temporaries,
     temporary_name,
@@ -53,14 +52,14 @@ def save_model_dir(
         write_safetensors(tensors, tmp_weights)
         tmp_weights.chmod(user_mode(directory=False))  # safetensors writes its files private
         # both written before either is renamed: new weights never sit beside an old config
-        atomic_write(tmp_config, (json.dumps(to_dict(cfg), indent=2) + "\n").encode())
+        tmp_config.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
         tmp_weights.replace(out / WEIGHTS)
         tmp_config.replace(out / OUR_CONFIG)
         for f in out.iterdir():
             if HF_FILES.fullmatch(f.name) and (f.is_file() or f.is_symlink()):
                 f.unlink()
     except OSError as err:
-        for tmp in (tmp_weights, tmp_config, temporary_name(tmp_config)):
+        for tmp in (tmp_weights, tmp_config):
             tmp.unlink(missing_ok=True)  # it would hold the space a rerun needs
         raise unwritten(out, err) from None
     return out
