@@ -577,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert",
         help="convert between our model directory and Hugging Face (OLMoE, Qwen3-MoE, Mixtral, "
-        "GLM-4.5)",
+        "GLM-4.5, DeepSeek-V3)",
     )
     p.add_argument("direction", choices=["to-hf", "from-hf"])
     p.add_argument(
@@ -585,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="to-hf: a training checkpoint (step_N; read without unpickling code, so one from "
         "elsewhere cannot run any) or our model directory, written as the one stock class that "
         "computes it; from-hf: a Hugging Face folder of OlmoeForCausalLM, Qwen3MoeForCausalLM, "
-        "MixtralForCausalLM or Glm4MoeForCausalLM",
+        "MixtralForCausalLM, Glm4MoeForCausalLM or DeepseekV3ForCausalLM",
     )
     p.add_argument("out", help="the directory to write")
     tok = p.add_mutually_exclusive_group()
