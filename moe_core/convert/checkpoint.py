@@ -72,7 +72,10 @@ class CheckpointSource:
                 out[a - start : z - start] = request[key][a - first : z - first]
                 covered += z - a
         if covered != length:
-            raise ValueError(f"checkpoint {self.path.name} does not cover all of {name}.")
+            raise CheckpointError(
+                f"checkpoint {self.path} does not cover all of {name} (its chunks overlap or "
+                "leave a gap): it cannot be converted."
+            )
         return out
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
