@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import socket
 
 import pytest
@@ -79,24 +80,15 @@ def test_every_invocation_that_runs_a_stage_gets_fresh_runs_and_the_folder_keeps
     assert later.parent is None and "train" not in later.state["stages"]
     assert later.state["stages"]["tokenize"] == again.state["stages"]["tokenize"]
 
-
-@pytest.mark.slow
-def test_a_copied_run_folder_keeps_its_artifacts_in_itself(tmp_path):
-    """The sqlite store names the first folder as the artifacts' place: a copy's runs wrote
-    their artifacts (an HF export among them) into the original folder."""
-    import shutil
-
-    first = tmp_path / "first"
-    first.mkdir()
-    tracker = Tracker(first, None, "exp", "run")
-    earlier = tracker.stage("train")
-    copy = tmp_path / "copy"
-    shutil.copytree(first, copy)
-    again = Tracker(copy, None, "exp", "run")
+    # A copy of the folder: its sqlite store named this folder as the artifacts' place, so the
+    # copy's runs wrote their artifacts (an HF export among them) here.
+    copy = tmp_path.with_name(f"{tmp_path.name}-copy")
+    shutil.copytree(tmp_path, copy)
+    moved = Tracker(copy, None, "exp", "run")
     (copy / "config.json").write_text("{}")
-    again.artifacts(again.stage("train"), copy / "config.json")
-    assert not list(first.rglob("config.json")) and list(copy.rglob("artifacts/config.json"))
-    location = again.client.get_run(earlier).info.artifact_uri
+    moved.artifacts(moved.stage("train"), copy / "config.json")
+    assert not list(tmp_path.rglob("config.json")) and list(copy.rglob("artifacts/config.json"))
+    location = moved.client.get_run(stage).info.artifact_uri
     assert location.startswith((copy / "mlartifacts").resolve().as_uri())
 
 
