@@ -182,6 +182,8 @@ def test_the_summary_offers_no_mlflow_ui_for_a_store_that_was_not_reached():
     line = summary_line(outcome)
     assert "MLflow run" not in line
     assert "MLflow: unreachable, so there is nothing to browse yet" in line
+    reached = summary_line(outcome | {"mlflow_reached": True})  # every stage skipped, no run
+    assert "MLflow: no run holds these outputs (made while the store was away)" in reached
     outcome["mlflow_run"] = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     outcome["mlflow_ui"] = ui_command("sqlite:///run/mlflow.db")
     assert summary_line(outcome).endswith(
