@@ -194,12 +194,14 @@ def verify(
         return None, NO_MANIFEST
     # Any version holding the current key is this config's (a stage whose key did not change);
     # only one from before KEY_VERSION may hold the old one.
-    accepted = {key} if current(record) or old_key is None else {key, old_key}
+    accepted = (key,) if current(record) or old_key is None else (key, old_key)  # any JSON
     if record.get("key") not in accepted:
         return None, KEY_CHANGED
     files = record.get("files")
     if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
         return None, "its manifest does not list its files"
+    if not isinstance(record.get("summary"), dict):  # what a skipped stage reports from
+        return None, "its manifest holds no summary"
     for rel, info in files.items():
         # A manifest naming a file elsewhere is not this stage's: it runs again. Checked as
         # written, not resolved: a run's data or checkpoint folder may be a link to another disk.

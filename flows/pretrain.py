@@ -830,6 +830,7 @@ def _finish(ctx: Context, outcome: dict[str, Any], published: bool) -> dict[str,
     page = tracker.page(tracker.parent)
     where = None
     outcome["mlflow_run"] = outcome["mlflow_ui"] = None
+    outcome["mlflow_reached"] = tracker.online
     if tracker.online and page is not None:
         outcome["mlflow_run"] = link or f"{LOCAL_UI}/{page}"  # the parent run's page
         outcome["mlflow_ui"] = None if link else ui_command(tracker.uri)

@@ -162,7 +162,11 @@ def summary_rows(outcome: dict[str, Any]) -> list[tuple[str, str]]:
     skipped = [n for n, s in outcome["stages"].items() if s == "Skipped"]
     if skipped:
         rows.append(("skipped (verified)", ", ".join(skipped)))
-    if outcome.get("mlflow_run") is None:  # the store was unreachable during the run
+    if outcome.get("mlflow_run") is None and outcome.get("mlflow_reached"):
+        # Reached, but every stage was skipped and no run holds these outputs: they were made
+        # while the store was away (a run of an earlier config is never offered in their place).
+        rows.append(("MLflow", "no run holds these outputs (made while the store was away)"))
+    elif outcome.get("mlflow_run") is None:  # the store was unreachable during the run
         rows.append(
             (
                 "MLflow",

@@ -208,6 +208,8 @@ class Tracker:
                 self.uri,
                 problem,
             )
+        if self.online and self.source == RUN_FOLDER:
+            self._claim_store(experiment)
         self._guard(self._connect, experiment, self.source == RUN_FOLDER)
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -252,6 +254,48 @@ class Tracker:
                 str(err).splitlines()[0][:200],
             )
             return None
+
+    def _claim_store(self, experiment: str) -> None:
+        """A run folder copied or moved brings its sqlite store, which names the first folder
+        as where the experiment's artifacts go: MLflow would write this folder's there. Its
+        locations are pointed at this folder's ``mlartifacts`` (which holds the copied ones);
+        where that fails, tracking goes offline rather than write outside the folder."""
+        import sqlite3
+
+        path = Path(self.uri.removeprefix("sqlite:///"))
+        ours = RunLayout(self.run_dir).mlartifacts.resolve().as_uri()
+        if not path.is_file():
+            return
+        old = None
+        try:
+            with contextlib.closing(sqlite3.connect(path, timeout=1)) as db, db:
+                row = db.execute(
+                    "SELECT experiment_id, artifact_location FROM experiments WHERE name = ?",
+                    (experiment,),
+                ).fetchone()
+                if row is None or row[1] == ours:
+                    return
+                found, old = row
+                db.execute(
+                    "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?",
+                    (ours, found),
+                )
+                db.execute(
+                    "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+                    "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+                    (ours, len(old) + 1, found, len(old), old),
+                )
+        except sqlite3.Error as err:
+            self.online = False
+            log.warning(
+                "%s keeps its artifacts in %s, not in this folder, and could not be changed "
+                "(%s); the pipeline goes on without tracking rather than write there.",
+                self.uri,
+                old or "another folder",
+                err,
+            )
+            return
+        log.warning("%s came from another folder: its artifacts now go to %s.", path, ours)
 
     def _connect(self, experiment: str, local: bool) -> None:
         from mlflow.tracking import MlflowClient
@@ -310,13 +354,17 @@ class Tracker:
     def stage(self, name: str) -> str | None:
         """A fresh nested run of ``name`` for this attempt (the parent made first if needed)."""
         parent = self.current or self._new_parent()
-        if parent is None:
-            return None
-        run_id = self._guard(self._create, name, parent)
-        if run_id is not None:
+        run_id = None if parent is None else self._guard(self._create, name, parent)
+        if run_id is None:
+            # The outputs this attempt writes are no earlier run's: a later rerun that skips
+            # them must not link or note them under a run logged with another config's params.
+            self.state["stages"].pop(name, None)
+            if self.current is None:
+                self.state["parent"] = None
+        else:
             self.state["stages"][name] = run_id
             self.state["attempts"].setdefault(name, []).append(run_id)
-            self._save()
+        self._save()
         return run_id
 
     def params(self, run_id: str | None, values: dict[str, Any]) -> None:

@@ -385,6 +385,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
     # The folders and options first, before torch is imported: a wrong one is answered at once.
     max_shard_bytes = _size(args.max_shard_size)
     check_folder("OUT", args.out)  # an unset variable: never the current folder
+    if args.direction == "from-hf" and (args.dtype or args.tokenizer or args.no_tokenizer):
+        given = "--dtype" if args.dtype else "--tokenizer" if args.tokenizer else "--no-tokenizer"
+        raise ConfigError(
+            f"{given} is an option of moe convert to-hf only: from-hf keeps the weights' dtype "
+            "and writes no tokenizer files; leave it out."
+        )
     if args.direction == "to-hf":
         existing_source(args.src)
     refuse_overlap(Path(args.src), Path(args.out))  # before anything is read or replaced
@@ -403,13 +409,24 @@ def cmd_convert(args: argparse.Namespace) -> None:
         from moe_core.convert.checkpoint import checkpoint_to_hf
         from moe_core.model.dtypes import DTYPES
 
-        dtype = DTYPES[args.dtype]
+        dtype = DTYPES[args.dtype or "fp32"]
         out = checkpoint_to_hf(
-            args.src, args.out, dtype, tokenizer_dir=tokenizer, overwrite=args.overwrite
+            args.src,
+            args.out,
+            dtype,
+            tokenizer_dir=tokenizer,
+            overwrite=args.overwrite,
+            max_shard_bytes=max_shard_bytes,
         )
     elif args.direction == "to-hf":
         cfg, state = load_model_dir(args.src)
         check_exportable(cfg)
+        if args.dtype is not None:  # else the folder's own; the routers' stay as they are
+            from moe_core.convert.hf import MAY_BE_FP32
+            from moe_core.model.dtypes import DTYPES
+
+            cast = DTYPES[args.dtype]
+            state = {k: t if MAY_BE_FP32.fullmatch(k) else t.to(cast) for k, t in state.items()}
         out = save_hf(
             state,
             cfg,
@@ -560,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert",
         help="convert between our model directory and Hugging Face (OLMoE, Qwen3-MoE, Mixtral, "
-        "GLM-4.5)",
+        "GLM-4.5, DeepSeek-V3)",
     )
     p.add_argument("direction", choices=["to-hf", "from-hf"])
     p.add_argument(
@@ -568,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="to-hf: a training checkpoint (step_N; read without unpickling code, so one from "
         "elsewhere cannot run any) or our model directory, written as the one stock class that "
         "computes it; from-hf: a Hugging Face folder of OlmoeForCausalLM, Qwen3MoeForCausalLM, "
-        "MixtralForCausalLM or Glm4MoeForCausalLM",
+        "MixtralForCausalLM, Glm4MoeForCausalLM or DeepseekV3ForCausalLM",
     )
     p.add_argument("out", help="the directory to write")
     tok = p.add_mutually_exclusive_group()
@@ -582,7 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
     p.add_argument(
-        "--dtype", choices=get_args(Dtype), default="fp32", help="to-hf from a checkpoint"
+        "--dtype",
+        choices=get_args(Dtype),
+        default=None,
+        help="to-hf: the weights' dtype (default: fp32 from a checkpoint, a model folder's own)",
     )
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("eval", help="downstream multiple-choice tasks: fetch their files, score")

@@ -410,6 +410,7 @@ def _hf_folder(tmp_path: Path, case: str) -> Path:
         ("mixtral-top1", {"hidden_act": "gelu"}, "hidden_act='gelu' in {cfg} is not supported"),
         ("glm-no-shared-two-dense", {"n_group": "4"}, "n_group='4' in {cfg} is not allowed: an "),
         ("mixtral-top1", {"model_type": "deepseek_v2"}, "model_type='deepseek_v2' in {cfg} is "),
+        ("mixtral-top1", {"model_type": ["mixtral"]}, "model_type=['mixtral'] in {cfg} is not"),
     ],
 )
 def test_an_hf_config_moe_core_cannot_compute_is_refused_in_one_sentence(

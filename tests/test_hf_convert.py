@@ -107,6 +107,33 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no temporary folders left behind"
 
 
+def test_an_overwritten_model_folder_keeps_no_file_of_an_hf_export_it_replaces(tmp_path):
+    """from-hf --overwrite onto an HF export: a shard and index left beside the new weights
+    would make ``load_model`` read the old model, silently."""
+    from moe_core.convert.load import load_model
+
+    cfg = small_config()
+    old, new = build_model(cfg, seed=1).state_dict(), build_model(cfg, seed=2).state_dict()
+    out = save_hf(old, cfg, tmp_path / "out")
+    save_model_dir(new, cfg, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "moe_core_config.json"]
+    assert torch.equal(load_model(out).embed.weight, new["embed.weight"])
+
+
+def test_overwriting_an_out_that_is_a_symlink_replaces_the_link_and_says_it_wrote(tmp_path):
+    """The link is replaced, never followed (the folder it led to is left as it was), and the
+    finished export is not reported as a failed write."""
+    cfg = small_config()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "theirs.txt").write_text("theirs")
+    (tmp_path / "hf").symlink_to(tmp_path / "elsewhere")
+    out = save_hf(build_model(cfg).state_dict(), cfg, tmp_path / "hf", overwrite=True)
+    assert not out.is_symlink() and (out / INDEX).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hf"]
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["theirs.txt"]
+
+
 def test_tokenizer_files_are_copied(tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -144,6 +171,37 @@ def test_cli_converts_both_ways(tmp_path):
     assert cfg_back == cfg and all(torch.equal(state_back[k], v) for k, v in state.items())
     hf = str(tmp_path / "hf")
     assert main(["convert", "to-hf", str(tmp_path / "ours"), hf, "--no-tokenizer"]) == 2
+
+
+def test_dtype_is_honoured_for_a_model_folder_and_refused_for_from_hf(tmp_path, capsys):
+    """--dtype bf16 of a model folder wrote fp32 weights, silently; from-hf ignored it."""
+    from safetensors import safe_open
+
+    from moe_core.cli import main
+
+    cfg = small_config()
+    ours = save_model_dir(build_model(cfg, seed=5).state_dict(), cfg, tmp_path / "ours")
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(ours), str(hf), "--no-tokenizer", "--dtype", "bf16"]) == 0
+    with safe_open(str(next(hf.glob("model-*.safetensors"))), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "back"), "--dtype", "fp32"]) == 2
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert "--dtype is an option of moe convert to-hf only" in printed
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_checkpoint_is_exported_in_shards_of_the_size_asked(tmp_path):
+    """--max-shard-size holds for a training checkpoint as for a model folder."""
+    from moe_core.cli import main
+    from moe_core.config import RunConfig, TrainConfig
+    from moe_core.train.init import write_initial_checkpoint
+
+    run = RunConfig(model=small_config(), train=TrainConfig(seq_len=32), out_dir=str(tmp_path))
+    step = write_initial_checkpoint(run, tmp_path / "checkpoints")
+    argv = ["convert", "to-hf", str(step), str(tmp_path / "hf"), "--no-tokenizer"]
+    assert main([*argv, "--max-shard-size", "100KB"]) == 0
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
 
 
 def _train_one_step(out, extra):

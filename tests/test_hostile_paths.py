@@ -214,13 +214,27 @@ def test_training_on_a_manifest_naming_a_shard_elsewhere_is_refused(tmp_path, mo
 
 
 @pytest.mark.parametrize(
-    "content", ["[]", '{"key": "k", "files": []}', '{"key": "k", "files": {"data/a": 5}}']
+    "content",
+    [
+        "[]",
+        '{"key": "k", "files": []}',
+        '{"key": "k", "files": {"data/a": 5}}',
+        '{"key": "k", "files": {}}',  # a hand-edited one without its summary (a traceback once)
+        '{"key": "k", "files": {}, "summary": [1]}',
+        '{"key": ["k"], "files": {}, "summary": {}}',  # a TypeError once
+    ],
 )
 def test_a_stage_manifest_without_its_file_list_reruns_the_stage(content, tmp_path):
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "tokenize.json").write_text(content)
     record, why = verify_stage(tmp_path, "tokenize", "k")
-    assert record is None and why in ("no manifest", "its manifest does not list its files")
+    assert record is None
+    assert why in (
+        "no manifest",
+        "its manifest does not list its files",
+        "its manifest holds no summary",
+        "its inputs or config changed",
+    )
 
 
 def test_a_rerun_of_tokenize_never_keeps_a_shard_leading_out_of_its_folder(tmp_path):
@@ -333,6 +347,46 @@ def test_an_hf_index_naming_a_path_elsewhere_is_refused(tmp_path, capsys):
         assert f"{src / INDEX} names {bad!r}, which is not allowed: {ALLOWED}" in text
 
 
+def test_an_hf_shard_missing_or_a_tensor_held_twice_is_one_sentence(tmp_path, capsys):
+    """A shard the index names but the folder lacks (a cut-short download) is named with the
+    index; a tensor in two shards was read from whichever came last, silently."""
+    src = hf_dir(tmp_path)
+    shards = sorted(src.glob("model-*.safetensors"))
+    first, last = shards[0], shards[-1]
+    a, b = load_file(str(first)), load_file(str(last))
+    name = sorted(a)[0]
+    save_file(b | {name: a[name] + 1}, str(last), metadata={"format": "pt"})
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"{src} holds {name} twice, in {first.name} and in {last.name}, which is not" in text
+    last.unlink()
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"{src / INDEX} names {last.name!r}, which is not in {src}: the folder is" in text
+
+
+def test_an_hf_folder_without_safetensors_weights_says_only_those_are_read(tmp_path, capsys):
+    """A folder of pickled weights was told to fix its config's sizes (from-hf) or ended in a
+    bare file-not-found (load_model, init.from_hf)."""
+    src = hf_dir(tmp_path)
+    for f in [*src.glob("model-*.safetensors"), src / INDEX]:
+        f.unlink()
+    (src / "pytorch_model.bin").write_bytes(b"pickled")
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"error: {src} holds neither model.safetensors nor {INDEX}: only safetensors" in text
+
+
+def test_an_exports_config_json_changed_afterwards_is_refused_not_ignored(tmp_path, capsys):
+    """Import reads moe_core_config.json: a config.json edited since (another RoPE base) was
+    ignored, so the model computed other than transformers does from the same folder."""
+    src = hf_dir(tmp_path)
+    hf = json.loads((src / "config.json").read_text())
+    hf["rope_theta"] = hf.get("rope_theta", 10000.0) * 2
+    hf.pop("rope_parameters", None)
+    (src / "config.json").write_text(json.dumps(hf))
+    text = refused_from_hf(tmp_path, capsys)
+    assert f"{src / 'config.json'} describes model.rope_theta={hf['rope_theta']!r} but " in text
+    assert f"remove {OUR_CONFIG} to import config.json as it is." in text
+
+
 def test_an_hf_folder_as_transformers_writes_it_still_converts(tmp_path):
     cfg = small_config()
     model = build_model(cfg, seed=3)
@@ -416,6 +470,39 @@ def test_integer_or_mixed_dtype_weights_are_refused_not_written(dtype, tmp_path,
         assert f"{shard} holds {name} as I32, which is not allowed: weights are float32," in text
     else:
         assert f"{shard} holds {name} as BF16 but " in text and " as F32, which is not" in text
+
+
+@pytest.mark.parametrize("damage", ["missing", "int32", "cut", "no json", "list", "bad value"])
+def test_a_damaged_model_folder_is_one_sentence_on_export(damage, tmp_path, capsys):
+    """A model folder missing a tensor, holding integer weights, cut short, or whose config is
+    no JSON object ended to-hf (and load_model) in a traceback."""
+    cfg = small_config()
+    ours = save_model_dir(build_model(cfg).state_dict(), cfg, tmp_path / "ours")
+    tensors = load_file(str(ours / WEIGHTS))
+    name = sorted(tensors)[0]
+    if damage == "missing":
+        del tensors[name]
+    elif damage == "int32":
+        tensors[name] = tensors[name].to(torch.int32)
+    if damage in ("missing", "int32"):
+        save_file(tensors, str(ours / WEIGHTS))
+    if damage == "cut":
+        (ours / WEIGHTS).write_bytes((ours / WEIGHTS).read_bytes()[:-10])
+    config = {"no json": "{not json", "list": "[1]", "bad value": '{"d_model": "x"}'}
+    if damage in config:
+        (ours / OUR_CONFIG).write_text(config[damage])
+    assert main(["convert", "to-hf", str(ours), str(tmp_path / "hf"), "--no-tokenizer"]) == 2
+    text = printed(capsys)
+    assert text.startswith("error: ") and not (tmp_path / "hf").exists()
+    expected = {
+        "missing": f"the weights do not match the model config: missing ['{name}']",
+        "int32": "the weights hold float32, int32, which is not allowed: one of float32,",
+        "cut": f"{ours / WEIGHTS} is not a readable safetensors file (",
+        "no json": f"{ours / OUR_CONFIG} is not valid JSON (",
+        "list": f"{ours / OUR_CONFIG} holds no JSON object",
+        "bad value": f"{ours / OUR_CONFIG} describes a model moe_core cannot build: model.d_model=",
+    }
+    assert expected[damage] in text
 
 
 def test_an_export_never_copies_files_reached_through_a_symlink_out(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import socket
 
 import pytest
@@ -69,6 +70,26 @@ def test_every_invocation_that_runs_a_stage_gets_fresh_runs_and_the_folder_keeps
     runs = {r: again.client.get_run(r) for r in (*state["parents"], stage, redo)}
     assert [runs[r].info.run_name for r in state["parents"]] == ["run", "run #2"]
     assert {r.data.tags["moe.run_dir"] for r in runs.values()} == {str(tmp_path)}
+
+    # Train reran (a changed config) while the store was away: a later rerun that skips it must
+    # not name the earlier train run, or parent, whose params are the old config's.
+    again.stage("tokenize")
+    down = Tracker(tmp_path, f"http://127.0.0.1:{closed_port()}", "exp", "run")
+    assert down.stage("train") is None
+    later = Tracker(tmp_path, None, "exp", "run")
+    assert later.parent is None and "train" not in later.state["stages"]
+    assert later.state["stages"]["tokenize"] == again.state["stages"]["tokenize"]
+
+    # A copy of the folder: its sqlite store named this folder as the artifacts' place, so the
+    # copy's runs wrote their artifacts (an HF export among them) here.
+    copy = tmp_path.with_name(f"{tmp_path.name}-copy")
+    shutil.copytree(tmp_path, copy)
+    moved = Tracker(copy, None, "exp", "run")
+    (copy / "config.json").write_text("{}")
+    moved.artifacts(moved.stage("train"), copy / "config.json")
+    assert not list(tmp_path.rglob("config.json")) and list(copy.rglob("artifacts/config.json"))
+    location = moved.client.get_run(stage).info.artifact_uri
+    assert location.startswith((copy / "mlartifacts").resolve().as_uri())
 
 
 def test_metric_rows_take_scalars_router_health_and_downstream_accuracy():
@@ -161,6 +182,8 @@ def test_the_summary_offers_no_mlflow_ui_for_a_store_that_was_not_reached():
     line = summary_line(outcome)
     assert "MLflow run" not in line
     assert "MLflow: unreachable, so there is nothing to browse yet" in line
+    reached = summary_line(outcome | {"mlflow_reached": True})  # every stage skipped, no run
+    assert "MLflow: no run holds these outputs (made while the store was away)" in reached
     outcome["mlflow_run"] = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     outcome["mlflow_ui"] = ui_command("sqlite:///run/mlflow.db")
     assert summary_line(outcome).endswith(

@@ -72,7 +72,10 @@ class CheckpointSource:
                 out[a - start : z - start] = request[key][a - first : z - first]
                 covered += z - a
         if covered != length:
-            raise ValueError(f"checkpoint {self.path.name} does not cover all of {name}.")
+            raise CheckpointError(
+                f"checkpoint {self.path} does not cover all of {name} (its chunks overlap or "
+                "leave a gap): it cannot be converted."
+            )
         return out
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
@@ -160,6 +163,7 @@ def checkpoint_to_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     eos_token_id: int | None = None,
     overwrite: bool = False,
+    max_shard_bytes: int = 5 * 1024**3,
 ) -> Path:
     """A training checkpoint to the Hugging Face folder of its model's family (``families``),
     streamed tensor by tensor.
@@ -179,4 +183,5 @@ def checkpoint_to_hf(
         tokenizer_dir=tokenizer_dir,
         eos_token_id=eos_token_id,
         overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
     )

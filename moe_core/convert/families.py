@@ -877,7 +877,7 @@ def choose_family(cfg: ModelConfig) -> Family:
 
 def family_for(model_type: Any, where: Path) -> Family:
     """The family config.json's ``model_type`` names, or one sentence listing those read."""
-    if model_type not in BY_MODEL_TYPE:
+    if not isinstance(model_type, str) or model_type not in BY_MODEL_TYPE:
         known = ", ".join(repr(t) for t in BY_MODEL_TYPE)
         raise ConfigError(
             f"model_type={model_type!r} in {where} is not supported: one of {known} "

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_core.config import ConfigError, ModelConfig, safe_name
+from moe_core.config import ARCHITECTURE_FIELDS, ConfigError, ModelConfig, safe_name
 from moe_core.config_dict import from_dict, to_dict
 from moe_core.convert.families import (
     DeepseekV3,
@@ -138,8 +138,12 @@ class StateDictSource:
             or next(iter(dtypes)) not in _DTYPE_NAMES
             or any(t.dtype not in fp32_ok for t in state.values())
         ):
-            found = {t.dtype for t in state.values()}
-            raise ValueError(f"expected one of float32/bfloat16/float16 throughout, got {found}.")
+            found = sorted(str(t.dtype).removeprefix("torch.") for t in state.values())
+            raise CheckpointError(
+                f"the weights hold {', '.join(sorted(set(found)))}, which is not allowed: one of "
+                "float32, bfloat16 or float16 throughout (the routers' may be float32); nothing "
+                "was written."
+            )
         self.state, self.dtype = state, next(iter(dtypes))
 
     def names(self) -> set[str]:
@@ -227,13 +231,13 @@ def _check_names(found: set[str], cfg: ModelConfig) -> None:
     expected = set(state_shapes(cfg))
     missing, extra = sorted(expected - found), sorted(found - expected)
     if missing or extra:
-        raise ValueError(
+        raise CheckpointError(
             f"the weights do not match the model config: missing {missing[:3]}, "
-            f"unexpected {extra[:3]}."
+            f"unexpected {extra[:3]}; nothing was written."
         )
 
 
-def _recover(out: Path) -> None:
+def recover(out: Path) -> None:
     """Undo what a convert to ``out`` that was killed (or ran out of disk) left: the folder it
     was replacing goes back to ``out`` if it had been moved aside, and its unfinished new
     folder is removed."""
@@ -244,6 +248,23 @@ def _recover(out: Path) -> None:
                 break
     if out.parent.is_dir():
         remove_stale_temporaries(out.parent, [out.name, f"{out.name}.old"])
+
+
+def put_in_place(tmp: Path, out: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out``; what ``out`` was (a folder, a file or a
+    symlink, which is never followed) is moved aside first and removed only once ``tmp`` is in
+    place, so no file of it is left among the new ones."""
+    if not (out.exists() or out.is_symlink()):
+        tmp.rename(out)
+        return
+    old = temporary_name(out.with_name(f"{out.name}.old"))
+    shutil.rmtree(old, ignore_errors=True)
+    out.rename(old)
+    tmp.rename(out)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def save_hf(
@@ -271,7 +292,7 @@ def save_hf(
                 f"the weights do not fit their model config ({problem}): nothing was written."
             )
     out = Path(out_dir)
-    _recover(out)
+    recover(out)
     refuse_existing(out, overwrite)
     tokenizer = [] if tokenizer_dir is None else _tokenizer_files(Path(tokenizer_dir))
     element = torch.empty((), dtype=source.dtype).element_size()
@@ -317,14 +338,7 @@ def save_hf(
             shutil.copy2(f, tmp / f.name)
         for f in tmp.iterdir():  # safetensors writes its files private
             f.chmod(user_mode(directory=False))
-        if out.exists():
-            old = temporary_name(out.with_name(f"{out.name}.old"))
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        put_in_place(tmp, out)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)  # it would hold the space a rerun needs
         raise unwritten(out, err) from None
@@ -346,7 +360,7 @@ def _hub_blobs(d: Path) -> Path:
     return d
 
 
-def _read_json(d: Path, name: str) -> dict:
+def read_json(d: Path, name: str) -> dict:
     """``d / name`` parsed (a file inside ``d``), refused in one sentence unless a JSON object."""
     path = inside(d, name, d, CheckpointError, _hub_blobs(d))
     try:
@@ -369,22 +383,24 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
             "safetensors weights, as save_pretrained writes it)."
         )
     if (d / OUR_CONFIG).is_file() or (d / OUR_CONFIG).is_symlink():
-        path, ours = d / OUR_CONFIG, _read_json(d, OUR_CONFIG)
+        path, ours = d / OUR_CONFIG, read_json(d, OUR_CONFIG)
         try:
             cfg = from_dict(ModelConfig, ours, "model.")
             family = choose_family(cfg)
         except ConfigError as err:
             raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
         if (d / "config.json").exists():
-            model_type = _read_json(d, "config.json").get("model_type")
+            raw = read_json(d, "config.json")
+            model_type = raw.get("model_type")
             if model_type != family.model_type:
                 raise CheckpointError(
                     f"{d / 'config.json'} says model_type={model_type!r} but {path} describes "
                     f"a {family.title} model ({family.model_type!r}): the two files are not "
                     "of one export; export the model again."
                 )
+            _check_agree(d / "config.json", raw, family, cfg, path)
         return cfg, family, None
-    path, raw = d / "config.json", _read_json(d, "config.json")
+    path, raw = d / "config.json", read_json(d, "config.json")
     family = family_for(raw.get("model_type"), path)
     reader = HFConfigReader(path, raw, family)
     fields = family.model_fields(reader)
@@ -401,12 +417,32 @@ def _folder_config(d: Path) -> tuple[ModelConfig, Family, HFConfigReader | None]
         raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
 
 
+def _check_agree(path: Path, raw: dict, family: Family, cfg: ModelConfig, ours_path: Path) -> None:
+    """Refuse a config.json that no longer describes the model ``ours_path`` does (edited
+    after the export): import reads ours, so the model would compute other than what
+    ``transformers`` computes from the folder, silently."""
+    fields = family.model_fields(HFConfigReader(path, raw, family))
+    try:
+        theirs = ModelConfig(name=cfg.name, **fields)
+    except ConfigError as err:
+        raise ConfigError(f"{path} describes a model moe_core cannot build: {err}") from None
+    for key in ARCHITECTURE_FIELDS:
+        if key == "expert_bias" and isinstance(family, Glm4Moe):
+            continue  # the class always holds one; an export of a model without it writes zeros
+        if getattr(theirs, key) != getattr(cfg, key):
+            raise CheckpointError(
+                f"{path} describes model.{key}={getattr(theirs, key)!r} but {ours_path} "
+                f"describes {getattr(cfg, key)!r}: config.json was changed after the export; "
+                f"export the model again, or remove {OUR_CONFIG} to import config.json as it is."
+            )
+
+
 def _holds_layer(d: Path, layer: int) -> bool:
     """Whether HF folder ``d``'s weights hold any tensor of ``model.layers.{layer}`` (read from
     its index, or from the safetensors header)."""
     prefix = f"model.layers.{layer}."
     if (d / INDEX).is_file():
-        weight_map = _read_json(d, INDEX).get("weight_map")
+        weight_map = read_json(d, INDEX).get("weight_map")
         names = weight_map if isinstance(weight_map, dict) else {}
     else:
         names = _scan(d / _weight_files(d)[0])
@@ -416,23 +452,36 @@ def _holds_layer(d: Path, layer: int) -> bool:
 def config_from_hf(hf_dir: str | os.PathLike) -> ModelConfig:
     """Our config for an HF folder of any of the families (ours carries it; others are
     derived from config.json: the router losses as ``families`` says, no z-loss)."""
-    return _folder_config(Path(hf_dir))[0]
+    cfg = _folder_config(Path(hf_dir))[0]
+    _weight_files(Path(hf_dir))  # a folder without its weights is refused before anything starts
+    return cfg
 
 
 def _weight_files(d: Path) -> list[str]:
     """The safetensors files of an HF directory: those its index names (each a file inside
     ``d``, ``files.inside``), else ``model.safetensors``."""
     if not (d / INDEX).is_file() and not (d / INDEX).is_symlink():
-        return [inside(d, "model.safetensors", d, CheckpointError, _hub_blobs(d)).name]
+        single = inside(d, "model.safetensors", d, CheckpointError, _hub_blobs(d))
+        if not single.is_file():
+            raise CheckpointError(
+                f"{d} holds neither model.safetensors nor {INDEX}: only safetensors weights are "
+                "read (a pytorch_model.bin could run code when loaded); save the model with "
+                "save_pretrained's default safe_serialization=True."
+            )
+        return [single.name]
     try:
-        weight_map = _read_json(d, INDEX)["weight_map"]
+        weight_map = read_json(d, INDEX)["weight_map"]
         files = sorted({*weight_map.values()}, key=str)
     except (KeyError, TypeError, AttributeError):
         raise CheckpointError(
             f"{d / INDEX} is not a valid index: it needs a weight_map of tensor names to files."
         ) from None
     for f in files:
-        inside(d, f, d / INDEX, CheckpointError, _hub_blobs(d))
+        if not inside(d, f, d / INDEX, CheckpointError, _hub_blobs(d)).is_file():
+            raise CheckpointError(
+                f"{d / INDEX} names {f!r}, which is not in {d}: the folder is incomplete; "
+                "download or export it again."
+            )
     return files
 
 
@@ -445,10 +494,10 @@ def _scan(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                 for k in fh.keys()  # noqa: SIM118 (safe_open is not a mapping)
             }
     except SafetensorError as err:
-        raise _unreadable(path, err) from None
+        raise unreadable(path, err) from None
 
 
-def _unreadable(path: Path, err: Exception) -> CheckpointError:
+def unreadable(path: Path, err: Exception) -> CheckpointError:
     return CheckpointError(
         f"{path} is not a readable safetensors file ({err}): it may be truncated; download or "
         "export it again."
@@ -487,6 +536,11 @@ class HFSource:
                 if m is not None and int(m[1]) in mtp:
                     skipped += 1
                     continue
+                if k in found:  # which copy a reader takes would depend on the file order
+                    raise CheckpointError(
+                        f"{d} holds {k} twice, in {self._file[k]} and in {f}, which is not "
+                        "allowed: each tensor in one file; download or export it again."
+                    )
                 found[k], self._file[k] = shape, f
                 if dtype not in _WEIGHT_DTYPES:
                     raise CheckpointError(
@@ -545,7 +599,7 @@ class HFSource:
                 self._handles[f] = safe_open(str(self.dir / f), framework="pt")
             return self._handles[f].get_tensor(key)
         except SafetensorError as err:
-            raise _unreadable(self.dir / f, err) from None
+            raise unreadable(self.dir / f, err) from None
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
         """Our tensor ``name`` (``[expert]`` of a stacked one) as stored: no dtype changes."""

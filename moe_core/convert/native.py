@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from moe_core.config import ModelConfig
+from moe_core.config import ConfigError, ModelConfig
 from moe_core.config_dict import from_dict, to_dict
 from moe_core.convert.folders import refuse_existing
-from moe_core.convert.hf import OUR_CONFIG, unwritten, write_safetensors
+from moe_core.convert.hf import OUR_CONFIG, read_json, unreadable, unwritten, write_safetensors
 from moe_core.errors import CheckpointError
 from moe_core.files import (
-    atomic_write,
     inside,
     remove_stale_temporaries,
     temporary_name,
@@ -27,6 +28,8 @@ from moe_core.files import (
 )
 
 WEIGHTS = "model.safetensors"
+# the files that make a folder read as a Hugging Face one (its config, index and shards)
+HF_FILES = re.compile(r"config\.json|model\.safetensors\.index\.json|model-\d+-of-\d+\.safetensors")
 
 
 def save_model_dir(
@@ -35,21 +38,28 @@ def save_model_dir(
     out_dir: str | os.PathLike,
     overwrite: bool = False,
 ) -> Path:
-    """Write weights then config, each to a temporary name renamed into place; a folder that
-    holds anything already is refused unless ``overwrite``."""
+    """Write weights and config, each to a temporary name renamed into place; a folder that
+    holds anything already is refused unless ``overwrite``, which keeps the user's own files
+    but drops those of a Hugging Face folder (``HF_FILES``): a reader would take them for the
+    model instead of the new weights."""
     out = Path(out_dir)
     refuse_existing(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out, [WEIGHTS, OUR_CONFIG])  # a killed convert's, never the user's
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    tmp_weights = temporary_name(out / WEIGHTS)
+    tmp_weights, tmp_config = temporary_name(out / WEIGHTS), temporary_name(out / OUR_CONFIG)
     try:
         write_safetensors(tensors, tmp_weights)
         tmp_weights.chmod(user_mode(directory=False))  # safetensors writes its files private
+        # both written before either is renamed: new weights never sit beside an old config
+        tmp_config.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
         tmp_weights.replace(out / WEIGHTS)
-        atomic_write(out / OUR_CONFIG, (json.dumps(to_dict(cfg), indent=2) + "\n").encode())
+        tmp_config.replace(out / OUR_CONFIG)
+        for f in out.iterdir():
+            if HF_FILES.fullmatch(f.name) and (f.is_file() or f.is_symlink()):
+                f.unlink()
     except OSError as err:
-        for tmp in (tmp_weights, temporary_name(out / OUR_CONFIG)):
+        for tmp in (tmp_weights, tmp_config):
             tmp.unlink(missing_ok=True)  # it would hold the space a rerun needs
         raise unwritten(out, err) from None
     return out
@@ -61,5 +71,13 @@ def load_model_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torc
         if not (d / name).is_file():
             raise FileNotFoundError(f"{d} is not a moe_core model directory: {name} is missing.")
         inside(d, name, d, CheckpointError)  # a symlink leading out would export any file
-    cfg = from_dict(ModelConfig, json.loads((d / OUR_CONFIG).read_text()), "model.")
-    return cfg, load_file(str(d / WEIGHTS))
+    try:
+        cfg = from_dict(ModelConfig, read_json(d, OUR_CONFIG), "model.")
+    except ConfigError as err:
+        raise ConfigError(
+            f"{d / OUR_CONFIG} describes a model moe_core cannot build: {err}"
+        ) from None
+    try:
+        return cfg, load_file(str(d / WEIGHTS))
+    except SafetensorError as err:
+        raise unreadable(d / WEIGHTS, err) from None
