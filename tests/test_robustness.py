@@ -267,8 +267,9 @@ def test_hf_index_pointing_outside_its_folder_is_refused(tmp_path, capsys):
 
 def test_conversion_of_weights_that_do_not_fit_their_config_is_refused(tmp_path, capsys):
     src = hf_dir(tmp_path)
-    ours = json.loads((src / OUR_CONFIG).read_text())
-    (src / OUR_CONFIG).write_text(json.dumps({**ours, "expert_hidden": 64}))
+    (src / OUR_CONFIG).unlink()  # config.json alone describes the model
+    theirs = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**theirs, "intermediate_size": 64}))
     assert main(["convert", "from-hf", str(src), str(tmp_path / "back")]) == 2
     out = capsys.readouterr().out.replace("\n", "")
     assert "does not hold the model its config.json describes" in out

@@ -63,6 +63,7 @@ def test_every_field_says_how_ranks_combine_it():
         "ep_rows": SUM,
         "ep_tokens": SUM,
         "rank_times": PER_RANK,
+        "alloc_retries": SUM,
     }
 
 
