@@ -75,7 +75,14 @@ from moe_kernels.fp8_quantize import quantize_mx as quantize_mx
 from moe_kernels.fp8_quantize import quantize_mx_reference as quantize_mx_reference
 from moe_kernels.fp8_quantize import quantize_rowwise as quantize_rowwise
 from moe_kernels.fp8_quantize import quantize_rowwise_reference as quantize_rowwise_reference
+from moe_kernels.fp8_quantize import quantize_to_slots as quantize_to_slots
 from moe_kernels.grouped_gemm import check_backend, grouped_mm_reference, grouped_mm_wgrad
+from moe_kernels.slot_permute import (
+    _check_rows,
+    _scatter_to_slots,
+    _sum_over_slots,
+    unmapped_rows_possible,
+)
 from moe_kernels.swiglu import swiglu_grads, swiglu_values
 
 # The quantizers live in moe_kernels.fp8_quantize (moe_kernels.swiglu and the dispatcher use them
@@ -321,6 +328,123 @@ def fp8_expert_mlp(
     return _FP8ExpertMLP.apply(
         x_MD, w_gate_up, w_down, offs_G, weight_M, scaling, backend, tuple(cached)
     )
+
+
+class _FP8RoutedMLP(torch.autograd.Function):
+    """The experts' MLP between the permute and the sum (``fp8_routed_mlp``): its row operands
+    quantized by the passes that write them (``quantize_to_slots``)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x_TD,
+        slot_TK,
+        n_rows,
+        every_row_mapped,
+        w_gate_up,
+        w_down,
+        offs_G,
+        weight_M,
+        backend: str,
+        cached,
+    ):  # type: ignore[override]
+        cached_gate_up, cached_down = cached
+        qx_MD, sx_M, _ = quantize_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
+        qw, sw = _weight_rows(w_gate_up, cached_gate_up)
+        h_M2F = _quantized_mm(qx_MD, sx_M, qw, sw, offs_G, x_TD.dtype)
+        del qx_MD, sx_M
+        qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)
+        y_MD = _quantized_mm(qa_MF, sa_M, *_weight_rows(w_down, cached_down), offs_G, x_TD.dtype)
+        del qa_MF, sa_M
+        # x_TD, not its expert-ordered copy: the backward permutes it again for the one GEMM
+        # that reads it in bf16 (the gate+up weight gradient)
+        ctx.save_for_backward(x_TD, slot_TK, w_gate_up, w_down, offs_G, h_M2F, weight_M)
+        ctx.n_rows, ctx.every_row_mapped = n_rows, every_row_mapped
+        ctx.backend, ctx.cached = backend, cached
+        return _sum_over_slots(y_MD, slot_TK)
+
+    @staticmethod
+    def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
+        x_TD, slot_TK, w_gate_up, w_down, offs_G, h_M2F, weight_M = ctx.saved_tensors
+        cached_gate_up, cached_down = ctx.cached
+        need = ctx.needs_input_grad
+        n_rows, mapped = ctx.n_rows, ctx.every_row_mapped
+        # the sum's backward writes dy into each slot, quantized in the same pass
+        qdy_MD, sdy_M, dy_MD = quantize_to_slots(
+            dy_TD.contiguous(), slot_TK, n_rows, keep_rows=True, every_row_mapped=mapped
+        )
+        da_MF = _quantized_mm(
+            qdy_MD, sdy_M, *_weight_cols(w_down, cached_down), offs_G, dy_TD.dtype
+        )
+        del qdy_MD, sdy_M
+        M, F2 = h_M2F.shape
+        qdh = None
+        if need[0]:
+            qdh = (
+                torch.empty(M, F2, dtype=E4M3, device=h_M2F.device),
+                torch.empty(M, dtype=torch.float32, device=h_M2F.device),
+            )
+        dh_M2F, dweight, a_MF = swiglu_grads(
+            h_M2F, da_MF, weight_M, activation=need[5], quantize_into=qdh
+        )
+        del da_MF
+        dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down, ctx.backend) if need[5] else None
+        del a_MF, dy_MD
+        dx_TD = None
+        if qdh is not None:
+            dx_MD = _quantized_mm(
+                *qdh, *_weight_cols(w_gate_up, cached_gate_up), offs_G, dy_TD.dtype
+            )
+            del qdh
+            dx_TD = _sum_over_slots(dx_MD, slot_TK)  # the permute's backward
+            del dx_MD
+        dw_gate_up = None
+        if need[4]:
+            x_MD = _scatter_to_slots(
+                x_TD, slot_TK, n_rows, unmapped_rows_possible(slot_TK, n_rows, mapped)
+            )
+            dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up, ctx.backend)
+        dweight = dweight if need[7] else None
+        return dx_TD, None, None, None, dw_gate_up, dw_down, None, dweight, None, None
+
+
+def fp8_routed_mlp(
+    x_TD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    n_rows: int,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs_G: torch.Tensor,
+    weight_M: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    cached: tuple[FP8Weight | None, FP8Weight | None] = (None, None),
+    every_row_mapped: bool | None = None,
+) -> torch.Tensor:
+    """``sum_from_slots(fp8_expert_mlp(permute_to_slots(x_TD, slot_TK, n_rows), ...), slot_TK)``
+    with rowwise scaling: the same output and gradients, bit for bit, with each row operand
+    quantized by the pass that writes it. The token rows go into their slots already in E4M3
+    (``quantize_to_slots``: a token's scale found once for its K slots), with no bf16 permuted
+    copy made or kept (the backward permutes ``x_TD`` again for the gate+up weight gradient:
+    an [M, D] activation less per layer); in backward the sum's scatter of dy writes its E4M3
+    rows beside the bf16 ones the down weight gradient reads. ``slot_TK``, ``n_rows`` and
+    ``every_row_mapped`` as ``moe_kernels.slot_permute``; the rest as ``fp8_expert_mlp``."""
+    check_backend(backend)
+    _check_rows(slot_TK, n_rows, every_row_mapped)
+    if x_TD.ndim != 2 or slot_TK.ndim != 2 or slot_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"fp8_routed_mlp takes x [T, D] and slots [T, K], got {tuple(x_TD.shape)} and "
+            f"{tuple(slot_TK.shape)}"
+        )
+    x_rows = torch.empty(n_rows, x_TD.shape[1], device="meta")  # the permuted rows' shape
+    check_operands(x_rows, w_gate_up, w_down, offs_G, weight_M)
+    for c, w, name in zip(cached, (w_gate_up, w_down), ("w_gate_up", "w_down"), strict=True):
+        if c is not None:
+            c.check(w, name)
+    return _FP8RoutedMLP.apply(
+        x_TD, slot_TK, n_rows, every_row_mapped, w_gate_up, w_down, offs_G, weight_M, backend,
+        tuple(cached),
+    )  # fmt: skip
 
 
 def _dense_mm(

@@ -1,5 +1,6 @@
 """The FP8 quantizers (``moe_kernels.fp8``'s module doc states their rules): E4M3 with one fp32
-scale per row (``quantize_rowwise``), the same rules over an expert weight's columns written
+scale per row (``quantize_rowwise``; ``quantize_to_slots`` writes it for token rows permuted to
+their experts' slots), the same rules over an expert weight's columns written
 transposed (``quantize_columnwise``), and MXFP8's E8M0 scale per 32 values (``quantize_mx``).
 Each is a PyTorch reference that defines it plus a Triton kernel (``moe_kernels.fp8_triton``) taken
 by ``moe_kernels._triton``'s rule. Apart from ``moe_kernels.fp8`` so that the SwiGLU backward
@@ -12,6 +13,7 @@ import torch
 
 from moe_kernels._triton import use_triton
 from moe_kernels.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX, E8M0, MX_BLOCK
+from moe_kernels.slot_permute import permute_to_slots_reference, unmapped_rows_possible
 
 
 def quantize_rowwise_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +67,44 @@ def quantize_rowwise(x_MK: torch.Tensor, out: Pair | None = None) -> Pair:
 
         return fp8_triton.quantize_rowwise(x_MK, out=out)
     return _written_into(quantize_rowwise_reference(x_MK), out)
+
+
+def quantize_to_slots_reference(
+    x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int, keep_rows: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``quantize_rowwise`` of ``permute_to_slots(x_TD, slot_TK, n_rows)``, and that permuted
+    copy itself where ``keep_rows`` (else None)."""
+    x_MD = permute_to_slots_reference(x_TD, slot_TK, n_rows)
+    q_MD, scale_M = quantize_rowwise_reference(x_MD)
+    return q_MD, scale_M, x_MD if keep_rows else None
+
+
+def quantize_to_slots(
+    x_TD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    n_rows: int,
+    *,
+    keep_rows: bool = False,
+    every_row_mapped: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The expert-ordered rows of ``moe_kernels.slot_permute.permute_to_slots`` quantized by
+    rows, (E4M3 [n_rows, D], fp32 scales [n_rows], the bf16 rows where ``keep_rows``): the
+    producer of an FP8 GEMM's row operand, in one pass over the tokens where Triton runs
+    (each token's scale found once for its K slots) instead of a permuted copy and a
+    quantizer reading it back. Not differentiable: the callers are autograd Functions."""
+    if x_TD.ndim != 2 or slot_TK.ndim != 2 or slot_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"quantize_to_slots takes x [T, D] and slots [T, K], got {tuple(x_TD.shape)} and "
+            f"{tuple(slot_TK.shape)}"
+        )
+    if use_triton(x_TD, slot_TK) and n_rows > 0:
+        from moe_kernels import fp8_triton
+
+        zero = unmapped_rows_possible(slot_TK, n_rows, every_row_mapped)
+        return fp8_triton.scatter_quantize_rows(
+            x_TD, slot_TK, n_rows, zero_unmapped=zero, keep_rows=keep_rows
+        )
+    return quantize_to_slots_reference(x_TD, slot_TK, n_rows, keep_rows)
 
 
 def quantize_columnwise_reference(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -289,3 +289,95 @@ def swiglu_quantize_rowwise(
         AMAX_FLOOR=AMAX_FLOOR, HW_CAST=HW_CAST,
     )  # fmt: skip
     return q_MF, scale_M
+
+
+@triton.jit
+def _scatter_quantize_rows(
+    x_ptr, slot_ptr, q_ptr, scale_ptr, rows_ptr, used_ptr, T, D, n_rows, stride_x, stride_q,
+    stride_rows, K: tl.constexpr, KEEP_ROWS: tl.constexpr, MARK_USED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr,
+    FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, HW_CAST: tl.constexpr,
+):  # fmt: skip
+    """``quantize_rowwise(permute_to_slots(x))`` without the permuted copy: a program owns
+    BLOCK_T token rows, finds each row's scale once (a token's K slots hold the same row, so
+    the same bytes), and writes the E4M3 row and its scale into each valid slot (with
+    KEEP_ROWS, the unquantized row too: the combine's backward, whose bf16 rows the weight
+    gradient reads). Slots as ``slot_permute_triton._scatter_rows``: -1 writes nothing, every
+    access masked to the buffer."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t = t.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if not ONE_PASS:  # a row in chunks: its maximum first, then each chunk read again
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            m = tmask[:, None] & (c < D)[None, :]
+            x = tl.load(x_ptr + t[:, None] * stride_x + c[None, :], mask=m, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        m = tmask[:, None] & (c < D)[None, :]
+        raw = tl.load(x_ptr + t[:, None] * stride_x + c[None, :], mask=m, other=0.0)
+        x = raw.to(tl.float32)
+        if ONE_PASS:  # the whole row in this one chunk: its maximum from registers
+            amax = tl.max(tl.abs(x), axis=1)
+        scale, inv = _row_scales(amax, FP8_MAX, AMAX_FLOOR)
+        q = _scale_to_e4m3(x, inv[:, None], q_ptr.dtype.element_ty, FP8_MAX, HW_CAST)
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + t * K + k, mask=tmask, other=-1).to(tl.int64)
+            valid = tmask & (slot >= 0) & (slot < n_rows)
+            mk = m & valid[:, None]
+            tl.store(q_ptr + slot[:, None] * stride_q + c[None, :], q, mask=mk)
+            if KEEP_ROWS:
+                tl.store(rows_ptr + slot[:, None] * stride_rows + c[None, :], raw, mask=mk)
+            if d0 == 0:
+                tl.store(scale_ptr + slot, scale, mask=valid)
+                if MARK_USED:
+                    tl.store(used_ptr + slot, tl.full([BLOCK_T], 1, tl.int8), mask=valid)
+
+
+def scatter_quantize_rows(
+    x_TD: torch.Tensor,
+    slot_TK: torch.Tensor,
+    n_rows: int,
+    *,
+    zero_unmapped: bool,
+    keep_rows: bool,
+    block_t: int = 0,
+    block_d: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(E4M3 [n_rows, D], fp32 scales [n_rows], the unquantized rows or None): each token row
+    quantized by rows and written into its slots, in one launch (``moe_kernels.fp8_quantize.
+    quantize_to_slots`` defines it). Unmapped rows (``zero_unmapped``) are a zero row: +0 values
+    and scale 1, as ``quantize_rowwise`` gives a zero row. Blocks as ``quantize_rowwise``: rows
+    of up to 2048 values read once, longer ones in chunks of 512, read twice."""
+    from moe_kernels import slot_permute_triton
+
+    T, D = x_TD.shape
+    K = slot_TK.shape[1]
+    x = x_TD if x_TD.stride(1) == 1 else x_TD.contiguous()
+    slot_TK = slot_TK.contiguous()
+    dev = x.device
+    q_MD = torch.empty(n_rows, D, dtype=torch.float8_e4m3fn, device=dev)
+    # unmapped rows keep these: scale 1 (a zero row's), and their values zeroed below
+    scale_M = (torch.ones if zero_unmapped else torch.empty)(
+        n_rows, dtype=torch.float32, device=dev
+    )
+    rows_MD = torch.empty(n_rows, D, dtype=x.dtype, device=dev) if keep_rows else None
+    used = torch.zeros(n_rows if zero_unmapped else 1, dtype=torch.int8, device=dev)
+    if not block_d:
+        block_d = next_pow2(D) if D <= 2048 else 512
+    if not block_t:
+        block_t = max(1, min(2048 // block_d, next_pow2(T)))
+    _scatter_quantize_rows[(cdiv(T, block_t),)](
+        x, slot_TK, q_MD, scale_M, q_MD if rows_MD is None else rows_MD, used, T, D, n_rows,
+        x.stride(0), q_MD.stride(0), D, K=K, KEEP_ROWS=keep_rows, MARK_USED=zero_unmapped,
+        BLOCK_T=block_t, BLOCK_D=block_d, ONE_PASS=block_d >= D, FP8_MAX=E4M3_MAX,
+        AMAX_FLOOR=AMAX_FLOOR, HW_CAST=HW_CAST, num_warps=4,
+    )  # fmt: skip
+    if zero_unmapped:
+        slot_permute_triton.zero_unmarked(q_MD.view(torch.uint8), used)  # +0 is the zero byte
+        if rows_MD is not None:
+            slot_permute_triton.zero_unmarked(rows_MD, used)
+    return q_MD, scale_M, rows_MD

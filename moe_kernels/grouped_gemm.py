@@ -28,7 +28,7 @@ import importlib.util
 import torch
 
 from moe_kernels._triton import in_references_only
-from moe_kernels.slot_permute import _check_rows, _sum_over_slots, _zero_unmapped
+from moe_kernels.slot_permute import _check_rows, _sum_over_slots, unmapped_rows_possible
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 BACKENDS = ("auto", "torch", "quack")
@@ -316,6 +316,6 @@ def gathered_grouped_mm(
         )
     n_rows = idx_M.shape[0]
     _check_rows(slot_TK, n_rows, every_row_mapped)
-    zero_row = _zero_unmapped(slot_TK, n_rows, every_row_mapped)
+    zero_row = unmapped_rows_possible(slot_TK, n_rows, every_row_mapped)
     check_backend(backend)
     return _GatheredGroupedMM.apply(x_TD, idx_M, w_GKN, offs_G, slot_TK, zero_row, backend)

@@ -79,7 +79,9 @@ def combine_from_slots_reference(
     return (y_TKD * w_TK.unsqueeze(-1)).sum(1).to(y_MD.dtype)
 
 
-def _zero_unmapped(slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None) -> bool:
+def unmapped_rows_possible(
+    slot_TK: torch.Tensor, n_rows: int, every_row_mapped: bool | None
+) -> bool:
     """Whether the kernels must zero-fill rows no valid slot maps to (see the module doc)."""
     if every_row_mapped is None:
         return n_rows != slot_TK.numel()
@@ -156,7 +158,7 @@ def permute_to_slots(
     valid slot. Backward: ``dx_TD[t] = sum_k dx_MD[slot_TK[t, k]]`` over valid slots (fp32 sum,
     no atomics)."""
     _check_rows(slot_TK, n_rows, every_row_mapped)
-    zero = _zero_unmapped(slot_TK, n_rows, every_row_mapped)
+    zero = unmapped_rows_possible(slot_TK, n_rows, every_row_mapped)
     return _PermuteToSlots.apply(x_TD, slot_TK, n_rows, zero)
 
 
@@ -168,7 +170,7 @@ def sum_from_slots(
     writes ``dy_t`` into each of t's slots (unmapped rows 0); unlike the weighted combine it
     keeps no expert output for backward."""
     _check_rows(slot_TK, y_MD.shape[0], every_row_mapped)
-    zero = _zero_unmapped(slot_TK, y_MD.shape[0], every_row_mapped)
+    zero = unmapped_rows_possible(slot_TK, y_MD.shape[0], every_row_mapped)
     return _SumFromSlots.apply(y_MD, slot_TK, zero)
 
 

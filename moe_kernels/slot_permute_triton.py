@@ -126,7 +126,7 @@ def _zero_unused_rows(
             tl.store(out_ptr + r64[:, None] * stride_out + c[None, :], zeros, mask=m)
 
 
-def _zero_unmarked(out_MD: torch.Tensor, used_M: torch.Tensor) -> None:
+def zero_unmarked(out_MD: torch.Tensor, used_M: torch.Tensor) -> None:
     """Most row blocks hold no padding and exit after reading 16 flag bytes."""
     n_rows, D = out_MD.shape
     if n_rows == 0 or D == 0:
@@ -185,7 +185,7 @@ def scatter_rows(
         num_warps=4,
     )
     if padded:
-        _zero_unmarked(out, used)
+        zero_unmarked(out, used)
     return out
 
 

@@ -87,6 +87,12 @@ def cases() -> list[tuple[JITFunction, dict[str, str], dict]]:
             )
         )
         fp8["HW_CAST"] = [True]
+        ptrs = {"x_ptr": act, "slot_ptr": "*i64", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+        ptrs |= {"rows_ptr": act, "used_ptr": "*i8"}
+        flags = {"K": [8], "KEEP_ROWS": [False, True], "MARK_USED": [False, True]}
+        flags |= {"BLOCK_T": [1], "BLOCK_D": [2048], "ONE_PASS": [True, False], **fp8}
+        for c in variants(flags):
+            out.append((fp8_triton._scatter_quantize_rows, ptrs, c))
         ptrs = {"w_ptr": act, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
         for c in variants({"BLOCK_N": [64], "BLOCK_K": [16], **fp8}):
             out.append((fp8_triton._quantize_columns_transposed, ptrs, c))

@@ -413,9 +413,10 @@ def test_activation_formula_follows_the_block_options(shape, dtype, compiled):
 @pytest.mark.parametrize("path", ["fused", "gather_rows", "fp8"])
 def test_activation_formula_follows_the_experts_path(path, monkeypatch):
     """The fused expert MLP and FP8 experts keep no SwiGLU output, gathered rows no
-    expert-ordered copy: the formula's keywords (``expert_activations``) match what autograd
-    keeps on each path (run on the CPU, through the QuACK stand-in, ``tests/fake_quack.py``,
-    where QuACK is named), and the plan takes them from the run's options."""
+    expert-ordered copy, nor FP8 experts with rowwise scales on one EP rank: the formula's
+    keywords (``expert_activations``) match what autograd keeps on each path (run on the CPU,
+    through the QuACK stand-in, ``tests/fake_quack.py``, where QuACK is named), and the plan
+    takes them from the run's options."""
     from moe_kernels import expert_mlp, grouped_gemm
     from tests import fake_quack
 
@@ -440,19 +441,26 @@ def test_activation_formula_follows_the_experts_path(path, monkeypatch):
     run = compose_run(["model=tiny", *options[path]])
     kept = expert_activations(run)
     gathering = path == "gather_rows"
-    assert kept == {"expert_rows_in": not gathering, "expert_swiglu_out": gathering}
+    assert kept == {"expert_rows_in": path == "fused", "expert_swiglu_out": gathering}
     estimate = layer_activation_bytes(m, "bf16", "bf16", "none", **kept)
     assert 0.97 * measured <= estimate <= 1.05 * measured, (measured, estimate)
-    # gathering keeps one copy of the tokens (with the padding slots' zero row) instead of k
-    saved = 2 * (m.d_model * (m.top_k - 1) if path == "gather_rows" else m.top_k * m.expert_hidden)
+    # gathering keeps one copy of the tokens (with the padding slots' zero row) instead of k;
+    # FP8 experts the same and their SwiGLU output
+    d, h, k = m.d_model, m.expert_hidden, m.top_k
+    saved = 2 * {"fused": k * h, "gather_rows": d * (k - 1), "fp8": d * (k - 1) + k * h}[path]
     assert unfused - measured == pytest.approx(saved, rel=0.02), (unfused, measured)
     auto = compose_run(["model=tiny", "precision=pure-bf16"])  # counted unfused: an upper bound
     assert expert_activations(auto) == {"expert_rows_in": True, "expert_swiglu_out": True}
-    # FP8 experts ignore parallel.gather_rows (they quantize a permuted copy): counted kept
+    # FP8 experts ignore parallel.gather_rows; under EP they quantize the received rows and
+    # keep them
     fp8_gather = compose_run(
         ["model=tiny", "precision=fp8", "parallel.expert_gemm=quack", "parallel.gather_rows=true"]
     )
-    assert expert_activations(fp8_gather)["expert_rows_in"]
+    assert not expert_activations(fp8_gather)["expert_rows_in"]
+    fp8_ep = compose_run(
+        ["model=tiny", "precision=fp8", "parallel.ep=2", "train.global_batch_size=32"]
+    )
+    assert expert_activations(fp8_ep)["expert_rows_in"]
 
 
 def test_block_recompute_keeps_only_block_inputs():

@@ -19,8 +19,8 @@ from moe_kernels.slot_permute import (
     _check_rows,
     _rows_at,
     _scatter_into,
-    _zero_unmapped,
     combine_from_slots_reference,
+    unmapped_rows_possible,
 )
 
 
@@ -93,5 +93,5 @@ def combine_from_slots(
     Backward gives ``dy_MD[slot] = w_tk * dy_t`` (unmapped rows 0, see ``every_row_mapped`` in
     the module doc) and ``dweights = <y_MD[slot], dy_t>`` (0 for dropped slots)."""
     _check_rows(slot_TK, y_MD.shape[0], every_row_mapped)
-    zero = _zero_unmapped(slot_TK, y_MD.shape[0], every_row_mapped)
+    zero = unmapped_rows_possible(slot_TK, y_MD.shape[0], every_row_mapped)
     return _CombineFromSlots.apply(y_MD, slot_TK, weights_TK, zero)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._triton import cdiv, next_pow2
-from moe_kernels.slot_permute_triton import _blocks, _must_zero, _row_major, _zero_unmarked
+from moe_kernels.slot_permute_triton import _blocks, _must_zero, _row_major, zero_unmarked
 
 
 @triton.jit
@@ -200,5 +200,5 @@ def combine_backward(
         num_warps=4,
     )
     if padded:
-        _zero_unmarked(out_rows, used)
+        zero_unmarked(out_rows, used)
     return out_rows, out_dw if need_dw else None

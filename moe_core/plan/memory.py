@@ -469,22 +469,29 @@ def expert_activations(run: RunConfig) -> dict[str, bool]:
     path the run takes (``layer_activation_bytes``' keywords; ``experts_keep``)."""
     par, prec = run.parallel, run.precision
     quack_bf16 = par.expert_gemm == "quack" and prec.params == "bf16"
-    return experts_keep("experts" in prec.fp8_parts, quack_bf16, par.gather_rows)
+    fp8_experts = "experts" in prec.fp8_parts
+    local_rowwise = fp8_experts and prec.fp8_scaling == "rowwise" and par.ep == 1
+    return experts_keep(fp8_experts, quack_bf16, par.gather_rows, local_rowwise)
 
 
 def experts_keep(
-    fp8_experts: bool, quack_bf16: bool = False, gather_rows: bool = False
+    fp8_experts: bool,
+    quack_bf16: bool = False,
+    gather_rows: bool = False,
+    fp8_in_permute: bool = False,
 ) -> dict[str, bool]:
     """With ``parallel.gather_rows`` (bf16 experts) the gate+up GEMM reads the token rows, so
     no expert-ordered copy is kept (one of the tokens with a zero row appended, where slots are
-    padded); FP8 experts (``moe_kernels.fp8.fp8_expert_mlp``; they ignore ``gather_rows`` and
-    quantize a permuted copy) and the fused bf16 MLP (``moe_kernels.expert_mlp``:
-    ``parallel.expert_gemm=quack`` with bf16 weights, not gathering) keep no SwiGLU output.
-    ``expert_gemm=auto`` is counted unfused: whether QuACK is installed is a property of the
-    machine that runs, not of the plan (an upper bound)."""
+    padded); nor with FP8 experts with rowwise scales on one EP rank (``fp8_in_permute``:
+    ``moe_kernels.fp8.fp8_routed_mlp`` quantizes in the permute, keeps the tokens and permutes
+    them again in backward); under EP, FP8 experts quantize the received rows and keep them.
+    FP8 experts and the fused bf16 MLP (``moe_kernels.expert_mlp``: ``parallel.expert_gemm=quack``
+    with bf16 weights, not gathering) keep no SwiGLU output. ``expert_gemm=auto`` is counted
+    unfused: whether QuACK is installed is a property of the machine that runs, not of the
+    plan (an upper bound)."""
     gathers = gather_rows and not fp8_experts
     fused = fp8_experts or (quack_bf16 and not gathers)
-    return {"expert_rows_in": not gathers, "expert_swiglu_out": not fused}
+    return {"expert_rows_in": not (gathers or fp8_in_permute), "expert_swiglu_out": not fused}
 
 
 @dataclass(frozen=True)

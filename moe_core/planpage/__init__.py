@@ -167,6 +167,13 @@ def _with_run_precision(run: RunConfig, presets: dict[str, Precision]) -> dict[s
     return {**presets, _precision_of(run, presets): to_dict(run.precision)}
 
 
+def fp8_in_permute(p: Precision) -> bool:
+    """Whether this precision's experts quantize in the permute on one EP rank
+    (``plan.memory.experts_keep``): the page's activations are counted so, and its planner adds
+    the experts' rows back under EP."""
+    return "experts" in p["fp8_parts"] and p["fp8_scaling"] == "rowwise"
+
+
 def model_data(
     m: ModelConfig, precisions: dict[str, Precision], seq_lens: list[int]
 ) -> dict[str, Any]:
@@ -178,14 +185,15 @@ def model_data(
         "total_params": counts.total_params,
         "active_params": counts.active_params,
         "flops_per_token": {s: count(m, s).flops_per_token for s in seq_lens if s <= m.max_seq_len},
-        "activation": {  # the page's runs: on GPUs (compiled blocks), expert_gemm=auto
+        # the page's runs: on GPUs (compiled blocks), expert_gemm=auto, one EP rank
+        "activation": {
             name: {
                 r: layer_activation_bytes(
                     m,
                     p["params"],
                     p["compute"],
                     r,
-                    **experts_keep("experts" in p["fp8_parts"]),
+                    **experts_keep("experts" in p["fp8_parts"], fp8_in_permute=fp8_in_permute(p)),
                     compiled=True,
                 )
                 for r in ("none", "selective")

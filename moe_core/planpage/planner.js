@@ -226,8 +226,12 @@ function planLayout(data, L) {
   const block = L.recompute === "block";
   const autogradGrads = denseGroup === 1 && (nMb === 1 || bp === bo);
   const acts = model.activation[L.precision];
-  const aLayer = acts[block ? "none" : L.recompute];
-  const aFull = acts.none;
+  // counted for one EP rank, where FP8 experts with rowwise scales quantize in the permute
+  // and keep the tokens, not k rows each; under EP they keep the received rows
+  // (plan.memory.experts_keep)
+  const rowsBack = L.ep > 1 && fp8InPermute(prec) ? (k - 1) * d * bp : 0;
+  const aLayer = acts[block ? "none" : L.recompute] + rowsBack;
+  const aFull = acts.none + rowsBack;
   // a leading dense block's, per token and micro-batch (plan.memory.activation_bytes)
   const denseActs = model.dense_activation[L.precision];
   const denseFull = m.n_dense_layers ? T * denseActs.none + gathered : 0;
@@ -616,10 +620,17 @@ function latentAttentionActivationBytes(c, bp, bc, selective) {
   return norms + bc * (d + 2 * q + H * (c.qk_nope_head_dim + c.v_head_dim) + v) + 4 * H;
 }
 
+// moe_core.planpage.fp8_in_permute
+function fp8InPermute(prec) {
+  return prec.fp8_parts.includes("experts") && prec.fp8_scaling === "rowwise";
+}
+
 // plan.memory.layer_activation_bytes (recompute "none" or "selective", compiled: the page's
 // runs are on GPUs), term by term, with plan.memory.experts_keep for the page's runs
-// (expert_gemm auto, no gathered rows): FP8 experts keep no SwiGLU output.
-function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8Experts) {
+// (expert_gemm auto, no gathered rows, one EP rank): FP8 experts keep no SwiGLU output, and
+// with rowwise scales the tokens instead of their expert-ordered rows.
+function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8Experts,
+  fp8RowsIn) {
   const bp = data.constants.dtype_bytes[paramDtype], bc = data.constants.dtype_bytes[computeDtype];
   const d = c.d_model, h = c.expert_hidden, k = c.top_k, e = c.n_experts;
   const hShared = c.n_shared_experts * h;
@@ -627,6 +638,7 @@ function layerActivationBytes(data, c, paramDtype, computeDtype, recompute, fp8E
   const router = 12 * e + 20 * k + groups;
   let experts = bp * k * (d + 3 * h) + 4 * k;
   if (recompute === "selective" || fp8Experts) experts -= bp * k * h;
+  if (fp8RowsIn) experts -= bp * (k - 1) * d;
   const sharedInput = bp === 4 && bc === 4 ? 0 : bc * d;
   const shared = hShared ? bc * 4 * hShared + sharedInput : 0;
   const selective = recompute === "selective";
@@ -784,7 +796,7 @@ function modelData(data, c) {
     activation[name] = {};
     for (const r of ["none", "selective"])
       activation[name][r] = layerActivationBytes(
-        data, config, p.params, p.compute, r, p.fp8_parts.includes("experts"));
+        data, config, p.params, p.compute, r, p.fp8_parts.includes("experts"), fp8InPermute(p));
     if (config.n_dense_layers) {
       denseActivation[name] = {};
       for (const r of ["none", "selective"])
