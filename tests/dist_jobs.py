@@ -197,6 +197,19 @@ def dispatch_fp8_parity(out: str, args: list[str]) -> None:
     dist.all_to_all_single = recording
     checked = _dispatch_cases(torch.float32, 1e-5, triton=False, fp8=True)
     dist.all_to_all_single = real
+    # FP8 experts too (precision=fp8's parts): the receiver quantizes the rows it received into
+    # their slots (Experts.routed), the calls with every row mapped (the local one's: None)
+    from moe_core.model import moe
+
+    routed, ep_calls = moe.fp8_routed_mlp, []
+
+    def counting(*a, **kw):
+        ep_calls.append(kw.get("every_row_mapped"))
+        return routed(*a, **kw)
+
+    moe.fp8_routed_mlp = counting
+    with_experts = _dispatch_cases(torch.float32, 1e-5, triton=False, fp8=True, fp8_experts=True)
+    moe.fp8_routed_mlp = routed
     # the run's option reaches every layer's dispatcher (moe_core.parallel.parallelize)
     from moe_core.model.moe import MoE
     from moe_core.parallel.mesh import build_mesh
@@ -208,7 +221,9 @@ def dispatch_fp8_parity(out: str, args: list[str]) -> None:
     layers = [m.dispatcher for c in chunks.values() for m in c.modules() if isinstance(m, MoE)]
     wired = all(isinstance(d, AllToAllDispatcher) and d.fp8_rows for d in layers)
     everyone = [None, None]
-    dist.all_gather_object(everyone, {"cases": checked, "sends": sends, "wired": wired})
+    mine = {"cases": checked, "sends": sends, "wired": wired, "with_experts": with_experts}
+    mine["receiver_routed_calls"] = ep_calls.count(True)
+    dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(everyone))
     dist.barrier()
@@ -251,7 +266,10 @@ def dispatch_fp8_cuda(out: str, args: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool, fp8: bool = False) -> list[dict]:
+def _dispatch_cases(
+    dt: torch.dtype, tol: float, triton: bool, fp8: bool = False, fp8_experts: bool = False
+) -> list[dict]:
+    from moe_core.model.kernel_choice import Kernels
     from moe_kernels._triton import use_triton
     from moe_kernels.fp8 import dequantize, quantize_rowwise_reference
 
@@ -269,6 +287,7 @@ def _dispatch_cases(dt: torch.dtype, tol: float, triton: bool, fp8: bool = False
         mine.w_gate_up.copy_(full.w_gate_up[rank * El : (rank + 1) * El])
         mine.w_down.copy_(full.w_down[rank * El : (rank + 1) * El])
     mine.expert_offset = rank * El
+    full.kernels = mine.kernels = Kernels(fp8_experts=fp8_experts)
     dispatcher = AllToAllDispatcher(dist.group.WORLD, 2, El, fp8_rows=fp8)
     checked = []
     for i, (case, sizes) in enumerate(DISPATCH_CASES):

@@ -54,7 +54,10 @@ def test_fp8_rows_travel_as_bytes_and_the_experts_see_them_quantized(tmp_path):
     """precision.fp8_parts 'dispatch' (2 ranks, gloo): every case's outputs and gradients equal
     the local dispatcher's on token rows quantized once by moe_kernels.fp8's rules (the gradient
     passes the quantization straight through) and differ from the unquantized run's; the token
-    rows go out as one byte per value plus one fp32 scale per row, the combine in fp32."""
+    rows go out as one byte per value plus one fp32 scale per row, the combine in fp32. With
+    FP8 experts as well (``precision=fp8``'s parts) the same, the receiver's experts quantizing
+    the rows it received into their slots (``Experts.routed``), and the outputs those of the
+    unquantized trip: the experts quantize the rows by the same rules."""
     out = tmp_path / "dispatch-fp8.json"
     result = torchrun(2, [str(TESTS / "dist_jobs.py"), "dispatch-fp8", str(out)])
     assert result.returncode == 0, explain(result)
@@ -70,6 +73,10 @@ def test_fp8_rows_travel_as_bytes_and_the_experts_see_them_quantized(tmp_path):
             assert sends[i + 1] == ["float32", sends[i][1][:1]], sends[i : i + 2]
         # the combine's rows and the gradients: fp32, never bytes
         assert any(dtype == "float32" and shape[1:] == [16] for dtype, shape in sends)
+        # FP8 experts quantize the rows by the same rules: the trip in FP8 changes no output
+        experts = rank["with_experts"]
+        assert len(experts) == 5 and not any(c["differs"] for c in experts)
+        assert rank["receiver_routed_calls"] == 3 * len(experts)
 
 
 @pytest.mark.gpu

@@ -272,39 +272,42 @@ class Experts(nn.Module):
         gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
 
-    def quantizes_in_permute(self) -> bool:
-        """Whether the experts take the token rows before the permute (``forward_slots``): FP8
-        experts with rowwise scales, whose row operands the permute and the sum's backward
-        write in E4M3 themselves."""
-        return self.kernels.fp8_experts and self.kernels.fp8_scaling == "rowwise"
-
-    def forward_slots(
+    def routed(
         self,
         x_TD: torch.Tensor,
         slot_TK: torch.Tensor,
         n_rows: int,
         offs_E: torch.Tensor,
         weights_M: torch.Tensor | None = None,
+        *,
+        every_row_mapped: bool | None = None,
     ) -> torch.Tensor:
         """``sum_from_slots(forward(permute_to_slots(x_TD, slot_TK, n_rows), offs_E,
-        weights_M), slot_TK)`` for FP8 experts with rowwise scales
-        (``moe_kernels.fp8.fp8_routed_mlp``: the same values, no bf16 permuted copy)."""
-        w_gate_up, w_down = self.w_gate_up.to(x_TD.dtype), self.w_down.to(x_TD.dtype)
-        cached = (
-            cached_operands(self.w_gate_up, x_TD.dtype),
-            cached_operands(self.w_down, x_TD.dtype),
-        )
-        return fp8_routed_mlp(
-            x_TD,
-            slot_TK,
-            n_rows,
-            w_gate_up,
-            w_down,
-            offs_E,
-            weights_M,
-            backend=self.kernels.gemm,
-            cached=cached,
-        )
+        weights_M), slot_TK)`` (slots as ``moe_kernels.slot_permute``). FP8 experts with rowwise
+        scales run it as one op (``moe_kernels.fp8.fp8_routed_mlp``: the same values, the rows
+        written in E4M3 by the permute and the sum's backward, no bf16 permuted copy), which
+        keeps ``x_TD`` for backward: the caller's tokens must stay as they are until then (not
+        a buffer that the next layer reuses)."""
+        k = self.kernels
+        if k.fp8_experts and k.fp8_scaling == "rowwise":
+            return fp8_routed_mlp(
+                x_TD,
+                slot_TK,
+                n_rows,
+                self.w_gate_up.to(x_TD.dtype),
+                self.w_down.to(x_TD.dtype),
+                offs_E,
+                weights_M,
+                backend=k.gemm,
+                cached=(
+                    cached_operands(self.w_gate_up, x_TD.dtype),
+                    cached_operands(self.w_down, x_TD.dtype),
+                ),
+                every_row_mapped=every_row_mapped,
+            )
+        x_MD = permute_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
+        y_MD = self(x_MD, offs_E, weights_M)
+        return sum_from_slots(y_MD, slot_TK, every_row_mapped=every_row_mapped)
 
     def gathers_rows(self, x_TD: torch.Tensor) -> bool:
         """Whether ``forward_gathered`` reads token rows inside the gate+up GEMM for these
@@ -361,21 +364,17 @@ class LocalDispatcher:
     un-permute and sum in one pass. With ``parallel.gather_rows`` where QuACK runs
     (``Experts.gathers_rows``) the gate+up GEMM gathers the token rows itself instead of
     reading a permuted copy; FP8 experts with rowwise scales take the permute and the sum
-    into their op (``Experts.forward_slots``), which writes the rows in FP8."""
+    into their op (``Experts.routed``), which writes the rows in FP8."""
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         slots = expert_slots(routing.experts_TK, experts.n_experts)
         weights_M = slot_weights(routing.weights_TK, slots.slot_TK, slots.n_rows)
-        if experts.quantizes_in_permute():
-            return experts.forward_slots(x_TD, slots.slot_TK, slots.n_rows, slots.offs_E, weights_M)
         if experts.gathers_rows(x_TD):
             y_MD = experts.forward_gathered(
                 x_TD, slots.slot_TK, slots.n_rows, slots.offs_E, weights_M
             )
-        else:
-            x_MD = permute_to_slots(x_TD, slots.slot_TK, slots.n_rows)
-            y_MD = experts(x_MD, slots.offs_E, weights_M)
-        return sum_from_slots(y_MD, slots.slot_TK)
+            return sum_from_slots(y_MD, slots.slot_TK)
+        return experts.routed(x_TD, slots.slot_TK, slots.n_rows, slots.offs_E, weights_M)
 
 
 class SwiGLU(nn.Module):

@@ -20,7 +20,8 @@ backward. Every row move is a slot kernel (``moe_kernels.slot_permute``, Triton 
   exact number of local assignments lays out an expert-ordered buffer with no padding rows,
   ``permute_to_slots`` fills it, ``slot_weights`` lays the received router weights out along
   it, the experts run with the weights applied in their SwiGLU, and ``sum_from_slots`` sums each
-  received token's weighted expert outputs;
+  received token's weighted expert outputs (the three as ``Experts.routed``: FP8 experts
+  quantize the received rows into their slots);
 - back on the sender, ``sum_from_slots`` sums the rows returned by the ranks.
 
 With FP8 rows (``precision.fp8_parts`` naming "dispatch") the sender quantizes the send
@@ -213,10 +214,10 @@ class AllToAllDispatcher:
         local_RK = route_R2K[:, K:].to(torch.int64) - self.expert_offset
         local_RK = torch.where((local_RK >= 0) & (local_RK < El), local_RK, -1)
         recv = expert_slots(local_RK, El, n_rows=n_assigned)
-        x_MD = permute_to_slots(x_RD, recv.slot_TK, n_assigned, every_row_mapped=True)
         weights_M = slot_weights(w_RK, recv.slot_TK, n_assigned)
-        y_MD = experts(x_MD, recv.offs_E, weights_M)
-        y_RD = sum_from_slots(y_MD, recv.slot_TK, every_row_mapped=True)
+        y_RD = experts.routed(
+            x_RD, recv.slot_TK, n_assigned, recv.offs_E, weights_M, every_row_mapped=True
+        )
 
         # One row back per (token, rank) pair; each token's rows summed over ranks.
         y_SD = all_to_all(y_RD, send_splits, recv_splits, self.group)
@@ -458,6 +459,8 @@ class RowwiseDispatcher:
         local_RK = torch.where(fits_R[:, None], local_RK, -1)
         recv = expert_slots(local_RK, El, n_rows=M)
         offs_E = recv.counts_E.cumsum(0).to(torch.int32)  # grouped GEMMs stop at the real rows
+        # not ``experts.routed``: FP8 experts would keep x_RD for backward, a view of the
+        # receive buffer that the next layer's put overwrites
         x_MD = permute_to_slots(x_RD, recv.slot_TK, M, every_row_mapped=False)
         weights_M = slot_weights(route_R2K[:, :K].to(routing.weights_TK.dtype), recv.slot_TK, M)
         y_MD = experts(x_MD, offs_E, weights_M)

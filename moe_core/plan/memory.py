@@ -484,7 +484,8 @@ def experts_keep(
     no expert-ordered copy is kept (one of the tokens with a zero row appended, where slots are
     padded); nor with FP8 experts with rowwise scales on one EP rank (``fp8_in_permute``:
     ``moe_kernels.fp8.fp8_routed_mlp`` quantizes in the permute, keeps the tokens and permutes
-    them again in backward); under EP, FP8 experts quantize the received rows and keep them.
+    them again in backward); under EP counted kept: the all-to-all receiver's op keeps the
+    rows it received, fewer than k a token (an upper bound), the rowwise one a permuted copy.
     FP8 experts and the fused bf16 MLP (``moe_kernels.expert_mlp``: ``parallel.expert_gemm=quack``
     with bf16 weights, not gathering) keep no SwiGLU output. ``expert_gemm=auto`` is counted
     unfused: whether QuACK is installed is a property of the machine that runs, not of the
