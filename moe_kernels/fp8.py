@@ -205,6 +205,30 @@ def _weight_grad(
     return dw_GKN.transpose(-2, -1).to(w_GNK.dtype)
 
 
+def _swiglu_backward(
+    h_M2F: torch.Tensor,
+    da_MF: torch.Tensor,
+    weight_M: torch.Tensor | None,
+    quantize_dh: bool,
+    activation: bool,
+):
+    """(dh, dweight, the SwiGLU output or None, dh's E4M3 rows and scales or None): the
+    SwiGLU's backward pass (``swiglu_grads``), writing dh by rows in E4M3 for the gate+up input
+    gradient where ``quantize_dh``, and the SwiGLU output for the down weight gradient where
+    ``activation``."""
+    qdh = None
+    if quantize_dh:
+        M, F2 = h_M2F.shape
+        qdh = (
+            torch.empty(M, F2, dtype=E4M3, device=h_M2F.device),
+            torch.empty(M, dtype=torch.float32, device=h_M2F.device),
+        )
+    dh_M2F, dweight, a_MF = swiglu_grads(
+        h_M2F, da_MF, weight_M, activation=activation, quantize_into=qdh
+    )
+    return dh_M2F, dweight, a_MF, qdh
+
+
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_GNK, offs_G, scaling: str, backend: str):  # type: ignore[override]
@@ -271,15 +295,8 @@ class _FP8ExpertMLP(torch.autograd.Function):
         need = ctx.needs_input_grad
         da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling, cached_down)
         # with rowwise scales, dh is quantized for the input gradient in the SwiGLU's own pass
-        qdh = None
-        if need[0] and ctx.scaling == "rowwise":
-            M, F2 = h_M2F.shape
-            qdh = (
-                torch.empty(M, F2, dtype=E4M3, device=h_M2F.device),
-                torch.empty(M, dtype=torch.float32, device=h_M2F.device),
-            )
-        dh_M2F, dweight, a_MF = swiglu_grads(
-            h_M2F, da_MF, weight_M, activation=need[2], quantize_into=qdh
+        dh_M2F, dweight, a_MF, qdh = _swiglu_backward(
+            h_M2F, da_MF, weight_M, need[0] and ctx.scaling == "rowwise", need[2]
         )
         del da_MF
         dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down, ctx.backend) if need[2] else None
@@ -377,16 +394,7 @@ class _FP8RoutedMLP(torch.autograd.Function):
             qdy_MD, sdy_M, *_weight_cols(w_down, cached_down), offs_G, dy_TD.dtype
         )
         del qdy_MD, sdy_M
-        M, F2 = h_M2F.shape
-        qdh = None
-        if need[0]:
-            qdh = (
-                torch.empty(M, F2, dtype=E4M3, device=h_M2F.device),
-                torch.empty(M, dtype=torch.float32, device=h_M2F.device),
-            )
-        dh_M2F, dweight, a_MF = swiglu_grads(
-            h_M2F, da_MF, weight_M, activation=need[5], quantize_into=qdh
-        )
+        dh_M2F, dweight, a_MF, qdh = _swiglu_backward(h_M2F, da_MF, weight_M, need[0], need[5])
         del da_MF
         dw_down = _weight_grad(a_MF, dy_MD, offs_G, w_down, ctx.backend) if need[5] else None
         del a_MF, dy_MD

@@ -250,11 +250,8 @@ class Experts(nn.Module):
         w_gate_up, w_down = self.w_gate_up.to(x_MD.dtype), self.w_down.to(x_MD.dtype)
         if k.fp8_experts:
             cached = (None, None)
-            if k.fp8_scaling == "rowwise":  # the FP8 copies made once per step, if attached
-                cached = (
-                    cached_operands(self.w_gate_up, x_MD.dtype),
-                    cached_operands(self.w_down, x_MD.dtype),
-                )
+            if k.fp8_scaling == "rowwise":
+                cached = self._fp8_cached(x_MD.dtype)
             return fp8_expert_mlp(
                 x_MD,
                 w_gate_up,
@@ -271,6 +268,11 @@ class Experts(nn.Module):
             )
         gate_up_M2F = self._project(x_MD, self.w_gate_up, offs_E)
         return self.activation_and_down(gate_up_M2F, offs_E, weights_M)
+
+    def _fp8_cached(self, dtype: torch.dtype) -> tuple:
+        """Both weights' FP8 copies made once per step (``moe_kernels.fp8_cache``), where
+        attached (None each otherwise)."""
+        return cached_operands(self.w_gate_up, dtype), cached_operands(self.w_down, dtype)
 
     def routed(
         self,
@@ -299,10 +301,7 @@ class Experts(nn.Module):
                 offs_E,
                 weights_M,
                 backend=k.gemm,
-                cached=(
-                    cached_operands(self.w_gate_up, x_TD.dtype),
-                    cached_operands(self.w_down, x_TD.dtype),
-                ),
+                cached=self._fp8_cached(x_TD.dtype),
                 every_row_mapped=every_row_mapped,
             )
         x_MD = permute_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
@@ -312,8 +311,9 @@ class Experts(nn.Module):
     def gathers_rows(self, x_TD: torch.Tensor) -> bool:
         """Whether ``forward_gathered`` reads token rows inside the gate+up GEMM for these
         tokens: asked for (``parallel.gather_rows``, off by default: it saves memory, not time)
-        and QuACK running (``moe_kernels.grouped_gemm.gathers_in_gemm``); FP8 experts quantize a
-        permuted copy."""
+        and QuACK running (``moe_kernels.grouped_gemm.gathers_in_gemm``); not for FP8 experts,
+        which keep no permuted copy where they quantize in the permute (``routed``) and
+        quantize one where not."""
         k = self.kernels
         return k.gather_rows and not k.fp8_experts and gathers_in_gemm(x_TD, k.gemm)
 
