@@ -50,6 +50,8 @@ from moe_core.model.moe import Experts
 CATEGORIES = [  # the first pattern a kernel's name matches names its category
     ("optimizer", r"multi_tensor|adam"),
     ("attention", r"flash|fmha|attention|sdpa"),
+    # the permute and the sum's backward writing E4M3 rows (moe_kernels.fp8.quantize_to_slots)
+    ("fp8 permute", r"^_scatter_quantize"),
     # moe_kernels.fp8_triton's, and Inductor's fused into the attention projections' inputs
     ("fp8 quantize", r"^_(swiglu_)?quantize|^triton_\w*_scaled_mm"),
     ("fp8 gemm", r"e4m3|f8f8|fp8|nvjet_sm90_qq"),  # CUTLASS's grouped and cuBLAS's FP8 GEMMs
