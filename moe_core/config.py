@@ -270,17 +270,6 @@ RULES: tuple[Rule, ...] = (
         "a list without 'dispatch' when parallel.ep=1 (no token rows travel)",
         when="fp8_dispatch",
     ),
-    Rule(
-        "run",
-        "precision.fp8_parts",
-        "equals",
-        "parallel.dispatcher",
-        "all_to_all",
-        when="fp8_dispatch",
-        sentence="precision.fp8_parts 'dispatch' with parallel.dispatcher={parallel.dispatcher!r} "
-        "is not built yet: FP8 token rows travel through the all_to_all dispatcher; use "
-        "parallel.dispatcher=all_to_all or leave 'dispatch' out.",
-    ),
 )
 
 

@@ -434,6 +434,34 @@ def _rowwise_cases(rank: int, P: int, dt: torch.dtype, tol: float, device: torch
         moved = [float(g.abs().sum()) for g in got[3:]]
         seen["cases"].append({"case": case, "tokens": T, "expert_grad_abs_sum": moved})
 
+    # FP8 token rows (and on the CPU FP8 experts, which quantize the received rows into their
+    # slots; a GPU's FP8 GEMMs need widths of 16): the all-to-all's FP8 rows, quantized by the
+    # same rules (fp32 sums in another order)
+    from moe_core.model.kernel_choice import Kernels
+
+    mine8 = Experts(El, D, F).to(device, dt)
+    with torch.no_grad():
+        mine8.w_gate_up.copy_(mine.w_gate_up)
+        mine8.w_down.copy_(mine.w_down)
+    mine8.expert_offset = mine.expert_offset
+    mine8.kernels = Kernels(fp8_experts=device.type == "cpu")
+    exchange8 = RowwiseExchange(heap, rows, assignments, D, K, dt, fp8_rows=True)
+    rowwise8 = RowwiseDispatcher(exchange8, El)
+    reference8 = AllToAllDispatcher(dist.group.WORLD, P, El, fp8_rows=True)
+    seen["fp8_cases"] = []
+    for i, case in enumerate(ROWWISE_CASES):
+        args = inputs(case, 1000 * i + rank)
+        ref = dispatch_grads(reference8, mine8, *args, n_experts=E)
+        got = dispatch_grads(rowwise8, mine8, *args, n_experts=E)
+        for name, a, b in zip(names, got, ref, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype, (case, name, a.shape, b.shape)
+            torch.testing.assert_close(a, b, rtol=max(tol, 1e-5), atol=max(tol, 1e-5))
+        again = dispatch_grads(rowwise8, mine8, *args, n_experts=E)
+        assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), case
+        assert int(exchange8.dropped) == 0, case
+        moved = [float(g.abs().sum()) for g in got[3:]]
+        seen["fp8_cases"].append({"case": case, "tokens": T, "expert_grad_abs_sum": moved})
+
     # Capacity: room for 2 rows per rank. Rows past it are dropped at the sender and counted.
     x_TD, w_TK, experts_TK, _ = inputs("distinct", rank)
     small = RowwiseDispatcher(RowwiseExchange(heap, 2, 2 * K, D, K, dt), El)

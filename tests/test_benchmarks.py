@@ -165,7 +165,7 @@ def test_multi_gpu_runbook_checks_the_moe_train_that_trainer_step_launches(scrip
     bad = [
         [*runbook.STEP, "--fp8-parts", "experts", "--out", "{out}/a.json"],  # not --precision fp8
         [*runbook.STEP, "--ep", "8", "--dispatcher", "nvshmem_rowwise", "--out", "{out}/b.json"],
-        [*runbook.FP8_STEP, "experts,dispatch", "--dispatcher", "nvshmem_rowwise"],
+        [*runbook.FP8_STEP, "experts,payload"],
     ]
     monkeypatch.setattr(runbook, "calls", lambda: [runbook.Call("x8-bad", 8, 5, "5. bad", bad)])
     problems = runbook.check()
@@ -173,9 +173,7 @@ def test_multi_gpu_runbook_checks_the_moe_train_that_trainer_step_launches(scrip
     assert problems[0].endswith(": --fp8-parts experts needs --precision fp8.")
     # dropless rowwise receive buffers at EP=8 do not fit an H200 (the runbook sets a factor)
     assert problems[1].startswith("x8-bad: model olmoe-1b-7b with layout pp 1 x dp 1 x ep 8 ")
-    assert (
-        "precision.fp8_parts 'dispatch' with parallel.dispatcher='nvshmem_rowwise'" in (problems[2])
-    )
+    assert "precision.fp8_parts=['experts', 'payload'] is not allowed" in problems[2]
 
 
 def test_multi_gpu_runbook_refuses_before_starting_anything(scripts, tmp_path):

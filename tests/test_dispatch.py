@@ -116,7 +116,8 @@ def test_rowwise_dispatcher_equals_all_to_all_and_counts_every_dropped_row(
     dispatcher (routing metadata exchanged through the heap, rows written into the owners'
     buffers, results read back) gives the all-to-all dispatcher's outputs and gradients of
     tokens, routing weights and expert weights, incl. a rank receiving nothing and a rank with
-    no tokens, bit-repeatably; a buffer with room for 2 rows counts exactly the rows past it."""
+    no tokens, bit-repeatably, also with FP8 token rows (the scales in the routing rows) and
+    FP8 experts; a buffer with room for 2 rows counts exactly the rows past it."""
     if mode == "interpret":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "rowwise.json"
@@ -131,6 +132,9 @@ def test_rowwise_dispatcher_equals_all_to_all_and_counts_every_dropped_row(
     assert all(s > 0 for s in by_case[0]["all-to-rank-0"]["expert_grad_abs_sum"])
     for r in range(1, nproc):
         assert by_case[r]["all-to-rank-0"]["expert_grad_abs_sum"] == [0.0, 0.0]
+    fp8 = [{c["case"]: c for c in r["fp8_cases"]} for r in ranks]
+    assert set(fp8[0]) == set(by_case[0])
+    assert all(s > 0 for s in fp8[0]["all-to-rank-0"]["expert_grad_abs_sum"])
     received = ranks[0]["overflow"]["rows_per_owner"]
     dropped = sum(r["overflow"]["dropped"] for r in ranks)
     assert dropped == sum(max(0, n - 2) for n in received) > 0
@@ -140,10 +144,12 @@ def test_rowwise_dispatcher_equals_all_to_all_and_counts_every_dropped_row(
 @needs_gpus(2)
 def test_rowwise_dispatcher_over_nvlink_equals_all_to_all(tmp_path):
     """2 GPUs (NCCL, torch's symmetric memory, bf16): the rowwise dispatcher's outputs and
-    gradients equal the all-to-all dispatcher's within bf16 noise; overflow is counted."""
+    gradients equal the all-to-all dispatcher's within bf16 noise, also with FP8 token rows;
+    overflow is counted."""
     out = tmp_path / "rowwise.json"
     result = torchrun(2, [str(TESTS / "dist_jobs.py"), "rowwise", str(out), "cuda"])
     assert result.returncode == 0, explain(result)
     ranks = json.loads(out.read_text())
+    assert all(len(r["fp8_cases"]) == len(r["cases"]) == 4 for r in ranks)  # FP8 rows too
     received = ranks[0]["overflow"]["rows_per_owner"]
     assert sum(r["overflow"]["dropped"] for r in ranks) == sum(max(0, n - 2) for n in received)

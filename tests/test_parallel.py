@@ -278,14 +278,6 @@ def test_single_process_sharded_adamw_equals_torch_adamw(tmp_path):
             "'dispatch' when parallel.ep=1 (no token rows travel)",
         ),
         (
-            [
-                *["precision=fp8", "precision.fp8_parts=[dispatch]", "parallel.ep=2"],
-                *["parallel.dispatcher=nvshmem_rowwise", "train.global_batch_size=32"],
-            ],
-            "precision.fp8_parts 'dispatch' with parallel.dispatcher='nvshmem_rowwise' is not "
-            "built yet: FP8 token rows travel through the all_to_all dispatcher",
-        ),
-        (
             ["precision=fp8", "precision.fp8_parts=[attention,attention]"],
             "precision.fp8_parts=['attention', 'attention'] is not allowed: a list naming each "
             "part at most once",

@@ -600,6 +600,10 @@ def test_rowwise_receive_buffers_in_the_plan():
     )
     assert allocated == RowwiseExchange.buffer_bytes(1, 10, 16, 3, torch.bfloat16)
     assert allocated == 11 * 16 * 2 + 11 * 6 * 4 + 1 * 1 * 8
+    # FP8 rows share the rows' allocation; their scales widen the routing rows by one column
+    fp8 = RowwiseExchange(SharedMemoryHeap(None), 10, 20, 16, 3, torch.bfloat16, fp8_rows=True)
+    assert fp8.route.local.numel() == 11 * 7 and fp8.x.local.numel() == 11 * 16
+    assert RowwiseExchange.buffer_bytes(1, 10, 16, 3, torch.bfloat16, True) == allocated + 11 * 4
 
     a2a = plan(small_run(dispatcher="all_to_all")).memory
     for factor in (None, 1.5):

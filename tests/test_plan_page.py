@@ -542,9 +542,9 @@ def test_group_limited_routing_plans_on_the_page_as_moe_plan(page: str):
 
 def test_fp8_dispatch_rows_plan_as_moe_plan(tmp_path):
     """A run sending FP8 token rows (precision.fp8_parts 'dispatch'): its precision joins the
-    page, whose planner refuses it where Python does (one rank: no rows travel; the rowwise
-    dispatcher: not built) and otherwise gives Python's numbers, fewer all-to-all bytes than
-    bf16 rows."""
+    page, whose planner refuses it where Python does (one rank: no rows travel) and otherwise
+    gives Python's numbers, fewer all-to-all bytes than bf16 rows, and over the rowwise
+    dispatcher a routing row one scale wider."""
     out = tmp_path / "plan.html"
     run = ["precision=fp8", "precision.fp8_parts=[experts,dispatch]", "parallel.ep=2"]
     run += ["cluster=local-gpu", "cluster.procs_per_node=2", "cluster.gpus_per_node=2"]
@@ -561,7 +561,16 @@ def test_fp8_dispatch_rows_plan_as_moe_plan(tmp_path):
     assert sum(sized) >= 8 and not all(sized)
     refusals = [r["refusal"] or "" for r in refs.values()]
     assert any(r.startswith("precision.fp8_parts=['experts', 'dispatch'] is not") for r in refusals)
-    assert any(r.startswith("precision.fp8_parts 'dispatch' with") for r in refusals)
+    rowwise = [
+        (refs[(i, names[0], m)], refs[(i, "fp8", m)])
+        for i, p, m in keys
+        if p == "fp8" and grid[keys.index((i, p, m))]["dispatcher"] == "nvshmem_rowwise"
+    ]
+    planned = [(a, b) for a, b in rowwise if not a["refusal"] and not b["refusal"]]
+    assert planned, "no rowwise layout plans with FP8 rows"
+    for fp8_rows, bf16_rows in planned:  # the scale column: 4 bytes a buffer row
+        extra = fp8_rows["memory"]["ep_buffers"] - bf16_rows["memory"]["ep_buffers"]
+        assert extra > 0 and extra % 4 == 0
     # FP8 rows against bf16 rows, the same layout and model, where rows travel
     fewer = [
         refs[(i, names[0], m)]["comm"]["all_to_all"] < refs[(i, "fp8", m)]["comm"]["all_to_all"]

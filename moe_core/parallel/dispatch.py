@@ -27,7 +27,8 @@ backward. Every row move is a slot kernel (``moe_kernels.slot_permute``, Triton 
 With FP8 rows (``precision.fp8_parts`` naming "dispatch") the sender quantizes the send
 buffer by rows (``moe_kernels.fp8.quantize_rowwise``: E4M3 with one fp32 scale per row) and the
 two travel in two all-to-alls, about half the bytes of bf16 rows; the receiver dequantizes
-into the weights' dtype before its experts. The combine's rows and every gradient travel in
+into the weights' dtype before its experts (the rowwise dispatcher the same, its scales in the
+routing rows: ``RowwiseExchange.put_fp8``). The combine's rows and every gradient travel in
 the weights' dtype; the quantization is a straight-through step (its gradient the identity).
 
 Backward passes are the slot kernels' and the all-to-all's own: deterministic (fixed-order sums,
@@ -304,32 +305,55 @@ class RowwiseExchange:
         d_model: int,
         top_k: int,
         dtype: torch.dtype,
+        fp8_rows: bool = False,
     ) -> None:
         self.heap, self.rows, self.assignments = heap, rows, assignments
         self.d_model, self.top_k, self.dtype = d_model, top_k, dtype
+        self.fp8_rows = fp8_rows
         self.route_dtype = torch.promote_types(dtype, torch.float32)  # ids exact below 2**24
-        shapes = self.buffer_shapes(heap.size, rows, d_model, top_k, dtype)
+        shapes = self.buffer_shapes(heap.size, rows, d_model, top_k, dtype, fp8_rows)
         self.x, self.route, self.counts = (heap.buffer(n, dt) for n, dt in shapes)
         self.dropped = torch.zeros((), dtype=torch.int64, device=heap.device)
 
     @staticmethod
+    def route_width(top_k: int, fp8_rows: bool) -> int:
+        """A routing row: the K weights and K expert ids, and with FP8 token rows their scale."""
+        return 2 * top_k + int(fp8_rows)
+
+    @classmethod
     def buffer_shapes(
-        P: int, rows: int, d_model: int, top_k: int, dtype: torch.dtype
+        cls,
+        P: int,
+        rows: int,
+        d_model: int,
+        top_k: int,
+        dtype: torch.dtype,
+        fp8_rows: bool = False,
     ) -> list[tuple[int, torch.dtype]]:
-        """(elements, dtype) of the symmetric buffers: token rows and routing rows (weights and
-        expert ids), each with a spare row at the end for writes that go nowhere, and the
-        [P, P] count matrix."""
+        """(elements, dtype) of the symmetric buffers: token rows (FP8 ones, with
+        ``fp8_rows``, in the first bytes of the same allocation, which the backward's bf16
+        gradients use) and routing rows, each with a spare row at the end for writes that go
+        nowhere, and the [P, P] count matrix."""
         route = torch.promote_types(dtype, torch.float32)
         return [
             ((rows + 1) * d_model, dtype),
-            ((rows + 1) * 2 * top_k, route),
+            ((rows + 1) * cls.route_width(top_k, fp8_rows), route),
             (P * P, torch.int64),
         ]
 
     @classmethod
-    def buffer_bytes(cls, P: int, rows: int, d_model: int, top_k: int, dtype: torch.dtype) -> int:
+    def buffer_bytes(
+        cls,
+        P: int,
+        rows: int,
+        d_model: int,
+        top_k: int,
+        dtype: torch.dtype,
+        fp8_rows: bool = False,
+    ) -> int:
         """Bytes of symmetric memory one rank holds (what ``moe plan`` shows)."""
-        return sum(n * dt.itemsize for n, dt in cls.buffer_shapes(P, rows, d_model, top_k, dtype))
+        shapes = cls.buffer_shapes(P, rows, d_model, top_k, dtype, fp8_rows)
+        return sum(n * dt.itemsize for n, dt in shapes)
 
     def exchange_counts(self, mine_P: torch.Tensor) -> torch.Tensor:
         """Every rank's rows sent to each rank as a [P, P] matrix (source, owner), on every
@@ -352,6 +376,23 @@ class RowwiseExchange:
         put_rows(rows, bufs, slot_TP, base_P)
         self.heap.barrier()
         return [b.views[self.heap.rank] for b in bufs]
+
+    def put_fp8(
+        self, x_TD: torch.Tensor, route_TF: torch.Tensor, slot_TP: torch.Tensor, base_P
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``put`` with the token rows as E4M3 (``quantize_rowwise``), their scales in a last
+        column of the routing rows; returns the received rows dequantized into the rows' dtype
+        (a tensor of their own, as the all-to-all's FP8 rows) and the routing rows (a view)."""
+        q_TD, s_T = quantize_rowwise(x_TD)
+        route_TF1 = torch.cat([route_TF, s_T[:, None].to(route_TF.dtype)], dim=1)
+        R, D = self.rows + 1, self.d_model
+        bufs = [self.x.rows_of(torch.uint8, R, D), self.route.rows(route_TF1.shape[1])]
+        self.heap.barrier()
+        put_rows([q_TD.view(torch.uint8), route_TF1], bufs, slot_TP, base_P)
+        self.heap.barrier()
+        q_RD, route_RF1 = (b.views[self.heap.rank] for b in bufs)
+        x_RD = dequantize(q_RD.view(E4M3), route_RF1[:, -1].float()).to(x_TD.dtype)
+        return x_RD, route_RF1[:, :-1]
 
     def gather(
         self, rows: list[torch.Tensor], slot_TP: torch.Tensor, base_P: torch.Tensor
@@ -387,6 +428,26 @@ class _Put(torch.autograd.Function):
             [g_xR.contiguous(), g_routeR.contiguous()], slot_TP, base_P
         )
         return g_x, g_route, None, None, None
+
+
+class _PutFP8(torch.autograd.Function):
+    """``_Put`` with the token rows travelling as E4M3 (``RowwiseExchange.put_fp8``); the
+    gradient comes back in the rows' dtype, as if they had travelled unquantized (straight
+    through, as the all-to-all's FP8 rows)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, route_TF, slot_TP, base_P, exchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        ctx.save_for_backward(slot_TP, base_P)
+        return exchange.put_fp8(x_TD, route_TF, slot_TP, base_P)
+
+    @staticmethod
+    def backward(ctx, g_xR, g_routeR):  # type: ignore[override]
+        slot_TP, base_P = ctx.saved_tensors
+        # the routing rows' buffer is one column wider (the scales): their gradient is 0
+        g_routeR1 = torch.cat([g_routeR, g_routeR.new_zeros(g_routeR.shape[0], 1)], dim=1)
+        g_x, g_route = ctx.exchange.gather([g_xR.contiguous(), g_routeR1], slot_TP, base_P)
+        return g_x, g_route[:, :-1], None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -446,7 +507,8 @@ class RowwiseDispatcher:
         route_T2K = torch.cat(
             [routing.weights_TK.to(ex.route_dtype), routing.experts_TK.to(ex.route_dtype)], dim=1
         )
-        x_RD, route_R2K = _Put.apply(x_TD, route_T2K, send.slot_TK, base_P, ex)
+        put = _PutFP8 if ex.fp8_rows else _Put
+        x_RD, route_R2K = put.apply(x_TD, route_T2K, send.slot_TK, base_P, ex)
 
         # Receiver: the first ``received`` rows are real. Its experts' assignments go into an
         # expert-ordered buffer of M rows (rows past the real count are never read).
@@ -459,10 +521,13 @@ class RowwiseDispatcher:
         local_RK = torch.where(fits_R[:, None], local_RK, -1)
         recv = expert_slots(local_RK, El, n_rows=M)
         offs_E = recv.counts_E.cumsum(0).to(torch.int32)  # grouped GEMMs stop at the real rows
-        # not ``experts.routed``: FP8 experts would keep x_RD for backward, a view of the
-        # receive buffer that the next layer's put overwrites
-        x_MD = permute_to_slots(x_RD, recv.slot_TK, M, every_row_mapped=False)
         weights_M = slot_weights(route_R2K[:, :K].to(routing.weights_TK.dtype), recv.slot_TK, M)
-        y_MD = experts(x_MD, offs_E, weights_M)
-        y_RD = sum_from_slots(y_MD, recv.slot_TK, every_row_mapped=False)
+        if ex.fp8_rows:  # dequantized rows of their own, which FP8 experts may keep
+            y_RD = experts.routed(x_RD, recv.slot_TK, M, offs_E, weights_M, every_row_mapped=False)
+        else:
+            # not ``experts.routed``: FP8 experts would keep x_RD for backward, a view of the
+            # receive buffer that the next layer's put overwrites
+            x_MD = permute_to_slots(x_RD, recv.slot_TK, M, every_row_mapped=False)
+            y_MD = experts(x_MD, offs_E, weights_M)
+            y_RD = sum_from_slots(y_MD, recv.slot_TK, every_row_mapped=False)
         return _Gather.apply(y_RD, send.slot_TK, base_P, ex)

@@ -95,10 +95,16 @@ def choose_kernels(
 
 
 def rowwise_exchange(
-    cfg: ModelConfig, pcfg: ParallelConfig, mesh: Mesh, tokens: int, dtype: torch.dtype
+    cfg: ModelConfig,
+    pcfg: ParallelConfig,
+    mesh: Mesh,
+    tokens: int,
+    dtype: torch.dtype,
+    fp8_rows: bool = False,
 ) -> RowwiseExchange:
     """The symmetric receive buffers of this rank's rowwise dispatchers, for ``tokens`` rows of
-    ``dtype`` (the weights') per micro-batch (collective over the expert-parallel group)."""
+    ``dtype`` (the weights') per micro-batch, sent as E4M3 with ``fp8_rows`` (collective over
+    the expert-parallel group)."""
     rows, assignments = rowwise_capacity(
         cfg.n_experts,
         cfg.top_k,
@@ -109,7 +115,7 @@ def rowwise_exchange(
         cfg.top_k_groups,
     )
     heap = symmetric_heap(mesh.ep_group, mesh.device)
-    return RowwiseExchange(heap, rows, assignments, cfg.d_model, cfg.top_k, dtype)
+    return RowwiseExchange(heap, rows, assignments, cfg.d_model, cfg.top_k, dtype, fp8_rows)
 
 
 def build_chunk(
@@ -164,9 +170,9 @@ def parallelize(
     kernels = choose_kernels(pcfg, precision, mesh.device)
     dtype = DTYPES[precision.params]
     exchange = None
-    if pcfg.rowwise_ep:
-        exchange = rowwise_exchange(cfg, pcfg, mesh, tokens, dtype)
     fp8_rows = "dispatch" in precision.fp8_parts
+    if pcfg.rowwise_ep:
+        exchange = rowwise_exchange(cfg, pcfg, mesh, tokens, dtype, fp8_rows)
     chunks: dict[int, Transformer] = {}
     for c in rank_chunks(pcfg, mesh.pp_rank):
         model = build_chunk(cfg, pcfg, c, mesh, exchange, fp8_rows)

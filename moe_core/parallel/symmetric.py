@@ -50,6 +50,12 @@ class SymmetricBuffer:
     def rows(self, width: int) -> PeerRows:
         return PeerRows([t.view(-1, width) for t in self._peers], self.ptrs_P)
 
+    def rows_of(self, dtype: torch.dtype, n_rows: int, width: int) -> PeerRows:
+        """The first ``n_rows`` rows of ``width`` elements of ``dtype`` (the allocation's bytes
+        read as another type, from its start: FP8 rows in a buffer of bf16 ones)."""
+        views = [t.view(dtype)[: n_rows * width].view(n_rows, width) for t in self._peers]
+        return PeerRows(views, self.ptrs_P)
+
     @property
     def local(self) -> torch.Tensor:
         return self._peers[self.rank]

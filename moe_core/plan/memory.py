@@ -519,8 +519,9 @@ def rowwise_buffers(run: RunConfig) -> RowwiseBuffers:
         m.n_expert_groups,
         m.top_k_groups,
     )
+    fp8_rows = "dispatch" in run.precision.fp8_parts
     symmetric = RowwiseExchange.buffer_bytes(
-        par.ep, rows_cap, m.d_model, m.top_k, DTYPES[run.precision.params]
+        par.ep, rows_cap, m.d_model, m.top_k, DTYPES[run.precision.params], fp8_rows
     )
     more_rows = assign_cap - tokens * m.top_k
     swiglu_out = expert_activations(run)["expert_swiglu_out"]  # gather_rows needs ep = 1

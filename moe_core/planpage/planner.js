@@ -247,7 +247,9 @@ function planLayout(data, L) {
   if (L.ep > 1 && L.dispatcher === "nvshmem_rowwise") {
     const rows = L.ep * T; // dropless capacity (parallel.dispatch.rowwise_capacity)
     const assignments = L.ep * T * Math.min(k, E / L.ep);
-    epBuffers = (rows + 1) * d * bp + (rows + 1) * 2 * k * 4 + L.ep * L.ep * 8;
+    // parallel.dispatch.RowwiseExchange.buffer_shapes: FP8 rows' scales in the routing rows
+    const routeWidth = 2 * k + (prec.fp8_parts.includes("dispatch") ? 1 : 0);
+    epBuffers = (rows + 1) * d * bp + (rows + 1) * routeWidth * 4 + L.ep * L.ep * 8;
     const moreRows = assignments - T * k;
     // plan.memory.rowwise_buffers: FP8 experts keep no SwiGLU output (experts_keep)
     const swigluOut = prec.fp8_parts.includes("experts") ? 0 : 1;
