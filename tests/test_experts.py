@@ -241,8 +241,8 @@ def test_gathered_grouped_mm_equals_permute_then_grouped_mm(routing_name, drops,
 def test_local_dispatcher_gathers_rows_exactly_when_asked_and_quack_runs(monkeypatch):
     """Unless asked for (``parallel.gather_rows``), and off QuACK (here: no GPU), the layer
     permutes, as before. Asked for and where the gathered GEMM runs (forced here, through its
-    CPU reference) the layer takes it and gives the same output and gradients; FP8 experts keep
-    the permuted copy."""
+    CPU reference) the layer takes it and gives the same output and gradients; FP8 experts never
+    gather (they quantize the rows in the permute, ``Experts.routed``)."""
     from moe_core.model import moe as moe_module
 
     cfg = small_config(n_experts=8, top_k=2)

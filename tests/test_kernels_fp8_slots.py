@@ -6,6 +6,9 @@ without keeping a permuted copy for backward."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from kernel_cases import DEVICE, E, T, assert_triton_path, drop_assignments, randn, routing
@@ -78,15 +81,39 @@ def test_quantize_to_slots_is_the_permuted_copy_quantized_bit_for_bit(
     assert not rows[~used].any()
 
 
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """Inside: ``torch.empty`` fills what it allocates with NaN (E4M3's NaN byte, 0x7F, for
+    the FP8 values; torch's deterministic mode), so a row a kernel leaves unwritten shows."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_quantize_to_slots_on_a_buffer_every_row_fills_leaves_no_row_unwritten():
     # every_row_mapped=True skips the zero-fill pass: every row must come from a slot (the
-    # outputs start as uninitialized memory, filled with NaN-like bytes here to show it)
+    # outputs start as uninitialized memory, filled with NaN bytes here to show it)
     slot_TK, _, n_rows = slot_layout("two-empty-experts", None, 1)
     assert n_rows == slot_TK.numel()
     x_TD = token_rows(40, torch.bfloat16)
-    q, s, _ = quantize_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=True)
-    rq, rs, _ = quantize_to_slots_reference(x_TD, slot_TK, n_rows)
+    with poisoned_empty():
+        q, s, rows = quantize_to_slots(x_TD, slot_TK, n_rows, keep_rows=True, every_row_mapped=True)
+    rq, rs, rrows = quantize_to_slots_reference(x_TD, slot_TK, n_rows, keep_rows=True)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(rows, rrows)
+    # the poison shows where no slot writes: a padded buffer's rows without the zero-fill pass
+    slot_TK, _, n_rows = slot_layout("with-repeats", None, 8)
+    pad = torch.ones(n_rows, dtype=torch.bool, device=DEVICE)
+    pad[slot_TK[slot_TK >= 0]] = False
+    assert bool(pad.any())
+    with poisoned_empty():
+        q, s, _ = fp8_triton.scatter_quantize_rows(
+            x_TD, slot_TK, n_rows, zero_unmapped=False, keep_rows=False
+        )
+    assert (q[pad].view(torch.uint8) == 0x7F).all() and s[pad].isnan().all()
 
 
 def test_quantize_to_slots_refuses_mismatched_shapes():

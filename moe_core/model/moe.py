@@ -311,9 +311,9 @@ class Experts(nn.Module):
     def gathers_rows(self, x_TD: torch.Tensor) -> bool:
         """Whether ``forward_gathered`` reads token rows inside the gate+up GEMM for these
         tokens: asked for (``parallel.gather_rows``, off by default: it saves memory, not time)
-        and QuACK running (``moe_kernels.grouped_gemm.gathers_in_gemm``); not for FP8 experts,
-        which keep no permuted copy where they quantize in the permute (``routed``) and
-        quantize one where not."""
+        and QuACK running (``moe_kernels.grouped_gemm.gathers_in_gemm``); never for FP8 experts
+        (with rowwise scales their permute writes the rows in E4M3 instead, ``routed``; with MX
+        scales they quantize a permuted copy)."""
         k = self.kernels
         return k.gather_rows and not k.fp8_experts and gathers_in_gemm(x_TD, k.gemm)
 
