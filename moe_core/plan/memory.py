@@ -485,7 +485,8 @@ def experts_keep(
     padded); nor with FP8 experts with rowwise scales on one EP rank (``fp8_in_permute``:
     ``moe_kernels.fp8.fp8_routed_mlp`` quantizes in the permute, keeps the tokens and permutes
     them again in backward); under EP counted kept: the all-to-all receiver's op keeps the
-    rows it received, fewer than k a token (an upper bound), the rowwise one a permuted copy.
+    rows it received, fewer than k a token (an upper bound), the rowwise one a permuted copy
+    (with FP8 token rows, the rows it received, as the all-to-all's).
     FP8 experts and the fused bf16 MLP (``moe_kernels.expert_mlp``: ``parallel.expert_gemm=quack``
     with bf16 weights, not gathering) keep no SwiGLU output. ``expert_gemm=auto`` is counted
     unfused: whether QuACK is installed is a property of the machine that runs, not of the
