@@ -106,7 +106,12 @@ def test_all_to_all_dispatcher_reads_the_host_once_per_forward_and_never_in_back
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, mode",
-    [(2, "reference"), (2, "interpret"), pytest.param(8, "reference", marks=pytest.mark.extended)],
+    [
+        (2, "reference"),
+        # the moves' kernels have their own interpreter tests (tests/test_kernels_rowwise.py)
+        pytest.param(2, "interpret", marks=pytest.mark.extended),
+        pytest.param(8, "reference", marks=pytest.mark.extended),
+    ],
     ids=["ep2", "ep2-interpret", "ep8"],  # the code is the same for every size: 2 and 8 bracket 4
 )
 def test_rowwise_dispatcher_equals_all_to_all_and_counts_every_dropped_row(

@@ -49,17 +49,21 @@ PAYLOADS = {
     "tokens+routing": [(40, torch.bfloat16), (6, torch.float32)],
     "fp32-wide": [(1100, torch.float32)],
 }
+# FP8 token rows as bytes with their routing rows one scale wider (the rowwise dispatcher's
+# fp8_rows): moved, never summed
+PUT_PAYLOADS = {**PAYLOADS, "fp8-rows+routing": [(40, torch.uint8), (7, torch.float32)]}
 
 
 @pytest.mark.parametrize("P", [1, 3])
-@pytest.mark.parametrize("payload", list(PAYLOADS))
+@pytest.mark.parametrize("payload", list(PUT_PAYLOADS))
 def test_put_rows_writes_each_row_at_its_place_on_every_visited_rank_and_nothing_past_capacity(
     P, payload
 ):
     slot_TP, base_P = send_plan(P, seed=P)
-    rows = [randn(T, w, dtype=dt, seed=10 + i) for i, (w, dt) in enumerate(PAYLOADS[payload])]
+    shapes = PUT_PAYLOADS[payload]
+    rows = [randn(T, w, dtype=dt, seed=10 + i) for i, (w, dt) in enumerate(shapes)]
     assert_triton_path(rows[0])
-    got = [buffers(P, w, dt, seed=100 * i) for i, (w, dt) in enumerate(PAYLOADS[payload])]
+    got = [buffers(P, w, dt, seed=100 * i) for i, (w, dt) in enumerate(shapes)]
     before = [[v.clone() for v in b.views] for b in got]
     ref = [copy(b) for b in got]
     put_rows(rows, got, slot_TP, base_P)

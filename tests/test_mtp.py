@@ -245,7 +245,15 @@ def mtp_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(MTP_LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "ep2",
+        "pp2-1f1b",
+        # the interleaved schedule's own parity is test_parallel's; MTP on the last stage, 1f1b's
+        pytest.param("pp2-interleaved", marks=pytest.mark.extended),
+    ],
+)
 def test_layouts_train_the_single_process_mtp_model(layout, mtp_reference, tmp_path):
     nproc, overrides = MTP_LAYOUTS[layout]
     command = ["-m", "moe_core.cli", "train", *MTP, *overrides, f"out_dir={tmp_path}"]
