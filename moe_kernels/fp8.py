@@ -67,6 +67,7 @@ from moe_kernels.expert_mlp import check_operands
 from moe_kernels.fp8_cache import FP8Weight
 from moe_kernels.fp8_format import E4M3 as E4M3
 from moe_kernels.fp8_format import E4M3_MAX as E4M3_MAX
+from moe_kernels.fp8_quantize import check_tokens_and_slots
 from moe_kernels.fp8_quantize import dequantize as dequantize
 from moe_kernels.fp8_quantize import dequantize_mx as dequantize_mx
 from moe_kernels.fp8_quantize import quantize_columnwise as quantize_columnwise
@@ -439,11 +440,7 @@ def fp8_routed_mlp(
     ``every_row_mapped`` as ``moe_kernels.slot_permute``; the rest as ``fp8_expert_mlp``."""
     check_backend(backend)
     _check_rows(slot_TK, n_rows, every_row_mapped)
-    if x_TD.ndim != 2 or slot_TK.ndim != 2 or slot_TK.shape[0] != x_TD.shape[0]:
-        raise ValueError(
-            f"fp8_routed_mlp takes x [T, D] and slots [T, K], got {tuple(x_TD.shape)} and "
-            f"{tuple(slot_TK.shape)}"
-        )
+    check_tokens_and_slots(x_TD, slot_TK, "fp8_routed_mlp")
     x_rows = torch.empty(n_rows, x_TD.shape[1], device="meta")  # the permuted rows' shape
     check_operands(x_rows, w_gate_up, w_down, offs_G, weight_M)
     for c, w, name in zip(cached, (w_gate_up, w_down), ("w_gate_up", "w_down"), strict=True):

@@ -69,6 +69,15 @@ def quantize_rowwise(x_MK: torch.Tensor, out: Pair | None = None) -> Pair:
     return _written_into(quantize_rowwise_reference(x_MK), out)
 
 
+def check_tokens_and_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, op: str) -> None:
+    """Refuses, in one sentence naming ``op``, token rows and a slot map of other shapes."""
+    if x_TD.ndim != 2 or slot_TK.ndim != 2 or slot_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"{op} takes x [T, D] and slots [T, K], got {tuple(x_TD.shape)} and "
+            f"{tuple(slot_TK.shape)}"
+        )
+
+
 def quantize_to_slots_reference(
     x_TD: torch.Tensor, slot_TK: torch.Tensor, n_rows: int, keep_rows: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -92,11 +101,7 @@ def quantize_to_slots(
     producer of an FP8 GEMM's row operand, in one pass over the tokens where Triton runs
     (each token's scale found once for its K slots) instead of a permuted copy and a
     quantizer reading it back. Not differentiable: the callers are autograd Functions."""
-    if x_TD.ndim != 2 or slot_TK.ndim != 2 or slot_TK.shape[0] != x_TD.shape[0]:
-        raise ValueError(
-            f"quantize_to_slots takes x [T, D] and slots [T, K], got {tuple(x_TD.shape)} and "
-            f"{tuple(slot_TK.shape)}"
-        )
+    check_tokens_and_slots(x_TD, slot_TK, "quantize_to_slots")
     if use_triton(x_TD, slot_TK) and n_rows > 0:
         from moe_kernels import fp8_triton
 

@@ -95,6 +95,15 @@ def _quantize_rows(
             tl.store(q_ptr + rows[:, None] * stride_q + c[None, :], q, mask=m)
 
 
+def _row_blocks(M: int, K: int, block_m: int = 0, block_k: int = 0) -> tuple[int, int]:
+    """(rows, columns) a program of the rowwise quantizers takes, where the caller names none:
+    a row of up to 2048 values whole (its width rounded up to a power of two), a longer one
+    in chunks of 512; tiles of 2048 values (``quantize_rowwise``'s doc says why)."""
+    block_k = block_k or (next_pow2(K) if K <= 2048 else 512)
+    block_m = block_m or max(1, min(2048 // block_k, next_pow2(M)))
+    return block_m, block_k
+
+
 def quantize_rowwise(
     x_MK: torch.Tensor,
     block_m: int = 0,
@@ -116,10 +125,7 @@ def quantize_rowwise(
         scale_M = torch.empty(M, dtype=torch.float32, device=x.device)
     else:
         q_MK, scale_M = out
-    if not block_k:
-        block_k = next_pow2(K) if K <= 2048 else 512
-    if not block_m:
-        block_m = max(1, min(2048 // block_k, next_pow2(M)))
+    block_m, block_k = _row_blocks(M, K, block_m, block_k)
     _quantize_rows[(cdiv(M, block_m),)](
         x, q_MK, scale_M, M, K, x.stride(0), q_MK.stride(0),
         BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=block_k >= K, FP8_MAX=E4M3_MAX,
@@ -366,10 +372,7 @@ def scatter_quantize_rows(
     )
     rows_MD = torch.empty(n_rows, D, dtype=x.dtype, device=dev) if keep_rows else None
     used = torch.zeros(n_rows if zero_unmapped else 1, dtype=torch.int8, device=dev)
-    if not block_d:
-        block_d = next_pow2(D) if D <= 2048 else 512
-    if not block_t:
-        block_t = max(1, min(2048 // block_d, next_pow2(T)))
+    block_t, block_d = _row_blocks(T, D, block_t, block_d)
     _scatter_quantize_rows[(cdiv(T, block_t),)](
         x, slot_TK, q_MD, scale_M, q_MD if rows_MD is None else rows_MD, used, T, D, n_rows,
         x.stride(0), q_MD.stride(0), D, K=K, KEEP_ROWS=keep_rows, MARK_USED=zero_unmapped,
