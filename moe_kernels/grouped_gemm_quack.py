@@ -117,6 +117,41 @@ def _scale_rows(acc, scale_M):
     return {"D": acc * scale_M}
 
 
+@gemm_epilogue()
+def _scale_rows_and_columns(acc, scale_M, scale_GN):
+    """The rowwise FP8 product's scales: row m times ``scale_M[m]``, column n of group g times
+    ``scale_GN[g, n]`` (QuACK takes a [groups, N] operand as one row per group)."""
+    return {"D": acc * scale_M * scale_GN}
+
+
+def fp8_scaled_mm(
+    qa_MK: torch.Tensor,
+    sa_M: torch.Tensor,
+    qb_GNK: torch.Tensor,
+    sb_GN: torch.Tensor,
+    offs_G: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``(qa[rows of g] @ qb[g]^T) * sa[row] * sb[g, col]`` from E4M3 operands quantized over
+    K (``moe_kernels.fp8``'s rowwise recipe), accumulated in fp32 (QuACK promotes the tensor
+    cores' FP8 partial sums into fp32 registers) and written in ``out_dtype``: the product
+    ``torch._scaled_grouped_mm`` computes, up to the order of the two scale products. ``config``:
+    a tile configuration, else QuACK's sm90 default."""
+    y_MN = torch.empty(qa_MK.shape[0], qb_GNK.shape[1], dtype=out_dtype, device=qa_MK.device)
+    _scale_rows_and_columns(
+        qa_MK,
+        qb_GNK.mT,
+        out={"D": y_MN},
+        cu_seqlens_m=_cu(offs_G),
+        tuned=False,
+        config=config,
+        scale_M=sa_M,
+        scale_GN=sb_GN,
+    )
+    return y_MN
+
+
 def swiglu_mm(
     x_MK: torch.Tensor, w_G2FK: torch.Tensor, offs_G: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

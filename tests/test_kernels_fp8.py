@@ -391,3 +391,55 @@ def test_fp8_linear_refuses_mismatched_shapes():
     x, w, _ = linear_operands(10, (5,))
     with pytest.raises(ValueError, match=r"fp8_linear takes x \[\.\.\., K\] and w \[N, K\]"):
         fp8_linear(x, w.t(), False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "sizes", [[300, 0, 517, 1290, 7], [0, 2048, 0, 0, 0]], ids=["uneven", "all-in-one"]
+)
+def test_quacks_fp8_gemm_is_torchs_scaled_grouped_mm(sizes):
+    # the same E4M3 operands and scales: QuACK's GEMM with the scales in its epilogue against
+    # torch's kernel, equal up to the order of the two scale products (one bf16 rounding);
+    # rows past the last group (padding) are left alone by both
+    pytest.importorskip("quack")
+    from moe_kernels.grouped_gemm import quack_fp8_runs
+    from moe_kernels.grouped_gemm_quack import fp8_scaled_mm
+
+    gen = torch.Generator().manual_seed(9)
+    G, N, K, M = len(sizes), 384, 256, sum(sizes) + 64
+    offs = torch.tensor(sizes).cumsum(0).to("cuda", torch.int32)
+    x = (torch.randn(M, K, generator=gen) * torch.logspace(-2, 2, M)[:, None]).to("cuda")
+    w = (torch.randn(G * N, K, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    qa, sa = quantize_rowwise(x.bfloat16())
+    qb, sb = quantize_rowwise(w)
+    qb, sb = qb.view(G, N, K), sb.view(G, N)
+    assert quack_fp8_runs(qa, "quack") and not quack_fp8_runs(qa, "torch")
+    ref = torch._scaled_grouped_mm(qa, qb.mT, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    got = fp8_scaled_mm(qa, sa, qb, sb, offs, torch.bfloat16)
+    end = sum(sizes)
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got[:end], ref[:end], rtol=2**-7, atol=1e-6)
+    assert got[:end].abs().amax() > 0
+
+
+@pytest.mark.gpu
+def test_fp8_expert_mlp_on_quacks_gemm_is_the_mlp_on_torchs():
+    # parallel.expert_gemm=quack takes QuACK's FP8 GEMM for the four FP8 products (and QuACK's
+    # bf16 weight gradients): the same function as torch's kernels, output and gradients
+    pytest.importorskip("quack")
+    gen = torch.Generator().manual_seed(4)
+    sizes, D, F = [700, 0, 1300, 48], 256, 128
+    offs = torch.tensor(sizes).cumsum(0).to("cuda", torch.int32)
+    x = torch.randn(sum(sizes), D, generator=gen).to("cuda", torch.bfloat16)
+    w_gate_up = (torch.randn(len(sizes), 2 * F, D, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    w_down = (torch.randn(len(sizes), D, F, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    weight = torch.rand(sum(sizes), generator=gen).to("cuda")
+    dy = torch.randn(sum(sizes), D, generator=gen).to("cuda", torch.bfloat16)
+    outs = {}
+    for backend in ("torch", "quack"):
+        leaves = [t.clone().requires_grad_() for t in (x, w_gate_up, w_down, weight)]
+        y = fp8_expert_mlp(*leaves[:3], offs, leaves[3], backend=backend)
+        outs[backend] = (y, *torch.autograd.grad(y, leaves, dy))
+    for got, ref in zip(outs["quack"], outs["torch"], strict=True):
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 1e-2, rel
