@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from quack import gemm_interface
 from quack.epilogue import gemm_epilogue
+from quack.epilogue.ops import ColVecLoad, RowVecLoad
 from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm, gemm_act, gemm_dgated
 
@@ -117,10 +118,12 @@ def _scale_rows(acc, scale_M):
     return {"D": acc * scale_M}
 
 
-@gemm_epilogue()
+# the operands' kinds pinned: QuACK infers a [groups, N] operand's kind from its shape, which
+# is ambiguous where the rows number N (or the groups the rows)
+@gemm_epilogue(ops={"scale_M": ColVecLoad("scale_M"), "scale_GN": RowVecLoad("scale_GN")})
 def _scale_rows_and_columns(acc, scale_M, scale_GN):
     """The rowwise FP8 product's scales: row m times ``scale_M[m]``, column n of group g times
-    ``scale_GN[g, n]`` (QuACK takes a [groups, N] operand as one row per group)."""
+    ``scale_GN[g, n]`` (a [groups, N] row operand: one row per group of the varlen GEMM)."""
     return {"D": acc * scale_M * scale_GN}
 
 
