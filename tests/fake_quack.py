@@ -144,18 +144,49 @@ def gemm_dgated(
     return tuple(results)
 
 
-class _EpiMod:
-    """``@gemm_epilogue`` stand-in for elementwise epilogues returning ``{"D": ...}``."""
+class ColVecLoad:
+    """A column operand: one value per row of the product ((total_m,) under varlen)."""
 
-    def __init__(self, fn) -> None:
-        self.fn = fn
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class RowVecLoad:
+    """A row operand: one value per column, a row per group ((groups, n)) under varlen."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _broadcast(v: torch.Tensor, op, cu_seqlens_m, rows: int) -> torch.Tensor:
+    """The operand as the accumulator's [rows, n] (or [rows, 1]) broadcast: a column operand
+    per row; a row operand [groups, n] per group's rows (rows outside groups NaN)."""
+    if isinstance(op, RowVecLoad) or (op is None and v.dim() == 2):
+        if v.dim() == 1:
+            return v.float().unsqueeze(0)
+        per_row = _nan((rows, v.shape[1]), torch.float32)
+        for g, (s, e) in enumerate(_segments(cu_seqlens_m)):
+            per_row[s:e] = v[g].float()
+        return per_row
+    return v.float().unsqueeze(1)
+
+
+class _EpiMod:
+    """``@gemm_epilogue`` stand-in for elementwise epilogues returning ``{"D": ...}``; operand
+    kinds pinned by ``ops`` or, unpinned, rank-1 as columns and rank-2 as rows per group."""
+
+    def __init__(self, fn, ops=None) -> None:
+        self.fn, self.ops = fn, ops or {}
 
     def __call__(
         self, A, B, C=None, *, out=None, cu_seqlens_m=None, tuned=True, config=None, **operands
     ):
         _untuned(tuned, config)
         acc = _product(A, B, cu_seqlens_m, None, None)
-        args = {k: v.float().unsqueeze(1) if v.dim() == 1 else v for k, v in operands.items()}
+        args = {
+            k: _broadcast(v, self.ops.get(k), cu_seqlens_m, acc.shape[0])
+            for k, v in operands.items()
+        }
         d = self.fn(acc, **args)["D"]
         written = ~acc.isnan().all(-1, keepdim=True)
         dst = out["D"]
@@ -163,8 +194,8 @@ class _EpiMod:
         return {"D": dst}
 
 
-def gemm_epilogue(**_):
-    return _EpiMod
+def gemm_epilogue(ops=None, **_):
+    return lambda fn: _EpiMod(fn, ops)
 
 
 @contextlib.contextmanager
@@ -187,11 +218,15 @@ def installed() -> Iterator[None]:
     iface.gemm, iface.gemm_act, iface.gemm_dgated = gemm, gemm_act, gemm_dgated
     epi = types.ModuleType("quack.epilogue")
     epi.gemm_epilogue = gemm_epilogue
+    epi_ops = types.ModuleType("quack.epilogue.ops")
+    epi_ops.ColVecLoad, epi_ops.RowVecLoad = ColVecLoad, RowVecLoad
+    epi.ops = epi_ops
     config = types.ModuleType("quack.gemm_config")
     config.GemmConfig = lambda **fields: types.SimpleNamespace(**fields)
     root.gemm_interface, root.epilogue, root.gemm_config = iface, epi, config
     stand_ins = {"quack": root, "quack.gemm_interface": iface, "quack.epilogue": epi}
     stand_ins["quack.gemm_config"] = config
+    stand_ins["quack.epilogue.ops"] = epi_ops
     sys.modules.update(stand_ins)
     sys.modules.pop(ours, None)
     moe_kernels.__dict__.pop("grouped_gemm_quack", None)

@@ -443,3 +443,38 @@ def test_fp8_expert_mlp_on_quacks_gemm_is_the_mlp_on_torchs():
     for got, ref in zip(outs["quack"], outs["torch"], strict=True):
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize(
+    "sizes", [[30, 0, 51, 17], [0, 98, 0, 0]], ids=["with-an-empty-expert", "all-in-one"]
+)
+def test_fp8_expert_mlp_on_quacks_gemm_is_the_same_function_on_the_stand_in(sizes, monkeypatch):
+    # parallel.expert_gemm=quack on the CPU stand-in of QuACK (tests/fake_quack.py): the E4M3
+    # operands reach QuACK's GEMM in the layouts it takes (the weight k-major, a row of column
+    # scales per expert), giving torch's product in output and every gradient
+    from moe_kernels import fp8
+    from tests import fake_quack
+
+    gen = torch.Generator().manual_seed(11)
+    G, D, F, M = len(sizes), 64, 48, sum(sizes)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(M, D, generator=gen).bfloat16()
+    w_gate_up = (torch.randn(G, 2 * F, D, generator=gen) * 0.1).bfloat16()
+    w_down = (torch.randn(G, D, F, generator=gen) * 0.1).bfloat16()
+    weight, dy = torch.rand(M, generator=gen), torch.randn(M, D, generator=gen).bfloat16()
+    outs, calls = {}, []
+    with fake_quack.installed():
+        from moe_kernels import grouped_gemm_quack
+
+        monkeypatch.setattr(fp8, "quack_fp8_runs", lambda q, backend: backend == "quack")
+        real = grouped_gemm_quack.fp8_scaled_mm
+        monkeypatch.setattr(
+            grouped_gemm_quack, "fp8_scaled_mm", lambda *a: calls.append(1) or real(*a)
+        )
+        for backend in ("torch", "quack"):
+            leaves = [t.clone().requires_grad_() for t in (x, w_gate_up, w_down, weight)]
+            y = fp8_expert_mlp(*leaves[:3], offs, leaves[3], backend=backend)
+            outs[backend] = (y, *torch.autograd.grad(y, leaves, dy))
+    assert len(calls) == 4  # forward gate+up and down, the two input gradients
+    for got, ref in zip(outs["quack"], outs["torch"], strict=True):
+        torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-5)
