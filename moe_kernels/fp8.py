@@ -298,6 +298,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
         else:
             qw, sw = _weight_rows(w_gate_up, cached_gate_up)
             h_M2F = _rowwise_mm(x_MD, qw, sw, offs_G, x_MD.dtype, backend)
+            del qw, sw  # a weight quantized here is not kept past its GEMM
         ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
         ctx.scaling, ctx.backend, ctx.cached = scaling, backend, cached
         if scaling == "mx":
@@ -324,7 +325,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
         if qdh is not None:
             qw, sw = _weight_cols(w_gate_up, cached_gate_up)
             dx = _quantized_mm(*qdh, qw, sw, offs_G, dy_MD.dtype, ctx.backend)
-            del qdh  # not alive beside the weight gradient below
+            del qdh, qw, sw  # not alive beside the weight gradient below
         elif need[0]:
             dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling, ctx.backend)
         dw_gate_up = None
@@ -389,11 +390,11 @@ class _FP8RoutedMLP(torch.autograd.Function):
         qx_MD, sx_M, _ = quantize_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
         qw, sw = _weight_rows(w_gate_up, cached_gate_up)
         h_M2F = _quantized_mm(qx_MD, sx_M, qw, sw, offs_G, x_TD.dtype, backend)
-        del qx_MD, sx_M
+        del qx_MD, sx_M, qw, sw
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)
         qw, sw = _weight_rows(w_down, cached_down)
         y_MD = _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_TD.dtype, backend)
-        del qa_MF, sa_M
+        del qa_MF, sa_M, qw, sw
         # x_TD, not its expert-ordered copy: the backward permutes it again for the one GEMM
         # that reads it in bf16 (the gate+up weight gradient)
         ctx.save_for_backward(x_TD, slot_TK, w_gate_up, w_down, offs_G, h_M2F, weight_M)
