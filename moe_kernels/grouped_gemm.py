@@ -50,11 +50,14 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"grouped GEMM backend {backend!r}: one of {', '.join(BACKENDS)}")
 
 
+def _quack_here(x: torch.Tensor) -> bool:
+    """Whether QuACK's GEMMs can run on ``x``'s device: CUDA, sm90 and newer, installed."""
+    return x.device.type == "cuda" and quack_installed() and _sm90_or_newer(x.device.index or 0)
+
+
 def _quack_runs(x: torch.Tensor, backend: str) -> bool:
     """Whether the products on ``x`` take QuACK's GEMMs under ``backend``."""
-    if backend == "torch" or x.device.type != "cuda" or x.dtype != torch.bfloat16:
-        return False
-    return quack_installed() and _sm90_or_newer(x.device.index or 0)
+    return backend != "torch" and x.dtype == torch.bfloat16 and _quack_here(x)
 
 
 def quack_fp8_runs(q: torch.Tensor, backend: str) -> bool:
@@ -63,9 +66,7 @@ def quack_fp8_runs(q: torch.Tensor, backend: str) -> bool:
     where ``backend`` names quack (and it runs here). ``auto`` keeps ``torch._scaled_grouped_mm``
     for FP8 until QuACK's FP8 GEMM is measured faster in ``moe train``
     (``benchmarks/fp8_gemm.py``)."""
-    if backend != "quack" or q.device.type != "cuda" or q.dtype != torch.float8_e4m3fn:
-        return False
-    return quack_installed() and _sm90_or_newer(q.device.index or 0)
+    return backend == "quack" and q.dtype == torch.float8_e4m3fn and _quack_here(q)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -59,7 +59,9 @@ print("ok row_scaled_mm")
 @pytest.mark.slow
 def test_quacks_fp8_gemm_compiles_for_sm90(tmp_path):
     pytest.importorskip("quack")
-    if torch_cuda_available():
+    import torch
+
+    if torch.cuda.is_available():
         pytest.skip("the GPU tests run this kernel (test_kernels_fp8.py)")
     env = {**os.environ, "QUACK_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a"}
     env.update(CUDA_VISIBLE_DEVICES="", QUACK_CACHE_DIR=str(tmp_path))
@@ -69,9 +71,3 @@ def test_quacks_fp8_gemm_compiles_for_sm90(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.split() == ["ok", "fp8_scaled_mm", "ok", "row_scaled_mm"]
     assert len(list(tmp_path.rglob("*.o"))) == 2  # two kernels, each lowered to an object
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
