@@ -9,7 +9,8 @@ of the same products (torch's and QuACK's) beside them.
 Per micro-batch size (``--tokens``, a comma list): top-8 of 64 experts routed from random
 logits (``--skew`` sharpens them: learned routing is uneven), the products of one MoE layer
 (gate+up and down forward, the down and gate+up input gradients), operands quantized by
-``moe_kernels.fp8``'s quantizers. Every QuACK output is checked against torch's FP8 output
+``moe_kernels.fp8``'s quantizers; then the two weight gradients in FP8 against bf16
+(``weight_grads``, issue 41 item 4). Every QuACK output is checked against torch's FP8 output
 (largest difference over the output's largest magnitude, recorded) before timing; the
 candidates of a product are timed interleaved (CUDA events, median of ``--iters`` after
 ``--warmup``) and reported as ms and TFLOP/s (2 M N K).
@@ -70,6 +71,73 @@ def products(tokens: int, skew: float, gen: torch.Generator):
     }
 
 
+def _per_group_columns(t_MN: torch.Tensor, offs_E: torch.Tensor):
+    """``t`` quantized over each group's rows, one scale per (group, column): the operand a
+    weight gradient contracting over the tokens takes, stored transposed ([N, M], contiguous
+    along the tokens) as ``torch._scaled_grouped_mm`` wants it; scales [G * N]."""
+    G = offs_E.shape[0]
+    group_M = torch.repeat_interleave(
+        torch.arange(G, device=t_MN.device), torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+    )
+    amax_GN = torch.zeros(G, t_MN.shape[1], device=t_MN.device)
+    amax_GN.index_reduce_(0, group_M, t_MN.float().abs(), "amax")
+    scale_GN = amax_GN.clamp_min(2.0**-116) / 448.0
+    q_MN = (t_MN.float() / scale_GN[group_M]).to(torch.float8_e4m3fn)
+    return q_MN.t().contiguous(), scale_GN.reshape(-1).contiguous()
+
+
+def weight_grads(tokens: int, skew: float, gen: torch.Generator, args, results: dict) -> None:
+    """Item 4's question: the experts' two weight gradients (``dy[rows of g]^T @ x[rows of
+    g]``, contracting over each expert's tokens) in FP8 (``torch._scaled_grouped_mm``'s 2-d x
+    2-d form, per-(expert, column) scales over the tokens, group sizes rounded up to 16 rows as
+    it requires) against the bf16 ones the FP8 experts run today (torch's and QuACK's, in the
+    pinned tiles). The FP8 operands' transposing quantizer is not timed here: it is a pass over
+    both operands that a real path adds."""
+    from moe_kernels.grouped_gemm_quack import grouped_wgrad
+
+    cfg = olmoe()
+    D, F, E, K = cfg.d_model, cfg.expert_hidden, cfg.n_experts, cfg.top_k
+    logits = torch.randn(tokens, E, device="cuda", generator=gen) * skew
+    _, experts_TK = torch.softmax(logits, -1).topk(K, dim=-1)
+    counts_E = torch.bincount(experts_TK.flatten(), minlength=E)
+    offs_E = torch.cumsum((counts_E + 15) // 16 * 16, 0).to(torch.int32)
+    M = int(offs_E[-1])
+    for name, N, Kd in (("down weight grad", D, F), ("gate+up weight grad", 2 * F, D)):
+        dy_MN = torch.randn(M, N, device="cuda", generator=gen).to(torch.bfloat16)
+        x_MK = torch.randn(M, Kd, device="cuda", generator=gen).to(torch.bfloat16)
+        qdy_NM, sdy = _per_group_columns(dy_MN, offs_E)
+        qx_KM, sx = _per_group_columns(x_MK, offs_E)
+
+        def torch_fp8(qdy=qdy_NM, sdy=sdy, qx=qx_KM, sx=sx):
+            return torch._scaled_grouped_mm(
+                qdy, qx.t(), sdy, sx, offs=offs_E, out_dtype=torch.bfloat16
+            )
+
+        def torch_bf16(dy=dy_MN, x=x_MK):
+            return torch._grouped_mm(dy.t(), x, offs=offs_E)
+
+        def quack_bf16(dy=dy_MN, x=x_MK):
+            return grouped_wgrad(x, dy, offs_E, transposed=True)
+
+        ref = torch_bf16().float()
+        row: dict[str, object] = {"M": M, "N": N, "K": Kd, "errors": {}, "refused": {}}
+        phases = [("torch bf16", torch_bf16), ("quack bf16", quack_bf16)]
+        try:
+            out = torch_fp8().float()
+            row["errors"]["torch fp8"] = ((out - ref).abs().max() / ref.abs().max()).item()
+            phases.insert(0, ("torch fp8", torch_fp8))
+        except Exception as e:  # a torch build without the 2-d x 2-d FP8 form
+            row["refused"]["torch fp8"] = f"{type(e).__name__}: {str(e)[:160]}"
+        times = cuda_phase_times_ms(phases, args.warmup, args.iters)
+        ms = {label: statistics.median(t) for label, t in times.items()}
+        row["ms"] = ms
+        row["tflops"] = {label: 2 * M * N * Kd / t / 1e9 for label, t in ms.items()}
+        results[f"{tokens} tokens, {name}"] = row
+        print(
+            f"{tokens} {name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="8192,16384", help="tokens per micro-batch, comma list")
@@ -119,7 +187,9 @@ def main() -> None:
                     continue
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                 row["errors"][label] = err
-                assert err < 2e-2, f"{name} {label}: {err}"
+                if err >= 2e-2:  # a wrong product is recorded, not timed
+                    row["refused"][label] = f"differs from torch's FP8 output by {err:.3g}"
+                    continue
                 phases.append((label, quack_fp8))
             a_ctg, w_ctg = a_MK.contiguous(), w_GKN
 
@@ -135,15 +205,19 @@ def main() -> None:
             row["ms"] = ms
             row["tflops"] = {label: 2 * M * N * K / t / 1e9 for label, t in ms.items()}
             results[f"{tokens} tokens, {name}"] = row
-            best = min((t, label) for label, t in ms.items() if label.startswith("quack fp8"))
+            head = {"benchmark": "fp8_gemm", **stamp(args.commit), "skew": args.skew}
+            save({**head, "results": results}, args.out)  # each product as it lands
+            fp8s = [(t, label) for label, t in ms.items() if label.startswith("quack fp8")]
+            best = min(fp8s) if fp8s else (float("nan"), "all refused")
             print(
                 f"{tokens} {name}: torch fp8 {ms['torch fp8']:.3f} ms, best quack fp8 "
                 f"{best[0]:.3f} ({best[1]}), torch bf16 {ms['torch bf16']:.3f}, "
                 f"quack bf16 {ms['quack bf16']:.3f}; refused {list(row['refused'])}",
                 flush=True,
             )
-    out = {"benchmark": "fp8_gemm", **stamp(args.commit), "skew": args.skew, "results": results}
-    save(out, args.out)
+        weight_grads(tokens, args.skew, gen, args, results)
+        head = {"benchmark": "fp8_gemm", **stamp(args.commit), "skew": args.skew}
+        save({**head, "results": results}, args.out)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def main() -> None:
         r = measure(seq_len, mbs, chosen[seq_len][0], args)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "overrides"}), flush=True)
-    save({**stamp(args.commit), "runs": results}, args.out)
+        save({**stamp(args.commit), "runs": results}, args.out)  # each length as it lands
 
 
 if __name__ == "__main__":
