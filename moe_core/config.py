@@ -1007,8 +1007,8 @@ class ParallelConfig:
     cuda_graph: bool | None = None
     # The experts' grouped GEMMs on CUDA: torch._grouped_mm, QuACK's (the [gpu] extra), or auto:
     # QuACK where installed (sm90+), else torch (``moe_kernels.grouped_gemm``, measured there).
-    # FP8 experts' E4M3 products: quack takes QuACK's FP8 GEMM, auto and torch keep
-    # torch._scaled_grouped_mm (``grouped_gemm.quack_fp8_runs``).
+    # FP8 experts' E4M3 products run on torch._scaled_grouped_mm under every choice (QuACK's FP8
+    # GEMM measured at half its speed: ``moe_kernels.fp8``).
     expert_gemm: Literal["auto", "torch", "quack"] = "auto"
     # Causal attention on CUDA: torch SDPA (cuDNN), FlashAttention 4's CuTe kernels (the [gpu]
     # extra), or auto: FlashAttention 4 where installed (sm90+), else SDPA. "flex": torch's

@@ -8,9 +8,11 @@ IEEE division per row, an exact fp32 product per value, as torchao's quantizers 
 to nearest E4M3 (ties to even), saturating at +-448; a value that rounds to zero is stored +0
 (never -0, so every path gives the same bytes). The
 product is then ``(q_a @ q_b) * scale_a[row] * scale_b[col]``, which ``torch._scaled_grouped_mm``
-computes with fp32 accumulation and a bf16 output; with ``backend="quack"``
-(``parallel.expert_gemm``) QuACK's sm90 GEMM computes it on the same operands, the two scales in
-its epilogue (``grouped_gemm_quack.fp8_scaled_mm``).
+computes with fp32 accumulation and a bf16 output, whatever ``parallel.expert_gemm`` says:
+QuACK's sm90 GEMM computes the same bytes with the scales in its epilogue
+(``grouped_gemm_quack.fp8_scaled_mm``) but ran at about half of torch's FP8 GEMM on one H200
+(QuACK 0.6.5; ``benchmarks/fp8_gemm.py``, RESULTS.md issues 41 and 42), so training does not
+take it.
 
 - forward ``y = x @ w[g]``: ``x`` by rows (over K), the weight by its output columns (over K:
   for experts stored [G, N, K] those are its rows, so the quantized copy is already the
@@ -19,9 +21,10 @@ its epilogue (``grouped_gemm_quack.fp8_scaled_mm``).
   per (g, k): ``quantize_columnwise`` writes it straight into the row-major [G, K, N] layout
   the GEMM takes, with no transposed copy of the weight (its bytes are the rowwise
   quantization of that copy, which defines it);
-- weight gradient: bf16 ``moe_kernels.grouped_gemm`` (contracting over each group's rows would need
-  per-group scales along M; on one H200 the FP8 GEMMs ran at ~825 TFLOP/s against ~780 for
-  QuACK's bf16 weight gradients, so little to gain there: RESULTS.md, issue 17 fifth slice).
+- weight gradient: bf16 ``moe_kernels.grouped_gemm`` (contracting over each group's rows needs
+  per-(group, column) scales over the tokens and a transposed FP8 copy of both operands; on one
+  H200 torch's FP8 form of it ran at 273-647 TFLOP/s against 723-732 for QuACK's bf16 weight
+  gradients, before that copy: RESULTS.md, issues 41 and 42).
 
 ``fp8_expert_mlp`` is the experts' whole SwiGLU MLP on these GEMMs as one op, which keeps x and
 the pre-activation h for backward but not the SwiGLU output: the SwiGLU backward writes it
@@ -83,7 +86,6 @@ from moe_kernels.grouped_gemm import (
     check_backend,
     grouped_mm_reference,
     grouped_mm_wgrad,
-    quack_fp8_runs,
 )
 from moe_kernels.slot_permute import (
     _check_rows,
@@ -114,7 +116,6 @@ def _scaled_mm(
     offs_G: torch.Tensor,
     out_dtype: torch.dtype,
     scaling: str = "rowwise",
-    backend: str = "auto",
 ) -> torch.Tensor:
     """``a @ b[g]^T`` per group with both operands quantized over K (rows of ``a``, rows of
     each ``b[g]``): FP8 on the GPU, the dequantized product elsewhere (and for MX, always)."""
@@ -124,7 +125,7 @@ def _scaled_mm(
         qb, sb = quantize_mx(b_GNK.reshape(G * N, K))
         w_GKN = dequantize_mx(qb, sb).view(G, N, K).transpose(-2, -1)
         return grouped_mm_reference(dequantize_mx(qa, sa), w_GKN, offs_G).to(out_dtype)
-    return _rowwise_mm(a_MK, *_quantize_weight_rows(b_GNK), offs_G, out_dtype, backend)
+    return _rowwise_mm(a_MK, *_quantize_weight_rows(b_GNK), offs_G, out_dtype)
 
 
 def _quantize_weight_rows(b_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,12 +141,11 @@ def _rowwise_mm(
     sb_GN: torch.Tensor,
     offs_G: torch.Tensor,
     out_dtype: torch.dtype,
-    backend: str,
 ) -> torch.Tensor:
     """``a @ b[g]^T`` per group for ``b`` already quantized over K (rowwise: values [G, N, K]
     row-major, scales [G, N]); ``a`` is quantized here, by rows."""
     qa, sa = quantize_rowwise(a_MK)
-    return _quantized_mm(qa, sa, qb_GNK, sb_GN, offs_G, out_dtype, backend)
+    return _quantized_mm(qa, sa, qb_GNK, sb_GN, offs_G, out_dtype)
 
 
 def _quantized_mm(
@@ -155,15 +155,9 @@ def _quantized_mm(
     sb_GN: torch.Tensor,
     offs_G: torch.Tensor,
     out_dtype: torch.dtype,
-    backend: str,
 ) -> torch.Tensor:
-    """``a @ b[g]^T`` per group from both operands quantized rowwise over K: QuACK's GEMM with
-    the scales in its epilogue where ``backend`` takes QuACK (``grouped_gemm.quack_fp8_runs``),
-    else ``torch._scaled_grouped_mm``; off the GPU the dequantized product."""
-    if quack_fp8_runs(qa_MK, backend):
-        from moe_kernels import grouped_gemm_quack
-
-        return grouped_gemm_quack.fp8_scaled_mm(qa_MK, sa_M, qb_GNK, sb_GN, offs_G, out_dtype)
+    """``a @ b[g]^T`` per group from both operands quantized rowwise over K:
+    ``torch._scaled_grouped_mm``, off the GPU the dequantized product."""
     if scaled_grouped_mm_supported(qa_MK):
         return torch._scaled_grouped_mm(
             qa_MK, qb_GNK.transpose(-2, -1), sa_M, sb_GN, offs=offs_G, out_dtype=out_dtype
@@ -203,14 +197,13 @@ def _input_grad(
     w_GNK: torch.Tensor,
     offs_G: torch.Tensor,
     scaling: str,
-    backend: str,
     cached: FP8Weight | None = None,
 ):
     """``dy @ w[g]`` per group, the input gradient of ``x @ w[g]^T``, both quantized over N."""
     if scaling == "mx":  # over N: the transposed copy
         w_GKN = w_GNK.transpose(-2, -1).contiguous()
         return _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, scaling)
-    return _rowwise_mm(dy_MN, *_weight_cols(w_GNK, cached), offs_G, dy_MN.dtype, backend)
+    return _rowwise_mm(dy_MN, *_weight_cols(w_GNK, cached), offs_G, dy_MN.dtype)
 
 
 def _weight_grad(
@@ -252,7 +245,7 @@ class _FP8GroupedMM(torch.autograd.Function):
     def forward(ctx, x_MK, w_GNK, offs_G, scaling: str, backend: str):  # type: ignore[override]
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
         ctx.scaling, ctx.backend = scaling, backend
-        return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype, scaling, backend)
+        return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype, scaling)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
@@ -260,7 +253,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _input_grad(dy_MN, w_GNK, offs_G, ctx.scaling, ctx.backend)
+            dx = _input_grad(dy_MN, w_GNK, offs_G, ctx.scaling)
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(x_MK, dy_MN, offs_G, w_GNK, ctx.backend)
         return dx, dw, None, None, None
@@ -297,7 +290,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
             h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
         else:
             qw, sw = _weight_rows(w_gate_up, cached_gate_up)
-            h_M2F = _rowwise_mm(x_MD, qw, sw, offs_G, x_MD.dtype, backend)
+            h_M2F = _rowwise_mm(x_MD, qw, sw, offs_G, x_MD.dtype)
             del qw, sw  # a weight quantized here is not kept past its GEMM
         ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
         ctx.scaling, ctx.backend, ctx.cached = scaling, backend, cached
@@ -305,7 +298,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
             return _scaled_mm(swiglu_values(h_M2F, weight_M), w_down, offs_G, x_MD.dtype, "mx")
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)  # the SwiGLU output is never written
         qw, sw = _weight_rows(w_down, cached_down)
-        return _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_MD.dtype, backend)
+        return _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_MD.dtype)
 
     @staticmethod
     def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]
@@ -313,7 +306,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
         cached_gate_up, cached_down = ctx.cached
         dy_MD = dy_MD.contiguous()
         need = ctx.needs_input_grad
-        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling, ctx.backend, cached_down)
+        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling, cached_down)
         # with rowwise scales, dh is quantized for the input gradient in the SwiGLU's own pass
         dh_M2F, dweight, a_MF, qdh = _swiglu_backward(
             h_M2F, da_MF, weight_M, need[0] and ctx.scaling == "rowwise", need[2]
@@ -324,10 +317,10 @@ class _FP8ExpertMLP(torch.autograd.Function):
         dx = None
         if qdh is not None:
             qw, sw = _weight_cols(w_gate_up, cached_gate_up)
-            dx = _quantized_mm(*qdh, qw, sw, offs_G, dy_MD.dtype, ctx.backend)
+            dx = _quantized_mm(*qdh, qw, sw, offs_G, dy_MD.dtype)
             del qdh, qw, sw  # not alive beside the weight gradient below
         elif need[0]:
-            dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling, ctx.backend)
+            dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling)
         dw_gate_up = None
         if need[1]:
             dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up, ctx.backend)
@@ -389,11 +382,11 @@ class _FP8RoutedMLP(torch.autograd.Function):
         cached_gate_up, cached_down = cached
         qx_MD, sx_M, _ = quantize_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
         qw, sw = _weight_rows(w_gate_up, cached_gate_up)
-        h_M2F = _quantized_mm(qx_MD, sx_M, qw, sw, offs_G, x_TD.dtype, backend)
+        h_M2F = _quantized_mm(qx_MD, sx_M, qw, sw, offs_G, x_TD.dtype)
         del qx_MD, sx_M, qw, sw
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)
         qw, sw = _weight_rows(w_down, cached_down)
-        y_MD = _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_TD.dtype, backend)
+        y_MD = _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_TD.dtype)
         del qa_MF, sa_M, qw, sw
         # x_TD, not its expert-ordered copy: the backward permutes it again for the one GEMM
         # that reads it in bf16 (the gate+up weight gradient)
@@ -413,7 +406,7 @@ class _FP8RoutedMLP(torch.autograd.Function):
             dy_TD.contiguous(), slot_TK, n_rows, keep_rows=True, every_row_mapped=mapped
         )
         da_MF = _quantized_mm(
-            qdy_MD, sdy_M, *_weight_cols(w_down, cached_down), offs_G, dy_TD.dtype, ctx.backend
+            qdy_MD, sdy_M, *_weight_cols(w_down, cached_down), offs_G, dy_TD.dtype
         )
         del qdy_MD, sdy_M
         dh_M2F, dweight, a_MF, qdh = _swiglu_backward(h_M2F, da_MF, weight_M, need[0], need[5])
@@ -423,7 +416,7 @@ class _FP8RoutedMLP(torch.autograd.Function):
         dx_TD = None
         if qdh is not None:
             dx_MD = _quantized_mm(
-                *qdh, *_weight_cols(w_gate_up, cached_gate_up), offs_G, dy_TD.dtype, ctx.backend
+                *qdh, *_weight_cols(w_gate_up, cached_gate_up), offs_G, dy_TD.dtype
             )
             del qdh
             dx_TD = _sum_over_slots(dx_MD, slot_TK)  # the permute's backward

@@ -60,15 +60,6 @@ def _quack_runs(x: torch.Tensor, backend: str) -> bool:
     return backend != "torch" and x.dtype == torch.bfloat16 and _quack_here(x)
 
 
-def quack_fp8_runs(q: torch.Tensor, backend: str) -> bool:
-    """Whether the FP8 experts' products on E4M3 operand ``q`` take QuACK's GEMM (the rowwise
-    scales in its epilogue, ``grouped_gemm_quack.fp8_scaled_mm``) under ``backend``: only
-    where ``backend`` names quack (and it runs here). ``auto`` keeps ``torch._scaled_grouped_mm``
-    for FP8 until QuACK's FP8 GEMM is measured faster in ``moe train``
-    (``benchmarks/fp8_gemm.py``)."""
-    return backend == "quack" and q.dtype == torch.float8_e4m3fn and _quack_here(q)
-
-
 def _aligned(t: torch.Tensor) -> bool:
     """``_grouped_mm`` needs a 16-byte aligned base and non-unit strides of 16-byte multiples."""
     if t.data_ptr() % 16:
