@@ -2,6 +2,7 @@
 
     python benchmarks/long_context.py --out long_context_h200.json           # one GPU
     python benchmarks/long_context.py --check                                # anywhere
+    python benchmarks/long_context.py --replan results/long_context_*.json   # anywhere
 
 OLMoE-1B-7B (all 16 layers, pure-bf16, synthetic tokens) at sequence 4096 (micro-batch 4, the
 reference of the other one-GPU rows) and at 16k, 32k and 64k (micro-batch 1), each ``moe train``
@@ -130,6 +131,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, help="this one at every length")
     p.add_argument("--set", action="append", default=[], help="another override, repeatable")
     p.add_argument("--check", action="store_true", help="compose and plan only (no GPU)")
+    p.add_argument(
+        "--replan",
+        nargs="+",
+        metavar="JSON",
+        help="no GPU: this code's plan beside the peaks recorded in these results",
+    )
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
     return p
@@ -141,11 +148,33 @@ def extra(args: argparse.Namespace) -> tuple[str, ...]:
     return (*layers, *args.set)
 
 
+def replan(paths: list[str]) -> None:
+    """Print this code's plan (without its runtime reserve) beside each recorded run's peak:
+    the plan's accuracy after a change to it, against measurements already taken."""
+    from moe_core.compose import compose_run
+    from moe_core.plan import plan
+
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["runs"]:
+            if "error" in r:
+                continue
+            memory = plan(compose_run(r["overrides"])).memory
+            planned = (memory.total - memory.reserve) / GIB
+            print(
+                f"{Path(path).name}: seq {r['seq_len']} x {r['micro_batch_size']}, recompute "
+                f"{r['recompute']}: peak {r['peak_mem_gib']:.2f} GiB, plan {planned:.2f} "
+                f"(recorded {r['plan_without_reserve_gib']:.2f}), plan / peak "
+                f"{planned / r['peak_mem_gib']:.3f}"
+            )
+
+
 def main() -> None:
     from moe_core.compose import compose_run
     from moe_core.plan import plan
 
     args = parser().parse_args()
+    if args.replan:
+        return replan(args.replan)
     wanted = {int(s) for s in args.lengths.split(",")}
     runs = [(s, mbs) for s, mbs in LENGTHS if s in wanted]
     chosen = {}

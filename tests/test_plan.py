@@ -30,6 +30,7 @@ from moe_core.model.transformer import apply_kernels, build_model
 from moe_core.parallel.recompute import apply_recompute
 from moe_core.plan import (
     GIB,
+    REMAT_BACKWARD,
     RUNTIME_RESERVE_GIB,
     InsufficientResourcesError,
     check_cluster,
@@ -39,7 +40,7 @@ from moe_core.plan import (
     max_in_flight,
     plan,
 )
-from moe_core.plan.memory import compiles, expert_activations
+from moe_core.plan.memory import compiles, expert_activations, tokens_per_micro_batch
 from moe_core.plan.report import plan_text
 
 
@@ -476,8 +477,45 @@ def test_block_recompute_keeps_only_block_inputs():
     tokens, d = 32, 64
     layer = layer_activation_bytes(full.model, "fp32", "fp32")
     head = tokens * (256 * 12 + d * 12)
-    assert p_block.activations == 2 * tokens * d * 4 + tokens * layer + head
+    # backward peaks at the head or at one rematerialized block (on the CPU: once its bytes)
+    assert p_block.activations == 2 * tokens * d * 4 + max(head, tokens * layer)
     assert p_full.activations == 2 * tokens * layer + head
+    gpu = ["cluster=local-gpu", "cluster.procs_per_node=1", "cluster.gpus_per_node=1"]
+    on_gpu = compose_run(["model=tiny", "model.vocab_size=256", "parallel.recompute=block", *gpu])
+    memory = plan(on_gpu).memory
+    assert memory.grads_follow_activations and memory.compiled
+    kept = on_gpu.model.n_layers * tokens_per_micro_batch(on_gpu) * on_gpu.model.d_model * 4
+    remat = memory.activations - kept  # the head's phase is the smaller at this vocabulary
+    # on a GPU, the rematerialized block twice, and the gradients beside it
+    layer_gpu = layer_activation_bytes(on_gpu.model, "fp32", "fp32", compiled=True)
+    assert remat == REMAT_BACKWARD * tokens_per_micro_batch(on_gpu) * layer_gpu
+    assert memory.grad_buffers == memory.gradients
+
+
+def test_a_rematerialized_blocks_backward_on_the_cpu_stays_within_the_block():
+    """Block recompute, eager on the CPU: the backward's peak above its start (the block
+    rematerialized, then its gradients) stays within the block's activations, which CPU plans
+    count once, and above half of them (the block is rematerialized)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = ModelConfig(
+        **{"vocab_size": 512, "d_model": 256, "n_layers": 1, "n_heads": 4, "n_experts": 8},
+        **{"top_k": 2, "expert_hidden": 96, "max_seq_len": 256},
+    )
+    model = build_model(m)
+    apply_recompute(model, "block")
+    model.requires_grad_(False)  # the weights' gradients are counted apart
+    h = torch.randn(8, 256, 256, requires_grad=True)
+    y = model.layers["0"](h, torch.zeros(()), model.rope(256, h.device))
+    y = y[0] if isinstance(y, tuple) else y
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y.backward(torch.randn_like(y))
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    block = h.shape[0] * h.shape[1] * layer_activation_bytes(m, "fp32", "fp32")
+    assert 0.5 * block < peak <= block, (peak, block)
 
 
 def test_1t_is_1_2_trillion_parameters_and_fits_512_h200():

@@ -22,6 +22,7 @@ from moe_core.plan.communication import Communication, all_to_all_rows_per_token
 from moe_core.plan.memory import (
     DTYPE_BYTES,
     GIB,
+    REMAT_BACKWARD,
     RUNTIME_RESERVE_GIB,
     ParameterCounts,
     StageMemory,
@@ -39,6 +40,7 @@ __all__ = [
     "BLOCK_RECOMPUTE_FLOPS",
     "DTYPE_BYTES",
     "GIB",
+    "REMAT_BACKWARD",
     "RUNTIME_RESERVE_GIB",
     "Communication",
     "InsufficientResourcesError",

@@ -23,7 +23,8 @@ holds the same), in bytes:
   (``dp x cp x ep = 1``) with one micro-batch per step, or with ``b_o = b_p``, keeps autograd's
   gradients instead: ``b_p * (N_dense + N_expert)`` and no transient. With one micro-batch
   those are written while backward frees the activations, so the peak holds
-  ``max(activations, gradients)``: only the gradients beyond the activations count.
+  ``max(activations, gradients)``: only the gradients beyond the activations count; under block
+  recompute backward frees little, and the gradients stand beside its rematerialized block.
 - optimizer (ZeRO-1): two Adam moments in ``b_o`` and, when the weights are less precise than
   that, an fp32 master copy: ``12`` bytes per element for bf16 weights under fp32 state, ``8``
   for fp32 weights (their own masters), ``4`` for the pure-bf16 preset (bf16 moments, no
@@ -36,8 +37,9 @@ holds the same), in bytes:
   and leading dense blocks and ``A``, ``A_dense`` the bytes each saves per token
   (``layer_activation_bytes``, ``dense_layer_activation_bytes``, eager or with compiled blocks, as
   the run compiles: ``parallel.compile``, on by default on GPUs); block recompute keeps ``d_model
-  * b_p`` per layer and token instead, plus one rematerialized layer (``T * A``, or ``T *
-  A_dense`` where that is larger and the stage holds one) during backward. The stage holding the
+  * b_p`` per layer and token instead, and its backward peaks either at the head (below) or at a
+  rematerialized layer, which holds ``T * A`` (or ``T * A_dense`` where that is larger and the
+  stage holds one) and on a GPU as many bytes again (``REMAT_BACKWARD``). The stage holding the
   LM head adds, eager, ``T * (V * (b_c + 8) + d_model * (4 + b_p + b_c))`` for the logits, their
   fp32 copy and log-softmax, and the head's inputs (``b_c``: 2 under bf16 autocast, else 4);
   compiled (the loss fuses the upcast), ``T * (2 V b_c + d_model * (b_p + b_c))``: the logits,
@@ -76,6 +78,13 @@ from moe_core.parallel.pipeline import chunk_layers, rank_chunks, schedule
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 4.0
+# What a rematerialized block's backward holds on a GPU, in the block's activations: they and
+# about as many bytes of their gradients and workspaces, measured (one H200, OLMoE-1B-7B's
+# compiled blocks under block recompute without CUDA graphs: the plan then within 1 % of the
+# steps' peak at 6 layers, 4k x 4 and 32k x 1, and 2.4 % at 16 layers, 64k; RESULTS.md, issues
+# 41 and 42). On the CPU the backward frees them as it goes: its peak above its start stays
+# under one block's activations (tests/test_plan.py), so CPU runs count one.
+REMAT_BACKWARD = 2
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
@@ -557,6 +566,34 @@ def head_activation_bytes(run: RunConfig) -> int:
     return tokens_per_micro_batch(run) * (m.vocab_size * (bc + 8) + m.d_model * (4 + bp + bc))
 
 
+def recomputed_block_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
+    """Under block recompute, what backward holds at a rematerialized block beside the weights'
+    gradients written so far: every block's kept input, and the block's activations with, on a
+    GPU, about as many bytes again of their gradients (``REMAT_BACKWARD``); 0 without block
+    recompute."""
+    m, par, prec = run.model, run.parallel, run.precision
+    if par.recompute != "block":
+        return 0
+    bp, _, _ = element_bytes(run)
+    tokens = tokens_per_micro_batch(run)
+    kept = {**expert_activations(run), "compiled": compiles(run)}
+    gathered = context_activation_bytes(run)
+    a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
+    dense_full = (
+        tokens
+        * dense_layer_activation_bytes(m, prec.params, prec.compute, compiled=kept["compiled"])
+        + gathered
+    )
+    # one block rematerialized at a time: the largest kind the stage holds
+    remat = max(
+        tokens * a_full + rowwise_buffers(run).extra_full + gathered if p.moe_layers else 0,
+        dense_full if p.layers > p.moe_layers else 0,
+    )
+    per_chunk = m.n_layers // (par.pp * par.virtual_stages)
+    again = REMAT_BACKWARD if run.cluster.gpus_per_node else 1
+    return in_flight * per_chunk * tokens * m.d_model * bp + again * remat
+
+
 def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
     """What a stage's pending forwards keep for backward, at its peak: ``in_flight`` forwards
     of its largest chunk (exact with one chunk per rank; with interleaving, whose chunks may
@@ -565,40 +602,30 @@ def activation_bytes(run: RunConfig, p: StageParameters, in_flight: int) -> int:
     bp, _, _ = element_bytes(run)
     tokens = tokens_per_micro_batch(run)
     per_chunk = m.n_layers // (par.pp * par.virtual_stages)
+    if par.recompute == "block":
+        # backward's two phases: the head's, beside the blocks' kept inputs, then one block at a
+        # time rematerialized (``recomputed_block_bytes``)
+        kept_inputs = in_flight * per_chunk * tokens * m.d_model * bp
+        head = head_activation_bytes(run) + mtp_activation_bytes(run, m.d_model * bp, 0)
+        return max(kept_inputs + (head if p.last else 0), recomputed_block_bytes(run, p, in_flight))
     rowwise = rowwise_buffers(run)
     kept = {**expert_activations(run), "compiled": compiles(run)}
     gathered = context_activation_bytes(run)  # every block's attention, each layer
-    dense_full = (
+    a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
+    dense_layer = (
         tokens
-        * dense_layer_activation_bytes(m, prec.params, prec.compute, compiled=kept["compiled"])
+        * dense_layer_activation_bytes(
+            m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
+        )
         + gathered
     )
-    if par.recompute == "block":
-        a_full = layer_activation_bytes(m, prec.params, prec.compute, "none", **kept)
-        # one block rematerialized at a time: the largest kind the stage holds
-        remat = max(
-            tokens * a_full + rowwise.extra_full + gathered if p.moe_layers else 0,
-            dense_full if p.layers > p.moe_layers else 0,
-        )
-        acts = in_flight * per_chunk * tokens * m.d_model * bp + remat
-        mtp = mtp_activation_bytes(run, m.d_model * bp, 0)
-    else:
-        a_layer = layer_activation_bytes(m, prec.params, prec.compute, par.recompute, **kept)
-        dense_layer = (
-            tokens
-            * dense_layer_activation_bytes(
-                m, prec.params, prec.compute, par.recompute, compiled=kept["compiled"]
-            )
-            + gathered
-        )
-        chunk = max(
-            n_moe * (tokens * a_layer + rowwise.extra_layer + gathered) + n_dense * dense_layer
-            for n_dense, n_moe in p.blocks
-        )
-        acts = in_flight * chunk
-        mtp = mtp_activation_bytes(run, a_layer, rowwise.extra_layer)
+    chunk = max(
+        n_moe * (tokens * a_layer + rowwise.extra_layer + gathered) + n_dense * dense_layer
+        for n_dense, n_moe in p.blocks
+    )
+    acts = in_flight * chunk
     if p.last:
-        acts += head_activation_bytes(run) + mtp
+        acts += head_activation_bytes(run) + mtp_activation_bytes(run, a_layer, rowwise.extra_layer)
     return acts
 
 
@@ -668,6 +695,9 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
     activations = activation_bytes(run, p, in_flight)
     grads, transient = gradient_bytes(run, p)
     follow = gradients_follow_activations(run)
+    # autograd's gradients of one micro-batch free no activation under block recompute: by the
+    # last block's backward they are nearly all written, beside its rematerialized activations
+    beside = recomputed_block_bytes(run, p, in_flight) if follow else 0
     return StageMemory(
         stage=stage,
         layers=p.layers,
@@ -676,7 +706,7 @@ def stage_memory(run: RunConfig, sh: ParameterCounts, stage: int) -> StageMemory
         in_flight=in_flight,
         weights=(p.dense + p.experts) * element_bytes(run)[0] + fp8_copy_bytes(run, p),
         gradients=round(grads),
-        grad_buffers=round(max(0, grads - activations) if follow else grads),
+        grad_buffers=round(max(0, grads - (activations - beside)) if follow else grads),
         optimizer=round(optimizer_bytes(run, p)),
         activations=activations,
         p2p_buffers=pipeline_send_bytes(run, p),

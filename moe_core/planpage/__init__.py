@@ -46,6 +46,7 @@ from moe_core.plan import (
     BLOCK_RECOMPUTE_FLOPS,
     DTYPE_BYTES,
     GIB,
+    REMAT_BACKWARD,
     RUNTIME_RESERVE_GIB,
     all_to_all_rows_per_token,
     check_cluster,
@@ -355,6 +356,7 @@ def page_data(
             "reserve_gib": RUNTIME_RESERVE_GIB,
             "dtype_bytes": DTYPE_BYTES,
             "block_recompute_flops": BLOCK_RECOMPUTE_FLOPS,
+            "remat_backward": REMAT_BACKWARD,
             "fp8_gemm_align": FP8_GEMM_ALIGN,
             "max_sizes": MAX_SIZES,  # ModelConfig's limits, for the typed sizes
         },

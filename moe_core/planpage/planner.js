@@ -301,19 +301,24 @@ function planLayout(data, L) {
     const stateBytes = 2 * bo + (bp < bo ? 4 : 0);
     const optimizer = stateBytes * (dense / denseGroup + experts / expertGroup);
     const flight = inFlight(L.pp, v, s, nMb);
-    // block recompute: the inputs, and one block rematerialized (the largest kind held);
-    // else in-flight forwards of the rank's largest chunk
-    let activations = block
-      ? flight * perChunk * T * d * bp + Math.max(moeLayers ? T * aFull + extraFull + gathered
-        : 0, denseBlocks ? denseFull : 0)
+    // block recompute: backward's two phases, the head's beside the blocks' kept inputs, then
+    // one block at a time rematerialized (the largest kind held), its backward holding its
+    // activations and their gradients (plan.memory.recomputed_block_bytes); else in-flight
+    // forwards of the rank's largest chunk
+    const kept = flight * perChunk * T * d * bp;
+    const remat = block ? kept + C.remat_backward * Math.max(
+      moeLayers ? T * aFull + extraFull + gathered : 0, denseBlocks ? denseFull : 0) : 0;
+    const headPart = last ? headAct + mtpActs : 0;
+    const activations = block
+      ? Math.max(kept + headPart, remat)
       : flight * Math.max(...blocks.map(([nDense, nMoe]) =>
-        nMoe * (T * aLayer + extraLayer + gathered) + nDense * denseLayer));
-    if (last) activations += headAct + mtpActs;
+        nMoe * (T * aLayer + extraLayer + gathered) + nDense * denseLayer)) + headPart;
     if (autogradGrads) {
       grads = bp * (dense + experts);
-      // one micro-batch: written as backward frees the activations
-      // (plan.memory.gradients_follow_activations)
-      if (nMb === 1) grads = Math.max(0, grads - activations);
+      // one micro-batch: written as backward frees the activations, except under block
+      // recompute, where they stand beside the rematerialized block
+      // (plan.memory.gradients_follow_activations, recomputed_block_bytes)
+      if (nMb === 1) grads = Math.max(0, grads - (activations - remat));
       transient = 0;
     }
     const messages =
