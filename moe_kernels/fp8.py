@@ -82,11 +82,7 @@ from moe_kernels.fp8_quantize import quantize_mx_reference as quantize_mx_refere
 from moe_kernels.fp8_quantize import quantize_rowwise as quantize_rowwise
 from moe_kernels.fp8_quantize import quantize_rowwise_reference as quantize_rowwise_reference
 from moe_kernels.fp8_quantize import quantize_to_slots as quantize_to_slots
-from moe_kernels.grouped_gemm import (
-    check_backend,
-    grouped_mm_reference,
-    grouped_mm_wgrad,
-)
+from moe_kernels.grouped_gemm import check_backend, grouped_mm_reference, grouped_mm_wgrad
 from moe_kernels.slot_permute import (
     _check_rows,
     _scatter_to_slots,

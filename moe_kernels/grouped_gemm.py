@@ -50,14 +50,11 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"grouped GEMM backend {backend!r}: one of {', '.join(BACKENDS)}")
 
 
-def _quack_here(x: torch.Tensor) -> bool:
-    """Whether QuACK's GEMMs can run on ``x``'s device: CUDA, sm90 and newer, installed."""
-    return x.device.type == "cuda" and quack_installed() and _sm90_or_newer(x.device.index or 0)
-
-
 def _quack_runs(x: torch.Tensor, backend: str) -> bool:
     """Whether the products on ``x`` take QuACK's GEMMs under ``backend``."""
-    return backend != "torch" and x.dtype == torch.bfloat16 and _quack_here(x)
+    if backend == "torch" or x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    return quack_installed() and _sm90_or_newer(x.device.index or 0)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -446,6 +446,36 @@ def test_fp8_expert_mlp_on_quacks_gemm_is_the_mlp_on_torchs():
 @pytest.mark.parametrize(
     "sizes", [[30, 0, 51, 17], [0, 98, 0, 0]], ids=["with-an-empty-expert", "all-in-one"]
 )
+def test_quacks_fp8_gemm_is_the_scaled_product_on_the_stand_in(sizes):
+    # the benchmark's QuACK candidate (grouped_gemm_quack.fp8_scaled_mm) on QuACK's CPU
+    # stand-in (tests/fake_quack.py): the E4M3 operands reach QuACK's GEMM in the layouts it
+    # takes (the weight k-major, a row of column scales per expert, the row scales a column)
+    # and give the dequantized product that torch's kernel computes, rows past the groups
+    # left alone
+    from moe_kernels import fp8
+    from tests import fake_quack
+
+    gen = torch.Generator().manual_seed(9)
+    G, N, K, M = len(sizes), 40, 64, sum(sizes) + 5
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-2, 2, M)[:, None]
+    qa, sa = quantize_rowwise(x.bfloat16())
+    qb, sb = quantize_rowwise((torch.randn(G * N, K, generator=gen) * 0.05).bfloat16())
+    qb, sb = qb.view(G, N, K), sb.view(G, N)
+    with fake_quack.installed():
+        from moe_kernels import grouped_gemm_quack
+
+        got = grouped_gemm_quack.fp8_scaled_mm(qa, sa, qb, sb, offs, torch.bfloat16)
+    ref = fp8._quantized_mm(qa, sa, qb, sb, offs, torch.bfloat16)
+    end = sum(sizes)
+    assert got.shape == (M, N) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got[:end], ref[:end], rtol=2**-7, atol=1e-6)
+    assert got[:end].abs().amax() > 0
+
+
+@pytest.mark.parametrize(
+    "sizes", [[30, 0, 51, 17], [0, 98, 0, 0]], ids=["with-an-empty-expert", "all-in-one"]
+)
 def test_fp8_products_never_take_quacks_fp8_gemm(sizes, monkeypatch):
     # QuACK's FP8 GEMM ran at half of torch's (RESULTS.md, issues 41 and 42): with QuACK
     # present (its CPU stand-in, tests/fake_quack.py, taken as runnable here) and
@@ -465,7 +495,7 @@ def test_fp8_products_never_take_quacks_fp8_gemm(sizes, monkeypatch):
     with fake_quack.installed():
         from moe_kernels import grouped_gemm_quack
 
-        monkeypatch.setattr(grouped_gemm, "_quack_here", lambda t: True)
+        monkeypatch.setattr(grouped_gemm, "_quack_runs", lambda x, backend: backend != "torch")
         monkeypatch.setattr(grouped_gemm_quack, "fp8_scaled_mm", lambda *a: fp8_calls.append(1))
         real = grouped_gemm_quack.grouped_wgrad
         monkeypatch.setattr(
