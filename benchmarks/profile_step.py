@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --trainer --mbs 4 --out trainer.json  # what moe train runs
     python benchmarks/profile_step.py --trainer --precision fp8 --micro-batches 4 \
         [--fp8-cache] --out fp8.json  # FP8 weights quantized once per step, or per call
+    python benchmarks/profile_step.py --trainer --set model.n_experts=128 ...  # another shape
 
 The step is ``train_step.py``'s (same model, inputs and options). Phases (forward, backward,
 optimizer) are also timed apart with CUDA events, median of ``--iters`` steps after warm-up;
@@ -187,6 +188,9 @@ def profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-parts", default="", help="with --trainer --precision fp8: the parts")
     p.add_argument("--micro-batches", type=int, default=1, help="with --trainer: a step's")
     p.add_argument("--fp8-cache", action="store_true", help="with --precision fp8: once a step")
+    p.add_argument(
+        "--set", action="append", default=[], help="with --trainer: a config override, repeatable"
+    )
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
     return p
@@ -226,6 +230,7 @@ def main() -> None:
         "experts": args.moe_layer or None,
         "top_k": args.top_k if args.moe_layer else None,
         "mbs": args.mbs,
+        "overrides": args.set,
         "compile": args.compile,
         "phase_ms": phase_ms,
         "step_ms": sum(phase_ms.values()),
