@@ -5,6 +5,8 @@ on the same E4M3 operands with the rowwise scales in its epilogue
 of the same products (torch's and QuACK's) beside them.
 
     python benchmarks/fp8_gemm.py --out results.json
+    python benchmarks/fp8_gemm.py --set model.n_experts=128 --set model.top_k=16 \
+        --set model.expert_hidden=512 --out fine.json  # another shape
 
 Per micro-batch size (``--tokens``, a comma list): top-8 of 64 experts routed from random
 logits (``--skew`` sharpens them: learned routing is uneven), the products of one MoE layer
@@ -26,6 +28,7 @@ from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
 
+from moe_core.config import ModelConfig
 from moe_kernels.fp8 import quantize_columnwise, quantize_rowwise
 from moe_kernels.routing import expert_slots
 
@@ -45,18 +48,16 @@ def configs() -> dict[str, object]:
     }  # fmt: skip
 
 
-def _routed(tokens: int, skew: float, gen: torch.Generator) -> torch.Tensor:
-    """Each token's top-k experts of OLMoE-1B-7B's router from random logits, ``skew``-scaled."""
-    cfg = olmoe()
+def _routed(cfg: ModelConfig, tokens: int, skew: float, gen: torch.Generator) -> torch.Tensor:
+    """Each token's top-k experts of the shape's router from random logits, ``skew``-scaled."""
     logits = torch.randn(tokens, cfg.n_experts, device="cuda", generator=gen) * skew
     return torch.softmax(logits, -1).topk(cfg.top_k, dim=-1).indices
 
 
-def products(tokens: int, skew: float, gen: torch.Generator):
+def products(cfg: ModelConfig, tokens: int, skew: float, gen: torch.Generator):
     """The four products of one MoE layer: name -> (bf16 A [M, K], bf16 B [G, N, K], offs)."""
-    cfg = olmoe()
     D, F, E, K = cfg.d_model, cfg.expert_hidden, cfg.n_experts, cfg.top_k
-    offs_E = expert_slots(_routed(tokens, skew, gen), E).offs_E
+    offs_E = expert_slots(_routed(cfg, tokens, skew, gen), E).offs_E
     M = tokens * K
 
     def randn(*shape: int) -> torch.Tensor:
@@ -86,7 +87,9 @@ def _per_group_columns(t_MN: torch.Tensor, offs_E: torch.Tensor):
     return q_MN.t().contiguous(), scale_GN.reshape(-1).contiguous()
 
 
-def weight_grads(tokens: int, skew: float, gen: torch.Generator, args, results: dict) -> None:
+def weight_grads(
+    cfg: ModelConfig, tokens: int, skew: float, gen: torch.Generator, args, results: dict
+) -> None:
     """Item 4's question: the experts' two weight gradients (``dy[rows of g]^T @ x[rows of
     g]``, contracting over each expert's tokens) in FP8 (``torch._scaled_grouped_mm``'s 2-d x
     2-d form, per-(expert, column) scales over the tokens, group sizes rounded up to 16 rows as
@@ -95,9 +98,8 @@ def weight_grads(tokens: int, skew: float, gen: torch.Generator, args, results: 
     both operands that a real path adds."""
     from moe_kernels.grouped_gemm_quack import grouped_wgrad
 
-    cfg = olmoe()
     D, F, E = cfg.d_model, cfg.expert_hidden, cfg.n_experts
-    counts_E = torch.bincount(_routed(tokens, skew, gen).flatten(), minlength=E)
+    counts_E = torch.bincount(_routed(cfg, tokens, skew, gen).flatten(), minlength=E)
     offs_E = torch.cumsum((counts_E + 15) // 16 * 16, 0).to(torch.int32)
     M = int(offs_E[-1])
     for name, N, Kd in (("down weight grad", D, F), ("gate+up weight grad", 2 * F, D)):
@@ -140,6 +142,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="8192,16384", help="tokens per micro-batch, comma list")
     p.add_argument("--skew", type=float, default=1.0, help="router logits' scale")
+    p.add_argument(
+        "--set", action="append", default=[], help="a model.* override of the shape, repeatable"
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--commit", default="unknown")
@@ -152,9 +157,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = torch.bfloat16
     results: dict[str, dict] = {}
-    head = {"benchmark": "fp8_gemm", **stamp(args.commit), "skew": args.skew}
+    cfg = olmoe(*args.set)
+    head = {"benchmark": "fp8_gemm", **stamp(args.commit), "skew": args.skew, "overrides": args.set}
     for tokens in (int(t) for t in args.tokens.split(",")):
-        offs_E, prods = products(tokens, args.skew, gen)
+        offs_E, prods = products(cfg, tokens, args.skew, gen)
         cu = torch.nn.functional.pad(offs_E, (1, 0))
         for name, (a_MK, b_GNK, which) in prods.items():
             qa, sa = quantize_rowwise(a_MK)
@@ -213,7 +219,7 @@ def main() -> None:
                 f"quack bf16 {ms['quack bf16']:.3f}; refused {list(row['refused'])}",
                 flush=True,
             )
-        weight_grads(tokens, args.skew, gen, args, results)
+        weight_grads(cfg, tokens, args.skew, gen, args, results)
         save({**head, "results": results}, args.out)
 
 

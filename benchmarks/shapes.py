@@ -9,6 +9,7 @@ from moe_core.config import ModelConfig
 
 
 @functools.cache
-def olmoe() -> ModelConfig:
-    """OLMoE-1B-7B: ``conf/model/olmoe-1b-7b.yaml`` as the config loader composes it."""
-    return compose_run(["model=olmoe-1b-7b"]).model
+def olmoe(*overrides: str) -> ModelConfig:
+    """OLMoE-1B-7B: ``conf/model/olmoe-1b-7b.yaml`` as the config loader composes it, with any
+    ``model.*`` overrides (e.g. ``model.n_experts=128``) over it."""
+    return compose_run(["model=olmoe-1b-7b", *overrides]).model
