@@ -127,15 +127,19 @@ def test_report_stamps_where_a_benchmark_ran_and_saves_it(scripts, tmp_path):
 def test_scripts_that_build_trainer_steps_run_compose_it(scripts, tmp_path):
     """``profile_step.py --trainer`` and ``plan_memory.py`` build their Trainer from
     ``trainer_step.py``'s overrides over its defaults: with any precision option the run composes
-    (both broke when trainer_step gained an option), on one GPU, their own step counts."""
+    (both broke when trainer_step gained an option), on one GPU, their own step counts; the
+    profile's ``--set`` reaches the run (another shape)."""
     profile, trainer_step = scripts("profile_step"), scripts("trainer_step")
-    for extra in ([], ["--precision", "fp8", "--fp8-parts", "experts,attention"]):
+    fp8 = ["--precision", "fp8", "--fp8-parts", "experts,attention"]
+    for extra in ([], fp8, ["--set", "model.n_experts=128", "--set", "model.top_k=16"]):
         args = profile.profile_parser().parse_args(["--trainer", "--iters", "5", *extra])
         overrides = trainer_step.trainer_overrides(profile.trainer_shape(args), str(tmp_path), "")
         run = compose_run(overrides)
         assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (1, 1, 3 + 5 + 2)
         assert (run.precision.params, run.precision.optimizer) == ("bf16", "bf16")  # both presets
-    assert run.precision.fp8_parts == ["experts", "attention"]
+        if extra == fp8:
+            assert run.precision.fp8_parts == ["experts", "attention"]
+    assert (run.model.n_experts, run.model.top_k) == (128, 16)
     plan = compose_run(scripts("plan_memory").overrides(8, "pure-bf16", "auto", "sdpa", "o", 3))
     assert (plan.model.n_layers, plan.train.steps, plan.parallel.cuda_graph) == (8, 4, False)
 
