@@ -1209,6 +1209,11 @@ class PrecisionConfig:
     # call: the same bytes, so the same training; it costs two bytes per FP8 weight (12 GiB of
     # expert copies at OLMoE-1B-7B on one GPU). Off until a GPU measures what it saves.
     fp8_weight_cache: bool = False
+    # Which FP8 products accumulate in the tensor cores' own reduced-precision accumulator
+    # ("fast accumulation", ``moe_kernels.fp8``) rather than with fp32 promotion as K goes:
+    # "none", "forward" (the forward products only: torchao's FP8 training recipe) or "all"
+    # (the input gradients too). GPU only: CPU runs compute the dequantized product either way.
+    fp8_fast_accum: Literal["none", "forward", "all"] = "none"
 
     def __post_init__(self) -> None:
         p = "precision."
@@ -1244,6 +1249,13 @@ class PrecisionConfig:
                 True,
                 "false unless precision.fp8_parts names a part with rowwise scaling (the cache "
                 "holds rowwise FP8 copies)",
+            )
+        if self.fp8_fast_accum != "none" and (not self.fp8_parts or self.fp8_scaling != "rowwise"):
+            fail(
+                p + "fp8_fast_accum",
+                self.fp8_fast_accum,
+                "'none' unless precision.fp8_parts names a part with rowwise scaling (MX "
+                "products are emulated)",
             )
         if self.fp8_scaling == "mx" and self.fp8_parts != ["experts"]:
             fail(

@@ -58,6 +58,15 @@ rowwise scales, the weight gradient in bf16; it keeps the bf16 input for backwar
 bf16 linear does. Inside ``torch.compile`` its quantizers are the references above
 (``moe_kernels._triton``'s rule), which Inductor fuses with the ops around them.
 
+Accumulation (``fast_accum=``): Hopper's FP8 tensor cores can accumulate a product's partial
+sums in their own reduced-precision accumulator ("fast accumulation") or have CUTLASS/cuBLAS
+promote them into fp32 registers as K goes (the default, "none"). "forward" takes fast
+accumulation for the forward products only, torchao's FP8 training recipe (the gradients keep
+fp32 promotion); "all" for the input gradients too. It is a GPU choice only: off the GPU every
+product is the dequantized one. On one H100 the rowwise FP8 grouped GEMMs ran 1.2-1.3x faster
+with it at 2,048 rows an expert and up to 3.6x at 1,024, where torch picks a tile that promotes
+often (``benchmarks/fp8_accumulate.py``, RESULTS.md).
+
 Both ``fp8_expert_mlp`` and ``fp8_linear`` take ``cached=``: a weight's two quantized operands
 made once per optimizer step (``moe_kernels.fp8_cache``, the same bytes), used instead of
 quantizing the weight in the call, so the micro-batches of a step share them.
@@ -106,12 +115,24 @@ def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
     return hasattr(torch, "_scaled_grouped_mm") and scaled_mm_supported(x)
 
 
+FAST_ACCUM = ("none", "forward", "all")
+
+
+def fast_accum_flags(fast_accum: str) -> tuple[bool, bool]:
+    """(forward, input gradients): which FP8 products accumulate fast under ``fast_accum``
+    (module doc); any other value than ``FAST_ACCUM``'s is refused."""
+    if fast_accum not in FAST_ACCUM:
+        raise ValueError(f"fast_accum={fast_accum!r} is not allowed: 'none', 'forward' or 'all'")
+    return fast_accum != "none", fast_accum == "all"
+
+
 def _scaled_mm(
     a_MK: torch.Tensor,
     b_GNK: torch.Tensor,
     offs_G: torch.Tensor,
     out_dtype: torch.dtype,
     scaling: str = "rowwise",
+    fast: bool = False,
 ) -> torch.Tensor:
     """``a @ b[g]^T`` per group with both operands quantized over K (rows of ``a``, rows of
     each ``b[g]``): FP8 on the GPU, the dequantized product elsewhere (and for MX, always)."""
@@ -121,7 +142,7 @@ def _scaled_mm(
         qb, sb = quantize_mx(b_GNK.reshape(G * N, K))
         w_GKN = dequantize_mx(qb, sb).view(G, N, K).transpose(-2, -1)
         return grouped_mm_reference(dequantize_mx(qa, sa), w_GKN, offs_G).to(out_dtype)
-    return _rowwise_mm(a_MK, *_quantize_weight_rows(b_GNK), offs_G, out_dtype)
+    return _rowwise_mm(a_MK, *_quantize_weight_rows(b_GNK), offs_G, out_dtype, fast)
 
 
 def _quantize_weight_rows(b_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,11 +158,12 @@ def _rowwise_mm(
     sb_GN: torch.Tensor,
     offs_G: torch.Tensor,
     out_dtype: torch.dtype,
+    fast: bool = False,
 ) -> torch.Tensor:
     """``a @ b[g]^T`` per group for ``b`` already quantized over K (rowwise: values [G, N, K]
     row-major, scales [G, N]); ``a`` is quantized here, by rows."""
     qa, sa = quantize_rowwise(a_MK)
-    return _quantized_mm(qa, sa, qb_GNK, sb_GN, offs_G, out_dtype)
+    return _quantized_mm(qa, sa, qb_GNK, sb_GN, offs_G, out_dtype, fast)
 
 
 def _quantized_mm(
@@ -151,12 +173,20 @@ def _quantized_mm(
     sb_GN: torch.Tensor,
     offs_G: torch.Tensor,
     out_dtype: torch.dtype,
+    fast: bool = False,
 ) -> torch.Tensor:
     """``a @ b[g]^T`` per group from both operands quantized rowwise over K:
-    ``torch._scaled_grouped_mm``, off the GPU the dequantized product."""
+    ``torch._scaled_grouped_mm`` (accumulating ``fast`` or with fp32 promotion), off the GPU
+    the dequantized product."""
     if scaled_grouped_mm_supported(qa_MK):
         return torch._scaled_grouped_mm(
-            qa_MK, qb_GNK.transpose(-2, -1), sa_M, sb_GN, offs=offs_G, out_dtype=out_dtype
+            qa_MK,
+            qb_GNK.transpose(-2, -1),
+            sa_M,
+            sb_GN,
+            offs=offs_G,
+            out_dtype=out_dtype,
+            use_fast_accum=fast,
         )
     G, N, K = qb_GNK.shape
     w_GKN = dequantize(qb_GNK.view(G * N, K), sb_GN.reshape(G * N)).view(G, N, K)
@@ -194,12 +224,13 @@ def _input_grad(
     offs_G: torch.Tensor,
     scaling: str,
     cached: FP8Weight | None = None,
+    fast: bool = False,
 ):
     """``dy @ w[g]`` per group, the input gradient of ``x @ w[g]^T``, both quantized over N."""
     if scaling == "mx":  # over N: the transposed copy
         w_GKN = w_GNK.transpose(-2, -1).contiguous()
         return _scaled_mm(dy_MN, w_GKN, offs_G, dy_MN.dtype, scaling)
-    return _rowwise_mm(dy_MN, *_weight_cols(w_GNK, cached), offs_G, dy_MN.dtype)
+    return _rowwise_mm(dy_MN, *_weight_cols(w_GNK, cached), offs_G, dy_MN.dtype, fast)
 
 
 def _weight_grad(
@@ -238,10 +269,11 @@ def _swiglu_backward(
 
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_GNK, offs_G, scaling: str, backend: str):  # type: ignore[override]
+    def forward(ctx, x_MK, w_GNK, offs_G, scaling: str, backend: str, fast_accum: str):  # type: ignore[override]
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
         ctx.scaling, ctx.backend = scaling, backend
-        return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype, scaling)
+        fast_forward, ctx.fast_grad = fast_accum_flags(fast_accum)
+        return _scaled_mm(x_MK, w_GNK, offs_G, x_MK.dtype, scaling, fast_forward)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):  # type: ignore[override]
@@ -249,10 +281,10 @@ class _FP8GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _input_grad(dy_MN, w_GNK, offs_G, ctx.scaling)
+            dx = _input_grad(dy_MN, w_GNK, offs_G, ctx.scaling, fast=ctx.fast_grad)
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(x_MK, dy_MN, offs_G, w_GNK, ctx.backend)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _check_scaling(offs_G: torch.Tensor, scaling: str) -> None:
@@ -269,24 +301,39 @@ def fp8_grouped_mm(
     scaling: str = "rowwise",
     *,
     backend: str = "auto",
+    fast_accum: str = "none",
 ) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ w[g]^T`` for experts stored [G, N, K], forward and input
     gradient in FP8 (module doc) with ``scaling`` "rowwise" or "mx"; int32 cumulative
-    ``offs_G`` as ``grouped_mm`` takes them; ``backend``: the bf16 weight gradient's."""
+    ``offs_G`` as ``grouped_mm`` takes them; ``backend``: the bf16 weight gradient's;
+    ``fast_accum``: which FP8 products accumulate fast on the GPU (module doc)."""
     _check_scaling(offs_G, scaling)
     check_backend(backend)
-    return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G, scaling, backend)
+    fast_accum_flags(fast_accum)
+    return _FP8GroupedMM.apply(x_MK, w_GNK, offs_G, scaling, backend, fast_accum)
 
 
 class _FP8ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD, w_gate_up, w_down, offs_G, weight_M, scaling: str, backend: str, cached):  # type: ignore[override]
+    def forward(
+        ctx,
+        x_MD,
+        w_gate_up,
+        w_down,
+        offs_G,
+        weight_M,
+        scaling: str,
+        backend: str,
+        cached,
+        fast_accum: str,
+    ):  # type: ignore[override]
         cached_gate_up, cached_down = cached
+        fast, ctx.fast_grad = fast_accum_flags(fast_accum)
         if scaling == "mx":
             h_M2F = _scaled_mm(x_MD, w_gate_up, offs_G, x_MD.dtype, scaling)
         else:
             qw, sw = _weight_rows(w_gate_up, cached_gate_up)
-            h_M2F = _rowwise_mm(x_MD, qw, sw, offs_G, x_MD.dtype)
+            h_M2F = _rowwise_mm(x_MD, qw, sw, offs_G, x_MD.dtype, fast)
             del qw, sw  # a weight quantized here is not kept past its GEMM
         ctx.save_for_backward(x_MD, w_gate_up, w_down, offs_G, h_M2F, weight_M)
         ctx.scaling, ctx.backend, ctx.cached = scaling, backend, cached
@@ -294,7 +341,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
             return _scaled_mm(swiglu_values(h_M2F, weight_M), w_down, offs_G, x_MD.dtype, "mx")
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)  # the SwiGLU output is never written
         qw, sw = _weight_rows(w_down, cached_down)
-        return _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_MD.dtype)
+        return _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_MD.dtype, fast)
 
     @staticmethod
     def backward(ctx, dy_MD: torch.Tensor):  # type: ignore[override]
@@ -302,7 +349,7 @@ class _FP8ExpertMLP(torch.autograd.Function):
         cached_gate_up, cached_down = ctx.cached
         dy_MD = dy_MD.contiguous()
         need = ctx.needs_input_grad
-        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling, cached_down)
+        da_MF = _input_grad(dy_MD, w_down, offs_G, ctx.scaling, cached_down, ctx.fast_grad)
         # with rowwise scales, dh is quantized for the input gradient in the SwiGLU's own pass
         dh_M2F, dweight, a_MF, qdh = _swiglu_backward(
             h_M2F, da_MF, weight_M, need[0] and ctx.scaling == "rowwise", need[2]
@@ -313,14 +360,14 @@ class _FP8ExpertMLP(torch.autograd.Function):
         dx = None
         if qdh is not None:
             qw, sw = _weight_cols(w_gate_up, cached_gate_up)
-            dx = _quantized_mm(*qdh, qw, sw, offs_G, dy_MD.dtype)
+            dx = _quantized_mm(*qdh, qw, sw, offs_G, dy_MD.dtype, ctx.fast_grad)
             del qdh, qw, sw  # not alive beside the weight gradient below
         elif need[0]:
             dx = _input_grad(dh_M2F, w_gate_up, offs_G, ctx.scaling)
         dw_gate_up = None
         if need[1]:
             dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up, ctx.backend)
-        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None, None, None
+        return dx, dw_gate_up, dw_down, None, dweight if need[4] else None, None, None, None, None
 
 
 def fp8_expert_mlp(
@@ -333,6 +380,7 @@ def fp8_expert_mlp(
     *,
     backend: str = "auto",
     cached: tuple[FP8Weight | None, FP8Weight | None] = (None, None),
+    fast_accum: str = "none",
 ) -> torch.Tensor:
     """The experts' SwiGLU MLP ``weight_M * (swiglu(x @ w_gate_up[g]^T) @ w_down[g]^T)`` per
     expert segment (``moe_kernels.expert_mlp``'s function) with both projections as
@@ -343,9 +391,11 @@ def fp8_expert_mlp(
     fused bf16 path keeps none either). ``backend``: the bf16 weight gradients' grouped GEMMs
     (``moe_kernels.grouped_gemm``). ``cached``: the two weights' FP8 operands
     (``moe_kernels.fp8_cache``, rowwise scaling only), taken instead of quantizing the weights
-    here; the caller vouches that they are the current weights' (``FP8WeightCache.get``)."""
+    here; the caller vouches that they are the current weights' (``FP8WeightCache.get``).
+    ``fast_accum``: which FP8 products accumulate fast on the GPU (module doc)."""
     _check_scaling(offs_G, scaling)
     check_backend(backend)
+    fast_accum_flags(fast_accum)
     check_operands(x_MD, w_gate_up, w_down, offs_G, weight_M)
     for c, w, name in zip(cached, (w_gate_up, w_down), ("w_gate_up", "w_down"), strict=True):
         if c is not None:
@@ -353,7 +403,7 @@ def fp8_expert_mlp(
                 raise ValueError(f"cached FP8 weights are rowwise-scaled, not scaling={scaling!r}")
             c.check(w, name)
     return _FP8ExpertMLP.apply(
-        x_MD, w_gate_up, w_down, offs_G, weight_M, scaling, backend, tuple(cached)
+        x_MD, w_gate_up, w_down, offs_G, weight_M, scaling, backend, tuple(cached), fast_accum
     )
 
 
@@ -374,15 +424,17 @@ class _FP8RoutedMLP(torch.autograd.Function):
         weight_M,
         backend: str,
         cached,
+        fast_accum: str,
     ):  # type: ignore[override]
         cached_gate_up, cached_down = cached
+        fast, ctx.fast_grad = fast_accum_flags(fast_accum)
         qx_MD, sx_M, _ = quantize_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
         qw, sw = _weight_rows(w_gate_up, cached_gate_up)
-        h_M2F = _quantized_mm(qx_MD, sx_M, qw, sw, offs_G, x_TD.dtype)
+        h_M2F = _quantized_mm(qx_MD, sx_M, qw, sw, offs_G, x_TD.dtype, fast)
         del qx_MD, sx_M, qw, sw
         qa_MF, sa_M = _swiglu_quantized(h_M2F, weight_M)
         qw, sw = _weight_rows(w_down, cached_down)
-        y_MD = _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_TD.dtype)
+        y_MD = _quantized_mm(qa_MF, sa_M, qw, sw, offs_G, x_TD.dtype, fast)
         del qa_MF, sa_M, qw, sw
         # x_TD, not its expert-ordered copy: the backward permutes it again for the one GEMM
         # that reads it in bf16 (the gate+up weight gradient)
@@ -402,7 +454,7 @@ class _FP8RoutedMLP(torch.autograd.Function):
             dy_TD.contiguous(), slot_TK, n_rows, keep_rows=True, every_row_mapped=mapped
         )
         da_MF = _quantized_mm(
-            qdy_MD, sdy_M, *_weight_cols(w_down, cached_down), offs_G, dy_TD.dtype
+            qdy_MD, sdy_M, *_weight_cols(w_down, cached_down), offs_G, dy_TD.dtype, ctx.fast_grad
         )
         del qdy_MD, sdy_M
         dh_M2F, dweight, a_MF, qdh = _swiglu_backward(h_M2F, da_MF, weight_M, need[0], need[5])
@@ -412,7 +464,11 @@ class _FP8RoutedMLP(torch.autograd.Function):
         dx_TD = None
         if qdh is not None:
             dx_MD = _quantized_mm(
-                *qdh, *_weight_cols(w_gate_up, cached_gate_up), offs_G, dy_TD.dtype
+                *qdh,
+                *_weight_cols(w_gate_up, cached_gate_up),
+                offs_G,
+                dy_TD.dtype,
+                ctx.fast_grad,
             )
             del qdh
             dx_TD = _sum_over_slots(dx_MD, slot_TK)  # the permute's backward
@@ -424,7 +480,7 @@ class _FP8RoutedMLP(torch.autograd.Function):
             )
             dw_gate_up = _weight_grad(x_MD, dh_M2F, offs_G, w_gate_up, ctx.backend)
         dweight = dweight if need[7] else None
-        return dx_TD, None, None, None, dw_gate_up, dw_down, None, dweight, None, None
+        return dx_TD, None, None, None, dw_gate_up, dw_down, None, dweight, None, None, None
 
 
 def fp8_routed_mlp(
@@ -439,6 +495,7 @@ def fp8_routed_mlp(
     backend: str = "auto",
     cached: tuple[FP8Weight | None, FP8Weight | None] = (None, None),
     every_row_mapped: bool | None = None,
+    fast_accum: str = "none",
 ) -> torch.Tensor:
     """``sum_from_slots(fp8_expert_mlp(permute_to_slots(x_TD, slot_TK, n_rows), ...), slot_TK)``
     with rowwise scaling: the same output and gradients, bit for bit, with each row operand
@@ -449,6 +506,7 @@ def fp8_routed_mlp(
     rows beside the bf16 ones the down weight gradient reads. ``slot_TK``, ``n_rows`` and
     ``every_row_mapped`` as ``moe_kernels.slot_permute``; the rest as ``fp8_expert_mlp``."""
     check_backend(backend)
+    fast_accum_flags(fast_accum)
     _check_rows(slot_TK, n_rows, every_row_mapped)
     check_tokens_and_slots(x_TD, slot_TK, "fp8_routed_mlp")
     x_rows = torch.empty(n_rows, x_TD.shape[1], device="meta")  # the permuted rows' shape
@@ -458,7 +516,7 @@ def fp8_routed_mlp(
             c.check(w, name)
     return _FP8RoutedMLP.apply(
         x_TD, slot_TK, n_rows, every_row_mapped, w_gate_up, w_down, offs_G, weight_M, backend,
-        tuple(cached),
+        tuple(cached), fast_accum,
     )  # fmt: skip
 
 
@@ -469,12 +527,19 @@ def _dense_mm(
     sb_N: torch.Tensor,
     out_dtype: torch.dtype,
     tensor_cores: bool,
+    fast: bool = False,
 ) -> torch.Tensor:
     """``a @ b^T`` from both operands quantized rowwise over K: ``torch._scaled_mm`` with
-    ``tensor_cores``, else the dequantized product."""
+    ``tensor_cores`` (accumulating ``fast`` or with fp32 promotion), else the dequantized
+    product."""
     if tensor_cores:
         return torch._scaled_mm(
-            qa_MK, qb_NK.t(), scale_a=sa_M[:, None], scale_b=sb_N[None, :], out_dtype=out_dtype
+            qa_MK,
+            qb_NK.t(),
+            scale_a=sa_M[:, None],
+            scale_b=sb_N[None, :],
+            out_dtype=out_dtype,
+            use_fast_accum=fast,
         )
     return (dequantize(qa_MK, sa_M) @ dequantize(qb_NK, sb_N).t()).to(out_dtype)
 
@@ -486,13 +551,16 @@ def _quantize_dense_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool, cached):  # type: ignore[override]
+    def forward(
+        ctx, x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool, cached, fast_accum: str
+    ):  # type: ignore[override]
         N, K = w_NK.shape
         x_MK = x.reshape(-1, K)
         ctx.save_for_backward(x_MK, w_NK)
         ctx.tensor_cores, ctx.cached = tensor_cores, cached
+        fast, ctx.fast_grad = fast_accum_flags(fast_accum)
         qw, sw = cached.rows_2d() if cached is not None else _quantize_dense_rows(w_NK)
-        y_MN = _dense_mm(*quantize_rowwise(x_MK), qw, sw, x.dtype, tensor_cores)
+        y_MN = _dense_mm(*quantize_rowwise(x_MK), qw, sw, x.dtype, tensor_cores, fast)
         return y_MN.view(*x.shape[:-1], N)
 
     @staticmethod
@@ -504,23 +572,34 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             qw_1KN, sw_1K = _weight_cols(w_NK[None], ctx.cached)  # w over N: the rows of w^T
             dx_MK = _dense_mm(
-                *quantize_rowwise(dy_MN), qw_1KN[0], sw_1K[0], dy.dtype, ctx.tensor_cores
+                *quantize_rowwise(dy_MN),
+                qw_1KN[0],
+                sw_1K[0],
+                dy.dtype,
+                ctx.tensor_cores,
+                ctx.fast_grad,
             )
             dx = dx_MK.view(*dy.shape[:-1], K)
         if ctx.needs_input_grad[1]:
             dw = (dy_MN.t() @ x_MK).to(w_NK.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def fp8_linear(
-    x: torch.Tensor, w_NK: torch.Tensor, tensor_cores: bool, cached: FP8Weight | None = None
+    x: torch.Tensor,
+    w_NK: torch.Tensor,
+    tensor_cores: bool,
+    cached: FP8Weight | None = None,
+    fast_accum: str = "none",
 ) -> torch.Tensor:
     """``x @ w^T`` (``F.linear`` without bias) with the forward and the input gradient in FP8,
     both operands quantized rowwise over the contracted dimension (module doc), and the weight
     gradient in bf16. ``tensor_cores``: run ``torch._scaled_mm`` (``scaled_mm_supported``;
     decided once by the caller, outside any compiled region), else the dequantized product,
     the same function up to fp32 summation order. ``cached``: the weight's FP8 operands
-    (``moe_kernels.fp8_cache``), taken instead of quantizing it here."""
+    (``moe_kernels.fp8_cache``), taken instead of quantizing it here. ``fast_accum``: which
+    products accumulate fast on the tensor cores (module doc)."""
+    fast_accum_flags(fast_accum)
     if w_NK.ndim != 2 or x.shape[-1] != w_NK.shape[1]:
         raise ValueError(
             f"fp8_linear takes x [..., K] and w [N, K], got {tuple(x.shape)} and "
@@ -528,4 +607,4 @@ def fp8_linear(
         )
     if cached is not None:
         cached.check(w_NK, "the linear's weight")
-    return _FP8Linear.apply(x, w_NK, tensor_cores, cached)
+    return _FP8Linear.apply(x, w_NK, tensor_cores, cached, fast_accum)

@@ -196,3 +196,32 @@ def dropped_slot_case(name: str, k: int, pattern: str, align: int, exact: bool, 
     slot_TK, _, _, n_rows = expert_slots_reference(experts_TK, E, align, n_rows)
     mapped = exact and align == 1  # only then does every row hold a kept assignment
     return slot_TK, n_rows, mapped, randn(T, D, dtype=dtype, seed=seed + 2)
+
+
+def recording_fp8_gemms(monkeypatch) -> list[bool]:
+    """Take the GPU's FP8 GEMMs as runnable here: ``torch._scaled_grouped_mm`` and
+    ``torch._scaled_mm`` become the dequantized products they stand for (the CPU path's
+    arithmetic, so the same values), and each call appends its ``use_fast_accum`` to the list
+    returned, in call order."""
+    from moe_kernels import fp8
+    from moe_kernels.grouped_gemm import grouped_mm_reference
+
+    calls: list[bool] = []
+
+    def grouped(qa_MK, qb_GKN, sa_M, sb_GN, *, offs, out_dtype, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        G, K, N = qb_GKN.shape
+        qb_GNK = qb_GKN.transpose(-2, -1)
+        w_GNK = fp8.dequantize(qb_GNK.reshape(G * N, K), sb_GN.reshape(G * N)).view(G, N, K)
+        a_MK = fp8.dequantize(qa_MK, sa_M)
+        return grouped_mm_reference(a_MK, w_GNK.transpose(-2, -1), offs).to(out_dtype)
+
+    def dense(qa_MK, qb_KN, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        a_MK, b_NK = fp8.dequantize(qa_MK, scale_a[:, 0]), fp8.dequantize(qb_KN.t(), scale_b[0])
+        return (a_MK @ b_NK.t()).to(out_dtype)
+
+    monkeypatch.setattr(fp8, "scaled_grouped_mm_supported", lambda x: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", grouped, raising=False)
+    monkeypatch.setattr(torch, "_scaled_mm", dense)
+    return calls

@@ -192,3 +192,37 @@ def test_an_fp8_part_the_fp8_gemm_cannot_take_is_refused_at_load(sizes, part, me
     # the same sizes without the part load
     run = compose_run([*FP8, *sizes])
     assert run.precision.fp8_parts == ["experts"]
+
+
+@pytest.mark.parametrize("fast_accum", ["forward", "all"])
+def test_fast_accumulation_reaches_every_fp8_gemm_of_a_model(fast_accum, monkeypatch):
+    # precision.fp8_fast_accum as parallelize applies it (the experts' Kernels, apply_fp8's
+    # linears), with torch's FP8 GEMMs stood in for on the CPU: every FP8 product of the
+    # forward takes fast accumulation, and the backward's input gradients only under "all"
+    from kernel_cases import recording_fp8_gemms
+
+    model = tiny_model()
+    apply_kernels(model, Kernels(fp8_experts=True, fp8_fast_accum=fast_accum))
+    apply_fp8(model, ["attention", "lm_head"], torch.device("cpu"), fast_accum)
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert linears and all(m.fast_accum == fast_accum for m in linears)
+    for m in linears:
+        m.tensor_cores = True  # the GPU's path, through the stand-in
+    calls = recording_fp8_gemms(monkeypatch)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator())
+    value = loss(model, tokens)
+    forward_calls = len(calls)
+    value.backward()
+    # per layer 4 attention projections and 2 expert products, and the LM head
+    assert forward_calls == 6 * len(model.layers) + 1
+    assert calls[:forward_calls] == [True] * forward_calls
+    assert calls[forward_calls:] == [fast_accum == "all"] * forward_calls
+
+
+def test_fast_accumulation_needs_rowwise_fp8_parts():
+    with pytest.raises(ConfigError, match=r"precision\.fp8_fast_accum='forward'"):
+        compose_run(["model=tiny", "precision=pure-bf16", "precision.fp8_fast_accum=forward"])
+    with pytest.raises(ConfigError, match=r"precision\.fp8_fast_accum='all'"):
+        compose_run(["model=tiny", "precision=mxfp8", "precision.fp8_fast_accum=all"])
+    run = compose_run(["model=tiny", "precision=fp8", "precision.fp8_fast_accum=all"])
+    assert run.precision.fp8_fast_accum == "all"

@@ -50,6 +50,8 @@ def test_a_kernel_choice_is_frozen_and_checked():
         Kernels(attention="xformers")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fp8_scaling 'blockwise'"):
         Kernels(fp8_scaling="blockwise")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fast_accum='fp32'"):
+        Kernels(fp8_fast_accum="fp32")  # type: ignore[arg-type]
 
 
 def test_choose_kernels_resolves_the_run_config_once_for_the_device():
@@ -61,4 +63,8 @@ def test_choose_kernels_resolves_the_run_config_once_for_the_device():
     run = compose_run(["model=tiny", "precision=mxfp8"])
     assert choose_kernels(run.parallel, run.precision, cpu) == Kernels(
         fp8_experts=True, fp8_scaling="mx"
+    )
+    run = compose_run(["model=tiny", "precision=fp8", "precision.fp8_fast_accum=forward"])
+    assert choose_kernels(run.parallel, run.precision, cpu) == Kernels(
+        fp8_experts=True, fp8_fast_accum="forward"
     )

@@ -510,3 +510,82 @@ def test_fp8_products_never_take_quacks_fp8_gemm(sizes, monkeypatch):
     assert fp8_calls == [] and len(wgrad_calls) == 2  # the two weight gradients, under quack
     for got, ref in zip(outs["quack"], outs["torch"], strict=True):
         torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-5)
+
+
+FAST = {"none": (False, False), "forward": (True, False), "all": (True, True)}
+
+
+@pytest.mark.parametrize("fast_accum", list(FAST))
+def test_fast_accumulation_reaches_the_forward_or_every_fp8_product(fast_accum, monkeypatch):
+    # torch's FP8 GEMMs stood in for by the dequantized products they compute, recording
+    # use_fast_accum: "forward" reaches the forward's products only, "all" the input
+    # gradients' too, "none" neither, in the experts' MLP, one grouped GEMM and the dense
+    # linear; the weight gradients are bf16 (no FP8 call) and the values are the CPU path's
+    from kernel_cases import recording_fp8_gemms
+
+    gen = torch.Generator().manual_seed(5)
+    sizes, D, F = [30, 0, 51, 17], 64, 48
+    G, M = len(sizes), sum(sizes)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(M, D, generator=gen).bfloat16()
+    w_gate_up = (torch.randn(G, 2 * F, D, generator=gen) * 0.1).bfloat16()
+    w_down = (torch.randn(G, D, F, generator=gen) * 0.1).bfloat16()
+    weight, dy = torch.rand(M, generator=gen), torch.randn(M, D, generator=gen).bfloat16()
+
+    def mlp(**kw):
+        leaves = [t.clone().requires_grad_() for t in (x, w_gate_up, w_down, weight)]
+        y = fp8_expert_mlp(*leaves[:3], offs, leaves[3], **kw)
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    def one_gemm(**kw):
+        leaves = [t.clone().requires_grad_() for t in (x, w_down.transpose(1, 2).contiguous())]
+        y = fp8_grouped_mm(*leaves, offs, **kw)
+        return (y, *torch.autograd.grad(y, leaves, torch.ones_like(y)))
+
+    def linear(tensor_cores: bool, **kw):
+        leaves = [t.clone().requires_grad_() for t in (x, w_gate_up[0])]
+        y = fp8_linear(*leaves, tensor_cores, **kw)
+        return (y, *torch.autograd.grad(y, leaves, torch.ones_like(y)))
+
+    expected = (mlp(), one_gemm(), linear(False))
+    calls = recording_fp8_gemms(monkeypatch)
+    got = (mlp(fast_accum=fast_accum), one_gemm(fast_accum=fast_accum))
+    got += (linear(True, fast_accum=fast_accum),)
+    fwd, grad = FAST[fast_accum]
+    # the MLP's two forward products and two input gradients, then one GEMM's, the linear's
+    assert calls == [fwd, fwd, grad, grad, fwd, grad, fwd, grad]
+    for outs, refs in zip(got, expected, strict=True):
+        for a, b in zip(outs, refs, strict=True):
+            assert torch.equal(a, b)
+    for call in (lambda: mlp(fast_accum="fastest"), lambda: linear(True, fast_accum="yes")):
+        with pytest.raises(ValueError, match="'none', 'forward' or 'all'"):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1024, 2048])
+def test_fast_accumulation_stays_within_the_fp32_promoted_products_on_the_gpu(rows):
+    # on Hopper the fast accumulator keeps fewer bits than fp32: the forward and both input
+    # gradients of the experts' MLP at OLMoE-1B-7B's widths stay within 1 % (relative to the
+    # tensor's largest value) of the promoted products, and the output is not the same bytes
+    # (the flag took effect)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    G, D, F = 8, 2048, 1024
+    offs = torch.full((G,), rows, device="cuda").cumsum(0).to(torch.int32)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    x, dy = randn(G * rows, D), randn(G * rows, D)
+    w_gate_up, w_down = randn(G, 2 * F, D, scale=0.02), randn(G, D, F, scale=0.02)
+
+    def run(fast_accum: str):
+        leaves = [t.clone().requires_grad_() for t in (x, w_gate_up, w_down)]
+        y = fp8_expert_mlp(*leaves, offs, fast_accum=fast_accum)
+        return (y, torch.autograd.grad(y, leaves[0], dy)[0])
+
+    (y_ref, dx_ref), (y, dx) = run("none"), run("all")
+    assert not torch.equal(y, y_ref)
+    for got, ref in ((y, y_ref), (dx, dx_ref)):
+        err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err < 0.01, err.item()

@@ -188,3 +188,26 @@ def test_fp8_routed_mlp_refuses_shapes_that_are_no_routed_mlp():
         fp8_routed_mlp(x, slot_TK, n_rows, w_gu, w_d, offs_E, torch.ones(n_rows + 1))
     with pytest.raises(TypeError, match="offs_G must be int32"):
         fp8_routed_mlp(x, slot_TK, n_rows, w_gu, w_d, offs_E.long())
+
+
+@pytest.mark.parametrize("fast_accum", ["none", "forward", "all"])
+def test_fp8_routed_mlp_accumulates_fast_where_told(fast_accum, monkeypatch):
+    # the routed op's two forward products take fast accumulation under "forward" and "all",
+    # its two input gradients under "all" only; the values are the CPU path's
+    from kernel_cases import recording_fp8_gemms
+
+    slot_TK, offs_E, n_rows, x, w_gu, w_d, *_ = routed_case("with-repeats", None, 8, False)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x)
+
+    def run(**kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w_gu, w_d)]
+        y = fp8_routed_mlp(leaves[0], slot_TK, n_rows, *leaves[1:], offs_E, **kw)
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    expected = run()
+    calls = recording_fp8_gemms(monkeypatch)
+    got = run(fast_accum=fast_accum)
+    fwd, grad = fast_accum != "none", fast_accum == "all"
+    assert calls == [fwd, fwd, grad, grad]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

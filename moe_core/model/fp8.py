@@ -29,12 +29,16 @@ from moe_kernels.fp8_cache import attach_cache, cached_operands
 
 class FP8Linear(nn.Linear):
     """``nn.Linear`` without bias whose matmul is ``fp8_linear`` (``tensor_cores``: on the GPU's
-    FP8 tensor cores, else the dequantized product, as on CPU)."""
+    FP8 tensor cores, else the dequantized product, as on CPU; ``fast_accum``: which of its
+    products accumulate fast there, ``precision.fp8_fast_accum``)."""
 
     tensor_cores: bool = False
+    fast_accum: str = "none"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tensor_cores: bool) -> FP8Linear:
+    def from_linear(
+        cls, linear: nn.Linear, tensor_cores: bool, fast_accum: str = "none"
+    ) -> FP8Linear:
         if linear.bias is not None:
             raise ConfigError("FP8 projections are built for linears without bias.")
         out = cls.__new__(cls)
@@ -42,12 +46,12 @@ class FP8Linear(nn.Linear):
         out.in_features, out.out_features = linear.in_features, linear.out_features
         out.weight = linear.weight  # the same parameter object
         out.register_parameter("bias", None)
-        out.tensor_cores = tensor_cores
+        out.tensor_cores, out.fast_accum = tensor_cores, fast_accum
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cached = cached_operands(self.weight, x.dtype)
-        return fp8_linear(x, self.weight, self.tensor_cores, cached)
+        return fp8_linear(x, self.weight, self.tensor_cores, cached, self.fast_accum)
 
 
 def _linears(model: nn.Module, part: str) -> list[tuple[nn.Module, str]]:
@@ -71,18 +75,21 @@ def _linears(model: nn.Module, part: str) -> list[tuple[nn.Module, str]]:
     ]
 
 
-def apply_fp8(model: nn.Module, parts: Sequence[str], device: torch.device) -> None:
+def apply_fp8(
+    model: nn.Module, parts: Sequence[str], device: torch.device, fast_accum: str = "none"
+) -> None:
     """Run the projections that ``parts`` names of ``model`` in FP8 (``precision.fp8_parts``), in
     place (FP8 experts are the model's ``Kernels``, ``fp8_experts``: not switched here), before the
     model is compiled or its gradients are bucketed. On a GPU (Hopper or newer:
     ``parallelize.choose_kernels`` has refused others) the projections take FP8 tensor cores, whose
     GEMMs need both dimensions of each weight divisible by 16: ``RunConfig`` refuses
-    other shapes at load, on any device (``config.fp8_linear_shapes`` lists what this swaps)."""
+    other shapes at load, on any device (``config.fp8_linear_shapes`` lists what this swaps).
+    ``fast_accum``: ``precision.fp8_fast_accum``."""
     tensor_cores = device.type == "cuda"
     for part in parts:
         for parent, name in _linears(model, part):
             linear = getattr(parent, name)
-            setattr(parent, name, FP8Linear.from_linear(linear, tensor_cores))
+            setattr(parent, name, FP8Linear.from_linear(linear, tensor_cores, fast_accum))
 
 
 def attach_fp8_caches(

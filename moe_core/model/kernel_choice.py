@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from moe_kernels.fp8 import fast_accum_flags
 from moe_kernels.grouped_gemm import check_backend
 
 
@@ -35,6 +36,8 @@ class Kernels:
     # Routed experts in FP8 (``"experts" in precision.fp8_parts``), with these scales.
     fp8_experts: bool = False
     fp8_scaling: Literal["rowwise", "mx"] = "rowwise"
+    # Which FP8 products accumulate fast on the tensor cores (``precision.fp8_fast_accum``).
+    fp8_fast_accum: Literal["none", "forward", "all"] = "none"
     # The bf16 experts' MLP fused into QuACK's epilogues where QuACK runs; off only to measure
     # the unfused path (benchmarks).
     fused_mlp: bool = True
@@ -45,3 +48,4 @@ class Kernels:
             raise ValueError(f"attention {self.attention!r}: 'sdpa', 'flash4' or 'flex'")
         if self.fp8_scaling not in ("rowwise", "mx"):
             raise ValueError(f"fp8_scaling {self.fp8_scaling!r}: 'rowwise' or 'mx'")
+        fast_accum_flags(self.fp8_fast_accum)

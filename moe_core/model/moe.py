@@ -261,6 +261,7 @@ class Experts(nn.Module):
                 k.fp8_scaling,
                 backend=k.gemm,
                 cached=cached,
+                fast_accum=k.fp8_fast_accum,
             )
         if fuses(x_MD, w_gate_up, w_down, backend=k.gemm, fused=k.fused_mlp):
             return expert_mlp(
@@ -303,6 +304,7 @@ class Experts(nn.Module):
                 backend=k.gemm,
                 cached=self._fp8_cached(x_TD.dtype),
                 every_row_mapped=every_row_mapped,
+                fast_accum=k.fp8_fast_accum,
             )
         x_MD = permute_to_slots(x_TD, slot_TK, n_rows, every_row_mapped=every_row_mapped)
         y_MD = self(x_MD, offs_E, weights_M)

@@ -91,6 +91,7 @@ def choose_kernels(
         gather_rows=pcfg.gather_rows,
         fp8_experts="experts" in precision.fp8_parts,
         fp8_scaling=precision.fp8_scaling,
+        fp8_fast_accum=precision.fp8_fast_accum,
     )
 
 
@@ -184,7 +185,7 @@ def parallelize(
         if pcfg.cp > 1:
             assert seq_len is not None, "context parallelism splits sequences of a known length"
             apply_context(model, ContextShard(pcfg.cp, mesh.cp_rank, seq_len, mesh.cp_group))
-        apply_fp8(model, precision.fp8_parts, mesh.device)
+        apply_fp8(model, precision.fp8_parts, mesh.device, precision.fp8_fast_accum)
         compiled = pcfg.compile_on(mesh.device.type)
         if precision.fp8_weight_cache:
             attach_fp8_caches(model, precision.fp8_parts, precision.fp8_scaling, compiled)
