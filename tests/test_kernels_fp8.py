@@ -26,7 +26,7 @@ from moe_kernels.fp8 import (
     scaled_mm_supported,
 )
 from moe_kernels.grouped_gemm import grouped_mm
-from moe_kernels.swiglu import swiglu
+from moe_kernels.swiglu import swiglu, swiglu_values
 
 
 def assert_within_e4m3(*pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -564,11 +564,11 @@ def test_fast_accumulation_reaches_the_forward_or_every_fp8_product(fast_accum, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1024, 2048])
-def test_fast_accumulation_stays_within_the_fp32_promoted_products_on_the_gpu(rows):
-    # on Hopper the fast accumulator keeps fewer bits than fp32: the forward and both input
-    # gradients of the experts' MLP at OLMoE-1B-7B's widths stay within 1 % (relative to the
-    # tensor's largest value) of the promoted products, and the output is not the same bytes
-    # (the flag took effect)
+def test_fast_accumulation_adds_little_to_the_fp8_error_on_the_gpu(rows):
+    # on Hopper the fast accumulator keeps fewer bits than fp32: the experts' MLP at
+    # OLMoE-1B-7B's widths with every FP8 product accumulating fast ("all") stays within 1.2x
+    # the error of fp32 promotion ("none") against the fp32 MLP, in output and input gradient
+    # (relative Frobenius norms), and the output is not the same bytes (the flag took effect)
     gen = torch.Generator(device="cuda").manual_seed(0)
     G, D, F = 8, 2048, 1024
     offs = torch.full((G,), rows, device="cuda").cumsum(0).to(torch.int32)
@@ -582,10 +582,18 @@ def test_fast_accumulation_stays_within_the_fp32_promoted_products_on_the_gpu(ro
     def run(fast_accum: str):
         leaves = [t.clone().requires_grad_() for t in (x, w_gate_up, w_down)]
         y = fp8_expert_mlp(*leaves, offs, fast_accum=fast_accum)
-        return (y, torch.autograd.grad(y, leaves[0], dy)[0])
+        return y.float(), torch.autograd.grad(y, leaves[0], dy)[0].float()
 
-    (y_ref, dx_ref), (y, dx) = run("none"), run("all")
-    assert not torch.equal(y, y_ref)
-    for got, ref in ((y, y_ref), (dx, dx_ref)):
-        err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
-        assert err < 0.01, err.item()
+    x32 = x.float().requires_grad_()
+    h = torch.bmm(x32.view(G, rows, D), w_gate_up.float().transpose(1, 2))
+    y32 = torch.bmm(swiglu_values(h.view(G * rows, 2 * F), None).view(G, rows, F),
+                    w_down.float().transpose(1, 2)).view(G * rows, D)  # fmt: skip
+    dx32 = torch.autograd.grad(y32, x32, dy.float())[0]
+
+    def errors(got):
+        return [((g - r).norm() / r.norm()).item() for g, r in zip(got, (y32, dx32), strict=True)]
+
+    promoted, fast = run("none"), run("all")
+    assert not torch.equal(promoted[0], fast[0])
+    for e_fast, e_promoted in zip(errors(fast), errors(promoted), strict=True):
+        assert e_fast <= 1.2 * e_promoted, (e_fast, e_promoted)
