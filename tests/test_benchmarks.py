@@ -232,3 +232,16 @@ def test_pipeline_kill_finds_the_train_stage_ranks_not_torchrun(scripts, tmp_pat
     config.parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / "train" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"st')
     assert runbook.newest_step(tmp_path) == 1  # the last line is not whole yet
+
+
+def test_precision_loss_sets_its_fp8_options_on_the_fp8_run_only(scripts):
+    """``precision_loss.py --set``: the FP8 option reaches the fp8 run's config, and the bf16 run
+    it is compared against stays the preset (both compose)."""
+    loss = scripts("precision_loss")
+    fast = ("precision.fp8_fast_accum=all",)
+    runs = {
+        p: compose_run(loss.overrides(p, 300, "DATA", "OUT", fp8_set=fast)) for p in loss.PRECISIONS
+    }
+    assert runs["fp8"].precision.fp8_fast_accum == "all"
+    assert runs["pure-bf16"].precision.fp8_fast_accum == "none"
+    assert runs["pure-bf16"].precision.fp8_parts == []
