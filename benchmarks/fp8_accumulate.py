@@ -20,11 +20,10 @@ its largest value) is recorded. CUDA events, interleaved, median of ``--iters`` 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
-from fp8_gemm import products
+from fp8_gemm import parser, products
 from report import save, stamp
 from shapes import olmoe
 from timing import cuda_phase_times_ms
@@ -46,17 +45,7 @@ def operands(a_MK: torch.Tensor, b_GNK: torch.Tensor, which: str):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", default="8192,16384", help="tokens per micro-batch, comma list")
-    p.add_argument("--skew", type=float, default=1.0, help="router logits' scale")
-    p.add_argument(
-        "--set", action="append", default=[], help="a model.* override of the shape, repeatable"
-    )
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--commit", default="unknown")
-    p.add_argument("--out", default="")
-    args = p.parse_args()
+    args = parser().parse_args()
     cfg = olmoe(*args.set)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = torch.bfloat16

@@ -138,7 +138,8 @@ def weight_grads(
         )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The options of this script, and of ``fp8_accumulate.py`` (the same products)."""
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="8192,16384", help="tokens per micro-batch, comma list")
     p.add_argument("--skew", type=float, default=1.0, help="router logits' scale")
@@ -149,7 +150,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", default="")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     from quack.gemm_interface import gemm
 
     from moe_kernels.grouped_gemm_quack import fp8_scaled_mm
