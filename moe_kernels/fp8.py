@@ -8,11 +8,11 @@ IEEE division per row, an exact fp32 product per value, as torchao's quantizers 
 to nearest E4M3 (ties to even), saturating at +-448; a value that rounds to zero is stored +0
 (never -0, so every path gives the same bytes). The
 product is then ``(q_a @ q_b) * scale_a[row] * scale_b[col]``, which ``torch._scaled_grouped_mm``
-computes with fp32 accumulation and a bf16 output, whatever ``parallel.expert_gemm`` says:
-QuACK's sm90 GEMM computes the same bytes with the scales in its epilogue
-(``grouped_gemm_quack.fp8_scaled_mm``) but ran at about half of torch's FP8 GEMM on one H200
-(QuACK 0.6.5; ``benchmarks/fp8_gemm.py``, RESULTS.md issues 41 and 42), so training does not
-take it.
+computes with fp32 accumulation (unless told to accumulate fast, below) and a bf16 output,
+whatever ``parallel.expert_gemm`` says: QuACK's sm90 GEMM computes the same bytes with the
+scales in its epilogue (``grouped_gemm_quack.fp8_scaled_mm``) but ran at about half of torch's
+FP8 GEMM on one H200 (QuACK 0.6.5; ``benchmarks/fp8_gemm.py``, RESULTS.md issues 41 and 42), so
+training does not take it.
 
 - forward ``y = x @ w[g]``: ``x`` by rows (over K), the weight by its output columns (over K:
   for experts stored [G, N, K] those are its rows, so the quantized copy is already the
@@ -50,7 +50,7 @@ block, reading a row once where it fits; the reference below defines it);
 and block of K, the amax over N tiles, then each tile scaled, rounded and stored transposed).
 Where ``_scaled_grouped_mm`` cannot run (CPU, before sm90), ``fp8_grouped_mm`` computes the same
 function from the dequantized operands: its numerics are those of the GPU path up to fp32
-summation order.
+summation order (and, with fast accumulation, the GPU accumulator's fewer bits).
 
 ``fp8_linear`` is the same recipe for one dense weight (``nn.Linear``'s [N, K]; attention and
 dense projections, the LM head): forward and input gradient as ``torch._scaled_mm`` with
